@@ -1,0 +1,14 @@
+"""tdutils: token dropping for long-context LLM decoding.
+
+Drop the tokens a policy judges least useful from each request's KV cache after prefill, re-rotate the
+surviving keys' RoPE, and decode more requests per batch. See README.md and SPEC.md.
+"""
+
+from .edit import CacheKind, DropFn, DropFunctionError, make_drop_fn
+from .engines import compare, open_engine, run_once
+from .selection import keep_count
+
+__version__ = "0.1.0"
+
+__all__ = ["CacheKind", "DropFn", "DropFunctionError", "compare", "keep_count", "make_drop_fn", "open_engine",
+           "run_once", "__version__"]

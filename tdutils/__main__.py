@@ -1,0 +1,138 @@
+"""Command line: `python -m tdutils run --policy random --drop-ratio 0.5`.
+
+Runs the baseline and the dropped configuration on the same prompts, alternately (`--repeats` times),
+prints the phase table (medians over repeats) with the decode-throughput ratio, and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+POLICIES = ("random", "middle_chunk")
+
+
+def _ratio(text: str) -> float:
+    from .selection import check_drop_ratio
+
+    try:
+        return check_drop_ratio(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m tdutils", description="Token dropping for long-context LLM decoding.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser(
+        "run", help="baseline vs token dropping: phase metrics and the decode-throughput ratio",
+        description="Prefill the prompts, drop tokens from every request's KV cache with a policy, decode under "
+                    "a fixed KV budget, and compare with the baseline (no dropping) on the same prompts.")
+    run.add_argument("--policy", choices=POLICIES, default="random",
+                     help="token-selection policy (default: random)")
+    run.add_argument("--drop-ratio", type=_ratio, default=0.5,
+                     help="fraction of each request's tokens to drop, in [0, 1] (default: 0.5)")
+    run.add_argument("--engine", choices=("hf", "lmcache"), default="hf",
+                     help="hf: embedded transformers engine (default); lmcache: vLLM + LMCache serving path")
+    run.add_argument("--model", default="tiny-qwen3",
+                     help="bundled model name, hub id (e.g. Qwen/Qwen3-0.6B) or local folder (default: tiny-qwen3)")
+    run.add_argument("--dataset", default="sample",
+                     help="'sample' (bundled passkey prompts, ~1k tokens), a .jsonl/.json/.csv/.parquet file with a "
+                          "'prompt' column, or a hub dataset id (default: sample)")
+    run.add_argument("--num-requests", type=_positive_int, default=16, help="prompts to run (default: 16)")
+    run.add_argument("--max-tokens", type=_positive_int, default=64,
+                     help="decode tokens per request, EOS ignored (default: 64)")
+    run.add_argument("--kv-budget-tokens", type=_positive_int, default=None,
+                     help="KV tokens the decode batch may hold (cache lengths + tokens still to generate); "
+                          "default: room for 4 full requests (4 x (longest prompt + max tokens))")
+    run.add_argument("--positions", choices=("compact", "original"), default="compact",
+                     help="compact: re-rotate kept keys to 0..k-1 and decode at k (default, as vLLM+LMCache); "
+                          "original: keep rotations and decode at T")
+    run.add_argument("--repeats", type=_positive_int, default=1,
+                     help="baseline and dropped run alternately this many times; the table shows medians")
+    run.add_argument("--seed", type=int, default=0, help="seed of the random policy (default: 0)")
+    run.add_argument("--chunk-size", type=_positive_int, default=256, help="chunk size of middle_chunk (default: 256)")
+    run.add_argument("--dtype", default="auto", help="model dtype: auto, float32, float16, bfloat16 (default: auto)")
+    run.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    run.add_argument("--json", dest="json_path", default="runs/run.json",
+                     help="where to write the metrics as JSON (default: runs/run.json)")
+    run.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    return ap
+
+
+def cmd_run(args) -> int:
+    import pandas as pd
+
+    from . import make_drop_fn, open_engine
+    from .data import load_prompts
+    from .engines.base import run_once
+
+    rows = load_prompts(args.dataset, num_requests=args.num_requests)
+    engine = open_engine(args.engine, model=args.model, dtype=args.dtype, device=args.device,
+                         positions=args.positions, progress=not args.no_progress)
+    prompt_ids = engine.tokenize(rows)
+    if args.kv_budget_tokens is None:
+        engine.kv_budget_tokens = 4 * (max(map(len, prompt_ids)) + args.max_tokens)
+    else:
+        engine.kv_budget_tokens = args.kv_budget_tokens
+    params = {"seed": args.seed} if args.policy == "random" else {"chunk_size": args.chunk_size}
+    drop_fn = make_drop_fn(args.policy, drop_ratio=args.drop_ratio, model_config=engine.config,
+                           rerotate=args.positions == "compact", **params)
+    name = f"{args.policy}@{args.drop_ratio:g}"
+    print(f"engine={args.engine} model={args.model} dataset={args.dataset} requests={len(rows)} "
+          f"prompt tokens={sum(map(len, prompt_ids))} max_tokens={args.max_tokens} "
+          f"kv_budget_tokens={engine.kv_budget_tokens} positions={args.positions}", flush=True)
+
+    runs, speedups = [], []
+    for rep in range(args.repeats):  # A B A B ...: both configurations see the same machine noise
+        base = run_once(engine, prompt_ids, name="baseline", max_tokens=args.max_tokens)
+        dropped = run_once(engine, prompt_ids, name=name, drop_fn=drop_fn, max_tokens=args.max_tokens)
+        runs += [base.metrics.to_dict(), dropped.metrics.to_dict()]
+        speedups.append(dropped.metrics.decode.tokens_per_s / base.metrics.decode.tokens_per_s)
+        if args.repeats > 1:
+            print(f"repeat {rep + 1}/{args.repeats}: decode speedup {speedups[-1]:.2f}x", flush=True)
+
+    table = pd.DataFrame([r["summary"] for r in runs]).groupby("run", sort=False).median(numeric_only=True)
+    table["decode_speedup"] = table["decode_tok_s"] / table.loc["baseline", "decode_tok_s"]
+    cols = ["requests", "prompt_tokens", "kv_tokens_after", "prefill_s", "modify_s", "decode_tokens", "decode_s",
+            "decode_tok_s", "tpot_mean_s", "peak_batch", "kv_budget_tokens", "end_to_end_s", "decode_speedup"]
+    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", "{:.4g}".format):
+        print(table[cols].T.to_string())
+    med = statistics.median(speedups)
+    print(f"\ndecode throughput ratio ({name} / baseline): {med:.2f}x"
+          + (f" (median of {len(speedups)}; min {min(speedups):.2f}x, max {max(speedups):.2f}x)" if len(speedups) > 1 else ""))
+    out = Path(args.json_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"args": vars(args), "decode_speedups": speedups, "decode_speedup_median": med,
+              "table": json.loads(table.reset_index().to_json(orient="records")), "runs": runs}
+    out.write_text(json.dumps(report, indent=1, default=str))
+    print(f"wrote {out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return cmd_run(args)
+    except (ValueError, FileNotFoundError, OSError, ConnectionError, NotImplementedError) as exc:
+        print(f"tdutils: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

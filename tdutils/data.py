@@ -1,0 +1,160 @@
+"""Datasets: the bundled passkey sample, synthetic passkey prompts, hub ids and local files.
+
+A *passkey* prompt (SPEC §8) is filler text with one needle `pass key = d d d d d .` at a random depth
+and the question `pass key =` at the very end; the answer is the five digits. The filler is the bundled
+English text `assets/sample/filler.txt`, whose words never include the markers `pass`, `key`, `=`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .models import ASSETS
+
+SAMPLE_DIR = ASSETS / "sample"
+FILLER_PATH = SAMPLE_DIR / "filler.txt"
+SAMPLE_NAME = "sample"
+SAMPLE_PATH = SAMPLE_DIR / "passkey_1k.jsonl"
+PASSKEY_DIGITS = 5
+
+
+@dataclass
+class PromptRow:
+    """One prompt of a dataset: text, optional gold answer and whatever else the row carried."""
+
+    prompt: str
+    answer: str | None = None
+    meta: dict = field(default_factory=dict)
+
+
+def filler_sentences() -> list[str]:
+    """Sentences of the bundled filler text (one per line of `filler.txt`)."""
+    return [s.strip() for s in FILLER_PATH.read_text().splitlines() if s.strip()]
+
+
+def filler_words() -> list[str]:
+    """Distinct lower-case words and punctuation of the filler, in order of first appearance."""
+    seen: dict[str, None] = {}
+    for tok in re.findall(r"\w+|[^\w\s]", FILLER_PATH.read_text().lower()):
+        seen.setdefault(tok, None)
+    return list(seen)
+
+
+def make_passkey_example(context_tokens: int, *, tokenizer, rng: random.Random, depth: float | None = None) -> dict:
+    """One passkey prompt of about `context_tokens` tokens (never more).
+
+    Returns a dict with `prompt`, `answer` (digits separated by spaces, as the tokenizer splits them),
+    `depth` (needle position as a fraction of the filler) and `context_tokens` (exact token count).
+    """
+    digits = [str(rng.randrange(10)) for _ in range(PASSKEY_DIGITS)]
+    needle = "pass key = " + " ".join(digits) + " ."
+    question = "pass key ="
+    # Budget the filler in tokens: the needle and question cost a fixed number of tokens.
+    n_fixed = len(tokenizer(needle + " " + question, add_special_tokens=False)["input_ids"])
+    budget = context_tokens - n_fixed
+    if budget < 1:
+        raise ValueError(f"context_tokens={context_tokens} is too short for a passkey prompt (needs > {n_fixed})")
+    sentences = filler_sentences()
+    start = rng.randrange(len(sentences))
+    words: list[str] = []
+    i = start
+    while len(words) < budget:
+        # Sentence tokens: words and punctuation, as the tokenizer splits them.
+        words.extend(re.findall(r"\w+|[^\w\s]", sentences[i % len(sentences)]))
+        i += 1
+    words = words[:budget]
+    depth = rng.random() if depth is None else depth
+    at = int(round(depth * len(words)))
+    text = " ".join(words[:at] + [needle] + words[at:] + [question])
+    n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return {"prompt": text, "answer": " ".join(digits), "depth": at / max(1, len(words)), "context_tokens": n}
+
+
+def make_passkey_dataset(n: int, context_tokens: int, *, tokenizer, seed: int) -> list[dict]:
+    """`n` passkey prompts of about `context_tokens` tokens each, reproducible from `seed`.
+
+    Use seeds disjoint from those a model was trained on when evaluating it.
+    """
+    rng = random.Random(seed)
+    return [make_passkey_example(context_tokens, tokenizer=tokenizer, rng=rng) for _ in range(n)]
+
+
+def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None, split: str = "train",
+                 prompt_column: str = "prompt", answer_column: str = "answer") -> list[PromptRow]:
+    """Load prompts from the bundled sample, a local file or a Hugging Face hub dataset.
+
+    Args:
+        dataset: `"sample"` (bundled: 16 passkey prompts of ~1k tokens), a local `.jsonl`/`.json`/`.csv`/
+            `.parquet` file, or a hub id such as `raniayu/token-dropping-demo-short`.
+        num_requests: keep the first `num_requests` rows (None: all). Fewer rows than asked is an error.
+        prompt_column / answer_column: columns holding the prompt text and the gold answer.
+
+    Raises:
+        FileNotFoundError: a local path that does not exist.
+        ValueError: the rows lack `prompt_column`, or the dataset has fewer rows than `num_requests`.
+        ConnectionError: a hub dataset that cannot be downloaded (offline); says how to pass a local file.
+    """
+    if num_requests is not None and num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    rows = _read_rows(dataset, split)
+    if rows and prompt_column not in rows[0]:
+        raise ValueError(f"dataset {dataset!r} has no column {prompt_column!r}; columns: {sorted(rows[0])}. "
+                         f"Pass prompt_column= to name the prompt column.")
+    if num_requests is not None:
+        if len(rows) < num_requests:
+            raise ValueError(f"dataset {dataset!r} has {len(rows)} rows, fewer than num_requests={num_requests}")
+        rows = rows[:num_requests]
+    out = []
+    for r in rows:
+        meta = {k: v for k, v in r.items() if k not in (prompt_column, answer_column)}
+        ans = r.get(answer_column)
+        out.append(PromptRow(prompt=str(r[prompt_column]), answer=None if ans is None else str(ans), meta=meta))
+    return out
+
+
+def _read_rows(dataset: str, split: str) -> list[dict]:
+    if dataset == SAMPLE_NAME:
+        return _read_local(SAMPLE_PATH)
+    path = Path(dataset).expanduser()
+    looks_local = path.suffix in (".jsonl", ".json", ".csv", ".parquet") or dataset.startswith((".", "/", "~"))
+    if path.exists():
+        return _read_local(path)
+    if looks_local:
+        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist; pass an existing .jsonl/.json/.csv/"
+                                f".parquet file, a hub id, or {SAMPLE_NAME!r} for the bundled sample")
+    return _read_hub(dataset, split)
+
+
+def _read_local(path: Path) -> list[dict]:
+    if path.suffix == ".jsonl":
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    if path.suffix == ".json":
+        data = json.loads(path.read_text())
+        return data if isinstance(data, list) else data.get("data", [])
+    import pandas as pd
+
+    if path.suffix == ".csv":
+        return pd.read_csv(path).to_dict("records")
+    if path.suffix == ".parquet":
+        return pd.read_parquet(path).to_dict("records")
+    raise ValueError(f"unsupported dataset file type {path.suffix!r}: use .jsonl, .json, .csv or .parquet")
+
+
+def _read_hub(dataset: str, split: str) -> list[dict]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(dataset, split=split)
+    except Exception as exc:  # datasets raises several types for "offline" / "not found"
+        raise ConnectionError(
+            f"could not load hub dataset {dataset!r} ({exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
+            f"Offline? Download it on a connected machine and pass the local file instead "
+            f"(e.g. datasets.load_dataset({dataset!r}, split={split!r}).to_json('demo.jsonl'), then dataset='demo.jsonl'), "
+            f"or use {SAMPLE_NAME!r} for the bundled sample."
+        ) from exc
+    return [dict(r) for r in ds]

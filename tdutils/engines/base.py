@@ -1,0 +1,107 @@
+"""Engine-independent types and the prefill -> modify -> decode workflow.
+
+Every engine offers the same three phases (SPEC §1): `prefill(prompts)` computes each request's KV
+cache, `modify(drop_fn)` edits every request's cache with a drop function, `decode(max_tokens)`
+generates from the edited caches in batches under a KV budget. `run_once` chains them and `compare`
+runs a baseline and one or more drop functions on the same prompts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..metrics import RunMetrics, phase_table
+
+
+@dataclass
+class RequestOutput:
+    """One request's result.
+
+    Attributes:
+        request_id: index of the prompt in the `prefill` call.
+        prompt_tokens: prompt length T before modification.
+        cached_tokens: KV length after modification (k; equals T for the baseline).
+        output_ids: generated token ids (length `max_tokens` with `ignore_eos=True`).
+        text: decoded `output_ids`.
+        finish_reason: "length" or "stop" (an EOS token was generated).
+        ttft_s: time to first token from the start of prefill, seconds.
+        tpot_s: mean seconds per output token after the first.
+        logits: optional list of fp32 tensors [vocab], one per generated token (`keep_logits=True`).
+    """
+
+    request_id: int
+    prompt_tokens: int
+    cached_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "length"
+    ttft_s: float = float("nan")
+    tpot_s: float = float("nan")
+    logits: list | None = None
+
+
+@dataclass
+class ModifyReport:
+    """What `modify` did: per-request failures as `(request_id, message)`; edited count."""
+
+    edited: int = 0
+    failures: list[tuple[int, str]] = field(default_factory=list)
+
+
+@dataclass
+class RunResult:
+    """Outputs and metrics of one run (one configuration)."""
+
+    name: str
+    outputs: list[RequestOutput]
+    metrics: RunMetrics
+
+    @property
+    def texts(self) -> list[str]:
+        return [o.text for o in self.outputs]
+
+
+def run_once(engine, prompts, *, name: str = "baseline", drop_fn=None, max_tokens: int = 64, **decode_kwargs) -> RunResult:
+    """Prefill `prompts`, apply `drop_fn` (None: baseline, no modify), decode `max_tokens` per request."""
+    engine.prefill(prompts)
+    if drop_fn is not None:
+        engine.modify(drop_fn)
+    outputs = engine.decode(max_tokens=max_tokens, **decode_kwargs)
+    metrics = engine.metrics
+    metrics.name = name
+    return RunResult(name, outputs, metrics)
+
+
+def compare(engine, prompts, drop_fns: dict, *, max_tokens: int = 64, **decode_kwargs):
+    """Run the baseline, then each named drop function, on the same prompts.
+
+    Returns:
+        `(results, table)`: dict name -> RunResult (baseline first) and the pandas phase table with the
+        `decode_speedup` column relative to the baseline.
+    """
+    results = {"baseline": run_once(engine, prompts, name="baseline", max_tokens=max_tokens, **decode_kwargs)}
+    for name, fn in drop_fns.items():
+        results[name] = run_once(engine, prompts, name=name, drop_fn=fn, max_tokens=max_tokens, **decode_kwargs)
+    return results, phase_table([r.metrics for r in results.values()], baseline="baseline")
+
+
+def open_engine(kind: str = "hf", **settings):
+    """Open an engine by kind.
+
+    Args:
+        kind: `"hf"` — embedded Hugging Face transformers engine (CPU or GPU; see `engines.hf.HFEngine`
+            for its settings: model, dtype, device, kv_budget_tokens, positions, ...).
+            `"lmcache"` — vLLM + LMCache serving path (GPU box).
+
+    Raises:
+        ValueError: unknown kind.
+        NotImplementedError: `"lmcache"` in this release (the serving path is not built yet; use "hf").
+    """
+    if kind == "hf":
+        from .hf import HFEngine
+
+        return HFEngine(**settings)
+    if kind == "lmcache":
+        raise NotImplementedError("the 'lmcache' engine (vLLM + LMCache serving path) is not part of this release "
+                                  "yet; use engine 'hf', which runs the same drop functions in-process")
+    raise ValueError(f"unknown engine kind {kind!r}; choose 'hf' or 'lmcache'")

@@ -1,0 +1,424 @@
+"""The embedded `hf` engine: in-process Hugging Face transformers prefill, modify and batched decode.
+
+Per request the engine keeps its KV cache as one `[2, L, T, D]` tensor (SPEC §3). Decoding runs many
+requests of different lengths in one batch: caches are left-padded to a common length, an attention
+mask hides the padding, and every row gets its own `position_ids`. Requests join the running batch
+only while the sum over the batch of (cache length + tokens still to generate) fits `kv_budget_tokens`
+— so a smaller cache per request means a bigger batch, which is the point of token dropping.
+
+Decode regenerates from the edited cache, as vLLM does after LMCache returns a modified prefix: the
+last cached entry is removed and the last kept prompt token is fed again at its position, so every
+generated token (the first one included) attends to the edited cache only.
+
+Positions (SPEC §3): `"compact"` (default) — the drop function re-rotates kept keys to positions
+0..k-1 and decoding continues at k; `"original"` — keys keep their rotation and decoding continues at
+T, the prompt length (the dropped positions simply become holes).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..edit import CacheKind, DropFunctionError, check_kv, validate_drop_output
+from ..metrics import DecodeMetrics, ModifyMetrics, PrefillMetrics, RunMetrics
+from ..models import load_model, model_facts
+from .base import ModifyReport, RequestOutput
+
+POSITIONS = ("compact", "original")
+
+
+@dataclass
+class _Request:
+    request_id: int
+    prompt_ids: list[int]
+    kv: torch.Tensor  # [2, L, T, D]
+    tokens: list[int]  # the T token ids the cache holds
+    refeed_pos: int  # position of the last cached token, fed again at decode start
+    ttft_s: float = float("nan")
+    # decode state
+    output_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    logits: list | None = None
+    finish_reason: str = "length"
+
+
+class HFEngine:
+    """Embedded engine over a transformers causal LM (Qwen3, Llama, Mistral, ... with a `DynamicCache`).
+
+    Args:
+        model: a bundled name (`"tiny-qwen3"`), hub id, local folder, or an already loaded model
+            (then pass `tokenizer=` too).
+        tokenizer: tokenizer when `model` is a model object.
+        dtype, device, attn_implementation: passed to `tdutils.models.load_model`.
+        kv_budget_tokens: KV tokens the running decode batch may hold (cache lengths plus tokens still
+            to generate); None = unlimited (every request decodes in one batch).
+        max_batch_size: optional cap on the running batch.
+        prefill_batch_size: prompts prefilled together (left-padded).
+        positions: `"compact"` or `"original"` (see module docstring).
+        progress: show tqdm progress bars for the prefill and decode phases.
+    """
+
+    kind = "hf"
+
+    def __init__(self, model="tiny-qwen3", *, tokenizer=None, dtype="auto", device=None,
+                 attn_implementation: str | None = "sdpa", kv_budget_tokens: int | None = None,
+                 max_batch_size: int | None = None, prefill_batch_size: int = 4, positions: str = "compact",
+                 progress: bool = True):
+        if positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
+        if kv_budget_tokens is not None and kv_budget_tokens < 1:
+            raise ValueError(f"kv_budget_tokens must be a positive number of tokens or None, got {kv_budget_tokens}")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
+        if prefill_batch_size < 1:
+            raise ValueError(f"prefill_batch_size must be >= 1, got {prefill_batch_size}")
+        if isinstance(model, str):
+            self.model_name = model
+            self.model, self.tokenizer = load_model(model, dtype=dtype, device=device,
+                                                    attn_implementation=attn_implementation)
+        else:
+            if tokenizer is None:
+                raise ValueError("pass tokenizer= together with a model object")
+            self.model_name = getattr(model, "name_or_path", type(model).__name__)
+            self.model, self.tokenizer = model.eval(), tokenizer
+        self.device = next(self.model.parameters()).device
+        self.facts = model_facts(self.model.config, self.model.dtype)
+        self.kv_budget_tokens = kv_budget_tokens
+        self.max_batch_size = max_batch_size
+        self.prefill_batch_size = prefill_batch_size
+        self.positions = positions
+        self.progress = progress
+        self.eos_token_id = self.tokenizer.eos_token_id  # decode stops on it unless ignore_eos
+        # transformers renamed `past_key_values` to `cache` during 5.x; support both spellings.
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self.requests: list[_Request] = []
+        self.metrics = RunMetrics("run")
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def config(self):
+        return self.model.config
+
+    def tokenize(self, prompts) -> list[list[int]]:
+        """Token ids of each prompt: a string, a `PromptRow`/dict with `prompt`, or a list of ids."""
+        out = []
+        for i, p in enumerate(prompts):
+            if hasattr(p, "prompt") or isinstance(p, dict):
+                p = p.prompt if hasattr(p, "prompt") else p["prompt"]
+            if isinstance(p, str):
+                ids = self.tokenizer(p)["input_ids"]
+            elif isinstance(p, list | tuple | torch.Tensor):
+                ids = [int(t) for t in p]
+            else:
+                raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            out.append(ids)
+        return out
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep=1):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=True, logits_to_keep=logits_to_keep, **{self._cache_kw: cache})
+
+    def _bar(self, total, desc):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, disable=not self.progress, leave=False, mininterval=1.0)
+
+    # ------------------------------------------------------------------ phases
+    @torch.inference_mode()
+    def prefill(self, prompts) -> list[torch.Tensor]:
+        """Prefill every prompt (in left-padded batches of `prefill_batch_size`); one cache per request.
+
+        Args:
+            prompts: strings, `PromptRow`s, dicts with `prompt`, or lists of token ids.
+
+        Returns:
+            List of each request's KV `[2, L, T, D]` (model dtype, model device). The engine keeps them;
+            `kv(i)` returns one again. Resets the engine's requests and metrics.
+        """
+        ids = self.tokenize(prompts)
+        self.requests, self.metrics = [], RunMetrics("run")
+        pm = self.metrics.prefill
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        t0 = time.perf_counter()
+        bar = self._bar(sum(map(len, ids)), "prefill")
+        ttft = [0.0] * len(ids)
+        for start in range(0, len(ids), self.prefill_batch_size):
+            batch = ids[start:start + self.prefill_batch_size]
+            lens = [len(x) for x in batch]
+            width = max(lens)
+            input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for b, x in enumerate(batch):  # left padding
+                input_ids[b, width - len(x):] = torch.tensor(x)
+                mask[b, width - len(x):] = 1
+            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, width]; 0..T-1 on real tokens
+            cache = self._new_cache()
+            self._forward(input_ids.to(self.device), mask.to(self.device), position_ids.to(self.device), cache)
+            now = time.perf_counter() - t0
+            for b, x in enumerate(batch):
+                pad = width - len(x)
+                # cache layer keys/values: [B, H_kv, width, d] -> this row's [L, T, H_kv*d]
+                k = torch.stack([lay.keys[b, :, pad:, :].transpose(0, 1).reshape(len(x), -1) for lay in cache.layers])
+                v = torch.stack([lay.values[b, :, pad:, :].transpose(0, 1).reshape(len(x), -1) for lay in cache.layers])
+                kv = torch.stack([k, v])  # [2, L, T, D]
+                rid = start + b
+                ttft[rid] = now
+                self.requests.append(_Request(rid, x, kv, list(x), refeed_pos=len(x) - 1, ttft_s=now))
+            bar.update(sum(lens))
+            del cache
+        bar.close()
+        pm.requests, pm.tokens, pm.seconds, pm.ttft_s = len(ids), sum(map(len, ids)), time.perf_counter() - t0, ttft
+        return [r.kv for r in self.requests]
+
+    def kv(self, request_id: int) -> torch.Tensor:
+        """The current KV `[2, L, T, D]` of one request (after `modify`, the edited one)."""
+        return self.requests[request_id].kv
+
+    def tokens(self, request_id: int) -> list[int]:
+        """The token ids the cache of one request holds."""
+        return list(self.requests[request_id].tokens)
+
+    @torch.inference_mode()
+    def modify(self, drop_fn, *, positions: str | None = None, on_error: str = "raise") -> ModifyReport:
+        """Apply `drop_fn(tensors, tokens) -> (new_kv, new_tokens)` to every request's cache.
+
+        Args:
+            drop_fn: an LMCache-style ModifyFn (e.g. from `tdutils.make_drop_fn`). It receives
+                `{CacheKind.KV: kv [2, L, T, D]}` and the T token ids.
+            positions: `"compact"` / `"original"`; default the engine's setting. A `DropFn` whose
+                `rerotate` disagrees (compact needs re-rotated keys, original needs untouched ones) is
+                refused before anything runs.
+            on_error: `"raise"` — if any request fails, no cache is changed and `DropFunctionError` lists
+                every failure; `"skip"` — failed requests keep their cache unchanged, the others are
+                edited, failures are returned in the report and warned about.
+
+        Raises:
+            RuntimeError: called before `prefill`.
+            ValueError: bad `positions` / `on_error`, or a `DropFn` whose `rerotate` contradicts positions.
+            DropFunctionError: with `on_error="raise"`, when the function raised or returned bad output.
+        """
+        if not self.requests:
+            raise RuntimeError("modify() needs prefilled requests; call prefill(prompts) first")
+        positions = positions or self.positions
+        if positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        rerotate = getattr(drop_fn, "rerotate", None)
+        if rerotate is not None and rerotate != (positions == "compact"):
+            raise ValueError(f"positions={positions!r} needs a drop function with rerotate={positions == 'compact'}, "
+                             f"got rerotate={rerotate}; build it with make_drop_fn(..., rerotate={positions == 'compact'})")
+        mm = self.metrics.modify = ModifyMetrics()
+        t0 = time.perf_counter()
+        edits, failures = {}, []
+        for req in self.requests:
+            try:
+                tensors = {CacheKind.KV: req.kv}
+                result = drop_fn(tensors, list(req.tokens))
+                edits[req.request_id] = validate_drop_output(req.kv, req.tokens, result)
+            except Exception as exc:  # reported below, never swallowed
+                failures.append((req.request_id, f"{exc.__class__.__name__}: {exc}"))
+        mm.seconds = time.perf_counter() - t0
+        mm.tokens_before = sum(r.kv.shape[2] for r in self.requests)
+        if failures and on_error == "raise":
+            mm.failed = len(failures)
+            mm.tokens_after = mm.tokens_before
+            lines = "\n".join(f"  request {i}: {msg}" for i, msg in failures[:10])
+            raise DropFunctionError(f"the drop function failed on {len(failures)} of {len(self.requests)} requests; "
+                                    f"no cache was changed:\n{lines}")
+        for req in self.requests:
+            if req.request_id in edits:
+                new_kv, new_tokens = edits[req.request_id]
+                req.kv, req.tokens = new_kv, new_tokens
+                # compact: the last kept token sits at k-1; original: the prompt's last position T-1.
+                req.refeed_pos = len(new_tokens) - 1 if positions == "compact" else len(req.prompt_ids) - 1
+        mm.edited, mm.failed = len(edits), len(failures)
+        mm.tokens_after = sum(r.kv.shape[2] for r in self.requests)
+        if failures:
+            warnings.warn(f"drop function failed on {len(failures)} requests (caches left unchanged): {failures[:3]}",
+                          stacklevel=2)
+        return ModifyReport(edited=len(edits), failures=failures)
+
+    @torch.inference_mode()
+    def decode(self, max_tokens: int = 64, *, temperature: float = 0.0, ignore_eos: bool = True, seed: int = 0,
+               keep_logits: bool = False) -> list[RequestOutput]:
+        """Batched decoding of every request under the KV budget; returns one `RequestOutput` per request.
+
+        Requests are admitted first come first served while `sum(cache_len + tokens_to_generate)` over the
+        running batch stays within `kv_budget_tokens` (and the batch within `max_batch_size`); a request
+        leaves the batch when it has `max_tokens` tokens (or generated EOS with `ignore_eos=False`).
+
+        Args:
+            max_tokens: tokens to generate per request (>= 1).
+            temperature: 0 = greedy; > 0 samples from softmax(logits / temperature) with `seed`.
+            ignore_eos: keep generating after an EOS token (fixed output lengths, for benchmarks).
+            keep_logits: store each step's fp32 logits `[vocab]` in the outputs (tests, analysis).
+
+        Raises:
+            RuntimeError: called before `prefill`.
+            ValueError: `max_tokens < 1`, negative temperature, or a request that alone needs more KV
+                tokens than `kv_budget_tokens` (the message gives both numbers).
+        """
+        if not self.requests:
+            raise RuntimeError("decode() needs prefilled requests; call prefill(prompts) first")
+        if int(max_tokens) != max_tokens or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        budget = self.kv_budget_tokens
+        need = {r.request_id: r.kv.shape[2] + max_tokens for r in self.requests}
+        if budget is not None:
+            for r in self.requests:
+                if need[r.request_id] > budget:
+                    raise ValueError(
+                        f"request {r.request_id} needs {need[r.request_id]} KV tokens ({r.kv.shape[2]} cached + "
+                        f"{max_tokens} to generate) but kv_budget_tokens is {budget}; raise kv_budget_tokens, "
+                        f"lower max_tokens, or drop more tokens")
+        dm = self.metrics.decode = DecodeMetrics(kv_budget_tokens=budget)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        eos = self.eos_token_id
+        for r in self.requests:
+            r.output_ids, r.token_times, r.finish_reason = [], [], "length"
+            r.logits = [] if keep_logits else None
+
+        waiting = deque(self.requests)
+        running: list[_Request] = []
+        state = None  # batched cache, mask, next inputs of `running`
+        bar = self._bar(len(self.requests) * max_tokens, "decode")
+        t0 = time.perf_counter()
+        while waiting or running:
+            admitted = []
+            reserved = sum(need[r.request_id] for r in running)
+            while waiting and (budget is None or reserved + need[waiting[0].request_id] <= budget) and (
+                    self.max_batch_size is None or len(running) + len(admitted) < self.max_batch_size):
+                r = waiting.popleft()
+                admitted.append(r)
+                reserved += need[r.request_id]
+            if admitted:
+                state = self._build_batch(running, state, admitted)
+                running = running + admitted
+            dm.peak_batch_size = max(dm.peak_batch_size, len(running))
+            dm.kv_peak_reserved_tokens = max(dm.kv_peak_reserved_tokens, reserved)
+
+            cache, mask, next_ids, next_pos, lens = state
+            mask = torch.cat([mask, torch.ones(len(running), 1, dtype=mask.dtype, device=mask.device)], dim=1)
+            out = self._forward(next_ids[:, None], mask, next_pos[:, None], cache)
+            logits = out.logits[:, -1, :].float()  # [B, vocab]
+            if temperature > 0:
+                probs = torch.softmax(logits / temperature, dim=-1).cpu()
+                new_ids = torch.multinomial(probs, 1, generator=gen).flatten()
+            else:
+                new_ids = logits.argmax(dim=-1).cpu()
+            now = time.perf_counter() - t0
+            dm.steps += 1
+            done = []
+            for b, r in enumerate(running):
+                tok = int(new_ids[b])
+                r.output_ids.append(tok)
+                r.token_times.append(now)
+                if keep_logits:
+                    r.logits.append(logits[b].cpu())
+                if len(r.output_ids) >= max_tokens:
+                    done.append(b)
+                elif not ignore_eos and eos is not None and tok == eos:
+                    r.finish_reason = "stop"
+                    done.append(b)
+            bar.update(len(running))
+            lens = lens + 1
+            next_pos = next_pos + 1
+            state = (cache, mask, new_ids.to(self.device), next_pos, lens)
+            if done:
+                keep_rows = [b for b in range(len(running)) if b not in set(done)]
+                running = [running[b] for b in keep_rows]
+                state = self._select_rows(state, keep_rows) if running else None
+        dm.seconds = time.perf_counter() - t0
+        bar.close()
+
+        outputs = []
+        for r in self.requests:
+            dm.output_tokens += len(r.output_ids)
+            t = r.token_times
+            tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else float("nan")
+            if len(t) > 1:
+                dm.tpot_s.append(tpot)
+            outputs.append(RequestOutput(
+                request_id=r.request_id, prompt_tokens=len(r.prompt_ids), cached_tokens=r.kv.shape[2],
+                output_ids=list(r.output_ids), text=self.tokenizer.decode(r.output_ids, skip_special_tokens=True),
+                finish_reason=r.finish_reason, ttft_s=r.ttft_s, tpot_s=tpot, logits=r.logits))
+        return outputs
+
+    # ------------------------------------------------------------------ batch bookkeeping
+    def _row_kv(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[2, L, T, D]` -> keys, values `[L, H_kv, T, d]` (the layout of a cache layer, batch dim removed)."""
+        L, T = kv.shape[1], kv.shape[2]
+        h, d = self.facts.num_kv_heads, self.facts.head_dim
+        kv = kv.view(2, L, T, h, d).transpose(2, 3)  # [2, L, H_kv, T, d]
+        return kv[0], kv[1]
+
+    def _build_batch(self, running: list[_Request], state, admitted: list[_Request]):
+        """Left-padded batch cache for `running` (taken from `state`) plus newly `admitted` requests.
+
+        A new request contributes its cache minus the last entry; that last token is fed again at
+        `refeed_pos` so the first generated token is computed over the (edited) cache.
+        """
+        rows_k, rows_v, lens, next_ids, next_pos = [], [], [], [], []
+        if running:
+            cache, mask, ids, pos, rlens = state
+            width = mask.shape[1]
+            for b in range(len(running)):
+                n = int(rlens[b])
+                rows_k.append(torch.stack([lay.keys[b, :, width - n:, :] for lay in cache.layers]))  # [L, H, n, d]
+                rows_v.append(torch.stack([lay.values[b, :, width - n:, :] for lay in cache.layers]))
+                lens.append(n)
+            next_ids.extend(ids.tolist())
+            next_pos.extend(pos.tolist())
+        for r in admitted:
+            check_kv(r.kv, r.tokens)
+            k, v = self._row_kv(r.kv)
+            rows_k.append(k[:, :, :-1, :])
+            rows_v.append(v[:, :, :-1, :])
+            lens.append(r.kv.shape[2] - 1)
+            next_ids.append(r.tokens[-1])
+            next_pos.append(r.refeed_pos)
+        B, width = len(rows_k), max(lens)
+        L, H, _, d = rows_k[0].shape
+        dtype = rows_k[0].dtype
+        keys = torch.zeros(L, B, H, width, d, dtype=dtype, device=self.device)  # zeros in padding: masked anyway
+        values = torch.zeros_like(keys)
+        mask = torch.zeros(B, width, dtype=torch.long, device=self.device)
+        for b, (k, v, n) in enumerate(zip(rows_k, rows_v, lens)):
+            if n:
+                keys[:, b, :, width - n:, :] = k
+                values[:, b, :, width - n:, :] = v
+                mask[b, width - n:] = 1
+        cache = self._new_cache()
+        for layer in range(L):
+            cache.update(keys[layer], values[layer], layer)
+        return (cache, mask, torch.tensor(next_ids, device=self.device), torch.tensor(next_pos, device=self.device),
+                torch.tensor(lens))
+
+    def _select_rows(self, state, rows: list[int]):
+        """Keep only batch rows `rows` of the running state (finished requests leave the batch)."""
+        cache, mask, ids, pos, lens = state
+        idx = torch.tensor(rows, device=self.device)
+        mask, lens = mask[idx], lens[torch.tensor(rows)]
+        # Trim leading columns that are padding for every remaining row.
+        width = int(lens.max())
+        trim = mask.shape[1] - width
+        new = self._new_cache()
+        for i, lay in enumerate(cache.layers):
+            new.update(lay.keys[idx, :, trim:, :], lay.values[idx, :, trim:, :], i)
+        return new, mask[:, trim:], ids[idx], pos[idx], lens

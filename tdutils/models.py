@@ -1,0 +1,195 @@
+"""Model loading (bundled tiny model, hub ids, local paths) and model facts.
+
+`load_model("tiny-qwen3")` loads the model shipped inside this package: a Qwen3-architecture causal LM
+(2 layers, hidden 128, 4 query heads / 2 KV heads, head_dim 32, tied embeddings) with a word-level
+tokenizer over the words of the bundled filler text, digits 0-9 and the passkey markers. It needs no
+network and exercises the grouped-query-attention (GQA) code paths. Any other name is passed to
+transformers' `from_pretrained` (a hub id such as `Qwen/Qwen3-0.6B`, or a local folder).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ASSETS = Path(__file__).parent / "assets"
+TINY_MODEL_NAME = "tiny-qwen3"
+TINY_MODEL_DIR = ASSETS / TINY_MODEL_NAME
+
+# Special tokens of the bundled word-level tokenizer, in vocabulary order (ids 0..3).
+TINY_SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
+# Passkey markers: never present in the filler text (SPEC §8: a repeated marker stalls the copy task).
+TINY_MARKER_TOKENS = ("pass", "key", "=")
+
+
+def bundled_model_path(name: str) -> Path | None:
+    """Folder of a model bundled with tdutils (`"tiny-qwen3"`), or None for any other name."""
+    return TINY_MODEL_DIR if name == TINY_MODEL_NAME else None
+
+
+def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+             "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(table)} or 'auto'")
+    return table[dtype]
+
+
+def load_tokenizer(name_or_path: str):
+    """Load the tokenizer of `name_or_path` (bundled name, hub id or local folder).
+
+    Raises:
+        OSError: the model is not available locally and the hub cannot be reached (message says how
+            to pass a local folder instead).
+    """
+    from transformers import AutoTokenizer
+
+    path = bundled_model_path(name_or_path) or name_or_path
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except OSError as exc:
+        raise OSError(_offline_hint(name_or_path, exc)) from exc
+
+
+def load_model(
+    name_or_path: str = TINY_MODEL_NAME,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device | None = None,
+    attn_implementation: str | None = "sdpa",
+):
+    """Load a causal LM and its tokenizer; returns `(model, tokenizer)` with the model in eval mode.
+
+    Args:
+        name_or_path: `"tiny-qwen3"` (bundled, offline), a Hugging Face hub id (`"Qwen/Qwen3-0.6B"`) or a
+            local folder with `config.json` and weights.
+        dtype: `"auto"` (the checkpoint's dtype; fp32 for the bundled model), `"float32"`, `"float16"`,
+            `"bfloat16"` or a `torch.dtype`.
+        device: where to put the model; default CUDA when available, else CPU.
+        attn_implementation: transformers attention backend (`"sdpa"`, `"eager"`, ...).
+
+    Raises:
+        OSError: the weights are neither local nor downloadable (no network, unknown id); the message
+            names the model and how to use a local copy.
+        ValueError: unknown dtype string.
+    """
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    path = bundled_model_path(name_or_path) or name_or_path
+    tokenizer = load_tokenizer(name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=_torch_dtype(dtype), attn_implementation=attn_implementation
+        )
+    except OSError as exc:
+        raise OSError(_offline_hint(name_or_path, exc)) from exc
+    model.to(device).eval()
+    if tokenizer.pad_token_id is None:
+        # Decoder-only checkpoints often have no pad token; padding is always masked, any id works.
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _offline_hint(name: str, exc: Exception) -> str:
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    return (
+        f"could not load model {name!r}: {exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
+        f"{'HF_HUB_OFFLINE=1 is set; ' if offline else ''}"
+        f"Without network access pass a local folder that holds config.json, the weights and the tokenizer "
+        f"(e.g. one made by `huggingface-cli download {name} --local-dir DIR` on a connected machine), "
+        f"or use the bundled model {TINY_MODEL_NAME!r}."
+    )
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Sizes that decide how much KV cache a request needs.
+
+    `kv_bytes_per_token` = 2 (K and V) * num_layers * num_kv_heads * head_dim * bytes per element.
+    """
+
+    num_layers: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: torch.dtype
+
+    @property
+    def gqa_group_size(self) -> int:
+        return self.num_query_heads // self.num_kv_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """`D = H_kv * head_dim`, the last dimension of a `[2, L, T, D]` KV tensor."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.kv_dim * torch.empty((), dtype=self.kv_dtype).element_size()
+
+
+def model_facts(config, dtype: torch.dtype = torch.float32) -> ModelFacts:
+    """Read layer/head counts from a transformers config (`head_dim` may be absent or None)."""
+    n_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    return ModelFacts(
+        num_layers=config.num_hidden_layers,
+        num_query_heads=n_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+        head_dim=head_dim,
+        kv_dtype=dtype,
+    )
+
+
+def build_tiny_tokenizer(words: list[str]):
+    """Word-level fast tokenizer over `words`, digits 0-9, punctuation and the passkey markers.
+
+    Lower-cases its input, splits on whitespace and punctuation, and splits numbers into single digits
+    (so a passkey `48192` is five tokens). Unknown words map to `<unk>`.
+    """
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab_list = list(TINY_SPECIAL_TOKENS) + [str(d) for d in range(10)] + [".", ",", "?", ":"]
+    vocab_list += list(TINY_MARKER_TOKENS)
+    for w in words:
+        if w not in vocab_list:
+            vocab_list.append(w)
+    vocab = {w: i for i, w in enumerate(vocab_list)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
+    )
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
+    )
+
+
+def tiny_qwen3_config(vocab_size: int, *, pad_token_id: int = 0, bos_token_id: int = 2, eos_token_id: int = 3):
+    """The bundled model's architecture (SPEC §8): Qwen3, 2 layers, hidden 128, GQA 4 query / 2 KV heads."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+        pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+    )

@@ -1,0 +1,74 @@
+"""Random dropping and the reference's "middle of every chunk" dropping (both query-free baselines)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..selection import check_drop_ratio, keep_count, protected_mask
+
+
+@dataclass
+class RandomParams:
+    """Parameters of `random_keep`: RNG seed, attention sinks and observation window kept always."""
+
+    seed: int = 0
+    n_sink: int = 4
+    window: int = 16
+
+
+def random_keep(n: int, drop_ratio: float, *, seed: int = 0, n_sink: int = 4, window: int = 16) -> torch.Tensor:
+    """Keep the first `n_sink` tokens, the last `window` tokens, and a uniform random sample of the rest.
+
+    The sample is drawn without replacement from a `torch.Generator` seeded with `seed`, so the same
+    `(n, drop_ratio, seed, n_sink, window)` always gives the same tokens.
+
+    Args:
+        n: number of tokens in the request's KV cache.
+        drop_ratio: fraction of tokens to remove, in [0, 1]; total kept is `keep_count(n, drop_ratio)`,
+            raised to the number of protected tokens when smaller.
+
+    Returns:
+        LongTensor [k] of kept token indices, sorted ascending. `drop_ratio=0` returns `arange(n)`.
+
+    Raises:
+        ValueError: drop_ratio outside [0, 1]; negative n, n_sink or window.
+    """
+    k = keep_count(n, drop_ratio)
+    protected = protected_mask(n, n_sink=n_sink, window=window)
+    n_prot = int(protected.sum())
+    free = torch.nonzero(~protected).flatten()  # [n - n_prot]
+    n_pick = min(max(k - n_prot, 0), free.numel())
+    gen = torch.Generator().manual_seed(int(seed))
+    picked = free[torch.randperm(free.numel(), generator=gen)[:n_pick]]
+    keep = torch.cat([torch.nonzero(protected).flatten(), picked])
+    return torch.sort(keep).values
+
+
+def middle_chunk_keep(n: int, drop_ratio: float = 0.5, *, chunk_size: int = 256) -> torch.Tensor:
+    """The reference "random" notebook's policy (LMCache token-dropping examples): split the tokens into
+    chunks of `chunk_size`, keep the first and the last chunk whole, and from every chunk in between drop
+    its middle `round(chunk_size * drop_ratio)` tokens (a centred span).
+
+    Because the first and last chunks are kept whole, the realised drop fraction is below `drop_ratio`
+    (e.g. n=1024, chunk 256, ratio 0.5 drops 256 tokens = 25%); the engines report the real kept count.
+    Prompts of at most two chunks return unchanged.
+
+    Returns:
+        LongTensor [k] of kept indices, sorted ascending.
+
+    Raises:
+        ValueError: drop_ratio outside [0, 1], or chunk_size < 1.
+    """
+    r = check_drop_ratio(drop_ratio)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    keep = torch.ones(n, dtype=torch.bool)
+    n_chunks = -(-n // chunk_size)  # the last chunk may be partial
+    n_drop = int(round(chunk_size * r))
+    lo = (chunk_size - n_drop) // 2  # centred span [lo, lo + n_drop) inside each middle chunk
+    for c in range(1, n_chunks - 1):
+        start = c * chunk_size + lo
+        keep[start:start + n_drop] = False
+    return torch.nonzero(keep).flatten()

@@ -1,0 +1,74 @@
+"""Keep counts, protected tokens (attention sinks, observation window) and top-k selection.
+
+Every policy in `tdutils.policies` reduces to: how many tokens to keep (`keep_count`), which tokens are
+protected (always kept, winning every tie), and which of the remaining tokens to keep. The helpers here
+return kept token indices as a sorted 1-D LongTensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def check_drop_ratio(drop_ratio: float) -> float:
+    """Return `drop_ratio` as a float; ValueError unless it is a finite number in [0, 1]."""
+    try:
+        r = float(drop_ratio)
+    except (TypeError, ValueError):
+        raise ValueError(f"drop_ratio must be a number in [0, 1], got {drop_ratio!r}") from None
+    if not math.isfinite(r) or r < 0.0 or r > 1.0:
+        raise ValueError(f"drop_ratio must lie in [0, 1] (the fraction of tokens removed), got {drop_ratio!r}")
+    return r
+
+
+def keep_count(n: int, drop_ratio: float) -> int:
+    """Number of tokens kept out of `n` at `drop_ratio`: `round(n * (1 - drop_ratio))`.
+
+    Rounding is Python's `round`, i.e. half to even (as the LMCache reference), so `keep_count(5, 0.5)
+    == 2` and `keep_count(7, 0.5) == 4`. `drop_ratio = 0` keeps all `n`; `drop_ratio = 1` keeps 0 (policies
+    still keep their protected tokens, see `protected_mask`).
+
+    Raises:
+        ValueError: `n < 0`, or `drop_ratio` outside [0, 1] or not finite.
+    """
+    r = check_drop_ratio(drop_ratio)
+    if int(n) != n or n < 0:
+        raise ValueError(f"n must be a non-negative integer, got {n!r}")
+    return int(round(int(n) * (1.0 - r)))
+
+
+def protected_mask(n: int, *, n_sink: int = 0, window: int = 0) -> torch.Tensor:
+    """BoolTensor [n]: True for the first `n_sink` tokens (attention sinks) and the last `window` tokens
+    (the observation window, which holds the question)."""
+    if n_sink < 0 or window < 0:
+        raise ValueError(f"n_sink and window must be >= 0, got n_sink={n_sink}, window={window}")
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[: min(n_sink, n)] = True
+    if window > 0:
+        mask[max(0, n - window):] = True
+    return mask
+
+
+def keep_top_scores(scores: torch.Tensor, k: int, protected: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices of the `k` tokens to keep: all protected tokens, then the highest `scores` among the rest.
+
+    Args:
+        scores: [n] float scores (any dtype; ranked in fp32), higher = more worth keeping.
+        k: total keep count; raised to the number of protected tokens when smaller.
+        protected: optional BoolTensor [n]; protected tokens are always kept and win every tie.
+
+    Returns:
+        LongTensor [max(k, #protected)] of kept indices, sorted ascending. Ties among unprotected tokens
+        go to the earlier token (stable sort), so the result is deterministic.
+    """
+    n = scores.shape[0]
+    if protected is None:
+        protected = torch.zeros(n, dtype=torch.bool, device=scores.device)
+    k = min(n, max(int(k), int(protected.sum())))
+    s = scores.detach().float().clone()
+    s[protected] = float("inf")
+    # Stable descending sort: among equal scores the lower index comes first.
+    order = torch.sort(-s, stable=True).indices
+    return torch.sort(order[:k]).values

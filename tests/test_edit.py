@@ -1,0 +1,115 @@
+import pytest
+import torch
+
+from tdutils import CacheKind, DropFunctionError, make_drop_fn
+from tdutils.edit import apply_keep, validate_drop_output
+from tdutils.rope import RopeSpec, apply_rope
+
+
+def _kv(L=2, T=10, D=8, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, L, T, D, generator=g).to(dtype)
+
+
+def test_zero_ratio_returns_input_bit_for_bit_without_mutation(tiny):
+    model, _ = tiny
+    kv = _kv(T=40, D=64, dtype=torch.bfloat16)
+    before = kv.clone()
+    fn = make_drop_fn("random", drop_ratio=0.0, model_config=model.config)
+    new_kv, new_tokens = fn({CacheKind.KV: kv}, list(range(40)))
+    assert torch.equal(new_kv, kv) and new_kv.data_ptr() != kv.data_ptr()
+    assert new_tokens == list(range(40))
+    assert torch.equal(kv, before)
+
+
+def test_drop_fn_gathers_values_tokens_and_rerotates_keys(tiny):
+    model, _ = tiny
+    spec = RopeSpec.from_config(model.config)  # head_dim 32, 2 KV heads -> D = 64
+    T, L, H, d = 50, 2, 2, 32
+    raw = torch.randn(L, T, H, d)
+    pos = torch.arange(T)
+    keys = torch.stack([apply_rope(raw[layer], pos, spec) for layer in range(L)]).reshape(L, T, H * d)
+    values = torch.randn(L, T, H * d)
+    kv = torch.stack([keys, values])  # [2, L, T, D]
+    tokens = [1000 + i for i in range(T)]
+    fn = make_drop_fn("random", drop_ratio=0.5, model_config=model.config, seed=3, n_sink=2, window=4)
+    keep = fn.keep_indices({CacheKind.KV: kv}, tokens)
+    new_kv, new_tokens = fn({CacheKind.KV: kv}, tokens)
+    k = keep.numel()
+    assert k == 25 and new_kv.shape == (2, L, k, H * d)
+    assert new_tokens == [tokens[i] for i in keep.tolist()]
+    assert torch.equal(new_kv[1], values[:, keep])  # V rows gathered as they are
+    # K rows now carry RoPE of positions 0..k-1: equal to rotating the raw keys there directly.
+    expect = torch.stack([apply_rope(raw[layer][keep], torch.arange(k), spec) for layer in range(L)])
+    torch.testing.assert_close(new_kv[0], expect.reshape(L, k, H * d), atol=1e-5, rtol=1e-5)
+
+
+def test_rerotate_false_keeps_keys_as_they_are():
+    kv = _kv(T=30, D=64)
+    fn = make_drop_fn("random", drop_ratio=0.5, rerotate=False, n_sink=1, window=2)
+    keep = fn.keep_indices({CacheKind.KV: kv}, list(range(30)))
+    new_kv, _ = fn({"kv": kv}, list(range(30)))
+    assert torch.equal(new_kv, kv[:, :, keep])
+
+
+def test_make_drop_fn_rejects_bad_arguments(tiny):
+    model, _ = tiny
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_drop_fn("nope", model_config=model.config)
+    with pytest.raises(ValueError, match="drop_ratio"):
+        make_drop_fn("random", drop_ratio=1.5, model_config=model.config)
+    with pytest.raises(ValueError, match="model_config"):
+        make_drop_fn("random", drop_ratio=0.5)
+    with pytest.raises(ValueError, match="unknown parameters"):
+        make_drop_fn("random", model_config=model.config, windw=3)
+
+
+def test_drop_fn_checks_input_shapes():
+    fn = make_drop_fn("random", rerotate=False)
+    with pytest.raises(ValueError, match=r"\[2, L, T, D\]"):
+        fn({CacheKind.KV: torch.zeros(3, 2, 10, 8)}, list(range(10)))
+    with pytest.raises(ValueError, match="must match"):
+        fn({CacheKind.KV: torch.zeros(2, 2, 10, 8)}, list(range(9)))
+    with pytest.raises(KeyError, match="no KV entry"):
+        fn({CacheKind.QUERY: torch.zeros(2, 10, 8)}, list(range(10)))
+
+
+def test_custom_selection_function_receives_drop_ratio():
+    seen = {}
+
+    def every_other(tensors, tokens, drop_ratio):
+        seen["r"] = drop_ratio
+        return torch.arange(0, len(tokens), 2)
+
+    fn = make_drop_fn(every_other, drop_ratio=0.5, rerotate=False)
+    kv = _kv(T=9)
+    new_kv, new_tokens = fn({CacheKind.KV: kv}, list(range(9)))
+    assert seen["r"] == 0.5 and new_tokens == [0, 2, 4, 6, 8] and torch.equal(new_kv, kv[:, :, ::2])
+
+
+@pytest.mark.parametrize("keep,msg", [
+    (torch.tensor([0, 0, 3]), "duplicates"), (torch.tensor([0, 10]), "lie in"), (torch.tensor([], dtype=torch.long), "at least one"),
+    (torch.tensor([0.0, 1.0]), "integer"),
+])
+def test_apply_keep_rejects_bad_indices(keep, msg):
+    with pytest.raises(ValueError, match=msg):
+        apply_keep(_kv(T=10), list(range(10)), keep, rerotate=False)
+
+
+def test_validate_drop_output_catches_contract_violations():
+    kv, tokens = _kv(T=10), list(range(10))
+    good = (kv[:, :, :4].clone(), [0, 1, 2, 3])
+    assert validate_drop_output(kv, tokens, good)[1] == [0, 1, 2, 3]
+    cases = [
+        (kv[:, :, :4].clone(), [0, 1, 2], "len\\(new_tokens\\)"),
+        (kv[:, :1, :4].clone(), [0, 1, 2, 3], "shape"),
+        (kv[:, :, :4].double(), [0, 1, 2, 3], "dtype"),
+        (kv[:, :, :0].clone(), [], "between 1 and 10"),
+        (kv[:, :, :4] * float("nan"), [0, 1, 2, 3], "NaN"),
+        ("not a tensor", [0], "torch.Tensor"),
+    ]
+    for new_kv, new_tokens, msg in cases:
+        with pytest.raises(DropFunctionError, match=msg):
+            validate_drop_output(kv, tokens, (new_kv, new_tokens))
+    with pytest.raises(DropFunctionError, match="must return"):
+        validate_drop_output(kv, tokens, kv)

@@ -1,0 +1,205 @@
+"""The embedded engine: ragged batched decoding, budget admission, position conventions, safe edits."""
+
+import pytest
+import torch
+
+from tdutils import DropFunctionError, make_drop_fn
+from tdutils.engines.hf import HFEngine
+
+
+def _engine(tiny, **kw):
+    model, tok = tiny
+    kw.setdefault("progress", False)
+    return HFEngine(model, tokenizer=tok, **kw)
+
+
+def _alone(tiny, ids, drop_fn=None, **kw):
+    """Decode each prompt in a batch of its own."""
+    eng = _engine(tiny, max_batch_size=1, prefill_batch_size=1, **{k: v for k, v in kw.items() if k == "positions"})
+    eng.prefill(ids)
+    if drop_fn is not None:
+        eng.modify(drop_fn)
+    return eng.decode(max_tokens=kw.get("max_tokens", 8), keep_logits=True)
+
+
+def _assert_same(outs_a, outs_b, atol):
+    for a, b in zip(outs_a, outs_b):
+        assert a.output_ids == b.output_ids
+        for la, lb in zip(a.logits, b.logits):
+            torch.testing.assert_close(la, lb, atol=atol, rtol=0)
+
+
+def test_prefill_exposes_one_kv_per_request(tiny, sample_ids):
+    eng = _engine(tiny)
+    kvs = eng.prefill(sample_ids)
+    assert [kv.shape for kv in kvs] == [(2, 2, len(x), 64) for x in sample_ids]
+    m = eng.metrics.prefill
+    assert m.requests == 3 and m.tokens == sum(map(len, sample_ids)) and len(m.ttft_s) == 3
+    # Batched (left-padded) prefill gives each request the KV of prefilling it alone.
+    for x, kv in zip(sample_ids, kvs):
+        alone = _engine(tiny).prefill([x])[0]
+        torch.testing.assert_close(kv, alone, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("policy_kw", [None, {"positions": "compact"}, {"positions": "original"}])
+def test_ragged_batched_decoding_equals_one_at_a_time(tiny, sample_ids, policy_kw):
+    model, _ = tiny
+    fn = None
+    if policy_kw is not None:
+        fn = make_drop_fn("random", drop_ratio=0.5, model_config=model.config,
+                          rerotate=policy_kw["positions"] == "compact", seed=5)
+    kw = policy_kw or {}
+    eng = _engine(tiny, **kw)
+    eng.prefill(sample_ids)
+    if fn is not None:
+        eng.modify(fn)
+    batched = eng.decode(max_tokens=8, keep_logits=True)
+    assert eng.metrics.decode.peak_batch_size == 3
+    _assert_same(batched, _alone(tiny, sample_ids, fn, **kw), atol=1e-4)
+
+
+def test_requests_join_while_others_run(tiny, sample_ids):
+    """Early stops (EOS) free budget mid-flight; later requests join a running batch, results unchanged."""
+    eng = _engine(tiny)
+    eng.prefill(sample_ids)
+    ref = eng.decode(max_tokens=8, keep_logits=True)
+    # Declare as EOS the first token request 0 generates, so it stops after one token.
+    eng.eos_token_id = ref[0].output_ids[0]
+    assert eng.eos_token_id not in ref[1].output_ids + ref[2].output_ids
+    # Needs: 188, 83, 309. Requests 0 and 1 start; 2 joins when 0 stops (83 + 309 <= 400), 1 still running.
+    eng.kv_budget_tokens = 400
+    out = eng.decode(max_tokens=8, ignore_eos=False, keep_logits=True)
+    assert out[0].finish_reason == "stop" and out[0].output_ids == ref[0].output_ids[:1]
+    assert out[1].finish_reason == "length"
+    assert eng.metrics.decode.steps == 1 + 8  # request 2 joined after step 1 and ran 8 steps alongside 1
+    for a, b in zip(out, ref):
+        n = len(a.output_ids)
+        assert a.output_ids == b.output_ids[:n]
+        torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits[:n]), atol=1e-4, rtol=0)
+
+
+def test_zero_drop_gives_exactly_the_baseline_tokens(tiny, sample_ids):
+    model, _ = tiny
+    for positions in ("compact", "original"):
+        eng = _engine(tiny, positions=positions)
+        eng.prefill(sample_ids)
+        base = eng.decode(max_tokens=8, keep_logits=True)
+        eng.prefill(sample_ids)
+        eng.modify(make_drop_fn("random", drop_ratio=0.0, model_config=model.config,
+                                rerotate=positions == "compact"))
+        dropped = eng.decode(max_tokens=8, keep_logits=True)
+        _assert_same(base, dropped, atol=0)
+
+
+def test_original_positions_equal_full_cache_with_dropped_positions_masked(tiny, sample_ids):
+    """Compacted cache + original positions == full cache where the dropped positions are masked out."""
+    model, _ = tiny
+    fn = make_drop_fn("random", drop_ratio=0.5, rerotate=False, seed=11)
+    eng = _engine(tiny, positions="original")
+    eng.prefill(sample_ids)
+    keeps = [fn.keep_indices({"kv": eng.kv(i)}, eng.tokens(i)) for i in range(len(sample_ids))]
+    eng.modify(fn)
+    outs = eng.decode(max_tokens=6, keep_logits=True)
+
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        for ids, keep, out in zip(sample_ids, keeps, outs):
+            T = len(ids)
+            cache = DynamicCache(config=model.config)
+            # full cache of the prompt minus its last token (which decode feeds again at T-1)
+            model(input_ids=torch.tensor([ids[:-1]]), cache=cache, use_cache=True)
+            mask = torch.zeros(1, T - 1, dtype=torch.long)
+            mask[0, keep[keep < T - 1]] = 1
+            tok, pos = ids[-1], T - 1
+            for step in range(6):
+                mask = torch.cat([mask, torch.ones(1, 1, dtype=torch.long)], dim=1)
+                logits = model(input_ids=torch.tensor([[tok]]), attention_mask=mask, position_ids=torch.tensor([[pos]]),
+                               cache=cache, use_cache=True).logits[0, -1].float()
+                torch.testing.assert_close(out.logits[step], logits, atol=1e-5, rtol=0)
+                tok, pos = int(logits.argmax()), pos + 1
+                assert tok == out.output_ids[step]
+
+
+def test_budget_admission_never_exceeds_budget(tiny, sample_ids):
+    ids = [sample_ids[0][:100]] * 7
+    eng = _engine(tiny, kv_budget_tokens=3 * (100 + 10) + 5)
+    eng.prefill(ids)
+    outs = eng.decode(max_tokens=10)
+    d = eng.metrics.decode
+    assert d.peak_batch_size == 3
+    assert d.kv_peak_reserved_tokens == 330 <= d.kv_budget_tokens
+    assert d.steps == 30  # batches of 3, 3, 1
+    assert all(len(o.output_ids) == 10 for o in outs) and d.output_tokens == 70
+
+
+def test_dropping_fits_more_requests_into_the_same_budget(tiny, sample_ids):
+    model, _ = tiny
+    ids = [sample_ids[2][:300]] * 8
+    eng = _engine(tiny, kv_budget_tokens=4 * (300 + 8))
+    eng.prefill(ids)
+    eng.decode(max_tokens=8)
+    assert eng.metrics.decode.peak_batch_size == 4
+    eng.prefill(ids)
+    eng.modify(make_drop_fn("random", drop_ratio=0.5, model_config=model.config))
+    eng.decode(max_tokens=8)
+    assert eng.metrics.decode.peak_batch_size == 7  # 7 * (150 + 8) <= 1232 < 8 * 158
+
+
+def test_request_larger_than_budget_is_a_clear_error(tiny, sample_ids):
+    eng = _engine(tiny, kv_budget_tokens=100)
+    eng.prefill(sample_ids)
+    with pytest.raises(ValueError, match=r"request 0 needs 188 KV tokens \(180 cached \+ 8 to generate\).*100"):
+        eng.decode(max_tokens=8)
+
+
+def test_failing_drop_function_leaves_every_cache_unchanged(tiny, sample_ids):
+    eng = _engine(tiny)
+    kvs = [kv.clone() for kv in eng.prefill(sample_ids)]
+
+    def bad(tensors, tokens):
+        kv = tensors["kv"] if "kv" in tensors else next(iter(tensors.values()))
+        if len(tokens) == 75:
+            raise RuntimeError("boom")
+        return kv[:, :, :10].clone(), list(tokens[:10])
+
+    with pytest.raises(DropFunctionError, match=r"1 of 3 requests; no cache was changed:\n  request 1: RuntimeError: boom"):
+        eng.modify(bad)
+    for i, kv in enumerate(kvs):
+        assert torch.equal(eng.kv(i), kv) and eng.tokens(i) == sample_ids[i]
+
+    with pytest.warns(UserWarning, match="failed on 1 requests"):
+        report = eng.modify(bad, on_error="skip")
+    assert report.edited == 2 and report.failures[0][0] == 1
+    assert eng.kv(0).shape[2] == 10 and torch.equal(eng.kv(1), kvs[1])
+
+
+def test_bad_drop_output_is_reported(tiny, sample_ids):
+    eng = _engine(tiny)
+    eng.prefill(sample_ids)
+
+    def wrong_count(tensors, tokens):
+        kv = next(iter(tensors.values()))
+        return kv[:, :, :5].clone(), list(tokens[:4])
+
+    with pytest.raises(DropFunctionError, match="len\\(new_tokens\\) = 4 but new_kv holds 5"):
+        eng.modify(wrong_count)
+
+
+def test_positions_and_rerotation_must_agree(tiny, sample_ids):
+    model, _ = tiny
+    eng = _engine(tiny, positions="original")
+    eng.prefill(sample_ids)
+    with pytest.raises(ValueError, match="rerotate=False"):
+        eng.modify(make_drop_fn("random", model_config=model.config, rerotate=True))
+
+
+def test_phase_calls_in_wrong_order_and_bad_settings(tiny):
+    eng = _engine(tiny)
+    with pytest.raises(RuntimeError, match="prefill"):
+        eng.decode(max_tokens=4)
+    with pytest.raises(ValueError, match="positions"):
+        _engine(tiny, positions="absolute")
+    with pytest.raises(ValueError, match="max_tokens"):
+        eng.prefill([[1, 2, 3]])
+        eng.decode(max_tokens=0)
