@@ -5,10 +5,10 @@ surviving keys' RoPE, and decode more requests per batch. See README.md and SPEC
 """
 
 from .edit import CacheKind, DropFn, DropFunctionError, make_drop_fn
-from .engines import compare, open_engine, run_once
+from .engines import compare, default_kv_budget, open_engine, run_once
 from .selection import keep_count
 
 __version__ = "0.1.0"
 
-__all__ = ["CacheKind", "DropFn", "DropFunctionError", "compare", "keep_count", "make_drop_fn", "open_engine",
+__all__ = ["CacheKind", "DropFn", "DropFunctionError", "compare", "default_kv_budget", "keep_count", "make_drop_fn", "open_engine",
            "run_once", "__version__"]

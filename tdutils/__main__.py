@@ -34,9 +34,20 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _fmt(x: float) -> str:
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.4g}"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad option in one line (no usage block) and exits with status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m tdutils", description="Token dropping for long-context LLM decoding.")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = _Parser(prog="python -m tdutils", description="Token dropping for long-context LLM decoding.")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser(
         "run", help="baseline vs token dropping: phase metrics and the decode-throughput ratio",
         description="Prefill the prompts, drop tokens from every request's KV cache with a policy, decode under "
@@ -78,14 +89,18 @@ def cmd_run(args) -> int:
 
     from . import make_drop_fn, open_engine
     from .data import load_prompts
-    from .engines.base import run_once
+    from .engines.base import default_kv_budget, run_once
 
     rows = load_prompts(args.dataset, num_requests=args.num_requests)
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     engine = open_engine(args.engine, model=args.model, dtype=args.dtype, device=args.device,
                          positions=args.positions, progress=not args.no_progress)
     prompt_ids = engine.tokenize(rows)
     if args.kv_budget_tokens is None:
-        engine.kv_budget_tokens = 4 * (max(map(len, prompt_ids)) + args.max_tokens)
+        engine.kv_budget_tokens = default_kv_budget(map(len, prompt_ids), args.max_tokens)
     else:
         engine.kv_budget_tokens = args.kv_budget_tokens
     params = {"seed": args.seed} if args.policy == "random" else {"chunk_size": args.chunk_size}
@@ -109,7 +124,7 @@ def cmd_run(args) -> int:
     table["decode_speedup"] = table["decode_tok_s"] / table.loc["baseline", "decode_tok_s"]
     cols = ["requests", "prompt_tokens", "kv_tokens_after", "prefill_s", "modify_s", "decode_tokens", "decode_s",
             "decode_tok_s", "tpot_mean_s", "peak_batch", "kv_budget_tokens", "end_to_end_s", "decode_speedup"]
-    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", "{:.4g}".format):
+    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", _fmt):
         print(table[cols].T.to_string())
     med = statistics.median(speedups)
     print(f"\ndecode throughput ratio ({name} / baseline): {med:.2f}x"

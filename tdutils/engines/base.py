@@ -61,6 +61,15 @@ class RunResult:
         return [o.text for o in self.outputs]
 
 
+def default_kv_budget(prompt_lengths, max_tokens: int, full_requests: int = 4) -> int:
+    """A KV budget (tokens) that holds `full_requests` undropped requests: `full_requests * (max T + max_tokens)`.
+
+    At this budget the baseline decodes `full_requests` at a time; dropping a fraction `r` of every
+    cache lets up to about `full_requests / (1 - r)` requests share it.
+    """
+    return int(full_requests) * (max(prompt_lengths) + int(max_tokens))
+
+
 def run_once(engine, prompts, *, name: str = "baseline", drop_fn=None, max_tokens: int = 64, **decode_kwargs) -> RunResult:
     """Prefill `prompts`, apply `drop_fn` (None: baseline, no modify), decode `max_tokens` per request."""
     engine.prefill(prompts)

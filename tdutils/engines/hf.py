@@ -134,7 +134,8 @@ class HFEngine:
     def _bar(self, total, desc):
         from tqdm.auto import tqdm
 
-        return tqdm(total=total, desc=desc, disable=not self.progress, leave=False, mininterval=1.0)
+        # delay: a bar appears only for phases that take more than a couple of seconds
+        return tqdm(total=total, desc=desc, disable=not self.progress, leave=False, mininterval=1.0, delay=2.0)
 
     # ------------------------------------------------------------------ phases
     @torch.inference_mode()

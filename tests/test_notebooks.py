@@ -1,0 +1,65 @@
+"""Integration tests: execute each notebook headless with papermill and check what it recorded.
+
+Executed copies go to `executed/` (git-ignored) so a failure can be inspected.
+"""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "executed"
+
+# notebook -> (small parameters, text the executed notebook must show)
+NOTEBOOKS = {
+    "notebooks/random_token_dropping.ipynb": (
+        {"num_requests": 6, "max_tokens": 8},
+        ["decode_speedup", "decode throughput ratio"],
+    ),
+}
+
+
+def _outputs_text(nb) -> str:
+    parts = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                parts.append(out.get("text", ""))
+            data = out.get("data", {})
+            parts.append(data.get("text/plain", "") if isinstance(data.get("text/plain", ""), str)
+                         else "".join(data["text/plain"]))
+    return "\n".join(parts)
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS))
+def test_notebook_executes(path):
+    import papermill as pm
+
+    params, must_show = NOTEBOOKS[path]
+    OUT.mkdir(exist_ok=True)
+    out_path = OUT / Path(path).name
+    try:
+        pm.execute_notebook(str(ROOT / path), str(out_path), parameters=params, kernel_name="python3",
+                            cwd=str(ROOT / Path(path).parent), progress_bar=False)
+    except pm.PapermillExecutionError as exc:
+        pytest.fail(f"{path} failed in cell {exc.exec_count}: {exc.ename}: {exc.evalue} (see {out_path})")
+    nb = nbformat.read(out_path, as_version=4)
+    # Whatever papermill's exit status says, no cell may have produced an error.
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, f"{path}: error outputs {[(e['ename'], e['evalue']) for e in errors]}"
+    assert all(c.get("execution_count") for c in nb.cells if c.cell_type == "code"), "a code cell did not run"
+    text = _outputs_text(nb)
+    for needle in must_show:
+        assert needle in text, f"{path}: executed notebook does not show {needle!r}"
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("**/*.ipynb")
+                                        if "executed" not in p.parts and ".ipynb_checkpoints" not in p.parts))
+def test_notebook_is_committed_clean(path):
+    """Committed notebooks carry no outputs and start with a cell tagged `parameters`."""
+    nb = nbformat.read(ROOT / path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and "parameters" in code[0].metadata.get("tags", []), f"{path}: first code cell is not tagged 'parameters'"
+    assert not any(c.outputs or c.execution_count for c in code), f"{path}: committed with outputs"
