@@ -1,18 +1,24 @@
-"""Command line: `python -m tdutils run --policy random --drop-ratio 0.5`.
+"""Command line: `python -m tdutils run --policy snapkv --drop-ratio 0.5`.
 
-Runs the baseline and the dropped configuration on the same prompts, alternately (`--repeats` times),
-prints the phase table (medians over repeats) with the decode-throughput ratio, and writes JSON.
+`run` runs the baseline and the dropped configuration on the same prompts, alternately (`--repeats`
+times), prints the phase table (medians over repeats) with the decode-throughput ratio, and writes JSON.
+Other subcommands live next to their code (see `SUBCOMMANDS`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
 from pathlib import Path
 
-POLICIES = ("random", "middle_chunk")
+POLICIES = ("snapkv", "random", "middle_chunk")
+
+# Subcommands defined in other modules: name -> (module, help). Each module provides
+# `add_arguments(parser)` and `run(args) -> int` (exit status).
+SUBCOMMANDS: dict[str, tuple[str, str]] = {}
 
 
 def _ratio(text: str) -> float:
@@ -52,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="baseline vs token dropping: phase metrics and the decode-throughput ratio",
         description="Prefill the prompts, drop tokens from every request's KV cache with a policy, decode under "
                     "a fixed KV budget, and compare with the baseline (no dropping) on the same prompts.")
-    run.add_argument("--policy", choices=POLICIES, default="random",
-                     help="token-selection policy (default: random)")
+    run.add_argument("--policy", choices=POLICIES, default="snapkv",
+                     help="token-selection policy: snapkv (attention of the last prompt tokens), random, "
+                          "middle_chunk (the LMCache reference's chunk-middle dropping) (default: snapkv)")
     run.add_argument("--drop-ratio", type=_ratio, default=0.5,
                      help="fraction of each request's tokens to drop, in [0, 1] (default: 0.5)")
     run.add_argument("--engine", choices=("hf", "lmcache"), default="hf",
@@ -74,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "original: keep rotations and decode at T")
     run.add_argument("--repeats", type=_positive_int, default=1,
                      help="baseline and dropped run alternately this many times; the table shows medians")
+    run.add_argument("--window", type=_positive_int, default=None,
+                     help="observation window: the last prompt tokens always kept, whose queries vote in snapkv "
+                          "(default: 64 for snapkv, 16 for random)")
+    run.add_argument("--kernel-size", type=_positive_int, default=5, help="snapkv pooling kernel, odd (default: 5)")
+    run.add_argument("--pooling", choices=("avg", "max"), default="avg", help="snapkv pooling (default: avg)")
     run.add_argument("--seed", type=int, default=0, help="seed of the random policy (default: 0)")
     run.add_argument("--chunk-size", type=_positive_int, default=256, help="chunk size of middle_chunk (default: 256)")
     run.add_argument("--dtype", default="auto", help="model dtype: auto, float32, float16, bfloat16 (default: auto)")
@@ -81,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", dest="json_path", default="runs/run.json",
                      help="where to write the metrics as JSON (default: runs/run.json)")
     run.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    run.set_defaults(func=cmd_run)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod.add_arguments(p)
+        p.set_defaults(func=mod.run)
     return ap
 
 
@@ -96,14 +114,19 @@ def cmd_run(args) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    params = {
+        "snapkv": {"window": args.window or 64, "kernel_size": args.kernel_size, "pooling": args.pooling},
+        "random": {"seed": args.seed, "window": args.window or 16},
+        "middle_chunk": {"chunk_size": args.chunk_size},
+    }[args.policy]
     engine = open_engine(args.engine, model=args.model, dtype=args.dtype, device=args.device,
-                         positions=args.positions, progress=not args.no_progress)
+                         positions=args.positions, progress=not args.no_progress,
+                         query_window=max(64, params.get("window", 0)))
     prompt_ids = engine.tokenize(rows)
     if args.kv_budget_tokens is None:
         engine.kv_budget_tokens = default_kv_budget(map(len, prompt_ids), args.max_tokens)
     else:
         engine.kv_budget_tokens = args.kv_budget_tokens
-    params = {"seed": args.seed} if args.policy == "random" else {"chunk_size": args.chunk_size}
     drop_fn = make_drop_fn(args.policy, drop_ratio=args.drop_ratio, model_config=engine.config,
                            rerotate=args.positions == "compact", **params)
     name = f"{args.policy}@{args.drop_ratio:g}"
@@ -141,12 +164,10 @@ def cmd_run(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "run":
-            return cmd_run(args)
+        return args.func(args)
     except (ValueError, FileNotFoundError, OSError, ConnectionError, NotImplementedError) as exc:
         print(f"tdutils: error: {exc}", file=sys.stderr)
         return 2
-    return 1
 
 
 if __name__ == "__main__":

@@ -21,6 +21,14 @@ SAMPLE_NAME = "sample"
 SAMPLE_PATH = SAMPLE_DIR / "passkey_1k.jsonl"
 PASSKEY_DIGITS = 5
 
+# Bundled English multiple-choice sample in the demo schema (written by tools/make_mc_sample.py).
+MC_SAMPLE_NAME = "mc-sample"
+MC_SAMPLE_PATH = SAMPLE_DIR / "mc_sample.jsonl"
+# Hub demo datasets (SPEC §7): 30 LongBench-v2 rows of 10k-17k Qwen3 tokens, and 10 rows of ~1k tokens.
+DEMO_DATASET = "raniayu/token-dropping-demo"
+DEMO_DATASET_SHORT = "raniayu/token-dropping-demo-short"
+DEMO_COLUMNS = ("prompt", "answer")
+
 
 @dataclass
 class PromptRow:
@@ -88,8 +96,9 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
     """Load prompts from the bundled sample, a local file or a Hugging Face hub dataset.
 
     Args:
-        dataset: `"sample"` (bundled: 16 passkey prompts of ~1k tokens), a local `.jsonl`/`.json`/`.csv`/
-            `.parquet` file, or a hub id such as `raniayu/token-dropping-demo-short`.
+        dataset: `"sample"` (bundled: 16 passkey prompts of ~1k tokens), `"mc-sample"` (bundled English
+            multiple-choice prompts, see `load_mc_sample`), a local `.jsonl`/`.json`/`.csv`/`.parquet`
+            file, or a hub id such as `raniayu/token-dropping-demo-short`.
         num_requests: keep the first `num_requests` rows (None: all). Fewer rows than asked is an error.
         prompt_column / answer_column: columns holding the prompt text and the gold answer.
 
@@ -119,6 +128,8 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
 def _read_rows(dataset: str, split: str) -> list[dict]:
     if dataset == SAMPLE_NAME:
         return _read_local(SAMPLE_PATH)
+    if dataset == MC_SAMPLE_NAME:
+        return _read_local(MC_SAMPLE_PATH)
     path = Path(dataset).expanduser()
     looks_local = path.suffix in (".jsonl", ".json", ".csv", ".parquet") or dataset.startswith((".", "/", "~"))
     if path.exists():
@@ -158,3 +169,55 @@ def _read_hub(dataset: str, split: str) -> list[dict]:
             f"or use {SAMPLE_NAME!r} for the bundled sample."
         ) from exc
     return [dict(r) for r in ds]
+
+
+def load_demo_dataset(source: str = DEMO_DATASET, split: str = "train") -> list[dict]:
+    """Rows of a demo dataset in the demo schema: at least `prompt` (full prompt text) and `answer`.
+
+    Args:
+        source: a hub id read through `datasets` (`raniayu/token-dropping-demo`, 30 LongBench-v2 rows of
+            10k-17k Qwen3 tokens; `raniayu/token-dropping-demo-short`, 10 rows of ~1k tokens), a local
+            `.json`/`.jsonl`/`.parquet` (or `.csv`) file, or `"mc-sample"` for the bundled English
+            multiple-choice sample (works offline).
+        split: the hub split (ignored for local files).
+
+    Returns:
+        One dict per row with every column of the source (e.g. `difficulty`, `length` for scoring).
+
+    Raises:
+        FileNotFoundError: a local path that does not exist.
+        ValueError: no rows, or rows lacking `prompt` / `answer` (the message names the missing columns).
+        ConnectionError: the hub dataset cannot be loaded (offline, unknown id); the message names the
+            dataset and how to pass a local file instead.
+    """
+    try:
+        rows = _read_rows(source, split)
+    except ConnectionError as exc:
+        # _read_hub's message already names the dataset and the local-file route; point to the bundled
+        # multiple-choice sample too, since its passkey "sample" hint does not fit a multiple-choice demo.
+        raise ConnectionError(f"{exc} For English multiple-choice prompts without network, "
+                              f"use {MC_SAMPLE_NAME!r} (bundled).") from exc.__cause__
+    if not rows:
+        raise ValueError(f"dataset {source!r} has no rows")
+    missing = [c for c in DEMO_COLUMNS if any(c not in r for r in rows)]
+    if missing:
+        lacking = sum(any(c not in r for c in missing) for r in rows)
+        hint = ""
+        if "prompt" in missing and all(k in rows[0] for k in ("context", "question", "choice_A")):
+            hint = " These look like raw LongBench-v2 rows: build prompts with tdutils.answers.build_prompt."
+        raise ValueError(f"dataset {source!r} lacks column(s) {missing} ({lacking} of {len(rows)} rows); "
+                         f"columns of the first row: {sorted(rows[0])}.{hint}")
+    return rows
+
+
+def load_mc_sample() -> list[dict]:
+    """The bundled English multiple-choice sample (`assets/sample/mc_sample.jsonl`), in the demo schema.
+
+    20 rows written by `tools/make_mc_sample.py`: LongBench-v2 0-shot prompts over documents of about
+    1,000-2,600 words of public-domain English text from Python's standard library, with one planted fact
+    (and, for `hard` rows, a similar decoy fact) at a recorded depth; the question asks for that fact. The
+    gold letters are balanced over A-D. Columns: `id`, `prompt`, `answer`, `difficulty` (`easy`/`hard`),
+    `length` (`short`/`medium`/`long`), `question`, `choice_A`..`choice_D`, `needle`, `needle_depth`,
+    `decoy`, `decoy_depth`, `context_words`, `context_chars`, `source`. See the script for provenance.
+    """
+    return load_demo_dataset(MC_SAMPLE_NAME)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..edit import CacheKind, DropFunctionError, check_kv, validate_drop_output
+from .capture import QueryRecorder, capture_implementation, recording
 from ..metrics import DecodeMetrics, ModifyMetrics, PrefillMetrics, RunMetrics
 from ..models import load_model, model_facts
 from .base import ModifyReport, RequestOutput
@@ -40,6 +41,7 @@ class _Request:
     kv: torch.Tensor  # [2, L, T, D]
     tokens: list[int]  # the T token ids the cache holds
     refeed_pos: int  # position of the last cached token, fed again at decode start
+    query: torch.Tensor | None = None  # [L, Tq, Hq*d], last Tq prompt tokens; None after an edit
     ttft_s: float = float("nan")
     # decode state
     output_ids: list[int] = field(default_factory=list)
@@ -61,7 +63,13 @@ class HFEngine:
         max_batch_size: optional cap on the running batch.
         prefill_batch_size: prompts prefilled together (left-padded).
         positions: `"compact"` or `"original"` (see module docstring).
+        query_window: how many final prompt tokens' query states prefill captures per request (`[L, Tq,
+            Hq*d]`, after q_norm and RoPE) for policies that need them (SnapKV, R-KV); default 64, the
+            largest default policy window; None captures all tokens; 0 captures nothing.
         progress: show tqdm progress bars for the prefill and decode phases.
+
+    Query capture switches the model to a registered attention function that wraps its `sdpa` or
+    `eager` attention (`tdutils.engines.capture`); outputs are unchanged.
     """
 
     kind = "hf"
@@ -69,13 +77,15 @@ class HFEngine:
     def __init__(self, model="tiny-qwen3", *, tokenizer=None, dtype="auto", device=None,
                  attn_implementation: str | None = "sdpa", kv_budget_tokens: int | None = None,
                  max_batch_size: int | None = None, prefill_batch_size: int = 4, positions: str = "compact",
-                 progress: bool = True):
+                 query_window: int | None = 64, progress: bool = True):
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
         if kv_budget_tokens is not None and kv_budget_tokens < 1:
             raise ValueError(f"kv_budget_tokens must be a positive number of tokens or None, got {kv_budget_tokens}")
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
+        if query_window is not None and query_window < 0:
+            raise ValueError(f"query_window must be >= 0 or None (all tokens), got {query_window}")
         if prefill_batch_size < 1:
             raise ValueError(f"prefill_batch_size must be >= 1, got {prefill_batch_size}")
         if isinstance(model, str):
@@ -88,6 +98,9 @@ class HFEngine:
             self.model_name = getattr(model, "name_or_path", type(model).__name__)
             self.model, self.tokenizer = model.eval(), tokenizer
         self.device = next(self.model.parameters()).device
+        self.query_window = query_window
+        if query_window != 0:
+            self.model.set_attn_implementation(capture_implementation(self.model.config._attn_implementation))
         self.facts = model_facts(self.model.config, self.model.dtype)
         self.kv_budget_tokens = kv_budget_tokens
         self.max_batch_size = max_batch_size
@@ -167,7 +180,9 @@ class HFEngine:
                 mask[b, width - len(x):] = 1
             position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, width]; 0..T-1 on real tokens
             cache = self._new_cache()
-            self._forward(input_ids.to(self.device), mask.to(self.device), position_ids.to(self.device), cache)
+            recorder = QueryRecorder(self.query_window)
+            with recording(recorder):
+                self._forward(input_ids.to(self.device), mask.to(self.device), position_ids.to(self.device), cache)
             now = time.perf_counter() - t0
             for b, x in enumerate(batch):
                 pad = width - len(x)
@@ -175,9 +190,15 @@ class HFEngine:
                 k = torch.stack([lay.keys[b, :, pad:, :].transpose(0, 1).reshape(len(x), -1) for lay in cache.layers])
                 v = torch.stack([lay.values[b, :, pad:, :].transpose(0, 1).reshape(len(x), -1) for lay in cache.layers])
                 kv = torch.stack([k, v])  # [2, L, T, D]
+                query = None
+                if self.query_window != 0:
+                    tq = len(x) if self.query_window is None else min(self.query_window, len(x))
+                    # recorded [B, Hq, window, d] -> this row's last tq tokens [L, tq, Hq*d]
+                    query = torch.stack([recorder.layers[i][b, :, -tq:, :].transpose(0, 1).reshape(tq, -1)
+                                         for i in range(len(cache.layers))])
                 rid = start + b
                 ttft[rid] = now
-                self.requests.append(_Request(rid, x, kv, list(x), refeed_pos=len(x) - 1, ttft_s=now))
+                self.requests.append(_Request(rid, x, kv, list(x), refeed_pos=len(x) - 1, ttft_s=now, query=query))
             bar.update(sum(lens))
             del cache
         bar.close()
@@ -187,6 +208,18 @@ class HFEngine:
     def kv(self, request_id: int) -> torch.Tensor:
         """The current KV `[2, L, T, D]` of one request (after `modify`, the edited one)."""
         return self.requests[request_id].kv
+
+    def query(self, request_id: int) -> torch.Tensor | None:
+        """The captured query `[L, Tq, Hq*d]` of one request (rows aligned to the end of its KV), or None."""
+        return self.requests[request_id].query
+
+    def tensors(self, request_id: int) -> dict:
+        """What a drop function receives for one request: `{CacheKind.KV: kv[, CacheKind.QUERY: q]}`."""
+        req = self.requests[request_id]
+        tensors = {CacheKind.KV: req.kv}
+        if req.query is not None:
+            tensors[CacheKind.QUERY] = req.query
+        return tensors
 
     def tokens(self, request_id: int) -> list[int]:
         """The token ids the cache of one request holds."""
@@ -198,7 +231,8 @@ class HFEngine:
 
         Args:
             drop_fn: an LMCache-style ModifyFn (e.g. from `tdutils.make_drop_fn`). It receives
-                `{CacheKind.KV: kv [2, L, T, D]}` and the T token ids.
+                `{CacheKind.KV: kv [2, L, T, D], CacheKind.QUERY: q [L, Tq, Hq*d]}` (the query when
+                captured, i.e. before the first edit) and the T token ids.
             positions: `"compact"` / `"original"`; default the engine's setting. A `DropFn` whose
                 `rerotate` disagrees (compact needs re-rotated keys, original needs untouched ones) is
                 refused before anything runs.
@@ -227,8 +261,7 @@ class HFEngine:
         edits, failures = {}, []
         for req in self.requests:
             try:
-                tensors = {CacheKind.KV: req.kv}
-                result = drop_fn(tensors, list(req.tokens))
+                result = drop_fn(self.tensors(req.request_id), list(req.tokens))
                 edits[req.request_id] = validate_drop_output(req.kv, req.tokens, result)
             except Exception as exc:  # reported below, never swallowed
                 failures.append((req.request_id, f"{exc.__class__.__name__}: {exc}"))
@@ -244,6 +277,7 @@ class HFEngine:
             if req.request_id in edits:
                 new_kv, new_tokens = edits[req.request_id]
                 req.kv, req.tokens = new_kv, new_tokens
+                req.query = None  # the captured rows belonged to the unedited prompt
                 # compact: the last kept token sits at k-1; original: the prompt's last position T-1.
                 req.refeed_pos = len(new_tokens) - 1 if positions == "compact" else len(req.prompt_ids) - 1
         mm.edited, mm.failed = len(edits), len(failures)

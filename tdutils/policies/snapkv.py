@@ -1,0 +1,152 @@
+"""SnapKV: keep the tokens that the last queries of the prompt (the observation window) attend to.
+
+Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv:2404.14469.
+
+Per layer: logits of the last `w` queries against all `n` keys, `q·k / sqrt(d)`, causal inside the
+window; softmax over the keys in fp32; the *vote* of each earlier token is its attention summed over the
+`w` window rows. The `g = Hq / H` query heads of a GQA group share one KV head (query head `h` reads KV
+head `h // g`), so their votes are reduced per group (`mean`, or `max`). Votes are pooled along tokens
+(`avg` or `max`, stride 1, same padding) so that neighbours of a voted token survive with it, then
+averaged over KV heads and layers into one score per token: one kept set for all layers and heads, as
+the serving path (one token list per request) needs. Keep the `k - w` best earlier tokens plus the
+whole window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..selection import keep_count, keep_top_scores, protected_mask
+
+
+@dataclass
+class SnapKVParams:
+    """SnapKV parameters: observation window `w`, pooling kernel and kind, GQA reduction."""
+
+    window: int = 64
+    kernel_size: int = 5
+    pooling: str = "avg"
+    gqa_reduce: str = "mean"
+
+
+def _check(kv: torch.Tensor, q: torch.Tensor, window: int, head_dim: int, kernel_size: int, pooling: str,
+           gqa_reduce: str) -> torch.Tensor:
+    if q is None:
+        raise ValueError("SnapKV needs the query tensor (CacheKind.QUERY): the hf engine captures it when "
+                         "query_window >= window; the lmcache engine needs the vLLM query patch and transfer_query")
+    if q.dim() == 4 and q.shape[0] == 1:  # LMCache returns [1, L, Tq, Hq*d]
+        q = q[0]
+    if kv.dim() != 4 or kv.shape[0] != 2:
+        raise ValueError(f"kv must have shape [2, L, T, D], got {tuple(kv.shape)}")
+    if q.dim() != 3 or q.shape[0] != kv.shape[1]:
+        raise ValueError(f"q must have shape [L, Tq, Hq*d] with L = {kv.shape[1]}, got {tuple(q.shape)}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if q.shape[1] < window:
+        raise ValueError(f"the query holds {q.shape[1]} rows but the observation window is {window}; capture at "
+                         f"least `window` final queries (hf engine: query_window >= {window})")
+    if kv.shape[3] % head_dim or q.shape[2] % head_dim:
+        raise ValueError(f"head_dim {head_dim} divides neither D={kv.shape[3]} nor Hq*d={q.shape[2]}")
+    h, hq = kv.shape[3] // head_dim, q.shape[2] // head_dim
+    if hq % h:
+        raise ValueError(f"{hq} query heads are not a multiple of {h} KV heads (GQA)")
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"kernel_size must be an odd number >= 1 (1 = no pooling), got {kernel_size}")
+    if pooling not in ("avg", "max"):
+        raise ValueError(f"pooling must be 'avg' or 'max', got {pooling!r}")
+    if gqa_reduce not in ("mean", "max"):
+        raise ValueError(f"gqa_reduce must be 'mean' or 'max', got {gqa_reduce!r}")
+    return q
+
+
+def window_attention(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """Attention probabilities of the window queries over all keys of one layer, causal inside the window.
+
+    Args:
+        k: `[T, H*d]` keys (any float dtype).
+        q: `[w, Hq*d]` the last `w` queries (row `i` is token `T - w + i`).
+        n_kv_heads: `H`; query head `h` reads KV head `h // (Hq / H)`.
+
+    Returns:
+        fp32 `[Hq, w, T]`, each row summing to 1.
+    """
+    T, w = k.shape[0], q.shape[0]
+    d = k.shape[1] // n_kv_heads
+    hq = q.shape[1] // d
+    g = hq // n_kv_heads
+    kh = k.float().view(T, n_kv_heads, d).transpose(0, 1)  # [H, T, d]
+    qh = q.float().view(w, hq, d).transpose(0, 1)  # [Hq, w, d]
+    kh = kh.repeat_interleave(g, dim=0)  # [Hq, T, d]: query head h -> KV head h // g
+    logits = qh @ kh.transpose(1, 2) / d**0.5  # [Hq, w, T]
+    # causal inside the window: row i (token T - w + i) sees keys 0 .. T - w + i
+    rows = torch.arange(w, device=k.device)[:, None] + (T - w)
+    logits = logits.masked_fill(torch.arange(T, device=k.device)[None, :] > rows, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def pool_tokens(x: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
+    """Pool `[..., n]` along the last axis: stride 1, same padding (avg counts the zero padding, as SnapKV)."""
+    if kernel_size == 1:
+        return x
+    shape = x.shape
+    x = x.reshape(-1, 1, shape[-1])
+    pad = kernel_size // 2
+    if pooling == "avg":
+        x = F.avg_pool1d(x, kernel_size, stride=1, padding=pad)
+    else:
+        x = F.max_pool1d(x, kernel_size, stride=1, padding=pad)
+    return x.reshape(shape)
+
+
+def snapkv_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, window: int = 64, kernel_size: int = 5,
+                  pooling: str = "avg", gqa_reduce: str = "mean") -> torch.Tensor:
+    """SnapKV score of every token before the observation window (arXiv:2404.14469).
+
+    Args:
+        kv: `[2, L, T, D]` KV of one request, keys after RoPE, `D = H * head_dim` (any float dtype).
+        q: `[L, Tq, Hq * head_dim]` (or `[1, L, Tq, Hq*d]`) queries aligned to the end of the KV, `Tq >= window`.
+        head_dim: `d`.
+        window: `w`, the observation window (the last `w` prompt tokens).
+        kernel_size: odd pooling kernel along tokens (1 = no pooling).
+        pooling: `"avg"` or `"max"`.
+        gqa_reduce: how the `g` query heads of a KV group combine their votes, `"mean"` or `"max"`.
+
+    Returns:
+        fp32 `[T - w]` scores (higher = keep); empty when `T <= w`.
+
+    Raises:
+        ValueError: missing query, bad shapes, `Tq < window`, even kernel, unknown pooling / reduction.
+    """
+    q = _check(kv, q, window, head_dim, kernel_size, pooling, gqa_reduce)
+    L, T = kv.shape[1], kv.shape[2]
+    n = T - window
+    if n <= 0:
+        return torch.zeros(0, dtype=torch.float32, device=kv.device)
+    h = kv.shape[3] // head_dim
+    total = torch.zeros(n, dtype=torch.float32, device=kv.device)
+    for layer in range(L):  # one layer at a time: the [Hq, w, T] probabilities are the big temporary
+        probs = window_attention(kv[0, layer], q[layer, -window:], h)  # [Hq, w, T]
+        vote = probs[:, :, :n].sum(dim=1)  # [Hq, n]
+        vote = vote.view(h, -1, n)  # [H, g, n]
+        vote = vote.mean(dim=1) if gqa_reduce == "mean" else vote.amax(dim=1)  # [H, n]
+        total += pool_tokens(vote, kernel_size, pooling).mean(dim=0)
+    return total / L
+
+
+def snapkv_keep(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int = 64,
+                kernel_size: int = 5, pooling: str = "avg", gqa_reduce: str = "mean") -> torch.Tensor:
+    """Kept indices: the whole window plus the `keep_count(T, drop_ratio) - w` best-scored earlier tokens.
+
+    Returns `arange(T)` when `T <= w` (nothing can be dropped). LongTensor [k], sorted.
+    """
+    T = kv.shape[2]
+    k = keep_count(T, drop_ratio)
+    if T <= window:  # the whole prompt is the observation window
+        return torch.arange(T)
+    scores = snapkv_scores(kv, q, head_dim=head_dim, window=window, kernel_size=kernel_size, pooling=pooling,
+                           gqa_reduce=gqa_reduce)
+    full = torch.cat([scores.cpu(), torch.zeros(window)])  # window slots are protected below
+    return keep_top_scores(full, k, protected_mask(T, window=window))
