@@ -76,7 +76,7 @@ def make_passkey_example(context_tokens: int, *, tokenizer, rng: random.Random, 
         i += 1
     words = words[:budget]
     depth = rng.random() if depth is None else depth
-    at = int(round(depth * len(words)))
+    at = round(depth * len(words))
     text = " ".join(words[:at] + [needle] + words[at:] + [question])
     n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
     return {"prompt": text, "answer": " ".join(digits), "depth": at / max(1, len(words)), "context_tokens": n}
