@@ -134,11 +134,12 @@ def cmd_run(args) -> int:
           f"prompt tokens={sum(map(len, prompt_ids))} max_tokens={args.max_tokens} "
           f"kv_budget_tokens={engine.kv_budget_tokens} positions={args.positions}", flush=True)
 
-    runs, speedups = [], []
+    runs, speedups, texts = [], [], {}
     for rep in range(args.repeats):  # A B A B ...: both configurations see the same machine noise
         base = run_once(engine, prompt_ids, name="baseline", max_tokens=args.max_tokens)
         dropped = run_once(engine, prompt_ids, name=name, drop_fn=drop_fn, max_tokens=args.max_tokens)
         runs += [base.metrics.to_dict(), dropped.metrics.to_dict()]
+        texts = {"baseline": base.texts, name: dropped.texts}  # greedy decoding: the same every repeat
         speedups.append(dropped.metrics.decode.tokens_per_s / base.metrics.decode.tokens_per_s)
         if args.repeats > 1:
             print(f"repeat {rep + 1}/{args.repeats}: decode speedup {speedups[-1]:.2f}x", flush=True)
@@ -152,9 +153,19 @@ def cmd_run(args) -> int:
     med = statistics.median(speedups)
     print(f"\ndecode throughput ratio ({name} / baseline): {med:.2f}x"
           + (f" (median of {len(speedups)}; min {min(speedups):.2f}x, max {max(speedups):.2f}x)" if len(speedups) > 1 else ""))
+    accuracy = {}
+    if all(r.answer is not None for r in rows):
+        from .answers import score_rows
+
+        for run_name, run_texts in texts.items():
+            rep = score_rows(rows, run_texts)
+            accuracy[run_name] = rep.to_dict()
+            lo, hi = rep.ci95 or (float("nan"), float("nan"))
+            print(f"accuracy {run_name} ({rep.mode}): {rep} [95% CI {100 * lo:.0f}-{100 * hi:.0f}%]")
     out = Path(args.json_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"args": vars(args), "decode_speedups": speedups, "decode_speedup_median": med,
+    report = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "decode_speedups": speedups,
+              "decode_speedup_median": med, "accuracy": accuracy,
               "table": json.loads(table.reset_index().to_json(orient="records")), "runs": runs}
     out.write_text(json.dumps(report, indent=1, default=str))
     print(f"wrote {out}")

@@ -378,3 +378,35 @@ def score_passkey(gold: Sequence[str], responses: Sequence[str | None], *, diffi
         predictions.append(" ".join(got) if len(got) == len(want) else None)
         ok.append(got == want)
     return _report("passkey", predictions, ok, difficulty, length, (), ())
+
+
+def score_rows(rows, responses: Sequence[str | None], *, mode: str = "official") -> ScoreReport:
+    """Score responses against dataset rows, choosing the scoring their gold answers call for.
+
+    Passkey rows (gold answers made of digits, e.g. the bundled `sample`) are scored by `score_passkey`;
+    multiple-choice rows (gold `A`..`D`, e.g. the demo datasets or `mc-sample`) by `score_answers` with
+    `mode`, using the rows' `difficulty` / `length` labels when present.
+
+    Args:
+        rows: `tdutils.data.PromptRow`s or dicts with `answer` (and optional `difficulty`, `length`).
+        responses: generated texts aligned with `rows`.
+
+    Raises:
+        ValueError: a row without a gold answer, or gold answers that are neither all digits nor all A-D.
+    """
+    def field(row, name):
+        if isinstance(row, Mapping):
+            return row.get(name)
+        return getattr(row, name, None) if name == "answer" else getattr(row, "meta", {}).get(name)
+
+    gold = [field(r, "answer") for r in rows]
+    if any(g is None for g in gold):
+        raise ValueError("every row needs a gold 'answer' to be scored")
+    gold = [str(g).strip() for g in gold]
+    if all(re.fullmatch(r"[\d\s]+", g) for g in gold):
+        return score_passkey(gold, responses)
+    if all(g in CHOICES for g in gold):
+        labels = {n: [field(r, n) for r in rows] for n in ("difficulty", "length")}
+        labels = {n: v if any(x is not None for x in v) else None for n, v in labels.items()}
+        return score_answers(gold, responses, mode=mode, **labels)
+    raise ValueError(f"cannot tell how to score gold answers like {gold[:3]}: expected digit passkeys or letters A-D")

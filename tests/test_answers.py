@@ -358,3 +358,20 @@ def test_mc_sample_is_reproducible(tmp_path):
                        check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert out.read_bytes() == MC_SAMPLE_PATH.read_bytes()
+
+
+def test_score_rows_picks_passkey_or_multiple_choice_scoring():
+    from tdutils.answers import score_rows
+    from tdutils.data import PromptRow
+
+    rows = [PromptRow("p", "1 2 3 4 5"), PromptRow("p", "0 0 0 0 1")]
+    rep = score_rows(rows, ["1 2 3 4 5 and more", "0 0 0 0"])
+    assert (rep.mode, rep.correct, rep.total, rep.unparsed) == ("passkey", 1, 2, 1)
+    rows = [PromptRow("p", "B", {"difficulty": "easy", "length": "short"}), {"prompt": "p", "answer": "C"}]
+    rep = score_rows(rows, ["The correct answer is (B)", "The correct answer is (A)"])
+    assert (rep.mode, rep.correct, rep.total) == ("official", 1, 2)
+    assert rep.by_difficulty["easy"].n == 1 and rep.by_difficulty["easy"].correct == 1
+    with pytest.raises(ValueError, match="cannot tell"):
+        score_rows([PromptRow("p", "B"), PromptRow("p", "12")], ["", ""])
+    with pytest.raises(ValueError, match="gold 'answer'"):
+        score_rows([PromptRow("p")], [""])

@@ -13,6 +13,14 @@ OUT = ROOT / "executed"
 
 # notebook -> (small parameters, text the executed notebook must show)
 NOTEBOOKS = {
+    "notebooks/get_query_tensor.ipynb": (
+        {"num_requests": 2, "query_window": 16, "window": 8},
+        ["max |Δ attention|", "kept 512 of 1024 tokens"],
+    ),
+    "notebooks/snapkv_token_dropping.ipynb": (
+        {"num_requests": 6, "max_tokens": 8, "window": 32},
+        ["decode_speedup", "snapkv@0.5:", "needle at"],
+    ),
     "notebooks/random_token_dropping.ipynb": (
         {"num_requests": 6, "max_tokens": 8},
         ["decode_speedup", "decode throughput ratio"],

@@ -149,3 +149,12 @@ def test_snapkv_without_captured_queries_is_reported(tiny, sample_ids):
     assert CacheKind.QUERY not in eng.tensors(0)
     with pytest.raises(Exception, match="needs the query tensor"):
         eng.modify(make_drop_fn("snapkv", drop_ratio=0.5, model_config=model.config))
+
+
+def test_check_query_flags_mixed_up_rows(tiny, sample_ids):
+    eng = _engine(tiny)
+    eng.prefill(sample_ids)
+    assert eng.check_query(0) < 1e-5 and eng.check_query(2) < 1e-5
+    eng.requests[0].query = eng.requests[2].query.clone()  # another request's rows: what a batching bug does
+    assert eng.check_query(0) > 1e-2
+    assert eng.model.config._attn_implementation == "tdutils_capture_eager"

@@ -221,6 +221,38 @@ class HFEngine:
             tensors[CacheKind.QUERY] = req.query
         return tensors
 
+    @torch.inference_mode()
+    def check_query(self, request_id: int, rows: int = 8) -> float:
+        """Validate a request's captured queries against its keys: recompute the attention of its last
+        `rows` prompt tokens from the captured `q` and `kv` (`softmax(q·kᵀ/sqrt(d))`, causal) and compare
+        with the model's own attention probabilities (eager attention, `output_attentions=True`).
+
+        Returns:
+            The largest absolute difference over layers, heads and rows (≈1e-7 in fp32 when the capture is
+            right; a mixed-up row gives differences of order 0.1–1).
+
+        Raises:
+            RuntimeError: the request has no captured query (query_window=0, or after modify).
+        """
+        from ..policies.snapkv import window_attention
+
+        req = self.requests[request_id]
+        if req.query is None:
+            raise RuntimeError(f"request {request_id} has no captured query (query_window=0, or it was edited)")
+        rows = min(rows, req.query.shape[1])
+        impl = self.model.config._attn_implementation
+        self.model.set_attn_implementation(capture_implementation("eager"))  # only eager returns probabilities
+        try:
+            ids = torch.tensor([req.prompt_ids], device=self.device)
+            att = self.model(input_ids=ids, output_attentions=True).attentions  # L x [1, Hq, T, T]
+        finally:
+            self.model.set_attn_implementation(impl)
+        worst = 0.0
+        for layer, a in enumerate(att):
+            mine = window_attention(req.kv[0, layer], req.query[layer, -rows:], self.facts.num_kv_heads)
+            worst = max(worst, float((mine - a[0, :, -rows:, :].float()).abs().max()))
+        return worst
+
     def tokens(self, request_id: int) -> list[int]:
         """The token ids the cache of one request holds."""
         return list(self.requests[request_id].tokens)
