@@ -1,0 +1,98 @@
+"""Decode-throughput sweeps: baseline and every policy × drop ratio, alternated, on the same prompts.
+
+At a fixed KV budget, keeping a fraction `1 − r` of every cache fits at most `1/(1 − r)` times as many
+requests into the decode batch (fewer, since generated tokens share the budget): that *capacity limit*
+is the physical ceiling of the decode speed-up. Measurements on a shared machine drift, so each repeat
+runs the baseline and every configuration back to back (A B C … A B C …) and every ratio is taken
+against the baseline of its own repeat.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from .edit import make_drop_fn
+from .engines.base import run_once
+
+
+@dataclass
+class SweepConfig:
+    """One configuration: a policy name (or None for the baseline), its drop ratio and parameters."""
+
+    policy: str | None
+    drop_ratio: float = 0.0
+    params: dict | None = None
+
+    @property
+    def name(self) -> str:
+        if self.policy is None:
+            return "baseline"
+        extra = "".join(f",{k}={v}" for k, v in (self.params or {}).items())
+        return f"{self.policy}@{self.drop_ratio:g}{extra}"
+
+
+def throughput_sweep(engine, prompts, configs: list[SweepConfig], *, max_tokens: int = 64, repeats: int = 3,
+                     progress=print):
+    """Measure every configuration `repeats` times, alternating with the baseline.
+
+    Args:
+        engine: an open engine (its `kv_budget_tokens` is the fixed budget).
+        prompts: strings, rows or token-id lists (tokenized once).
+        configs: the configurations besides the baseline (which always runs first in each repeat).
+        max_tokens: decode tokens per request; EOS is ignored so every run decodes the same count.
+        repeats: rounds of A B C ...
+        progress: callable for one line per run (None: silent).
+
+    Returns:
+        `(table, runs)`: a pandas DataFrame with one row per configuration — decode tok/s median / min /
+        max, `decode_speedup` (median over repeats of the ratio to that repeat's baseline), the capacity
+        limit `1/(1−r)` and `of_limit` (speedup / limit), peak batch, modify seconds, end-to-end seconds
+        (prefill + modify + decode) and its ratio — and the list of per-run summaries.
+
+    Raises:
+        RuntimeError: a run decoded a different number of tokens than `requests × max_tokens`.
+    """
+    import pandas as pd
+
+    ids = engine.tokenize(prompts)
+    expected = len(ids) * max_tokens
+    fns = {c.name: make_drop_fn(c.policy, drop_ratio=c.drop_ratio, model_config=engine.config,
+                                rerotate=getattr(engine, "positions", "compact") == "compact", **(c.params or {}))
+           for c in configs}
+    ratios = {c.name: c.drop_ratio for c in [SweepConfig(None)] + list(configs)}
+    runs = []
+    for rep in range(repeats):
+        base_tps = base_e2e = None
+        for name in ratios:
+            res = run_once(engine, ids, name=name, drop_fn=fns.get(name), max_tokens=max_tokens, ignore_eos=True)
+            s = res.metrics.summary()
+            if s["decode_tokens"] != expected:
+                raise RuntimeError(f"{name} decoded {s['decode_tokens']} tokens, expected {expected} "
+                                   f"({len(ids)} requests x {max_tokens})")
+            if name == "baseline":
+                base_tps, base_e2e = s["decode_tok_s"], s["end_to_end_s"]
+            s.update(repeat=rep, drop_ratio=ratios[name], speedup=s["decode_tok_s"] / base_tps,
+                     e2e_speedup=base_e2e / s["end_to_end_s"])
+            runs.append(s)
+            if progress:
+                progress(f"repeat {rep + 1}/{repeats} {name:>24}: decode {s['decode_tok_s']:9.1f} tok/s, "
+                         f"peak batch {s['peak_batch']}, modify {s['modify_s']:.3f} s, x{s['speedup']:.2f}")
+
+    rows = []
+    for name, r in ratios.items():
+        mine = [s for s in runs if s["run"] == name]
+        tps = [s["decode_tok_s"] for s in mine]
+        limit = 1.0 / (1.0 - r) if r < 1 else float("inf")
+        speedup = statistics.median(s["speedup"] for s in mine)
+        rows.append({
+            "config": name, "drop_ratio": r, "decode_tok_s_median": statistics.median(tps),
+            "decode_tok_s_min": min(tps), "decode_tok_s_max": max(tps), "decode_speedup": speedup,
+            "capacity_limit": limit, "of_limit": speedup / limit,
+            "peak_batch": max(s["peak_batch"] for s in mine),
+            "kept_fraction": statistics.median(s["kept_fraction"] for s in mine),
+            "modify_s": statistics.median(s["modify_s"] for s in mine),
+            "end_to_end_s": statistics.median(s["end_to_end_s"] for s in mine),
+            "e2e_speedup": statistics.median(s["e2e_speedup"] for s in mine),
+        })
+    return pd.DataFrame(rows).set_index("config"), runs
