@@ -55,7 +55,6 @@ import torch
 __all__ = ["SUPPORTED_ROPE_TYPES", "RopeSpec", "apply_rope", "rerotate_k_cache", "rerotate_keys"]
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
-_SCALED_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
 _LAYOUTS = ("neox", "gptj")
 
 # Model families whose transformers implementation rotates interleaved pairs (2i, 2i+1); every
@@ -143,6 +142,18 @@ class _InitConfig:
 
     def standardize_rope_params(self) -> None:
         return None
+
+
+def _missing_keys_as_value_error(fn, rope_type: str):
+    """transformers' init functions index rope_parameters directly; report a missing key as a ValueError."""
+
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KeyError as err:
+            raise ValueError(f"rope_type {rope_type!r}: rope parameters lack {err}") from err
+
+    return call
 
 
 def _default_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:
@@ -344,7 +355,7 @@ class RopeSpec:
             if rope_type in ("linear", "dynamic", "llama3") and init_params.get("factor") is None:
                 raise ValueError(f"rope_type {rope_type!r} needs rope_parameters['factor']")
             init_cfg = _InitConfig(init_params, rotary_dim, None if max_pos is None else int(max_pos))
-            init_fn = ROPE_INIT_FUNCTIONS[rope_type]
+            init_fn = _missing_keys_as_value_error(ROPE_INIT_FUNCTIONS[rope_type], rope_type)
             if rope_type == "dynamic":
                 # one base for both legs: the base transformers uses for a sequence of `eff` tokens
                 eff = int(max_pos) if seq_len is None else max(int(seq_len), int(max_pos))
@@ -635,9 +646,10 @@ def rerotate_k_cache(
     cos, sin = cos[:, None, :], sin[:, None, :]           # [T, 1, rd/2], broadcast over heads
     step = _token_chunk(t, heads, spec.rotary_dim)
     for layer in range(n_layers):
-        k_in = kv[0, layer].reshape(t, heads, spec.head_dim)     # [T, H, d] (a view when contiguous)
         k_out = out[0, layer].view(t, heads, spec.head_dim)      # [T, H, d] view into the result
         for s in range(0, t, step):
             e = min(t, s + step)
-            _rotate_into(k_out[s:e], k_in[s:e], cos[s:e], sin[s:e], spec, compute_dtype)
+            # [t_chunk, H, d]; a view for a contiguous cache, else a copy of this chunk only
+            k_in = kv[0, layer, s:e].reshape(e - s, heads, spec.head_dim)
+            _rotate_into(k_out[s:e], k_in, cos[s:e], sin[s:e], spec, compute_dtype)
     return out

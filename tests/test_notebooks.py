@@ -21,6 +21,10 @@ NOTEBOOKS = {
         {"num_requests": 6, "max_tokens": 8, "window": 32},
         ["decode_speedup", "snapkv@0.5:", "needle at"],
     ),
+    "notebooks/rope_rerotation.ipynb": (
+        {"n_tokens": 1024, "timing_cache_shape": [2, 2, 1024, 1024], "timing_repeats": 1},
+        ["re-rotated vs fresh", "GB/s (read+write)"],
+    ),
     "notebooks/random_token_dropping.ipynb": (
         {"num_requests": 6, "max_tokens": 8},
         ["decode_speedup", "decode throughput ratio"],

@@ -1,0 +1,282 @@
+"""Time and peak memory of `tdutils.rope.rerotate_k_cache`: fp32 arithmetic vs cache-dtype (bf16) arithmetic.
+
+Default cache: [2, 36, 8192, 1024] bf16 (Qwen3-8B: 36 layers, 8 KV heads x 128), keys moved from sorted
+positions in [0, 2T) to 0..T-1, as after a 50% drop. Both variants run side by side in one invocation.
+
+Memory ("extra" = beyond the input cache and the returned cache, which any non-mutating re-rotation needs):
+- CUDA: torch.cuda.max_memory_allocated() during one call, minus what was allocated before, minus the output.
+- CPU: each variant runs in its own subprocess (so one variant's high-water mark cannot hide the other's):
+  the child (glibc MALLOC_MMAP_THRESHOLD_=128 KiB, so freed tensors leave RSS at once and are not
+  reused invisibly) builds the cache layer by layer (no full-size fp32 temporary), makes one warm-up call on a tiny
+  cache (kernel code pages, OpenMP thread stacks), resets its peak RSS (VmHWM, via /proc/self/clear_refs),
+  reads its current RSS, makes one call, and reads VmHWM again. extra = peak - RSS before - output bytes,
+  median of --memory-runs children. getrusage's ru_maxrss is recorded too, but it cannot be reset and
+  Linux carries the spawning parent's peak RSS into it, so the children run before this process grows. RSS also moves with things that are
+  not tensors (code pages re-faulted after reclaim, allocator slack), so read it next to the analytic
+  figure computed from the code's chunk sizes, which counts tensors only.
+- The reference bound of issue 3: one layer's keys in fp32 (T * D * 4 bytes).
+
+    python bench/rope_bench.py                          # full size
+    python bench/rope_bench.py --layers 8 --tokens 4096 --repeats 3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from tdutils import rope as R
+from tdutils.rope import RopeSpec, rerotate_k_cache
+
+VARIANTS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MiB = 1024 ** 2
+
+
+def make_spec(head_dim: int, theta: float) -> RopeSpec:
+    # a stub config with the fields a Qwen3 config has; keeps the bench free of model downloads
+    return RopeSpec.from_config({"model_type": "qwen3", "head_dim": head_dim, "rope_theta": theta})
+
+
+def make_cache(layers: int, tokens: int, dim: int, device: str, seed: int = 0) -> torch.Tensor:
+    """[2, L, T, D] bf16 with std 3, filled slice by slice so no full-size fp32 temporary exists."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    kv = torch.empty(2, layers, tokens, dim, dtype=torch.bfloat16, device=device)
+    for i in range(2):
+        for layer in range(layers):
+            kv[i, layer].normal_(0.0, 3.0, generator=g)
+    return kv
+
+
+def make_positions(tokens: int, device: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    old = torch.sort(torch.randperm(2 * tokens, generator=g)[:tokens]).values  # kept half of a 2T prompt
+    return old.to(device), torch.arange(tokens, device=device)
+
+
+def analytic_extra_bytes(layers: int, tokens: int, dim: int, spec: RopeSpec, compute: torch.dtype) -> dict:
+    """Temporaries of rerotate_k_cache, from its code (tdutils/rope.py)."""
+    heads = dim // spec.head_dim
+    half = spec.rotary_dim // 2
+    table = tokens * half
+    cdt = torch.empty(0, dtype=compute).element_size()
+    # Upper bound: counts the output as resident from the start, while its physical pages fill in layer by
+    # layer (so on CPU the table-building phase rarely sets the measured peak).
+    # building cos/sin (_delta_tables): fp64 delta + one leg's fp32 and fp64 angles, or
+    # delta + cos + the fp64 sin before its cast; per element of the [T, rd/2] table
+    build = table * max(8 + 4 + 8, 8 + cdt + 8 + cdt)
+    tables = 2 * table * cdt
+    chunk = R._token_chunk(tokens, heads, spec.rotary_dim)
+    per_chunk = chunk * heads * spec.rotary_dim          # elements of the rotary channels of one chunk
+    # xr (compute copy of the rotary channels; a view when compute == cache dtype) + ra + rb (half each)
+    xr = per_chunk * cdt if compute != torch.bfloat16 else 0
+    chunk_tmp = xr + per_chunk * cdt
+    return {
+        "chunk_tokens": chunk,
+        "extra_bytes": max(build, tables + chunk_tmp),
+        "one_layer_keys_fp32_bytes": tokens * dim * 4,
+    }
+
+
+def rss_bytes_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_hwm() -> bool:
+    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0: write 5 to clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def measure_memory_here(args, variant: str) -> dict:
+    """One call in this process; CUDA via the allocator's peak, CPU via RSS high-water mark."""
+    spec = make_spec(args.head_dim, args.theta)
+    kv = make_cache(args.layers, args.tokens, args.dim, args.device)
+    old, new = make_positions(args.tokens, args.device)
+    out_bytes = kv.numel() * kv.element_size()
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = rerotate_k_cache(kv, old, new, spec, compute_dtype=VARIANTS[variant])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        method = "torch.cuda.max_memory_allocated"
+    else:
+        # warm-up on a tiny cache first: the first call maps kernel code and starts the OpenMP threads,
+        # fixed costs that are not temporaries of the re-rotation
+        tiny = make_cache(1, 64, args.dim, args.device)
+        t_old, t_new = make_positions(64, args.device)
+        rerotate_k_cache(tiny, t_old, t_new, spec, compute_dtype=VARIANTS[variant])
+        del tiny
+        hwm_ok = reset_hwm()
+        before = rss_bytes_now()
+        out = rerotate_k_cache(kv, old, new, spec, compute_dtype=VARIANTS[variant])
+        maxrss_extra = max(0, maxrss_bytes() - before - out_bytes)
+        if hwm_ok:
+            peak = _status_kib("VmHWM") * 1024
+            method = "VmHWM (reset via /proc/self/clear_refs) - RSS before, subprocess"
+        else:
+            peak = maxrss_bytes()
+            method = "ru_maxrss - RSS before, subprocess"
+        del out
+        return {"measured_extra_bytes": max(0, peak - before - out_bytes), "memory_method": method,
+                "ru_maxrss_extra_bytes": maxrss_extra}
+    del out
+    return {"measured_extra_bytes": max(0, peak - before - out_bytes), "memory_method": method}
+
+
+def time_variant(kv, old, new, spec, variant: str, repeats: int, device: str) -> list[float]:
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    rerotate_k_cache(kv, old, new, spec, compute_dtype=VARIANTS[variant])  # warm-up (allocator, kernels)
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        out = rerotate_k_cache(kv, old, new, spec, compute_dtype=VARIANTS[variant])
+        sync()
+        times.append(time.perf_counter() - t0)
+        del out
+    return times
+
+
+def child_memory(args, variant: str) -> dict:
+    """Median over --memory-runs fresh subprocesses (RSS readings pick up a few MiB of noise: page cache
+    reclaim of code pages, allocator slack)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--layers", str(args.layers), "--tokens", str(args.tokens),
+           "--dim", str(args.dim), "--head-dim", str(args.head_dim), "--theta", str(args.theta),
+           "--device", args.device, "--_memory-child", variant]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    # every allocation >= 128 KiB gets its own mmap and is unmapped when freed, so RSS follows live tensors
+    # instead of glibc's heap (which would keep freed chunks resident and reuse them invisibly)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    runs = []
+    for _ in range(args.memory_runs):
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+        runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    extras = [r["measured_extra_bytes"] for r in runs]
+    return {"measured_extra_bytes": statistics.median(extras), "measured_extra_bytes_runs": extras,
+            "ru_maxrss_extra_bytes_runs": [r["ru_maxrss_extra_bytes"] for r in runs],
+            "memory_method": runs[0]["memory_method"]}
+
+
+def accuracy_layer0(kv, old, new, spec) -> dict:
+    """Error of each variant against an fp64 rotation of layer 0 (then the one unavoidable bf16 store)."""
+    k = kv[:, :1].clone()                                    # [2, 1, T, D]
+    ref = rerotate_k_cache(k.double(), old, new, spec, compute_dtype=torch.float64)[0, 0]  # fp64, no store
+    out = {}
+    for variant in VARIANTS:
+        got = rerotate_k_cache(k, old, new, spec, compute_dtype=VARIANTS[variant])[0, 0].double()
+        err = (got - ref).abs()
+        out[variant] = {"max_abs_err": err.max().item(), "mean_abs_err": err.mean().item()}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--dim", type=int, default=1024, help="D = H_kv * head_dim")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--theta", type=float, default=1e6)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--memory-runs", type=int, default=3, help="CPU: subprocess measurements per variant")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' for stdout)")
+    p.add_argument("--_memory-child", dest="memory_child", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.dim % args.head_dim:
+        p.error("--dim must be a multiple of --head-dim")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    if args.memory_child:  # internal: one memory measurement in a fresh process
+        print(json.dumps(measure_memory_here(args, args.memory_child)))
+        return 0
+
+    spec = make_spec(args.head_dim, args.theta)
+    on_cuda = args.device.startswith("cuda")
+    # CPU memory children run first, while this process is still small: Linux carries a parent's peak RSS
+    # into ru_maxrss of a child it spawns, which would hide the child's own peak behind ours.
+    cpu_memory = {} if on_cuda else {variant: child_memory(args, variant) for variant in VARIANTS}
+    kv = make_cache(args.layers, args.tokens, args.dim, args.device)
+    old, new = make_positions(args.tokens, args.device)
+    shape = list(kv.shape)
+    cache_bytes = kv.numel() * kv.element_size()
+    print(f"rerotate_k_cache on {shape} {kv.dtype} ({cache_bytes / MiB:.0f} MiB) device={args.device} "
+          f"threads={torch.get_num_threads()} repeats={args.repeats}")
+
+    results = {"shape": shape, "dtype": str(kv.dtype), "device": args.device, "threads": torch.get_num_threads(),
+               "repeats": args.repeats, "torch": torch.__version__, "variants": {}}
+    for variant, compute in VARIANTS.items():
+        times = time_variant(kv, old, new, spec, variant, args.repeats, args.device)
+        results["variants"][variant] = {"times_s": times, "median_s": statistics.median(times), "min_s": min(times),
+                                        **analytic_extra_bytes(args.layers, args.tokens, args.dim, spec, compute),
+                                        **cpu_memory.get(variant, {})}
+    if on_cuda:
+        # same process, one variant at a time, with the timing cache freed so it does not count
+        del kv
+        torch.cuda.empty_cache()
+        for variant in VARIANTS:
+            results["variants"][variant].update(measure_memory_here(args, variant))
+            torch.cuda.empty_cache()
+        kv = make_cache(args.layers, args.tokens, args.dim, args.device)
+    results["accuracy_layer0_vs_fp64"] = accuracy_layer0(kv, old, new, spec)
+
+    fp32, bf16 = results["variants"]["fp32"], results["variants"]["bf16"]
+    results["time_ratio_fp32_over_bf16"] = fp32["median_s"] / bf16["median_s"]
+    results["time_ratio_fp32_over_bf16_min"] = fp32["min_s"] / bf16["min_s"]
+    one_layer = fp32["one_layer_keys_fp32_bytes"]
+    print(f"{'variant':8} {'median s':>9} {'min s':>8} {'GB/s':>6} {'extra MiB (measured)':>21} "
+          f"{'extra MiB (analytic)':>21} {'max err':>8} {'mean err':>9}")
+    for name, r in results["variants"].items():
+        acc = results["accuracy_layer0_vs_fp64"][name]
+        gbs = 2 * cache_bytes / r["median_s"] / 1e9   # read + write of the whole cache
+        print(f"{name:8} {r['median_s']:9.3f} {r['min_s']:8.3f} {gbs:6.2f} "
+              f"{r['measured_extra_bytes'] / MiB:21.1f} {r['extra_bytes'] / MiB:21.1f} "
+              f"{acc['max_abs_err']:8.4f} {acc['mean_abs_err']:9.5f}")
+    print(f"time ratio fp32 / bf16 arithmetic: {results['time_ratio_fp32_over_bf16']:.2f}x (medians), "
+          f"{results['time_ratio_fp32_over_bf16_min']:.2f}x (best runs)")
+    print(f"bound (one layer's keys in fp32): {one_layer / MiB:.1f} MiB; output cache {cache_bytes / MiB:.0f} MiB "
+          f"(not counted); memory: {fp32['memory_method']}")
+    if args.json:
+        text = json.dumps(results, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
