@@ -18,7 +18,9 @@ POLICIES = ("snapkv", "random", "middle_chunk")
 
 # Subcommands defined in other modules: name -> (module, help). Each module provides
 # `add_arguments(parser)` and `run(args) -> int` (exit status).
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "doctor": ("tdutils.doctor", "check a vLLM + LMCache serving setup end to end and print what to fix"),
+}
 
 
 def _ratio(text: str) -> float:
@@ -65,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fraction of each request's tokens to drop, in [0, 1] (default: 0.5)")
     run.add_argument("--engine", choices=("hf", "lmcache"), default="hf",
                      help="hf: embedded transformers engine (default); lmcache: vLLM + LMCache serving path")
+    run.add_argument("--vllm-url", default="http://localhost:8000", help="lmcache engine: vLLM server URL")
+    run.add_argument("--lmcache-url", default="tcp://localhost:6555", help="lmcache engine: LMCache server (SDK port)")
+    run.add_argument("--lmcache-http-url", default="http://localhost:8080", help="lmcache engine: LMCache HTTP API")
     run.add_argument("--model", default="tiny-qwen3",
                      help="bundled model name, hub id (e.g. Qwen/Qwen3-0.6B) or local folder (default: tiny-qwen3)")
     run.add_argument("--dataset", default="sample",
@@ -119,9 +124,11 @@ def cmd_run(args) -> int:
         "random": {"seed": args.seed, "window": args.window or 16},
         "middle_chunk": {"chunk_size": args.chunk_size},
     }[args.policy]
+    servers = {} if args.engine == "hf" else {
+        "vllm_url": args.vllm_url, "lmcache_url": args.lmcache_url, "lmcache_http_url": args.lmcache_http_url}
     engine = open_engine(args.engine, model=args.model, dtype=args.dtype, device=args.device,
                          positions=args.positions, progress=not args.no_progress,
-                         query_window=max(64, params.get("window", 0)))
+                         query_window=max(64, params.get("window", 0)), **servers)
     prompt_ids = engine.tokenize(rows)
     if args.kv_budget_tokens is None:
         engine.kv_budget_tokens = default_kv_budget(map(len, prompt_ids), args.max_tokens)

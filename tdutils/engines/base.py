@@ -100,17 +100,20 @@ def open_engine(kind: str = "hf", **settings):
     Args:
         kind: `"hf"` — embedded Hugging Face transformers engine (CPU or GPU; see `engines.hf.HFEngine`
             for its settings: model, dtype, device, kv_budget_tokens, positions, ...).
-            `"lmcache"` — vLLM + LMCache serving path (GPU box).
+            `"lmcache"` — vLLM + LMCache serving path (GPU box; see `engines.lmcache.LMCacheEngine` for its
+            settings: model, vllm_url, lmcache_url, lmcache_http_url, query_window, align, ...).
 
     Raises:
         ValueError: unknown kind.
-        NotImplementedError: `"lmcache"` in this release (the serving path is not built yet; use "hf").
+        ConnectionError: `"lmcache"` with a server down (the message has the command that starts it).
+        ImportError: `"lmcache"` without the lmcache package installed.
     """
     if kind == "hf":
         from .hf import HFEngine
 
         return HFEngine(**settings)
     if kind == "lmcache":
-        raise NotImplementedError("the 'lmcache' engine (vLLM + LMCache serving path) is not part of this release "
-                                  "yet; use engine 'hf', which runs the same drop functions in-process")
+        from .lmcache import LMCacheEngine
+
+        return LMCacheEngine(**settings)
     raise ValueError(f"unknown engine kind {kind!r}; choose 'hf' or 'lmcache'")

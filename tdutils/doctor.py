@@ -1,0 +1,198 @@
+"""`python -m tdutils doctor`: check a vLLM + LMCache serving setup end to end and print what to fix.
+
+Checks, in order (each with a finite timeout): the LMCache server answers `/healthcheck` and `/config`
+(chunk size); vLLM answers `/v1/models` and serves the model; vLLM's version (`/version`) lies in the
+range the query-export patch was tested on; the patch state of a vLLM visible from here (`--vllm-dir`,
+`--vllm-python`, or this environment); LMCache has the model's KV layout registered (vLLM runs with the
+LMCache MP connector) and, for policies that need queries, a query registration; a one-token completion
+streams token ids (`--return-tokens-as-token-ids`) whose count matches the reported usage.
+Exit status 0 when nothing failed (warnings allowed), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .completion import CompletionError, make_post_completion
+from .engines.lmcache import LMCACHE_START_HINT, VLLM_START_HINT, ServerError, http_json, registered_models
+
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+
+
+class Report:
+    """Collects check results; `failed` is True once any check failed."""
+
+    def __init__(self, out=None):
+        self.out = out or sys.stdout
+        self.failed = False
+
+    def add(self, level: str, what: str, fix: str = "") -> None:
+        self.failed |= level == FAIL
+        print(f"[{level:>4}] {what}", file=self.out)
+        if fix:
+            print(f"       fix: {fix}", file=self.out)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--vllm-url", default="http://localhost:8000", help="vLLM server (default: %(default)s)")
+    parser.add_argument("--lmcache-http-url", default="http://localhost:8080",
+                        help="LMCache HTTP API (default: %(default)s)")
+    parser.add_argument("--model", default=None, help="served model name (default: the only one vLLM serves)")
+    parser.add_argument("--timeout", type=float, default=10.0,
+                        help="seconds allowed for each HTTP call; the test completion gets 6x (default: 10)")
+    parser.add_argument("--vllm-dir", default=None, help="vLLM package folder, to check the patch state")
+    parser.add_argument("--vllm-python", default=None, help="interpreter of vLLM's environment, to find vLLM")
+    parser.add_argument("--no-queries", action="store_true",
+                        help="do not require query export (only policies without queries will run)")
+
+
+def _lmcache(rep: Report, url: str, timeout: float) -> dict | None:
+    try:
+        health = http_json("GET", url + "/healthcheck", timeout=timeout, what="the LMCache server",
+                           hint=LMCACHE_START_HINT)
+    except ServerError as exc:
+        rep.add(FAIL, f"LMCache server at {url}: {str(exc).split('; start it')[0]}", LMCACHE_START_HINT)
+        return None
+    if not isinstance(health, dict) or health.get("status") != "healthy":
+        rep.add(FAIL, f"LMCache at {url} is not healthy: {health}", "look at the LMCache server's log, restart it")
+        return None
+    try:
+        conf = http_json("GET", url + "/config", timeout=timeout, what="the LMCache server")
+        status = http_json("GET", url + "/status", timeout=timeout, what="the LMCache server")
+        chunk = int(conf["mp"]["chunk_size"])
+    except (ServerError, KeyError, TypeError, ValueError) as exc:
+        rep.add(FAIL, f"LMCache at {url} is up but /config or /status is unusable: {exc}",
+                "use an LMCache with the MP server (lmcache server ..., lmcache >= 0.5.6)")
+        return None
+    rep.add(OK, f"LMCache server at {url} is healthy; chunk size {chunk}")
+    return status
+
+
+def _vllm_model(rep: Report, url: str, model: str | None, timeout: float) -> str | None:
+    try:
+        data = http_json("GET", url + "/v1/models", timeout=timeout, what="vLLM", hint=VLLM_START_HINT)
+        names = [m.get("id") for m in data.get("data", [])]
+    except (ServerError, AttributeError) as exc:
+        rep.add(FAIL, f"vLLM at {url}: {str(exc).split('; start it')[0]}", VLLM_START_HINT)
+        return None
+    if model is None:
+        if len(names) != 1:
+            rep.add(FAIL, f"vLLM at {url} serves {names}", "pass --model NAME")
+            return None
+        model = names[0]
+    if model not in names:
+        rep.add(FAIL, f"vLLM at {url} does not serve {model!r} (it serves {names})",
+                f"pass --model with one of {names}, or start vLLM with that model")
+        return None
+    rep.add(OK, f"vLLM at {url} serves {model!r}")
+    return model
+
+
+def _vllm_version(rep: Report, url: str, timeout: float) -> None:
+    from .patches import SUPPORTED_TEXT, PatchError, check_version
+
+    try:
+        version = http_json("GET", url + "/version", timeout=timeout, what="vLLM").get("version")
+    except (ServerError, AttributeError) as exc:
+        rep.add(WARN, f"vLLM's /version is unavailable ({exc})")
+        return
+    try:
+        check_version(str(version))
+    except PatchError:
+        rep.add(WARN, f"vLLM {version} is outside the range the query-export patch was tested on ({SUPPORTED_TEXT})",
+                "pip install vllm==0.25.1 in vLLM's environment (policies without queries are unaffected)")
+        return
+    rep.add(OK, f"vLLM version {version} (patch tested on {SUPPORTED_TEXT})")
+
+
+def _patch_state(rep: Report, vllm_dir: str | None, python: str | None) -> None:
+    from .patches import PatchError, find_vllm, status
+
+    try:
+        install = find_vllm(vllm_dir, python)
+        state = status(install).state
+    except (PatchError, OSError) as exc:
+        rep.add(WARN, f"patch state unknown: {exc}",
+                "run `python -m tdutils.patches check` in vLLM's environment, or pass --vllm-python / --vllm-dir")
+        return
+    if state == "applied":
+        rep.add(OK, f"vLLM {install.version} at {install.package_dir} is patched to export query tensors")
+    else:
+        rep.add(FAIL, f"vLLM {install.version} at {install.package_dir}: query-export patch {state}",
+                "python -m tdutils.patches apply" + (f" --python {python}" if python else "")
+                + (f" --vllm-dir {vllm_dir}" if vllm_dir else "") + ", then restart vLLM")
+
+
+def _registration(rep: Report, status: dict, model: str, queries: bool) -> None:
+    if model in registered_models(status):
+        rep.add(OK, f"LMCache has the KV layout of {model!r} registered")
+    else:
+        rep.add(FAIL, f"LMCache has no KV layout registered for {model!r} (registered: "
+                      f"{sorted(registered_models(status))})",
+                "start vLLM with the LMCacheMPConnector pointing at this LMCache server: " + VLLM_START_HINT)
+    if not queries:
+        return
+    q_models = {e.get("model_name") for e in (status.get("q_context_meta") or {}).values() if isinstance(e, dict)}
+    if model in q_models or f"{model}##query" in q_models:
+        rep.add(OK, f"LMCache has a query ring registered for {model!r}")
+    else:
+        rep.add(WARN, f"no query ring registered for {model!r} in LMCache; SnapKV/R-KV need queries",
+                "start LMCache with --enable transfer_query and vLLM (patched) with "
+                "\"lmcache.mp.transfer_intermediate_tensors\": true; or use --no-queries for random/middle_chunk")
+
+
+def _token_ids(rep: Report, url: str, model: str, timeout: float) -> None:
+    prompt = [1, 2, 3]
+    try:  # real token ids of a short text, when vLLM offers /tokenize
+        tokens = http_json("POST", url + "/tokenize", timeout=timeout, body={"model": model, "prompt": "Hello"})
+        prompt = [int(t) for t in tokens["tokens"]] or prompt
+    except (ServerError, KeyError, TypeError, ValueError):
+        pass
+    try:
+        with make_post_completion(url, model, timeout=6 * timeout, connect_timeout=min(timeout, 5.0),
+                                  extra_body={}) as post:
+            ids = [ev.token_id for ev in post(prompt, {"max_tokens": 2, "temperature": 0, "ignore_eos": True}, "")]
+            usage = post.last_result.usage if post.last_result else None
+    except CompletionError as exc:
+        fix = ("start vLLM with --return-tokens-as-token-ids" if "return-tokens-as-token-ids" in str(exc)
+               else VLLM_START_HINT)
+        rep.add(FAIL, f"test completion failed: {exc}", fix)
+        return
+    if len(ids) != 2:
+        rep.add(FAIL, f"test completion returned {len(ids)} token ids for max_tokens=2", VLLM_START_HINT)
+        return
+    rep.add(OK, f"completions stream token ids ({ids}); usage {'matches' if usage else 'not reported'}")
+
+
+def run(args, out=None) -> int:
+    """Run every check; print one line each (with a fix for failures); 0 if none failed, else 1."""
+    if not 0 < args.timeout < float("inf"):
+        raise ValueError(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
+    rep = Report(out)
+    vllm_url = args.vllm_url.rstrip("/").removesuffix("/v1")
+    lmc_url = args.lmcache_http_url.rstrip("/")
+    status = _lmcache(rep, lmc_url, args.timeout)
+    model = _vllm_model(rep, vllm_url, args.model, args.timeout)
+    if model is not None:
+        _vllm_version(rep, vllm_url, args.timeout)
+    if not args.no_queries:
+        _patch_state(rep, args.vllm_dir, args.vllm_python)
+    if status is not None and model is not None:
+        _registration(rep, status, model, not args.no_queries)
+    if model is not None:
+        _token_ids(rep, vllm_url, model, args.timeout)
+    print("all checks passed" if not rep.failed else "some checks failed: fix them in order, then run doctor again",
+          file=rep.out)
+    return 1 if rep.failed else 0
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tdutils.doctor", description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

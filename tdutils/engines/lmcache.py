@@ -1,0 +1,813 @@
+"""The `lmcache` engine: vLLM (OpenAI-compatible server, LMCache MP connector) + LMCache server, driven
+through LMCache's SDK (`lmcache.sdk`), with the same API as the embedded `hf` engine (SPEC §1, §6).
+
+Phases:
+
+- `prefill(prompts)`: clears LMCache's cache (so a run never reads a previous run's entries), then sends
+  every prompt to vLLM with `max_tokens=1` through an SDK request stream; vLLM's LMCache connector
+  stores the prompt's KV (and, with the vLLM patch and `--enable transfer_query`, its queries) in
+  LMCache under this run's *prefill salt*.
+- `modify(drop_fn)`: per request, retrieves the KV `[2, L, T, D]` (and queries `[1, L, T, Hq*d]`) from
+  LMCache, checks a few query and key rows against the model (see `check_rows`), runs the drop
+  function, validates its output and stores the edited KV under this run's *edit salt* — a salt no
+  other request uses, so a later request with the same token ids can never receive an edited cache.
+  A request switches to its edited cache only when every request succeeded (`on_error="raise"`), so a
+  failure leaves every request decoding from its unedited cache, as on the `hf` engine.
+- `decode(max_tokens)`: sends each request's prompt (the kept tokens after an edit, with the edit salt)
+  to vLLM, which loads the cached KV from LMCache and recomputes only the uncached tail, then streams
+  `max_tokens` tokens. Requests run concurrently, each in its own SDK request stream (as
+  `LMCacheBatchedStream` runs them: one thread per stream); with `kv_budget_tokens` a request starts
+  only while the running requests' (prompt + tokens to generate) fit the budget, as on the `hf` engine.
+
+Observation window at the true end of the prompt. LMCache stores and returns whole chunks
+(`chunk_size` tokens, read from the server's `GET /config`); the reference retrieved the chunk-aligned
+prefix, so the unaligned tail — where the question sits — was invisible to the drop function and its
+observation window judged tokens by the wrong queries. Here (`align="pad"`, the default) each prompt is
+padded **at the front** with `pad_token_id` up to a multiple of the chunk size (after a leading BOS
+token, when the prompt starts with one), so the whole prompt, question included, is cached and handed
+to the drop function, and the last query rows are the prompt's last tokens. Cost: fewer than
+`chunk_size` extra tokens per request, which the model sees as leading padding (policies with attention
+sinks keep some of them). `align="none"` reproduces the reference (tail re-sent unedited, invisible to
+the drop function).
+
+Positions: vLLM decodes at compact positions (the kept tokens are a new, shorter prompt), so drop
+functions must re-rotate keys (`make_drop_fn(..., rerotate=True)`); `positions="original"` is refused.
+
+`lmcache` is imported only when an engine is opened; tests pass a stand-in `sdk`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from ..completion import CompletionError, make_post_completion
+from ..edit import CacheKind, DropFunctionError, check_kv, validate_drop_output
+from ..metrics import DecodeMetrics, ModifyMetrics, RunMetrics
+from ..models import bundled_model_path, model_facts
+from .base import ModifyReport, RequestOutput
+
+LMCACHE_START_HINT = (
+    "start it with `lmcache server --l1-size-gb 20 --eviction-policy LRU --chunk-size 256 --port 6555 "
+    "--http-port 8080 --shm-name tdutils --no-l1-use-lazy --supported-transfer-mode auto --enable transfer_query` "
+    "(README, section 'On a GPU'), or pass lmcache_url= / lmcache_http_url=")
+VLLM_START_HINT = (
+    "start it with `vllm serve MODEL --port 8000 --no-enable-prefix-caching --enforce-eager "
+    "--return-tokens-as-token-ids --kv-transfer-config '{\"kv_connector\": \"LMCacheMPConnector\", \"kv_role\": "
+    "\"kv_both\", \"kv_connector_extra_config\": {\"lmcache.mp.port\": 6555, "
+    "\"lmcache.mp.transfer_intermediate_tensors\": true, \"lmcache.mp.q.ring_depth\": 2}}'` (README, section "
+    "'On a GPU'), or pass vllm_url=")
+ALIGN = ("pad", "none")
+
+
+class ServerError(ConnectionError):
+    """A server is down, unreachable, or not set up as the serving path needs (the message says the fix)."""
+
+
+class QueryCheckError(ValueError):
+    """Retrieved query or key rows do not belong to the request's tokens (mixed-up or shifted rows)."""
+
+
+def http_json(method: str, url: str, *, timeout: float, body=None, what: str = "", hint: str = ""):
+    """One JSON request with a finite timeout; returns the decoded body.
+
+    Raises:
+        ServerError: connection refused / timeout (message names `what`, the URL and `hint`), an HTTP error
+            status (with the body), or a body that is not JSON.
+    """
+    import httpx
+
+    try:
+        resp = httpx.request(method, url, json=body, timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)))
+    except httpx.TimeoutException as exc:
+        raise ServerError(f"{what or url} did not answer within {timeout:g}s ({url}); {hint}") from exc
+    except httpx.HTTPError as exc:
+        raise ServerError(f"cannot reach {what or url} at {url} ({exc.__class__.__name__}: {exc}); {hint}") from exc
+    if resp.status_code >= 400:
+        raise ServerError(f"{method} {url} returned HTTP {resp.status_code}: {resp.text[:1000]}")
+    try:
+        return resp.json()
+    except ValueError as exc:
+        raise ServerError(f"{method} {url} did not return JSON: {resp.text[:300]!r}") from exc
+
+
+def served_models(vllm_url: str, *, timeout: float = 10.0) -> list[dict]:
+    """`GET /v1/models` of vLLM: the served models (`id`, `root`, `max_model_len`, ...)."""
+    data = http_json("GET", vllm_url.rstrip("/").removesuffix("/v1") + "/v1/models", timeout=timeout,
+                     what="vLLM", hint=VLLM_START_HINT)
+    models = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(models, list):
+        raise ServerError(f"vLLM at {vllm_url} answered /v1/models without a 'data' list: {str(data)[:300]}")
+    return models
+
+
+def lmcache_health(http_url: str, *, timeout: float = 10.0) -> None:
+    """Raise ServerError unless LMCache's `GET /healthcheck` says healthy."""
+    data = http_json("GET", http_url.rstrip("/") + "/healthcheck", timeout=timeout, what="the LMCache server",
+                     hint=LMCACHE_START_HINT)
+    if not isinstance(data, dict) or data.get("status") != "healthy":
+        raise ServerError(f"LMCache at {http_url} is not healthy: {data}")
+
+
+def registered_models(status: dict) -> dict[str, dict]:
+    """Model name -> registration entry (its `kv_cache_layout`) from LMCache's `GET /status`."""
+    out = {}
+    for entry in (status.get("cache_context_meta") or {}).values():
+        if isinstance(entry, dict) and entry.get("model_name"):
+            out[entry["model_name"]] = entry
+    return out
+
+
+@dataclass
+class _Request:
+    request_id: int
+    prompt_ids: list[int]  # as given
+    tokens: list[int]  # the prompt vLLM saw (front-padded with align="pad")
+    salt: str  # the salt its current cache lives under
+    cached: int  # tokens its current cache holds (edited: k)
+    pad: int = 0
+    ttft_s: float = float("nan")
+    edited: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    tpot_s: float = float("nan")
+
+
+class _Layer0:
+    """Recomputes layer 0's keys and queries of a few tokens from the checkpoint (embedding, input norm,
+    q/k projections, q/k norms, RoPE), to check retrieved rows against the tokens they claim to be.
+
+    Layer 0's input is the token embedding alone, so its keys and queries depend only on the token id and
+    its position: a row from another token or position shows up as a low cosine similarity. Supports
+    the Llama / Mistral / Qwen2 / Qwen3 weight layout; reads only the needed embedding rows.
+    """
+
+    NAMES: ClassVar[dict[str, str]] = {"embed": "model.embed_tokens.weight", "norm": "model.layers.0.input_layernorm.weight",
+             "q": "model.layers.0.self_attn.q_proj.weight", "k": "model.layers.0.self_attn.k_proj.weight",
+             "q_bias": "model.layers.0.self_attn.q_proj.bias", "k_bias": "model.layers.0.self_attn.k_proj.bias",
+             "q_norm": "model.layers.0.self_attn.q_norm.weight", "k_norm": "model.layers.0.self_attn.k_norm.weight"}
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2", "qwen3")
+
+    def __init__(self, model_dir: Path, config):
+        from safetensors import safe_open
+
+        from ..rope import RopeSpec
+
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (model_dir / "model.safetensors").is_file():
+            with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+                weight_map = {n: "model.safetensors" for n in f.keys()}  # noqa: SIM118 (a safe_open handle is not a dict)
+        else:
+            raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+        self.facts = model_facts(config)
+        self.eps = float(getattr(config, "rms_norm_eps", 1e-6))
+        self.spec = RopeSpec.from_config(config)
+        self.weights: dict[str, torch.Tensor] = {}
+        self._embed = None
+        for key, name in self.NAMES.items():
+            fname = weight_map.get(name)
+            if fname is None:
+                if key in ("embed", "norm", "q", "k"):
+                    raise KeyError(f"{name} not in the checkpoint")
+                continue
+            f = safe_open(str(model_dir / fname), "pt")
+            if key == "embed":
+                self._embed = f.get_slice(name)  # rows read on demand: the table can be GBs
+            else:
+                self.weights[key] = f.get_tensor(name).float()
+
+    @classmethod
+    def load(cls, source: str | None, config) -> _Layer0 | None:
+        """The checker for a local folder / bundled name / hub id already in the local cache, or None."""
+        if source is None or getattr(config, "model_type", None) not in cls.MODEL_TYPES:
+            return None
+        path = bundled_model_path(source) or Path(source)
+        if not path.is_dir():
+            try:
+                from huggingface_hub import snapshot_download
+
+                path = Path(snapshot_download(source, local_files_only=True,
+                                              allow_patterns=["*.json", "*.safetensors"]))
+            except Exception:  # noqa: BLE001 (not cached, no hub client, offline: all mean "no checker")
+                return None
+        try:
+            return cls(path, config)
+        except (OSError, KeyError, ValueError):
+            return None
+
+    def _rms(self, x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
+
+    def qk(self, token_ids: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer-0 queries `[n, Hq, d]` and keys `[n, H_kv, d]` (fp32, after norms and RoPE)."""
+        from ..rope import apply_rope
+
+        f = self.facts
+        emb = torch.stack([self._embed[t:t + 1][0] for t in token_ids]).float()  # [n, hidden]
+        h = self._rms(emb, self.weights["norm"])
+        out = []
+        for name, heads in (("q", f.num_query_heads), ("k", f.num_kv_heads)):
+            x = h @ self.weights[name].T
+            if f"{name}_bias" in self.weights:
+                x = x + self.weights[f"{name}_bias"]
+            x = x.view(len(token_ids), heads, f.head_dim)
+            if f"{name}_norm" in self.weights:
+                x = self._rms(x, self.weights[f"{name}_norm"])
+            out.append(apply_rope(x, torch.tensor(positions), self.spec, token_dim=-3))
+        return out[0], out[1]
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity along the last dim (fp32)."""
+    a, b = a.float(), b.float()
+    return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp_min(1e-12)
+
+
+class LMCacheEngine:
+    """Serving-path engine over vLLM + LMCache (see the module docstring for what each phase does).
+
+    Args:
+        model: the model name vLLM serves (default: the only one it serves).
+        vllm_url: vLLM's OpenAI-compatible server, `http://HOST:PORT`.
+        lmcache_url: LMCache's request endpoint for the SDK (`tcp://HOST:PORT`, or `grpc://...`).
+        lmcache_http_url: LMCache's HTTP API (`/healthcheck`, `/config`, `/status`, `/cache/clear`).
+        config: the model's transformers config; default loaded from the served model's `root`
+            (a local folder, or a hub id in the local cache).
+        tokenizer: for string prompts and the pad token; default loaded like `config`.
+        query_window: final prompt tokens whose queries drop functions receive (`[L, Tq, Hq*d]`); None:
+            all; 0: no queries (no QUERY context is connected).
+        align: `"pad"` (default) or `"none"`; see the module docstring.
+        pad_token_id: the token used for front padding; default the tokenizer's pad (else EOS) token.
+        kv_budget_tokens: decode admission budget (prompt + tokens to generate, summed over running
+            requests), None = all requests at once (vLLM's scheduler then decides).
+        max_batch_size: optional cap on concurrently running requests.
+        check_rows: rows of keys and queries checked against the model before the drop function runs
+            (layer-0 recomputation when the checkpoint is readable locally; shape and finiteness checks
+            always); 0 turns the check off.
+        clear_cache: POST `/cache/clear` to LMCache at every `prefill` (isolates runs).
+        timeout: read timeout of completion streams (s); http_timeout: of other HTTP calls (s);
+            retrieve_timeout: how long `modify` waits for vLLM's asynchronous stores to land in LMCache (s).
+        positions: only `"compact"` (vLLM decodes the kept tokens as a new prompt).
+        dtype, device: accepted for CLI compatibility; vLLM chooses the dtype (`vllm serve --dtype`) and
+            device, so only `"auto"` / None are valid.
+        sdk: the `lmcache.sdk` module (default: imported here); tests pass a stand-in.
+
+    Raises:
+        ServerError (a ConnectionError): a server is down or not set up; the message has the start command.
+        ImportError: lmcache is not installed (`pip install 'tdutils[lmcache]'`).
+        ValueError: bad settings, or a model that vLLM does not serve / LMCache has no layout for.
+    """
+
+    kind = "lmcache"
+
+    def __init__(self, model: str | None = None, *, vllm_url: str = "http://localhost:8000",
+                 lmcache_url: str = "tcp://localhost:6555", lmcache_http_url: str = "http://localhost:8080",
+                 config=None, tokenizer=None, query_window: int | None = 64, align: str = "pad",
+                 pad_token_id: int | None = None, kv_budget_tokens: int | None = None,
+                 max_batch_size: int | None = None, check_rows: int = 4, clear_cache: bool = True,
+                 timeout: float = 120.0, http_timeout: float = 10.0, retrieve_timeout: float = 60.0,
+                 positions: str = "compact", dtype="auto", device=None, progress: bool = True, sdk=None):
+        if align not in ALIGN:
+            raise ValueError(f"align must be one of {ALIGN}, got {align!r}")
+        if positions != "compact":
+            raise ValueError(f"the lmcache engine decodes the kept tokens as a new prompt, so only positions='compact' "
+                             f"exists there, got {positions!r}; use engine 'hf' for positions='original'")
+        if dtype not in ("auto", None) or device not in (None, "auto"):
+            raise ValueError("dtype and device are chosen by vLLM on the lmcache engine (vllm serve --dtype ...); "
+                             f"leave them at their defaults, got dtype={dtype!r}, device={device!r}")
+        if query_window is not None and query_window < 0:
+            raise ValueError(f"query_window must be >= 0 or None (all tokens), got {query_window}")
+        if kv_budget_tokens is not None and kv_budget_tokens < 1:
+            raise ValueError(f"kv_budget_tokens must be a positive number of tokens or None, got {kv_budget_tokens}")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
+        for name, value in (("timeout", timeout), ("http_timeout", http_timeout),
+                            ("retrieve_timeout", retrieve_timeout)):
+            if not 0 < float(value) < float("inf"):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        self.vllm_url = vllm_url.rstrip("/").removesuffix("/v1")
+        self.lmcache_url, self.lmcache_http_url = lmcache_url, lmcache_http_url.rstrip("/")
+        self.query_window, self.align, self.check_rows = query_window, align, int(check_rows)
+        self.kv_budget_tokens, self.max_batch_size = kv_budget_tokens, max_batch_size
+        self.clear_cache, self.progress = clear_cache, progress
+        self.http_timeout, self.retrieve_timeout = float(http_timeout), float(retrieve_timeout)
+        self.positions = "compact"
+
+        # 1. Both servers up, the model served and registered (clear errors before anything heavy).
+        lmcache_health(self.lmcache_http_url, timeout=self.http_timeout)
+        models = served_models(self.vllm_url, timeout=self.http_timeout)
+        names = [m.get("id") for m in models]
+        if model is None:
+            if len(names) != 1:
+                raise ValueError(f"vLLM at {self.vllm_url} serves {names}; pass model= to choose one")
+            model = names[0]
+        if model not in names:
+            raise ValueError(f"vLLM at {self.vllm_url} does not serve {model!r}; it serves {names}")
+        info = models[names.index(model)]
+        self.model_name = model
+        self.max_model_len = info.get("max_model_len")
+        self.model_source = info.get("root") or model
+        server_conf = http_json("GET", self.lmcache_http_url + "/config", timeout=self.http_timeout,
+                                what="the LMCache server", hint=LMCACHE_START_HINT)
+        try:
+            self.chunk_size = int(server_conf["mp"]["chunk_size"])
+        except (KeyError, TypeError, ValueError):
+            raise ServerError(f"LMCache's /config at {self.lmcache_http_url} has no mp.chunk_size: "
+                              f"{str(server_conf)[:300]}") from None
+        status = http_json("GET", self.lmcache_http_url + "/status", timeout=self.http_timeout,
+                           what="the LMCache server", hint=LMCACHE_START_HINT)
+        registered = registered_models(status)
+        if model not in registered:
+            raise ValueError(
+                f"LMCache has no KV layout registered for {model!r} (registered: {sorted(registered)}); vLLM registers "
+                f"it at start-up when it runs with the LMCacheMPConnector pointing at this LMCache server: "
+                f"{VLLM_START_HINT}")
+
+        # 2. Model facts: from the served checkpoint, cross-checked with the layout LMCache registered.
+        self.config = config if config is not None else self._load_config(self.model_source)
+        self.facts = model_facts(self.config)
+        layout = registered[model].get("kv_cache_layout") or {}
+        if layout.get("num_layers") not in (None, self.facts.num_layers):
+            raise ValueError(f"LMCache's layout for {model!r} has {layout['num_layers']} layers but the model config "
+                             f"has {self.facts.num_layers}; config= belongs to another model")
+        self._tokenizer = tokenizer
+        self.pad_token_id = pad_token_id
+        self._layer0 = None
+        self._layer0_loaded = False
+
+        # 3. The SDK (imported only now) and its contexts; the completion client.
+        if sdk is None:
+            try:
+                from lmcache import sdk  # type: ignore
+            except ImportError as exc:
+                raise ImportError("the lmcache engine needs LMCache's SDK: pip install 'tdutils[lmcache]' "
+                                  f"(or pip install lmcache) in this environment ({exc})") from exc
+        self.sdk = sdk
+        self.kv_ctx = sdk.connect(sdk.LMCacheSDKCacheKind.KV, lmcache_url, self.lmcache_http_url, model,
+                                  timeout=self.http_timeout)
+        self.q_ctx = None
+        self.query_unavailable = None
+        if query_window != 0:
+            try:
+                self.q_ctx = sdk.connect(sdk.LMCacheSDKCacheKind.QUERY, lmcache_url, self.lmcache_http_url, model,
+                                         timeout=self.http_timeout)
+            except Exception as exc:  # noqa: BLE001 (policies without queries still run; the reason is kept)
+                self.query_unavailable = (f"no query context ({exc.__class__.__name__}: {exc}); start LMCache with "
+                                          f"--enable transfer_query and vLLM patched (python -m tdutils.patches "
+                                          f"apply) with lmcache.mp.transfer_intermediate_tensors")
+                warnings.warn(f"lmcache engine: {self.query_unavailable}", stacklevel=2)
+        if int(self.kv_ctx.chunk_size) != self.chunk_size:
+            raise ServerError(f"LMCache /config says chunk_size {self.chunk_size} but the SDK context uses "
+                              f"{self.kv_ctx.chunk_size}")
+        self.post_completion = make_post_completion(self.vllm_url, model, timeout=timeout,
+                                                    connect_timeout=min(self.http_timeout, 5.0))
+        self.requests: list[_Request] = []
+        self.metrics = RunMetrics("run")
+        self.run_id = None
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _load_config(source: str):
+        from transformers import AutoConfig
+
+        path = bundled_model_path(source) or source
+        try:
+            return AutoConfig.from_pretrained(str(path))
+        except OSError as exc:
+            raise OSError(f"could not load the config of the served model {source!r} ({exc}); pass config= (and "
+                          f"tokenizer=), e.g. from AutoConfig.from_pretrained(LOCAL_DIR)") from exc
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from ..models import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model_source)
+        return self._tokenizer
+
+    def _pad_id(self) -> int:
+        if self.pad_token_id is None:
+            tok = self.tokenizer
+            pid = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+            if pid is None:
+                raise ValueError("the tokenizer has neither a pad nor an EOS token; pass pad_token_id=")
+            self.pad_token_id = int(pid)
+        return self.pad_token_id
+
+    def tokenize(self, prompts) -> list[list[int]]:
+        """Token ids of each prompt: a string, a `PromptRow`/dict with `prompt`, or a list of ids."""
+        out = []
+        for i, p in enumerate(prompts):
+            if hasattr(p, "prompt") or isinstance(p, dict):
+                p = p.prompt if hasattr(p, "prompt") else p["prompt"]
+            if isinstance(p, str):
+                ids = self.tokenizer(p)["input_ids"]
+            elif isinstance(p, list | tuple | torch.Tensor):
+                ids = [int(t) for t in p]
+            else:
+                raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            out.append(ids)
+        return out
+
+    def _aligned(self, ids: list[int]) -> tuple[list[int], int]:
+        """`ids` front-padded to a multiple of the chunk size (after a leading BOS), and the pad count."""
+        if self.align == "none":
+            return list(ids), 0
+        n_pad = (-len(ids)) % self.chunk_size
+        if n_pad == 0:
+            return list(ids), 0
+        pad = [self._pad_id()] * n_pad
+        bos = getattr(self.config, "bos_token_id", None)
+        if bos is not None and ids[0] == bos:
+            return [ids[0], *pad, *ids[1:]], n_pad
+        return pad + list(ids), n_pad
+
+    def _contexts(self):
+        return [c for c in (self.kv_ctx, self.q_ctx) if c is not None]
+
+    def _run_streams(self, prompts: list[tuple[list[int], str]], params: dict, needs: list[int] | None,
+                     phase: str):
+        """Generate on every (prompt, salt) concurrently through SDK request streams.
+
+        Returns `(streams, perfs, starts, seconds, peak, peak_reserved)`: the streams, their
+        `StreamPerfMetrics`, each stream's start (s after the phase start), wall seconds, the peak number
+        running at once, and the peak of the summed `needs` of running requests (0 without a budget).
+        """
+        budget = self.kv_budget_tokens if needs is not None else None
+        streams = [self.sdk.request.create_request(self._contexts(), self.post_completion, ids, cache_salt=salt)
+                   for ids, salt in prompts]
+        n = len(streams)
+        perfs, starts, errors = [None] * n, [0.0] * n, {}
+        cond = threading.Condition()
+        state = {"reserved": 0, "running": 0, "peak": 0, "peak_reserved": 0}
+        t0 = time.perf_counter()
+
+        def run(i):
+            try:
+                starts[i] = time.perf_counter() - t0
+                perfs[i] = streams[i].generate(dict(params))
+            except Exception as exc:  # noqa: BLE001 (collected; the first is raised after all threads end)
+                errors[i] = exc
+            finally:
+                with cond:
+                    state["reserved"] -= needs[i] if budget is not None else 0
+                    state["running"] -= 1
+                    cond.notify_all()
+
+        with ThreadPoolExecutor(max_workers=max(1, min(n, self.max_batch_size or n))) as pool:
+            for i in range(n):
+                with cond:  # first come, first served admission, as the hf engine does
+                    while state["running"] and (
+                            (budget is not None and state["reserved"] + needs[i] > budget)
+                            or (self.max_batch_size is not None and state["running"] >= self.max_batch_size)):
+                        cond.wait()
+                    state["reserved"] += needs[i] if budget is not None else 0
+                    state["running"] += 1
+                    state["peak"] = max(state["peak"], state["running"])
+                    state["peak_reserved"] = max(state["peak_reserved"], state["reserved"])
+                pool.submit(run, i)
+        seconds = time.perf_counter() - t0
+        if errors:
+            i = min(errors)
+            exc = errors[i]
+            root = exc
+            while root.__cause__ is not None and not isinstance(root, CompletionError):
+                root = root.__cause__
+            if isinstance(root, CompletionError):
+                raise root
+            raise RuntimeError(f"{phase}: request {i} failed ({len(errors)} of {n} failed): {exc}") from exc
+        return streams, perfs, starts, seconds, state["peak"], state["peak_reserved"]
+
+    # ------------------------------------------------------------------ phases
+    def prefill(self, prompts) -> list[int]:
+        """Prefill every prompt on vLLM (max_tokens=1); LMCache stores each request's KV (and queries).
+
+        Clears LMCache's cache first (`clear_cache`) and starts a new run: new prefill and edit salts.
+
+        Args:
+            prompts: strings, `PromptRow`s, dicts with `prompt`, or lists of token ids.
+
+        Returns:
+            Each request's cached prompt length T (after front padding). The KV stays in LMCache (a long
+            request's KV is GBs); `kv(i)` / `tensors(i)` fetch one request's.
+
+        Raises:
+            ValueError: a prompt longer than vLLM's max_model_len.
+            CompletionError / ServerError: vLLM or LMCache failed.
+        """
+        ids = self.tokenize(prompts)
+        if self.clear_cache:
+            http_json("POST", self.lmcache_http_url + "/cache/clear", timeout=self.http_timeout,
+                      what="the LMCache server", hint=LMCACHE_START_HINT)
+        self.run_id = uuid.uuid4().hex[:16]
+        self._salt_prefill, self._salt_edit = f"tdutils-{self.run_id}-prefill", f"tdutils-{self.run_id}-edit"
+        self.requests, self.metrics = [], RunMetrics("run")
+        for i, x in enumerate(ids):
+            tokens, pad = self._aligned(x)
+            if self.max_model_len and len(tokens) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(tokens)} tokens (with {pad} padding) but vLLM's max_model_len "
+                                 f"is {self.max_model_len}; shorten it or start vLLM with a larger --max-model-len")
+            self.requests.append(_Request(i, x, tokens, self._salt_prefill, len(tokens), pad))
+        params = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+        _, perfs, starts, seconds, _, _ = self._run_streams([(r.tokens, r.salt) for r in self.requests], params, None,
+                                                         "prefill")
+        pm = self.metrics.prefill
+        for r, perf, start in zip(self.requests, perfs, starts):
+            r.ttft_s = start + float(getattr(perf, "ttft", 0.0))  # from the start of the phase, as on hf
+        pm.requests, pm.tokens, pm.seconds = len(ids), sum(len(r.tokens) for r in self.requests), seconds
+        pm.ttft_s = [r.ttft_s for r in self.requests]
+        return [len(r.tokens) for r in self.requests]
+
+    def _retrieve(self, ctx, tokens: list[int], salt: str, rows: int, what: str) -> torch.Tensor:
+        """Poll `ctx.retrieve` until it returns `rows` tokens (vLLM stores asynchronously)."""
+        deadline = time.perf_counter() + self.retrieve_timeout
+        got = None
+        while True:
+            got = ctx.retrieve(tokens, salt)
+            if got is not None and got.shape[-2] >= rows:
+                return got
+            if time.perf_counter() >= deadline:
+                have = 0 if got is None else got.shape[-2]
+                raise TimeoutError(f"LMCache holds {have} of the {rows} {what} tokens of this request after "
+                                   f"{self.retrieve_timeout:g}s (retrieve_timeout)")
+            time.sleep(0.05)
+
+    def _require_requests(self, op: str):
+        if not self.requests:
+            raise RuntimeError(f"{op} needs prefilled requests; call prefill(prompts) first")
+
+    def tokens(self, request_id: int) -> list[int]:
+        """The token ids the request's current cache holds (the padded prompt, or the kept tokens)."""
+        self._require_requests("tokens()")
+        r = self.requests[request_id]
+        return list(r.tokens[:r.cached])
+
+    def kv(self, request_id: int) -> torch.Tensor:
+        """The request's current cached KV `[2, L, T, D]` (chunk-aligned), fetched from LMCache (CPU)."""
+        self._require_requests("kv()")
+        r = self.requests[request_id]
+        rows = (r.cached // self.chunk_size) * self.chunk_size
+        kv = self._retrieve(self.kv_ctx, r.tokens[:r.cached], r.salt, rows, "KV")
+        return self._check_kv_layout(kv[:, :, :rows])
+
+    def query(self, request_id: int) -> torch.Tensor | None:
+        """The request's query rows `[L, Tq, Hq*d]` (aligned to the end of its unedited KV), or None after an
+        edit or without a query context."""
+        self._require_requests("query()")
+        r = self.requests[request_id]
+        if self.q_ctx is None or r.edited or self.query_window == 0:
+            return None
+        rows = (len(r.tokens) // self.chunk_size) * self.chunk_size
+        return self._fetch_query(r, rows)
+
+    def tensors(self, request_id: int) -> dict:
+        """What a drop function receives for one request: `{CacheKind.KV: kv[, CacheKind.QUERY: q]}`."""
+        kv = self.kv(request_id)
+        out = {CacheKind.KV: kv}
+        q = self.query(request_id)
+        if q is not None:
+            out[CacheKind.QUERY] = q
+        return out
+
+    def _check_kv_layout(self, kv: torch.Tensor) -> torch.Tensor:
+        f = self.facts
+        if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[1] != f.num_layers or kv.shape[3] != f.kv_dim:
+            raise ValueError(
+                f"LMCache returned KV of shape {tuple(kv.shape)}, expected [2, {f.num_layers}, T, {f.kv_dim}] for "
+                f"this model; a [1, L, T, 2D] tensor is the fused K/V layout of vLLM's CPU backend, which this "
+                f"LMCache SDK cannot split (SPEC §6)")
+        return kv
+
+    def _fetch_query(self, r: _Request, rows: int) -> torch.Tensor:
+        try:
+            q = self._retrieve(self.q_ctx, r.tokens[:rows], r.salt, rows, "query")
+        except TimeoutError as exc:
+            raise TimeoutError(
+                f"{exc}: query capture is incomplete. Check that vLLM is patched (python -m tdutils.patches check), "
+                f"runs with lmcache.mp.transfer_intermediate_tensors, LMCache with --enable transfer_query, and "
+                f"that --max-num-batched-tokens is at least the longest prompt (queries of a prompt prefilled "
+                f"in several steps are not captured)") from None
+        q = q[0] if q.dim() == 4 and q.shape[0] == 1 else q
+        f = self.facts
+        if q.dim() != 3 or q.shape[0] != f.num_layers or q.shape[2] != f.num_query_heads * f.head_dim:
+            raise ValueError(f"LMCache returned queries of shape {tuple(q.shape)}, expected "
+                             f"[1, {f.num_layers}, T, {f.num_query_heads * f.head_dim}]")
+        q = q[:, :rows]
+        if self.query_window is not None:
+            q = q[:, -self.query_window:]
+        return q
+
+    def check_query_rows(self, kv: torch.Tensor, q: torch.Tensor | None, tokens: Sequence[int],
+                         *, threshold: float = 0.95) -> str:
+        """Check a few key and query rows against the tokens they belong to; returns how (for logs).
+
+        Always: shapes, finite values, no all-zero rows (an unwritten ring slot). When the checkpoint is
+        readable locally (`_Layer0`): layer 0's keys and queries of `check_rows` tokens (the last ones and
+        a spread) are recomputed and must match the retrieved rows (cosine >= `threshold` for every head),
+        which catches rows of another token or position (shifted or mixed-up rows).
+
+        Raises:
+            QueryCheckError: a check failed (the message names the row, layer 0, and the similarity).
+        """
+        n_rows = self.check_rows
+        if n_rows <= 0:
+            return "off"
+        T = kv.shape[2]
+        rows = sorted({T - 1 - i * max(1, T // n_rows) for i in range(n_rows)} & set(range(T)))
+        if q is not None:
+            tq = q.shape[1]
+            if tq > T:
+                raise QueryCheckError(f"{tq} query rows for {T} KV tokens; queries must be aligned to the end of the KV")
+            q_rows = [T - 1 - i for i in range(min(n_rows, tq))]
+            sample = q[:, [p - (T - tq) for p in q_rows]]
+            if not bool(torch.isfinite(sample).all()) or bool((sample.float().abs().sum(-1) == 0).any()):
+                raise QueryCheckError(f"query rows {q_rows} hold zeros or non-finite values (unwritten ring slots?)")
+        sample_k = kv[0][:, rows]
+        if not bool(torch.isfinite(sample_k).all()):
+            raise QueryCheckError(f"key rows {rows} hold non-finite values")
+        if not self._layer0_loaded:
+            self._layer0 = _Layer0.load(self.model_source, self.config)
+            self._layer0_loaded = True
+            if self._layer0 is None:
+                warnings.warn(f"lmcache engine: cannot read layer-0 weights of {self.model_source!r} locally; query and "
+                              f"key rows get shape and value checks only", stacklevel=3)
+        if self._layer0 is None:
+            return "shape"
+        f = self.facts
+        positions = rows if q is None else sorted(set(rows) | set(q_rows))
+        q0, k0 = self._layer0.qk([int(tokens[p]) for p in positions], positions)
+        for j, p in enumerate(positions):
+            if p in rows:
+                sim = _cosine(kv[0, 0, p].view(f.num_kv_heads, f.head_dim), k0[j]).min().item()
+                if sim < threshold:
+                    raise QueryCheckError(f"the cached key of token {p} does not match token id {tokens[p]} at position "
+                                          f"{p} (layer 0, cosine {sim:.3f} < {threshold}); KV rows are mixed up")
+            if q is not None and p in q_rows:
+                row = q[0, p - (T - q.shape[1])].view(f.num_query_heads, f.head_dim)
+                sim = _cosine(row, q0[j]).min().item()
+                if sim < threshold:
+                    raise QueryCheckError(f"query row {p - (T - q.shape[1])} (token {p}) does not match token id "
+                                          f"{tokens[p]} at position {p} (layer 0, cosine {sim:.3f} < {threshold}); "
+                                          f"query rows are mixed up or shifted")
+        return "layer0"
+
+    def modify(self, drop_fn, *, positions: str | None = None, on_error: str = "raise") -> ModifyReport:
+        """Apply `drop_fn(tensors, tokens) -> (new_kv, new_tokens)` to every request's cached KV.
+
+        Per request: retrieve the KV `[2, L, T, D]` (T = the padded prompt; with `align="none"` its
+        chunk-aligned prefix) and the last `query_window` query rows `[L, Tq, Hq*d]`, check rows
+        (`check_query_rows`), call the drop function, validate its output (`validate_drop_output`) and
+        store it under this run's edit salt. Requests switch to their edited cache only after all of
+        them were processed (with `on_error="raise"`, only if none failed).
+
+        Args:
+            drop_fn: an LMCache-style ModifyFn (e.g. `tdutils.make_drop_fn(..., rerotate=True)`).
+            positions: only `"compact"` (or None).
+            on_error: `"raise"` (any failure: no request changes, `DropFunctionError` lists the failures) or
+                `"skip"` (failed requests keep their cache; the report lists them).
+
+        Raises:
+            RuntimeError: called before `prefill`, or twice in one run.
+            ValueError: bad arguments, a drop function with `rerotate=False`, KV of an unexpected layout.
+            QueryCheckError: retrieved rows do not belong to the request's tokens.
+            TimeoutError: LMCache did not get the request's KV (or queries) within `retrieve_timeout`.
+            DropFunctionError: with `on_error="raise"`.
+        """
+        self._require_requests("modify()")
+        if positions not in (None, "compact"):
+            raise ValueError(f"the lmcache engine supports positions='compact' only, got {positions!r}")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if getattr(drop_fn, "rerotate", True) is False:
+            raise ValueError("vLLM decodes the kept tokens at compact positions, so the drop function must re-rotate "
+                             "keys; build it with make_drop_fn(..., rerotate=True)")
+        if any(r.edited for r in self.requests):
+            raise RuntimeError("this run's caches were already modified; call prefill(prompts) to start a new run")
+        mm = self.metrics.modify = ModifyMetrics()
+        t0 = time.perf_counter()
+        edits, failures = {}, []
+        before = 0
+        for r in self.requests:
+            rows = (len(r.tokens) // self.chunk_size) * self.chunk_size
+            before += len(r.tokens)
+            if rows == 0:  # shorter than one chunk: nothing is cached, nothing to edit
+                msg = f"prompt of {len(r.tokens)} tokens is shorter than one LMCache chunk ({self.chunk_size}); nothing to edit"
+                failures.append((r.request_id, msg))
+                continue
+            kv = self._check_kv_layout(self._retrieve(self.kv_ctx, r.tokens[:rows], r.salt, rows, "KV")[:, :, :rows])
+            tokens = r.tokens[:rows]
+            check_kv(kv, tokens)
+            q = None
+            if self.q_ctx is not None and self.query_window != 0:
+                q = self._fetch_query(r, rows)
+            self.check_query_rows(kv, q, tokens)
+            tensors = {CacheKind.KV: kv}
+            if q is not None:
+                tensors[CacheKind.QUERY] = q
+            try:
+                new_kv, new_tokens = validate_drop_output(kv, tokens, drop_fn(tensors, list(tokens)))
+            except Exception as exc:  # noqa: BLE001 (a drop function may raise anything; reported below)
+                msg = f"{exc.__class__.__name__}: {exc}"
+                if q is None and self.query_unavailable:
+                    msg += f" [queries were not available: {self.query_unavailable}]"
+                failures.append((r.request_id, msg))
+                continue
+            # The edit salt is used by no request until the switch below, so storing now changes nothing
+            # that anyone reads; a failure later leaves these entries unreachable (cleared next run).
+            if not self.kv_ctx.store(new_kv, new_tokens, self._salt_edit):
+                warnings.warn(f"request {r.request_id}: LMCache reports the edited KV as already cached", stacklevel=2)
+            edits[r.request_id] = new_tokens + r.tokens[rows:]  # the unaligned tail (align="none") stays as is
+            del kv, q, tensors, new_kv
+        mm.seconds = time.perf_counter() - t0
+        mm.tokens_before = before
+        if failures and on_error == "raise":
+            mm.failed, mm.tokens_after = len(failures), before
+            lines = "\n".join(f"  request {i}: {msg}" for i, msg in failures[:10])
+            raise DropFunctionError(f"the drop function failed on {len(failures)} of {len(self.requests)} requests; "
+                                    f"no cache was changed:\n{lines}")
+        for r in self.requests:
+            if r.request_id in edits:
+                r.tokens = edits[r.request_id]
+                r.cached = len(r.tokens)
+                r.salt = self._salt_edit
+                r.edited = True
+        mm.edited, mm.failed = len(edits), len(failures)
+        mm.tokens_after = sum(len(r.tokens) for r in self.requests)
+        if failures:
+            warnings.warn(f"drop function failed on {len(failures)} requests (caches left unchanged): {failures[:3]}",
+                          stacklevel=2)
+        return ModifyReport(edited=len(edits), failures=failures)
+
+    def decode(self, max_tokens: int = 64, *, temperature: float = 0.0, ignore_eos: bool = True, seed: int = 0,
+               keep_logits: bool = False) -> list[RequestOutput]:
+        """Decode `max_tokens` per request on vLLM from the (edited) caches; one `RequestOutput` per request.
+
+        Each request's prompt is its current token list (kept tokens after an edit) with its current salt;
+        vLLM loads the cached chunks from LMCache and recomputes the rest, so the first generated token
+        already sees the edited cache.
+
+        Raises:
+            RuntimeError: called before `prefill`.
+            ValueError: `max_tokens < 1`, negative temperature, `keep_logits=True` (vLLM does not return
+                logits), or a request that alone needs more than `kv_budget_tokens`.
+        """
+        self._require_requests("decode()")
+        if int(max_tokens) != max_tokens or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if keep_logits:
+            raise ValueError("keep_logits is not available on the lmcache engine (vLLM streams token ids only)")
+        needs = [len(r.tokens) + int(max_tokens) for r in self.requests]
+        budget = self.kv_budget_tokens
+        if budget is not None:
+            for r, need in zip(self.requests, needs):
+                if need > budget:
+                    raise ValueError(f"request {r.request_id} needs {need} KV tokens ({len(r.tokens)} cached + "
+                                     f"{max_tokens} to generate) but kv_budget_tokens is {budget}; raise "
+                                     f"kv_budget_tokens, lower max_tokens, or drop more tokens")
+        params = {"max_tokens": int(max_tokens), "temperature": float(temperature), "ignore_eos": bool(ignore_eos)}
+        if temperature > 0:
+            params["seed"] = int(seed)
+        streams, perfs, _, seconds, peak, peak_reserved = self._run_streams([(r.tokens, r.salt) for r in self.requests], params,
+                                                             needs, "decode")
+        dm = self.metrics.decode = DecodeMetrics(kv_budget_tokens=budget)
+        dm.seconds, dm.peak_batch_size = seconds, peak
+        dm.kv_peak_reserved_tokens = peak_reserved
+        outputs = []
+        for r, stream, perf in zip(self.requests, streams, perfs):
+            r.output_ids = [int(t) for t in stream.tokens[len(r.tokens):]]
+            r.text = getattr(stream, "output_text", "")
+            tpot = list(getattr(perf, "tpot", []) or [])
+            r.tpot_s = sum(tpot) / len(tpot) if tpot else float("nan")
+            if tpot:
+                dm.tpot_s.append(r.tpot_s)
+            dm.output_tokens += len(r.output_ids)
+            outputs.append(RequestOutput(
+                request_id=r.request_id, prompt_tokens=len(r.prompt_ids) + r.pad, cached_tokens=r.cached,
+                output_ids=list(r.output_ids), text=r.text,
+                finish_reason="length" if len(r.output_ids) >= max_tokens else "stop",
+                ttft_s=r.ttft_s, tpot_s=r.tpot_s))
+        return outputs
+
+    def close(self) -> None:
+        """Close the HTTP client and the SDK contexts."""
+        self.post_completion.close()
+        for ctx in self._contexts():
+            close = getattr(ctx, "close", None)
+            if close is not None:
+                close()

@@ -1,0 +1,94 @@
+"""`python -m tdutils doctor` against absent servers and stand-in vLLM / LMCache servers on 127.0.0.1."""
+
+import io
+import time
+
+from standins import chunk, closed_port_url, models_route, serve, usage_chunk
+
+from tdutils.__main__ import build_parser
+
+MODEL = "Qwen/Qwen3-0.6B"
+
+
+def _doctor(*argv):
+    args = build_parser().parse_args(["doctor", *argv])
+    out = io.StringIO()
+    return args.func(args, out=out), out.getvalue()
+
+
+def _routes(*, as_text=False, registered=True, queries=True, version="0.25.1"):
+    """Stand-in routes of vLLM (OpenAI server) and the LMCache server's HTTP API on one port."""
+    def completions(h, body):
+        h.start_sse()
+        h.write_line(chunk([11, 12], "ab", "length", as_text=as_text))
+        h.write_line("")
+        h.write_line(usage_chunk(len(body["prompt"]), 2))
+        h.write_line("data: [DONE]")
+
+    meta = {"7": {"model_name": MODEL, "world_size": 1, "kv_cache_layout": {"num_layers": 28}}}
+    qmeta = {"8": {"model_name": MODEL + "##query", "world_size": 1, "q_ring_layout": {}}}
+    return {
+        ("GET", "/healthcheck"): lambda h, b: h.send_json(200, {"status": "healthy"}),
+        ("GET", "/config"): lambda h, b: h.send_json(200, {"mp": {"chunk_size": 256}}),
+        ("GET", "/status"): lambda h, b: h.send_json(200, {"cache_context_meta": meta if registered else {},
+                                                           "q_context_meta": qmeta if queries else {}}),
+        ("GET", "/v1/models"): models_route(MODEL),
+        ("GET", "/version"): lambda h, b: h.send_json(200, {"version": version}),
+        ("POST", "/tokenize"): lambda h, b: h.send_json(200, {"count": 1, "tokens": [9707]}),
+        ("POST", "/v1/completions"): completions,
+    }
+
+
+def _synthetic_vllm(tmp_path, patched: bool):
+    from tdutils import patches as tp
+
+    pkg = tmp_path / "vllm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_version.py").write_text("__version__ = '0.25.1'\n")
+    for fp in tp.load_patch():
+        p = tmp_path / fp.path
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("\n".join(line for h in fp.hunks for line in (h.new if patched else h.old)) + "\n")
+    return pkg
+
+
+def test_absent_servers_say_how_to_start_them_quickly():
+    down = closed_port_url()
+    t0 = time.perf_counter()
+    rc, out = _doctor("--vllm-url", down, "--lmcache-http-url", down, "--timeout", "2")
+    assert rc == 1 and time.perf_counter() - t0 < 10
+    assert "[FAIL] LMCache server" in out and "fix: start it with `lmcache server" in out
+    assert "[FAIL] vLLM at" in out and "vllm serve MODEL" in out and "some checks failed" in out
+
+
+def test_a_working_setup_passes(tmp_path):
+    pkg = _synthetic_vllm(tmp_path, patched=True)
+    with serve(_routes()) as (url, log):
+        rc, out = _doctor("--vllm-url", url, "--lmcache-http-url", url, "--vllm-dir", str(pkg))
+    assert rc == 0, out
+    assert "chunk size 256" in out and f"serves '{MODEL}'" in out and "vLLM version 0.25.1" in out
+    assert "is patched" in out and "KV layout of" in out and "query ring registered" in out
+    assert "completions stream token ids ([11, 12])" in out and out.rstrip().endswith("all checks passed")
+    body = next(b for m, p, b in log if p == "/v1/completions")
+    assert body["prompt"] == [9707] and body["return_tokens_as_token_ids"] is True
+
+
+def test_problems_are_reported_with_their_fix(tmp_path):
+    pkg = _synthetic_vllm(tmp_path, patched=False)
+    with serve(_routes(as_text=True, registered=False, queries=False, version="0.26.0")) as (url, _):
+        rc, out = _doctor("--vllm-url", url, "--lmcache-http-url", url, "--vllm-dir", str(pkg))
+    assert rc == 1
+    assert "[warn] vLLM 0.26.0 is outside the range" in out
+    assert "query-export patch unapplied" in out and "python -m tdutils.patches apply" in out
+    assert "no KV layout registered" in out and "LMCacheMPConnector" in out
+    assert "no query ring registered" in out and "--enable transfer_query" in out
+    assert "fix: start vLLM with --return-tokens-as-token-ids" in out
+
+
+def test_unknown_model_and_no_queries_mode():
+    with serve(_routes()) as (url, _):
+        rc, out = _doctor("--vllm-url", url, "--lmcache-http-url", url, "--model", "other")
+        assert rc == 1 and "does not serve 'other'" in out
+        rc, out = _doctor("--vllm-url", url, "--lmcache-http-url", url, "--no-queries")
+        assert rc == 0 and "patch state" not in out and "query ring" not in out

@@ -1,0 +1,414 @@
+"""Contract tests of the `lmcache` engine against stand-ins of vLLM, the LMCache server and LMCache's SDK.
+
+`Serving` below is a stand-in for the GPU serving stack: it plays vLLM's OpenAI-compatible server (a real
+HTTP server on 127.0.0.1 streaming vLLM's format) *and* its LMCache MP connector (storing each prompt's
+KV and query chunks, loading cached chunks before computing the rest), running the bundled tiny model on
+the CPU, plus the LMCache server's HTTP API. `StandInContext` replaces
+`lmcache.sdk.context.LMCacheSDKContext` and `StandInRequestStream` replaces
+`lmcache.sdk.request.LMCacheRequestStream`; both follow the rules the SDK 0.5.6 documents.
+"""
+
+import inspect
+import threading
+import time
+import types
+import warnings
+from contextlib import contextmanager
+
+import pytest
+import torch
+from standins import closed_port_url, models_route, serve
+
+import tdutils
+from tdutils import CacheKind, DropFunctionError, make_drop_fn
+from tdutils.engines.capture import QueryRecorder, capture_implementation, recording
+from tdutils.engines.hf import HFEngine
+from tdutils.engines.lmcache import LMCacheEngine, QueryCheckError, ServerError
+from tdutils.models import TINY_MODEL_DIR
+
+MODEL = "tiny"
+
+
+class Backend:
+    """The LMCache server's storage, as a stand-in: whole chunks keyed by (namespace, salt, token prefix)."""
+
+    def __init__(self, chunk_size: int):
+        self.chunk_size = chunk_size
+        self.chunks = {}
+
+    def put(self, ns, salt, tokens, tensor, first_chunk: int = 0) -> bool:
+        """Store the whole chunks of `tensor` (rows of tokens from chunk `first_chunk` on); True if any was new."""
+        c, new = self.chunk_size, False
+        keys = self._keys(ns, salt, tokens, first_chunk + tensor.shape[2] // c)
+        for j in range(tensor.shape[2] // c):
+            key = keys[first_chunk + j]
+            if key not in self.chunks:
+                self.chunks[key] = tensor[:, :, j * c:(j + 1) * c].clone()
+                new = True
+        return new
+
+    def _keys(self, ns, salt, tokens, n_chunks):
+        """Chained chunk keys, as LMCache hashes them: chunk i's key covers every token before its end."""
+        keys, h, c = [], hash((ns, salt)), self.chunk_size
+        for i in range(min(n_chunks, len(tokens) // c)):
+            h = hash((h, tuple(tokens[i * c:(i + 1) * c])))
+            keys.append(h)
+        return keys
+
+    def get(self, ns, salt, tokens):
+        """The longest cached chunk-aligned prefix of `tokens` (chunks concatenated), or None."""
+        parts = []
+        for key in self._keys(ns, salt, tokens, len(tokens)):
+            part = self.chunks.get(key)
+            if part is None:
+                break
+            parts.append(part)
+        return torch.cat(parts, dim=2) if parts else None
+
+
+def _namespace(kind, model):
+    return f"{model}##query" if kind == CacheKind.QUERY else model
+
+
+class StandInContext:
+    """Stand-in for `lmcache.sdk.context.LMCacheSDKContext` (the real one reaches the LMCache server over
+    ZMQ/gRPC and shared memory). Same rules: retrieval is chunk-aligned and returns the longest cached
+    prefix, None when nothing is cached (or fewer tokens than a chunk are asked for); `store` requires
+    `len(tokens) == kv.shape[2]` and stores whole chunks only; the QUERY kind lives in the
+    `{model}##query` namespace and comes back as `[1, L, T, Hq*d]`."""
+
+    def __init__(self, backend: Backend, kind, model: str):
+        self._backend, self.kind, self.namespace = backend, kind, _namespace(kind, model)
+
+    @property
+    def chunk_size(self) -> int:
+        return self._backend.chunk_size
+
+    def retrieve(self, tokens, cache_salt=""):
+        if len(tokens) < self.chunk_size:
+            return None
+        return self._backend.get(self.namespace, cache_salt, list(tokens))
+
+    def store(self, kv, tokens, cache_salt=""):
+        if len(tokens) != kv.shape[2]:
+            raise RuntimeError(f"Number of tokens ({len(tokens)}) does not match KV tensor's token dimension "
+                               f"({kv.shape[2]}).")
+        return self._backend.put(self.namespace, cache_salt, list(tokens), kv.detach().cpu())
+
+    def close(self):
+        pass
+
+
+class StandInRequestStream:
+    """Stand-in for `lmcache.sdk.request.LMCacheRequestStream`: `generate` calls post_completion with the
+    stream's tokens and salt, appends the generated ids, and returns per-call metrics (ttft, tpot in s)."""
+
+    def __init__(self, contexts, post_completion, prompt_token_ids, cache_salt=""):
+        self.contexts, self.post_completion = list(contexts), post_completion
+        self.tokens, self.cache_salt, self._text = list(prompt_token_ids), cache_salt, []
+
+    @property
+    def output_text(self):
+        return "".join(self._text)
+
+    def generate(self, sampling_params):
+        events = self.post_completion(self.tokens, sampling_params, self.cache_salt)
+        t0 = last = time.perf_counter()
+        gaps, ids = [], []
+        for ev in events:
+            ids.append(ev.token_id)
+            self._text.append(ev.text)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+        self.tokens.extend(ids)
+        return types.SimpleNamespace(duration=last - t0, input_tokens=len(self.tokens) - len(ids),
+                                     output_tokens=len(ids), ttft=gaps[0] if gaps else 0.0, tpot=gaps[1:])
+
+
+def standin_sdk(backend: Backend, connects: list):
+    """A stand-in `lmcache.sdk` module: `connect`, `LMCacheSDKCacheKind`, `request.create_request`."""
+    def connect(kind, url, http_url, model_name, timeout=60.0):
+        connects.append((kind, url, http_url, model_name, timeout))
+        return StandInContext(backend, kind, model_name)
+
+    return types.SimpleNamespace(LMCacheSDKCacheKind=CacheKind, connect=connect,
+                                 request=types.SimpleNamespace(create_request=StandInRequestStream))
+
+
+class Serving:
+    """Stand-in for vLLM + its LMCache MP connector + the LMCache server's HTTP API, on the tiny model.
+
+    A completion loads the longest cached chunk-aligned prefix stored under the request's salt (at most
+    all prompt tokens but the last), computes the rest of the prompt at positions `n..T-1`, stores the
+    prompt's whole KV chunks and the query chunks it computed, then decodes greedily and streams the ids
+    (two tokens per SSE chunk, a usage chunk, `[DONE]`).
+    """
+
+    def __init__(self, tiny, chunk_size: int, *, shift_queries: bool = False, registered: bool = True):
+        self.model, self.tok = tiny
+        self.model.set_attn_implementation(capture_implementation(self.model.config._attn_implementation))
+        self.backend = Backend(chunk_size)
+        self.shift_queries, self.registered = shift_queries, registered
+        self.lock = threading.Lock()
+        self.clears = 0
+        self.completions = []  # (prompt, salt, loaded tokens)
+        sig = inspect.signature(self.model.forward).parameters
+        self.cache_kw = "cache" if "cache" in sig else "past_key_values"
+
+    @torch.inference_mode()
+    def complete(self, prompt, salt, max_tokens):
+        from transformers import DynamicCache
+
+        m, c = self.model, self.backend.chunk_size
+        L = m.config.num_hidden_layers
+        H, d = m.config.num_key_value_heads, m.config.head_dim
+        hit = self.backend.get(MODEL, salt, prompt)
+        n = 0 if hit is None else min(hit.shape[2], len(prompt) - 1)
+        self.completions.append((list(prompt), salt, n))
+        cache = DynamicCache(config=m.config)
+        if n:
+            kv = hit[:, :, :n].view(2, L, n, H, d).transpose(2, 3)  # [2, L, H, n, d]
+            for layer in range(L):
+                cache.update(kv[0, layer][None], kv[1, layer][None], layer)
+        rec = QueryRecorder(None)
+        ids = torch.tensor([prompt[n:]])
+        with recording(rec):
+            out = m(input_ids=ids, position_ids=torch.arange(n, len(prompt))[None],
+                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long), use_cache=True,
+                    **{self.cache_kw: cache})
+        T = len(prompt)
+        k = torch.stack([lay.keys[0].transpose(0, 1).reshape(T, -1) for lay in cache.layers])
+        v = torch.stack([lay.values[0].transpose(0, 1).reshape(T, -1) for lay in cache.layers])
+        self.backend.put(MODEL, salt, prompt, torch.stack([k, v]))
+        first = -(-n // c)  # query chunks computed whole in this pass
+        q = torch.stack([rec.layers[i][0].transpose(0, 1).reshape(T - n, -1) for i in range(L)])[None]
+        if self.shift_queries:  # fault injection: every row one token late (mixed-up rows)
+            q = torch.roll(q, 1, dims=2)
+        self.backend.put(f"{MODEL}##query", salt, prompt, q[:, :, first * c - n:], first_chunk=first)
+        out_ids, pos = [], T
+        logits = out.logits[0, -1]
+        for _ in range(max_tokens):
+            tok = int(logits.argmax())
+            out_ids.append(tok)
+            step = m(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[pos]]),
+                     attention_mask=torch.ones(1, pos + 1, dtype=torch.long), use_cache=True,
+                     **{self.cache_kw: cache})
+            logits, pos = step.logits[0, -1], pos + 1
+        return out_ids
+
+    def routes(self):
+        from standins import chunk, usage_chunk
+
+        def completions(h, body):
+            with self.lock:
+                ids = self.complete(body["prompt"], body.get("cache_salt", ""), body["max_tokens"])
+            h.start_sse()
+            for i in range(0, len(ids), 2):
+                part = ids[i:i + 2]
+                h.write_line(chunk(part, self.tok.decode(part), "length" if i + 2 >= len(ids) else None))
+                h.write_line("")
+            h.write_line(usage_chunk(len(body["prompt"]), len(ids)))
+            h.write_line("")
+            h.write_line("data: [DONE]")
+
+        def clear(h, body):
+            self.backend.chunks.clear()
+            self.clears += 1
+            h.send_json(200, {"status": "ok", "cleared": {"tier": "l1"}})
+
+        meta = {"1": {"model_name": MODEL, "world_size": 1, "kv_cache_layout": {"num_layers": 2}}}
+        return {
+            ("GET", "/v1/models"): models_route(MODEL, 4096, root=str(TINY_MODEL_DIR)),
+            ("POST", "/v1/completions"): completions,
+            ("GET", "/version"): lambda h, b: h.send_json(200, {"version": "0.25.1"}),
+            ("GET", "/healthcheck"): lambda h, b: h.send_json(200, {"status": "healthy"}),
+            ("GET", "/config"): lambda h, b: h.send_json(200, {"mp": {"chunk_size": self.backend.chunk_size}}),
+            ("GET", "/status"): lambda h, b: h.send_json(200, {"cache_context_meta": meta if self.registered else {}}),
+            ("POST", "/cache/clear"): clear,
+        }
+
+
+@contextmanager
+def engine(tiny, chunk_size=16, serving_kw=None, **kw):
+    serving = Serving(tiny, chunk_size, **(serving_kw or {}))
+    connects = []
+    with serve(serving.routes()) as (url, log):
+        eng = tdutils.open_engine("lmcache", vllm_url=url, lmcache_http_url=url, lmcache_url="tcp://127.0.0.1:1",
+                                  sdk=standin_sdk(serving.backend, connects), timeout=30, **kw)
+        eng.serving, eng.connects, eng.log = serving, connects, log
+        try:
+            yield eng
+        finally:
+            eng.close()
+
+
+# ---------------------------------------------------------------- the stand-in context follows the SDK rules
+
+
+def test_standin_context_follows_the_sdk_rules():
+    backend = Backend(4)
+    kv_ctx, q_ctx = StandInContext(backend, CacheKind.KV, "m"), StandInContext(backend, CacheKind.QUERY, "m")
+    assert q_ctx.namespace == "m##query"
+    assert kv_ctx.retrieve([1, 2, 3, 4, 5]) is None  # nothing cached
+    with pytest.raises(RuntimeError, match="does not match"):
+        kv_ctx.store(torch.zeros(2, 1, 5, 2), [1, 2, 3])
+    assert kv_ctx.store(torch.ones(2, 1, 6, 2), [1, 2, 3, 4, 5, 6], "s")
+    assert kv_ctx.retrieve([1, 2, 3], "s") is None  # fewer than a chunk
+    assert kv_ctx.retrieve([1, 2, 3, 4, 5, 6, 7, 8], "s").shape == (2, 1, 4, 2)  # whole chunks only
+    assert kv_ctx.retrieve([1, 2, 3, 4], "other") is None and q_ctx.retrieve([1, 2, 3, 4], "s") is None
+
+
+# ---------------------------------------------------------------- servers absent or not set up
+
+
+def test_absent_servers_fail_fast_with_the_start_commands():
+    down = closed_port_url()
+    t0 = time.perf_counter()
+    with pytest.raises(ConnectionError, match="lmcache server --l1-size-gb.*--enable transfer_query"):
+        tdutils.open_engine("lmcache", vllm_url=down, lmcache_http_url=down, http_timeout=2)
+    with serve({("GET", "/healthcheck"): lambda h, b: h.send_json(200, {"status": "healthy"})}) as (url, _), \
+            pytest.raises(ServerError, match="vllm serve MODEL.*--return-tokens-as-token-ids.*LMCacheMPConnector"):
+        tdutils.open_engine("lmcache", vllm_url=down, lmcache_http_url=url, http_timeout=2)
+    assert time.perf_counter() - t0 < 10
+
+
+def test_unserved_or_unregistered_model_and_missing_sdk(tiny):
+    serving = Serving(tiny, 16)
+    with serve(serving.routes()) as (url, _):
+        with pytest.raises(ValueError, match=r"does not serve 'other'; it serves \['tiny'\]"):
+            LMCacheEngine("other", vllm_url=url, lmcache_http_url=url, sdk=standin_sdk(serving.backend, []))
+        try:
+            import lmcache  # noqa: F401
+        except ImportError:
+            with pytest.raises(ImportError, match=r"pip install 'tdutils\[lmcache\]'"):
+                LMCacheEngine(vllm_url=url, lmcache_http_url=url)
+        serving.registered = False
+        with pytest.raises(ValueError, match="no KV layout registered for 'tiny'.*LMCacheMPConnector"):
+            LMCacheEngine(vllm_url=url, lmcache_http_url=url, sdk=standin_sdk(serving.backend, []))
+    with pytest.raises(ValueError, match="positions='compact'"):
+        LMCacheEngine(positions="original")
+
+
+# ---------------------------------------------------------------- the serving path end to end
+
+
+def test_padding_puts_the_true_end_of_the_prompt_in_the_window(tiny, sample_ids):
+    seen = []
+
+    def select(tensors, tokens):
+        seen.append((tensors[CacheKind.KV].shape, tensors[CacheKind.QUERY].shape, list(tokens)))
+        return torch.arange(len(tokens))[::2].sort().values.unique()
+
+    with engine(tiny, 16, query_window=32) as eng:
+        assert eng.chunk_size == 16 and eng.facts.num_layers == 2
+        assert [(k.value, model) for k, _, _, model, _ in eng.connects] == [("kv", MODEL), ("query", MODEL)]
+        lengths = eng.prefill(sample_ids)
+        assert all(n % 16 == 0 and n - len(x) < 16 for n, x in zip(lengths, sample_ids))
+        fn = make_drop_fn(select, drop_ratio=0.5, model_config=eng.config)
+        report = eng.modify(fn)
+        assert report.edited == 3 and not report.failures
+        for (kv_shape, q_shape, tokens), x, n in zip(seen, sample_ids, lengths):
+            assert kv_shape == (2, 2, n, 64) and q_shape == (2, 32, 128)
+            assert tokens[-len(x):] == x  # every prompt token, the question at the end included
+            assert set(tokens[:n - len(x)]) <= {eng.pad_token_id}
+        outs = eng.decode(max_tokens=5)
+    assert [len(o.output_ids) for o in outs] == [5, 5, 5] and all(o.finish_reason == "length" for o in outs)
+    assert [o.cached_tokens for o in outs] == [(n + 1) // 2 for n in lengths]
+
+
+def test_distinct_salts_cache_clears_and_no_leak_to_unsalted_requests(tiny, sample_ids):
+    with engine(tiny, 16) as eng:
+        fn = make_drop_fn("random", drop_ratio=0.5, model_config=eng.config, seed=1)
+        res = tdutils.run_once(eng, sample_ids, name="random", drop_fn=fn, max_tokens=3)
+        first_run = eng.run_id
+        salts = [c[1] for c in eng.serving.completions]
+        assert salts[:3] == [f"tdutils-{first_run}-prefill"] * 3 and salts[3:] == [f"tdutils-{first_run}-edit"] * 3
+        assert all(loaded > 0 for _, _, loaded in eng.serving.completions[3:])  # decode read the edited cache
+        assert eng.serving.clears == 1
+        # A later, unsalted request with the kept tokens finds nothing cached: no edited KV leaks to it.
+        kept = eng.serving.completions[3][0]
+        assert eng.serving.backend.get(MODEL, "", kept) is None
+        tdutils.run_once(eng, sample_ids, name="baseline", max_tokens=3)
+        assert eng.serving.clears == 2 and eng.run_id != first_run
+        assert res.metrics.modify.edited == 3 and res.metrics.decode.output_tokens == 9
+        assert len(res.metrics.prefill.ttft_s) == 3 and res.metrics.prefill.tokens % 16 == 0
+
+
+def test_drop_functions_run_unchanged_and_decode_like_the_hf_engine(tiny, sample_ids):
+    """With chunk size 1 the serving path loads all but the last prompt token and recomputes that one,
+    which is exactly what the hf engine does; so greedy outputs must agree, for the baseline and after
+    dropping with the same drop function objects."""
+    model, tok = tiny
+    ids = [x[:n] for x, n in zip(sample_ids, (120, 75, 150))]
+    hf = HFEngine(model, tokenizer=tok, prefill_batch_size=1, max_batch_size=1, progress=False)
+    fns = [None] + [make_drop_fn(p, drop_ratio=0.5, model_config=model.config, **kw) for p, kw in
+                    (("random", {"seed": 3}), ("middle_chunk", {"chunk_size": 32}), ("snapkv", {"window": 16}))]
+    with engine(tiny, 1) as eng:
+        for fn in fns:
+            a = tdutils.run_once(hf, ids, drop_fn=fn, max_tokens=5).outputs
+            b = tdutils.run_once(eng, ids, drop_fn=fn, max_tokens=5).outputs
+            assert [o.output_ids for o in a] == [o.output_ids for o in b], getattr(fn, "name", "baseline")
+            assert [o.cached_tokens for o in a] == [o.cached_tokens for o in b]
+
+
+def test_compare_gives_the_phase_table(tiny, sample_ids):
+    with engine(tiny, 16, kv_budget_tokens=700) as eng:
+        fn = make_drop_fn("random", drop_ratio=0.5, model_config=eng.config)
+        _, table = tdutils.compare(eng, sample_ids, {"random@0.5": fn}, max_tokens=4)
+    assert list(table.index) == ["baseline", "random@0.5"]
+    assert table.loc["random@0.5", "kept_fraction"] < 0.6 and table.loc["baseline", "decode_tokens"] == 12
+    assert table.loc["baseline", "kv_peak_reserved_tokens"] <= 700 and table.loc["baseline", "peak_batch"] >= 1
+
+
+def test_mixed_up_query_rows_are_caught_before_scoring(tiny, sample_ids):
+    calls = []
+
+    def select(tensors, tokens):
+        calls.append(1)
+        return torch.arange(len(tokens) // 2)
+
+    with engine(tiny, 16, serving_kw={"shift_queries": True}) as eng:
+        eng.prefill(sample_ids)
+        fn = make_drop_fn(select, drop_ratio=0.5, model_config=eng.config)
+        with pytest.raises(QueryCheckError, match="query rows are mixed up or shifted"):
+            eng.modify(fn)
+        assert not calls
+        eng.decode(max_tokens=2)  # nothing was switched: decoding uses the prefill salt
+        assert all(salt.endswith("-prefill") for _, salt, _ in eng.serving.completions)
+
+
+def test_correct_rows_pass_the_layer0_check(tiny, sample_ids):
+    with engine(tiny, 16) as eng:
+        eng.prefill(sample_ids[:1])
+        t = eng.tensors(0)
+        assert eng.check_query_rows(t[CacheKind.KV], t[CacheKind.QUERY], eng.tokens(0)) == "layer0"
+        kv = t[CacheKind.KV].clone()
+        kv[:, :, -1] = kv[:, :, -2]  # the last key row copied from its neighbour
+        with pytest.raises(QueryCheckError, match="KV rows are mixed up"):
+            eng.check_query_rows(kv, None, eng.tokens(0))
+
+
+def test_a_failing_drop_function_changes_no_cache_or_skips(tiny, sample_ids):
+    def select(tensors, tokens):
+        if len(tokens) > 300:
+            raise RuntimeError("boom")
+        return torch.arange(len(tokens) // 2)
+
+    with engine(tiny, 16) as eng:
+        eng.prefill(sample_ids)
+        fn = make_drop_fn(select, drop_ratio=0.5, model_config=eng.config)
+        with pytest.raises(DropFunctionError, match="failed on 1 of 3 requests; no cache was changed"):
+            eng.modify(fn)
+        assert [eng.tokens(i) for i in range(3)] == [eng.requests[i].tokens for i in range(3)]
+        assert all(not r.edited for r in eng.requests)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = eng.modify(fn, on_error="skip")
+        assert report.edited == 2 and [i for i, _ in report.failures] == [2]
+        outs = eng.decode(max_tokens=2)
+        assert outs[2].cached_tokens == 304 and outs[0].cached_tokens < 200
+        with pytest.raises(ValueError, match="rerotate=True"):
+            eng.modify(make_drop_fn("random", drop_ratio=0.5, rerotate=False))
+        with pytest.raises(ValueError, match="keep_logits"):
+            eng.decode(max_tokens=2, keep_logits=True)
