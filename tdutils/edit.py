@@ -191,7 +191,7 @@ class DropFn:
         return apply_keep(kv, tokens, keep, rope_spec=self.rope_spec, rerotate=self.rerotate)
 
 
-_POLICIES = ("random", "middle_chunk", "snapkv")
+_POLICIES = ("random", "middle_chunk", "snapkv", "rkv")
 
 
 def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float = 0.5, model_config=None, rerotate: bool = True,
@@ -201,7 +201,10 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float = 0.5, model_confi
     Args:
         policy: `"random"` (`policies.random_keep`; params `seed`, `n_sink`, `window`), `"middle_chunk"`
             (`policies.middle_chunk_keep`; param `chunk_size`), `"snapkv"` (`policies.snapkv_keep`; params
-            `window`, `kernel_size`, `pooling`, `gqa_reduce`; needs `CacheKind.QUERY`), or your own selection function
+            `window`, `kernel_size`, `pooling`, `gqa_reduce`; needs `CacheKind.QUERY`), `"rkv"` (`policies.rkv_keep`;
+            params of `policies.rkv.RKVParams`: `window`, `kernel_size`, `mix_lambda`, `threshold`, `redundancy`
+            ("reference" | "exact" | "tiled" | "buffered"), `eps` and the method's tiles `row_tile`, `col_block`,
+            `first_block`, `chunk_size`, `device`; needs `CacheKind.QUERY`), or your own selection function
             `select(tensors, tokens) -> LongTensor` of kept indices (it may read `CacheKind.KV` and
             `CacheKind.QUERY`); `drop_ratio` is then passed to it as a keyword if it accepts one.
         drop_ratio: fraction of tokens to remove, in [0, 1].
@@ -268,6 +271,20 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float = 0.5, model_confi
         def select(tensors, tokens):
             return snapkv_keep(get_kv(tensors), get_query(tensors), r, head_dim=head_dim, window=p.window,
                                kernel_size=p.kernel_size, pooling=p.pooling, gqa_reduce=p.gqa_reduce)
+
+    elif policy == "rkv":
+        from .models import model_facts
+        from .policies.rkv import RKVParams, _method_settings, rkv_keep
+
+        if model_config is None:
+            raise ValueError("policy 'rkv' needs model_config (head_dim and head counts of the model)")
+        p = _params(RKVParams, params, policy)
+        _method_settings(p.redundancy, p.tiles())  # a bad method or tile fails here, not on the first request
+        rkv_kwargs = p.score_kwargs()
+        head_dim = model_facts(model_config).head_dim
+
+        def select(tensors, tokens):
+            return rkv_keep(get_kv(tensors), get_query(tensors), r, head_dim=head_dim, **rkv_kwargs)
 
     else:
         raise ValueError(f"unknown policy {policy!r}; choose one of {list(_POLICIES)} or pass a selection function")

@@ -29,6 +29,27 @@ NOTEBOOKS = {
         {"num_requests": 6, "max_tokens": 8},
         ["decode_speedup", "decode throughput ratio"],
     ),
+    "notebooks/rkv_token_dropping.ipynb": (
+        {"num_requests": 4, "max_tokens": 8},
+        ["decode throughput ratio (rkv-reference@0.5", "kept-set agreement with exact (reference): 1.000",
+         "peak memory of the scoring step (reference)", "= scoring"],
+    ),
+    "notebooks/rkv_variants/rkv_variant_cpu_exact.ipynb": (
+        {"num_requests": 4, "max_tokens": 8},
+        ["decode throughput ratio (rkv-exact@0.5", "kept-set agreement with exact (exact): 1.000",
+         "peak memory of the scoring step (exact)", "= scoring"],
+    ),
+    "notebooks/rkv_variants/rkv_variant_gpu_exact.ipynb": (
+        {"num_requests": 4, "max_tokens": 8, "row_tile": 300, "col_block": 256},
+        ["tiled redundancy device:", "decode throughput ratio (rkv-tiled@0.5",
+         "kept-set agreement with exact (tiled): 1.000",
+         "peak memory of the scoring step (tiled)", "= scoring"],
+    ),
+    "notebooks/rkv_variants/rkv_variant_buffered_cpu.ipynb": (
+        {"num_requests": 4, "max_tokens": 8, "chunk_size": 256},
+        ["decode throughput ratio (rkv-buffered@0.5", "kept-set agreement with exact (buffered)",
+         "peak memory of the scoring step (buffered)", "= scoring"],
+    ),
 }
 
 

@@ -1,0 +1,312 @@
+"""Time and peak extra memory of R-KV redundancy (four methods) and of SnapKV / R-KV scoring (issue 5).
+
+For each key distribution and length n (default n in {1024, 4096, 16384}, H=8 KV heads, d=128, one layer):
+
+- `reference`, `exact`, `tiled`, `buffered`: `rkv_redundancy(keys [H, n, d])` with each method's defaults;
+- `snapkv`: `snapkv_scores` (window 64, avg-pool 5) of one layer, 32 query heads;
+- `rkv_scores_exact`: the whole R-KV score (importance + exact redundancy, window 16) of that layer.
+
+Key distributions: `random` — i.i.d. N(0, 1); `realistic` — `0.6·μ_h + 0.4·N(0, 1)` with one N(0, 1) mean per
+head (real keys share a large per-head component: most rows find a near-duplicate next to the right edge).
+Queries are N(0, 1). Kept-set agreement of `buffered` with `exact` is reported at `--drop-ratio` (0.5), for
+the full R-KV score and for the redundancy alone.
+
+Method: every (distribution, n, variant) runs in a fresh subprocess, so no variant's high-water mark can hide
+another's. The child builds its inputs, warms up on a 64-token input (kernel code pages, OpenMP threads), then
+- time: median of --repeats calls with the default allocator settings (CUDA synchronised);
+- CPU memory: one more call after switching glibc malloc to `M_MMAP_THRESHOLD = 128 KiB` (mallopt) and
+  `malloc_trim(0)`, so that every tensor of 128 KiB or more is its own mapping, unmapped when freed, and RSS
+  follows live tensors instead of glibc's heap (which keeps freed chunks resident and reuses them invisibly).
+  The child resets its peak RSS (VmHWM, by writing 5 to /proc/self/clear_refs), reads its RSS, makes the call
+  and reads VmHWM: extra = VmHWM − RSS before (the returned tensors included). The switch comes after the
+  timed calls because mmap-per-tensor makes the many small temporaries of the block scans page-fault on every
+  allocation (10x slower `exact` here): it measures memory, not speed. RSS also moves with non-tensor memory
+  (code pages, allocator slack: a few MiB of noise), so for n <= --profile-max-n the child also replays the
+  torch profiler's allocation events of one more call (`tdutils.policies.rkv.peak_memory`): the peak of live
+  tensor bytes, an independent figure;
+- CUDA memory: `torch.cuda.max_memory_allocated()` during one call minus what was allocated before.
+
+On a CPU shared with other busy processes, use `--threads 1`: with more OpenMP threads than free cores every
+parallel region can stall on a descheduled thread, which hits the methods made of many small operations
+(`exact`, `buffered`) far harder than one large matmul.
+
+    python bench/rkv_bench.py                                   # full size, CPU or CUDA
+    python bench/rkv_bench.py --sizes 1024 4096 --repeats 1 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from tdutils.policies.rkv import (
+    kept_agreement,
+    peak_memory,
+    rkv_importance,
+    rkv_redundancy,
+    rkv_scores,
+    synthetic_keys,
+)
+from tdutils.policies.snapkv import snapkv_scores
+from tdutils.selection import keep_count, keep_top_scores, protected_mask
+
+METHODS = ("reference", "exact", "tiled", "buffered")
+VARIANTS = (*METHODS, "snapkv", "rkv_scores_exact")
+RKV_WINDOW, SNAPKV_WINDOW, MIX = 16, 64, 0.25
+MiB = 2**20
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+def make_inputs(kind: str, n: int, args, device: str):
+    """keys [H, n, d] fp32, kv [2, 1, n, H*d] (values = keys: unused by scoring), q [1, 64, Hq*d]."""
+    keys = synthetic_keys(args.heads, n, args.head_dim, kind=kind, seed=args.seed + n, device=device)
+    k = keys.transpose(0, 1).reshape(n, -1)  # [n, H*d]
+    kv = torch.stack([k, k])[:, None]  # [2, L=1, n, D]
+    g = torch.Generator(device=device).manual_seed(args.seed + 1)
+    q = torch.empty(1, SNAPKV_WINDOW, args.query_heads * args.head_dim, device=device).normal_(generator=g)
+    return keys, kv, q
+
+
+def variant_fn(variant: str, keys, kv, q, head_dim: int):
+    if variant in METHODS:
+        return lambda: rkv_redundancy(keys, method=variant)
+    if variant == "snapkv":
+        return lambda: snapkv_scores(kv, q, head_dim=head_dim, window=SNAPKV_WINDOW)
+    return lambda: rkv_scores(kv, q[:, -RKV_WINDOW:], head_dim=head_dim, window=RKV_WINDOW, redundancy="exact")
+
+
+# ----------------------------------------------------------------------------------------------- child
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _vmhwm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise KeyError("VmHWM")
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux >= 4.0: reset the peak RSS to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def _mmap_every_tensor() -> bool:
+    """glibc: serve every allocation >= 128 KiB by its own mmap (unmapped on free) and return freed heap."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(-3, 131072) == 1  # M_MMAP_THRESHOLD
+        libc.malloc_trim(0)
+        return ok
+    except (OSError, AttributeError):
+        return False
+
+
+def run_child(args) -> dict:
+    """One variant at one size in this (fresh) process: times of --repeats calls, then memory of one more."""
+    kind, n, variant = args.child
+    n = int(n)
+    device = args.device
+    cuda = device.startswith("cuda")
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    # warm-up on a tiny input: thread pools, kernel code pages, allocator
+    wk, wkv, wq = make_inputs(kind, 64, args, device)
+    variant_fn(variant, wk, wkv, wq, args.head_dim)()
+    del wk, wkv, wq
+    keys, kv, q = make_inputs(kind, n, args, device)
+    fn = variant_fn(variant, keys, kv, q, args.head_dim)
+    sync()
+    out = {"kind": kind, "n": n, "variant": variant, "device": device, "threads": torch.get_num_threads()}
+    times = []
+    for i in range(args.repeats):
+        sync()
+        t0 = time.perf_counter()
+        result = fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+        if i == 0 and args.save_dir and variant in ("exact", "buffered"):
+            torch.save(result.cpu(), os.path.join(args.save_dir, f"{kind}_{n}_{variant}.pt"))
+        del result
+    if cuda:
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        result = fn()
+        sync()
+        out["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - before
+        out["memory_method"] = "torch.cuda.max_memory_allocated - allocated before"
+    else:
+        mmap_ok = _mmap_every_tensor()
+        hwm_ok = _reset_hwm()
+        before = _rss_bytes()
+        result = fn()
+        peak = _vmhwm_bytes() if hwm_ok else None
+        out["peak_extra_bytes"] = max(0, peak - before) if peak is not None else None
+        out["memory_method"] = ("VmHWM (reset via /proc/self/clear_refs) - RSS before, fresh subprocess"
+                                if hwm_ok else "unavailable (no /proc/self/clear_refs)")
+        out["memory_method"] += ", mallopt(M_MMAP_THRESHOLD=128 KiB)" if mmap_ok else ", default malloc"
+    del result
+    out["times_s"] = times
+    out["median_s"] = statistics.median(times)
+    if not cuda and n <= args.profile_max_n:
+        _, alloc = peak_memory(fn)
+        out["alloc_peak_bytes"] = alloc  # torch profiler: peak live tensor bytes of one more call
+    return out
+
+
+def spawn_child(kind: str, n: int, variant: str, args, save_dir: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--_child", kind, str(n), variant, "--heads", str(args.heads),
+           "--head-dim", str(args.head_dim), "--query-heads", str(args.query_heads), "--repeats", str(args.repeats),
+           "--seed", str(args.seed), "--device", args.device, "--profile-max-n", str(args.profile_max_n),
+           "--_save-dir", save_dir]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    res = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"child {kind} n={n} {variant} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------------------------- agreement
+def agreement(kind: str, n: int, args, save_dir: str) -> dict | None:
+    """Kept-set agreement of buffered with exact: full R-KV score (λ·I − (1−λ)·R) and redundancy alone."""
+    paths = {m: os.path.join(save_dir, f"{kind}_{n}_{m}.pt") for m in ("exact", "buffered")}
+    if not all(os.path.exists(p) for p in paths.values()):
+        return None
+    red = {m: torch.load(p) for m, p in paths.items()}  # [H, n]
+    _, kv, q = make_inputs(kind, n, args, "cpu")
+    imp = rkv_importance(kv[0, 0], q[0, -RKV_WINDOW:], args.heads, 7)  # [H, n - w]
+    k = keep_count(n, args.drop_ratio)
+    prot = protected_mask(n, window=RKV_WINDOW)
+    keeps, red_keeps = {}, {}
+    for m, r in red.items():
+        z = (MIX * imp - (1 - MIX) * r[:, : n - RKV_WINDOW]).mean(dim=0)
+        keeps[m] = keep_top_scores(torch.cat([z, torch.zeros(RKV_WINDOW)]), k, prot)
+        red_keeps[m] = keep_top_scores(-r.mean(dim=0), k)  # the least redundant k tokens
+    return {"drop_ratio": args.drop_ratio, "kept": k,
+            "buffered_vs_exact_rkv": kept_agreement(keeps["buffered"], keeps["exact"]),
+            "buffered_vs_exact_redundancy_only": kept_agreement(red_keeps["buffered"], red_keeps["exact"]),
+            "max_rel_diff_R": ((red["buffered"] - red["exact"]).abs() / red["exact"]).max().item()}
+
+
+# ----------------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384], help="key lengths n")
+    p.add_argument("--kinds", nargs="+", default=["realistic", "random"], choices=["realistic", "random"])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--heads", type=int, default=8, help="KV heads H")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--query-heads", type=int, default=32, help="query heads (SnapKV / R-KV importance)")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per variant (median)")
+    p.add_argument("--drop-ratio", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--profile-max-n", type=int, default=4096,
+                   help="CPU: also measure the profiler's tensor peak for n up to this (one extra call)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON ('-' for stdout)")
+    p.add_argument("--_child", dest="child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--_save-dir", dest="save_dir", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.query_heads % args.heads:
+        p.error("--query-heads must be a multiple of --heads")
+
+    if args.child:  # internal: one measurement in a fresh process
+        print(json.dumps(run_child(args)))
+        return 0
+
+    print(f"R-KV redundancy bench: H={args.heads} d={args.head_dim} Hq={args.query_heads} one layer, "
+          f"device={args.device}, repeats={args.repeats}, torch {torch.__version__}", flush=True)
+    results = {"config": {k: v for k, v in vars(args).items() if k not in ("child", "save_dir", "json")},
+               "torch": torch.__version__, "runs": [], "summary": []}
+    with tempfile.TemporaryDirectory() as save_dir:
+        for kind in args.kinds:
+            for n in args.sizes:
+                runs = {}
+                for variant in args.variants:
+                    r = spawn_child(kind, n, variant, args, save_dir)
+                    runs[variant] = r
+                    results["runs"].append(r)
+                    mem = r["peak_extra_bytes"]
+                    alloc = r.get("alloc_peak_bytes")
+                    print(f"{kind:9} n={n:6} {variant:17} {r['median_s']:9.3f} s  peak extra "
+                          f"{(mem or 0) / MiB:9.1f} MiB" + (f" (tensors {alloc / MiB:.1f} MiB)" if alloc else ""),
+                          flush=True)
+                results["summary"].append(summarize(kind, n, runs, agreement(kind, n, args, save_dir)))
+    print_summary(results["summary"])
+    if args.json:
+        text = json.dumps(results, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    return 0
+
+
+def summarize(kind: str, n: int, runs: dict, agree: dict | None) -> dict:
+    """Ratios to reference (time: reference / method, memory: method / reference) and to SnapKV."""
+    s = {"kind": kind, "n": n, "agreement": agree}
+    ref, snap = runs.get("reference"), runs.get("snapkv")
+    for name, r in runs.items():
+        row = {"median_s": r["median_s"], "peak_extra_mib": (r["peak_extra_bytes"] or 0) / MiB}
+        if r.get("alloc_peak_bytes") is not None:
+            row["alloc_peak_mib"] = r["alloc_peak_bytes"] / MiB
+        if ref:
+            row["speedup_vs_reference"] = ref["median_s"] / r["median_s"]
+            if ref["peak_extra_bytes"]:
+                row["memory_vs_reference"] = (r["peak_extra_bytes"] or 0) / ref["peak_extra_bytes"]
+        if snap:
+            row["time_vs_snapkv"] = r["median_s"] / snap["median_s"]
+        s[name] = row
+    return s
+
+
+def print_summary(summary: list[dict]) -> None:
+    print("\nratios: speed-up = reference time / method time; memory = method peak extra / reference peak extra; "
+          "x SnapKV = time / SnapKV scoring time")
+    for s in summary:
+        print(f"-- {s['kind']} n={s['n']}")
+        for name in VARIANTS:
+            if name not in s:
+                continue
+            r = s[name]
+            parts = [f"{r['median_s']:8.3f} s", f"{r['peak_extra_mib']:8.1f} MiB"]
+            if "speedup_vs_reference" in r:
+                parts.append(f"speed-up {r['speedup_vs_reference']:6.2f}x")
+            if "memory_vs_reference" in r:
+                parts.append(f"memory {r['memory_vs_reference']:6.1%}")
+            if "time_vs_snapkv" in r:
+                parts.append(f"{r['time_vs_snapkv']:6.2f}x SnapKV")
+            print(f"   {name:17} " + "  ".join(parts))
+        a = s["agreement"]
+        if a:
+            print(f"   buffered vs exact kept sets at drop {a['drop_ratio']}: {a['buffered_vs_exact_rkv']:.1%} (R-KV "
+                  f"score), {a['buffered_vs_exact_redundancy_only']:.1%} (redundancy alone)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,580 @@
+"""R-KV: keep tokens that are attended to *and* say something new (importance minus redundancy).
+
+Cai et al., "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models", arXiv:2505.24133
+(code: github.com/Zefan-Cai/R-KV). SPEC §5 "R-KV" is the definition implemented here.
+
+Importance `I` (per layer, per KV head): logits `q·k / sqrt(d)` of the last `w` queries against the
+`n - w` earlier keys; the `g = Hq / H` query heads of a GQA group are reduced by **max of the logits**
+(as R-KV's `compute_attention_scores`); softmax over the `n - w` earlier keys only (fp32); mean over the
+`w` window rows; max-pool along tokens (`kernel_size=7`, stride 1, same padding).
+
+Redundancy `R` (per layer, per KV head, over all `n` keys): `k̂ = k / (‖k‖ + eps)` in fp32;
+`S = K̂ K̂ᵀ` with the diagonal set to 0; in each row `i` the rightmost column `j` with `S[i, j] >
+threshold` (the most recent near-duplicate; column 0 when there is none) is set to 0 — so of several
+copies of a key, the newest keeps the lowest redundancy; `R = softmax_j(mean_i S[i, j])`.
+
+Score `Z = λ·I − (1 − λ)·R[:, :n−w]`, averaged over KV heads and summed over layers: one kept set for the
+whole request (the serving path stores one token list). Keep the top `k − w` earlier tokens plus the
+window. Defaults `w=16, kernel_size=7, λ=0.25, threshold=0.5` (R-KV's own code: `w=8, λ=0.07`).
+
+Four ways to compute `R`, all `[..., H, n]` and all within fp32 rounding of each other except `buffered`:
+
+- `reference`: the literal formula, `row_tile` rows of `S` at a time (`[H, tile, n]` temporaries, the
+  `[H, tile, n]` int64 "rightmost hit" index of the original code included; never `[H, n, n]`). Peak extra
+  memory ≈ `4·G·n·d + 13·G·t·n` bytes (`G` heads, `t = min(row_tile, n)`).
+- `exact`: linear memory, one head at a time. Column sums without `S`:
+  `Σ_i S[i, j] = ⟨Σ_i k̂_i, k̂_j⟩ − ⟨k̂_j, k̂_j⟩`; then each row's retained entry is found by scanning
+  column blocks from the right (widths `first_block`, doubling up to `col_block`) and dropping rows from
+  the scan as soon as they hit; the retained entries are subtracted from their columns. Peak extra memory
+  ≈ `4·n·d` (one head's normalised keys) `+ 9·n·B` (the widest block reached, `B <= col_block`) `+ 8·G·n`.
+  Time: one `n × B` block product per block scanned, so it is fastest when rows hit near the right edge
+  (real keys); keys with no near-duplicates at all are scanned to the left edge (`n²·d` per head, as the
+  reference, without its memory).
+- `tiled`: the same rewrite over `row_tile` rows × column blocks for all heads at once, on any device
+  (`device="cuda"` moves the keys there); deterministic: every accumulation is a dense reduction or a
+  slice add, no atomic scatter. Peak extra memory ≈ `4·G·n·d` (fp32 normalised keys) `+ 9·G·t·B`
+  (per block: fp32 similarities, an int32 column index, two bool masks) `+ 12·G·n` (column sums,
+  retained sums, result) bytes, `G` = heads, `t = min(row_tile, n)`, `B = min(col_block, n)`.
+- `buffered` (approximate): similarities only inside consecutive chunks of `chunk_size` tokens (default
+  512): each key's column mean runs over the rows of its own chunk (divided by that chunk's length), the
+  rightmost hit is searched inside the chunk, and the softmax still runs over all `n` tokens so that `R`
+  keeps the scale of the exact one. `chunk_size >= n` is the exact method.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..selection import keep_count, keep_top_scores, protected_mask
+from .snapkv import _check as _snapkv_check
+from .snapkv import pool_tokens
+
+RKV_METHODS = ("reference", "exact", "tiled", "buffered")
+
+# Tile parameters each method accepts, with their defaults (None = the keys' device).
+_METHOD_TILES = {
+    "reference": {"row_tile": 256, "device": None},
+    "exact": {"col_block": 256, "first_block": 64, "device": None},
+    "tiled": {"row_tile": 2048, "col_block": 1024, "first_block": 64, "device": None},
+    "buffered": {"chunk_size": 512, "col_block": 1024, "first_block": 64, "device": None},
+}
+
+
+@dataclass
+class RKVParams:
+    """R-KV parameters (SPEC §5). Tile fields left at None take the chosen method's default.
+
+    Attributes:
+        window: `w`, the observation window (last `w` prompt tokens, always kept).
+        kernel_size: odd max-pool kernel for the importance (1 = no pooling).
+        mix_lambda: `λ` in `Z = λ·I − (1 − λ)·R`.
+        threshold: cosine similarity above which two keys count as near-duplicates.
+        redundancy: `"reference"`, `"exact"`, `"tiled"` or `"buffered"`.
+        eps: added to key norms before normalising (zero keys normalise to 0, never NaN).
+        row_tile, col_block, first_block, chunk_size, device: tile settings (see `rkv_redundancy`).
+    """
+
+    window: int = 16
+    kernel_size: int = 7
+    mix_lambda: float = 0.25
+    threshold: float = 0.5
+    redundancy: str = "exact"
+    eps: float = 1e-8
+    row_tile: int | None = None
+    col_block: int | None = None
+    first_block: int | None = None
+    chunk_size: int | None = None
+    device: str | None = None
+
+    def tiles(self) -> dict:
+        """The tile settings that were set (non-None), as keyword arguments of `rkv_redundancy`."""
+        names = ("row_tile", "col_block", "first_block", "chunk_size", "device")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+    def score_kwargs(self) -> dict:
+        """Keyword arguments of `rkv_scores` / `rkv_keep` (everything but `head_dim`)."""
+        return {"window": self.window, "kernel_size": self.kernel_size, "mix_lambda": self.mix_lambda,
+                "threshold": self.threshold, "redundancy": self.redundancy, "eps": self.eps, **self.tiles()}
+
+
+# --------------------------------------------------------------------------------------------- redundancy
+def _method_settings(method: str, tiles: dict) -> dict:
+    if method not in _METHOD_TILES:
+        raise ValueError(f"unknown redundancy method {method!r}; choose one of {list(RKV_METHODS)}")
+    known = _METHOD_TILES[method]
+    unknown = set(tiles) - set(known)
+    if unknown:
+        raise ValueError(f"redundancy method {method!r} takes {sorted(known)}, got unknown {sorted(unknown)}")
+    settings = {**known, **{k: v for k, v in tiles.items() if v is not None}}
+    for name, value in settings.items():
+        if name != "device" and (int(value) != value or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return settings
+
+
+def normalize_keys(keys: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """`k / (‖k‖ + eps)` along the last axis, in fp32 (a new tensor; zero keys stay 0)."""
+    k = keys.float()
+    return k / (k.norm(dim=-1, keepdim=True) + eps)
+
+
+def _blocks_right_to_left(lo_bound: int, hi_bound: int, first: int, widest: int):
+    """Column blocks `[lo, hi)` covering `[lo_bound, hi_bound)` from the right; widths first, 2·first, ...,
+    capped at `widest`. Small first blocks are cheap when most rows hit right next to the right edge."""
+    hi, width = hi_bound, min(first, widest)
+    while hi > lo_bound:
+        lo = max(lo_bound, hi - width)
+        yield lo, hi
+        hi, width = lo, min(2 * width, widest)
+
+
+def _reference(kh: torch.Tensor, threshold: float, row_tile: int) -> torch.Tensor:
+    """Literal R-KV redundancy `softmax_j(mean_i S[i, j])`, `row_tile` rows of S at a time.
+
+    kh: fp32 `[G, n, d]` normalised keys. Returns fp32 `[G, n]`.
+    """
+    G, n, _ = kh.shape
+    cols = torch.arange(n, device=kh.device)
+    colsum = torch.zeros(G, n, dtype=torch.float32, device=kh.device)
+    for r0 in range(0, n, row_tile):
+        r1 = min(n, r0 + row_tile)
+        rows = torch.arange(r0, r1, device=kh.device)
+        s = kh[:, r0:r1] @ kh.transpose(1, 2)  # [G, t, n] cosine similarities of rows r0..r1-1
+        s[:, rows - r0, rows] = 0.0  # diagonal
+        # as the original code: column index where S > threshold, else 0; the max is the rightmost hit
+        idx = torch.where(s > threshold, cols, 0)  # [G, t, n] int64
+        retain = idx.max(dim=-1).values  # [G, t]
+        del idx
+        s.scatter_(-1, retain[..., None], 0.0)  # one distinct column per row: deterministic
+        colsum += s.sum(dim=1)
+        del s
+    return torch.softmax(colsum / n, dim=-1)
+
+
+def _retained_in_block(s: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Sum, per column of a block, of the entries rows retain there.
+
+    s: `[..., rows, B]` similarities; last: `[..., rows]` column of each row's retained entry inside
+    the block, or -1 (none here). A dense masked reduction rather than a scatter-add, so the result does
+    not depend on thread or atomic order (deterministic on GPUs too). Returns `[..., B]`.
+    """
+    cols = torch.arange(s.shape[-1], device=s.device, dtype=last.dtype)
+    onehot = cols == last[..., None]  # [..., rows, B]; rows with last = -1 match nothing
+    return torch.where(onehot, s, 0.0).sum(dim=-2)
+
+
+def _rightmost_hit(s: torch.Tensor, threshold: float, skip: torch.Tensor | None = None) -> torch.Tensor:
+    """Column of the rightmost entry above `threshold` in each row of `s [..., rows, B]`, or -1 when none.
+
+    `skip [..., rows]` (bool) marks rows that already found their hit in a block further right."""
+    hit = s > threshold
+    if skip is not None:
+        hit &= ~skip[..., None]
+    cols = torch.arange(s.shape[-1], device=s.device, dtype=torch.int32)
+    return torch.where(hit, cols, -1).amax(dim=-1)  # int32 [..., rows]
+
+
+def _exact_head(kh: torch.Tensor, threshold: float, col_block: int, first_block: int) -> torch.Tensor:
+    """Column sums of one head's S (diagonal and retained entries removed) in O(n·col_block) memory.
+
+    kh: fp32 `[n, d]` normalised keys. Returns fp32 `[n]` = `Σ_i S̃[i, j]`.
+    """
+    n = kh.shape[0]
+    # Σ_i S[i, j] over i != j without forming S: <Σ_i k̂_i, k̂_j> - <k̂_j, k̂_j>
+    colsum = kh @ kh.sum(dim=0) - (kh * kh).sum(dim=1)  # [n]
+    retained = torch.zeros(n, dtype=torch.float32, device=kh.device)
+    active = torch.arange(n, device=kh.device)  # rows still looking for their rightmost hit
+    for lo, hi in _blocks_right_to_left(0, n, first_block, col_block):
+        if active.numel() == 0:
+            break
+        s = kh.index_select(0, active) @ kh[lo:hi].T  # [a, B]
+        local = active - lo  # column of each active row's own key inside the block (if it lies there)
+        on_diag = (local >= 0) & (local < hi - lo)
+        s[on_diag.nonzero()[:, 0], local[on_diag]] = 0.0  # S̃ has a zero diagonal
+        last = _rightmost_hit(s, threshold)  # [a]; -1 for rows without a hit in this block
+        found = last >= 0
+        if bool(found.any()):
+            retained[lo:hi] += _retained_in_block(s, last)
+            active = active[~found]  # these rows stop here: their rightmost hit is in this block
+        del s
+    if active.numel():  # rows with no near-duplicate retain column 0: S̃[i, 0] (0 for row 0 itself)
+        v = kh.index_select(0, active) @ kh[0]
+        retained[0] += torch.where(active == 0, 0.0, v).sum()
+    return colsum - retained
+
+
+def _tiled(kh: torch.Tensor, threshold: float, row_tile: int, col_block: int, first_block: int) -> torch.Tensor:
+    """Column sums of S̃ (diagonal and retained entries removed) for all heads, row tiles × column blocks.
+
+    kh: fp32 `[G, n, d]` normalised keys on the compute device. Returns fp32 `[G, n]`. Deterministic:
+    matmuls, dense reductions and slice adds only.
+    """
+    G, n, _ = kh.shape
+    colsum = (kh @ kh.sum(dim=1)[..., None])[..., 0] - (kh * kh).sum(dim=-1)  # [G, n]
+    retained = torch.zeros(G, n, dtype=torch.float32, device=kh.device)
+    for r0 in range(0, n, row_tile):
+        r1 = min(n, r0 + row_tile)
+        rows = kh[:, r0:r1]  # [G, t, d]
+        found = torch.zeros(G, r1 - r0, dtype=torch.bool, device=kh.device)
+        for lo, hi in _blocks_right_to_left(0, n, first_block, col_block):
+            s = rows @ kh[:, lo:hi].transpose(1, 2)  # [G, t, B]
+            a, b = max(r0, lo), min(r1, hi)
+            if a < b:  # the diagonal crosses this tile x block
+                idx = torch.arange(a, b, device=kh.device)
+                s[:, idx - r0, idx - lo] = 0.0
+            last = _rightmost_hit(s, threshold, skip=found)  # [G, t]; -1 for rows done or without a hit here
+            retained[:, lo:hi] += _retained_in_block(s, last)
+            found |= last >= 0
+            del s
+            if bool(found.all()):  # every row of the tile has its rightmost hit: stop scanning left
+                break
+        if not bool(found.all()):  # rows with no near-duplicate retain column 0
+            v = (rows @ kh[:, 0, :, None])[..., 0]  # [G, t] = S[i, 0]
+            if r0 == 0:
+                v[:, 0] = 0.0  # S̃[0, 0] is the diagonal
+            retained[:, 0] += torch.where(found, 0.0, v).sum(dim=1)
+    return colsum - retained
+
+
+def rkv_redundancy(keys: torch.Tensor, *, method: str = "exact", threshold: float = 0.5, eps: float = 1e-8,
+                   **tiles) -> torch.Tensor:
+    """R-KV redundancy of every key (arXiv:2505.24133; SPEC §5): `softmax_j(mean_i S̃[i, j])` per head.
+
+    Args:
+        keys: `[H, n, d]` keys of one layer (any float dtype, any device; computed in fp32). Leading
+            batch dims `[..., H, n, d]` are allowed: every head of every request is independent.
+        method: `"reference"` (literal, row-tiled), `"exact"` (linear memory, per head), `"tiled"` (row
+            tiles × column blocks, any device, deterministic) or `"buffered"` (within chunks, approximate).
+            See the module docstring.
+        threshold: cosine similarity above which a key counts as a near-duplicate of another.
+        eps: added to the norm before normalising; must be > 0 (zero keys then normalise to 0).
+        **tiles: per method — reference: `row_tile` (256); exact: `col_block` (256), `first_block` (64);
+            tiled: `row_tile` (2048), `col_block` (1024), `first_block` (64); buffered: `chunk_size`
+            (512), `col_block` (1024), `first_block` (64); all: `device` (compute there; default the
+            keys' device). Column blocks grow from `first_block` to `col_block` as the scan moves left.
+
+    Returns:
+        fp32 `[..., H, n]` on the keys' device; each head's row sums to 1. Higher = more redundant.
+
+    Raises:
+        ValueError: keys not `[..., H, n, d]` floats, unknown method, a tile the method does not take,
+            non-positive tiles, `eps <= 0`, non-finite threshold.
+    """
+    if not isinstance(keys, torch.Tensor) or keys.dim() < 3 or not keys.dtype.is_floating_point:
+        shape = tuple(keys.shape) if isinstance(keys, torch.Tensor) else type(keys).__name__
+        raise ValueError(f"keys must be a float tensor [H, n, d] (or [..., H, n, d]), got {shape}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0 (it keeps zero-norm keys from dividing by zero), got {eps}")
+    threshold = float(threshold)
+    if not math.isfinite(threshold):
+        raise ValueError(f"threshold must be a finite number, got {threshold}")
+    settings = _method_settings(method, tiles)
+    out_device = keys.device
+    device = torch.device(settings["device"]) if settings["device"] is not None else keys.device
+    *lead, n, d = keys.shape
+    flat = keys.reshape(-1, n, d)  # [G, n, d]: G = batch x heads, all independent
+    G = flat.shape[0]
+    if n == 0:
+        return torch.zeros(*lead, 0, dtype=torch.float32, device=out_device)
+
+    if method == "reference":
+        red = _reference(normalize_keys(flat.to(device), eps), threshold, settings["row_tile"])
+    elif method == "exact":
+        sums = torch.empty(G, n, dtype=torch.float32, device=device)
+        for g in range(G):  # one head at a time: only [n, d] normalised keys are alive
+            kh = normalize_keys(flat[g].to(device), eps)
+            sums[g] = _exact_head(kh, threshold, settings["col_block"], settings["first_block"])
+            del kh
+        red = torch.softmax(sums / n, dim=-1)
+    elif method == "tiled":
+        kh = normalize_keys(flat.to(device), eps)
+        sums = _tiled(kh, threshold, settings["row_tile"], settings["col_block"], settings["first_block"])
+        del kh
+        red = torch.softmax(sums / n, dim=-1)
+    else:  # buffered: similarities inside each chunk only; the mean runs over the chunk's rows
+        c = settings["chunk_size"]
+        means = torch.empty(G, n, dtype=torch.float32, device=device)
+        for c0 in range(0, n, c):
+            c1 = min(n, c0 + c)
+            kh = normalize_keys(flat[:, c0:c1].to(device), eps)  # [G, c, d]
+            sums = _tiled(kh, threshold, c1 - c0, settings["col_block"], settings["first_block"])
+            means[:, c0:c1] = sums / (c1 - c0)
+            del kh, sums
+        red = torch.softmax(means, dim=-1)  # over all n tokens: R keeps the exact method's scale
+    return red.reshape(*lead, n).to(out_device)
+
+
+# --------------------------------------------------------------------------------------------- importance
+def rkv_importance(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, kernel_size: int = 7) -> torch.Tensor:
+    """R-KV importance of the tokens before the window, for one layer.
+
+    Args:
+        k: `[T, H*d]` keys (any float dtype).
+        q: `[w, Hq*d]` the last `w` queries (row `i` is token `T - w + i`); `T > w`.
+        n_kv_heads: `H`; query head `h` reads KV head `h // (Hq / H)`.
+        kernel_size: odd max-pool kernel along tokens (1 = none).
+
+    Returns:
+        fp32 `[H, T - w]`: softmax over the `T - w` earlier keys of the GQA-max logits, mean over the `w`
+        window rows, max-pooled.
+    """
+    T, w = k.shape[0], q.shape[0]
+    n = T - w
+    d = k.shape[1] // n_kv_heads
+    g = q.shape[1] // d // n_kv_heads
+    kh = k[:n].float().view(n, n_kv_heads, d).transpose(0, 1)  # [H, n, d]: earlier keys only
+    # [H, g*w, d]: query head h*g+j reads KV head h; one batched matmul per KV head, so the keys are never
+    # expanded to the g query heads (a broadcast matmul would copy them g times)
+    qh = q.float().view(w, n_kv_heads, g, d).permute(1, 2, 0, 3).reshape(n_kv_heads, g * w, d)
+    logits = (qh @ kh.transpose(1, 2) / d**0.5).view(n_kv_heads, g, w, n)  # [H, g, w, n]
+    logits = logits.amax(dim=1)  # [H, w, n]: GQA group reduced by max of the logits, before the softmax
+    probs = torch.softmax(logits, dim=-1)  # over the n - w earlier keys only (no window keys)
+    return pool_tokens(probs.mean(dim=1), kernel_size, "max")  # [H, n]
+
+
+# --------------------------------------------------------------------------------------------- scores
+def rkv_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, window: int = 16, kernel_size: int = 7,
+               mix_lambda: float = 0.25, threshold: float = 0.5, redundancy: str = "exact", eps: float = 1e-8,
+               **tiles) -> torch.Tensor:
+    """R-KV score of every token before the observation window (arXiv:2505.24133; SPEC §5).
+
+    `Z = λ·I − (1 − λ)·R[:, :T−w]` per layer and KV head, averaged over heads, summed over layers.
+
+    Args:
+        kv: `[2, L, T, D]` KV of one request, keys after RoPE, `D = H * head_dim` (any float dtype/device).
+        q: `[L, Tq, Hq * head_dim]` (or `[1, L, Tq, Hq*d]`) queries aligned to the end of the KV, `Tq >= window`.
+        head_dim: `d`.
+        window: `w`, the observation window.
+        kernel_size: odd max-pool kernel for the importance (1 = none).
+        mix_lambda: `λ`, in [0, 1].
+        threshold, eps, redundancy, **tiles: passed to `rkv_redundancy` (method and its tile settings).
+
+    Returns:
+        fp32 `[T - w]` scores on the KV's device (higher = keep); empty when `T <= w`.
+
+    Raises:
+        ValueError: missing query, bad shapes, `Tq < window`, even kernel, `λ` outside [0, 1], unknown
+            redundancy method or tile.
+    """
+    if q is None:
+        raise ValueError("R-KV needs the query tensor (CacheKind.QUERY): the hf engine captures it when "
+                         "query_window >= window; the lmcache engine needs the vLLM query patch and transfer_query")
+    q = _snapkv_check(kv, q, window, head_dim, kernel_size, "max", "max")
+    if not 0.0 <= float(mix_lambda) <= 1.0:
+        raise ValueError(f"mix_lambda must lie in [0, 1], got {mix_lambda}")
+    _method_settings(redundancy, tiles)  # fail before any work on a bad method or tile
+    L, T = kv.shape[1], kv.shape[2]
+    n = T - window
+    if n <= 0:
+        return torch.zeros(0, dtype=torch.float32, device=kv.device)
+    h = kv.shape[3] // head_dim
+    total = torch.zeros(n, dtype=torch.float32, device=kv.device)
+    for layer in range(L):
+        k = kv[0, layer]  # [T, H*d]
+        imp = rkv_importance(k, q[layer, -window:], h, kernel_size)  # [H, n]
+        red = rkv_redundancy(k.view(T, h, head_dim).transpose(0, 1), method=redundancy, threshold=threshold,
+                             eps=eps, **tiles)  # [H, T]: redundancy among all T keys, window included
+        z = mix_lambda * imp - (1.0 - mix_lambda) * red[:, :n]
+        total += z.mean(dim=0)
+    return total
+
+
+def rkv_keep(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int = 16,
+             kernel_size: int = 7, mix_lambda: float = 0.25, threshold: float = 0.5, redundancy: str = "exact",
+             eps: float = 1e-8, **tiles) -> torch.Tensor:
+    """Kept indices: the whole window plus the `keep_count(T, drop_ratio) − w` best-scored earlier tokens.
+
+    Returns `arange(T)` when `T <= w` (nothing can be dropped). LongTensor [k] (CPU), sorted; ties go to
+    the earlier token. Arguments as `rkv_scores`.
+    """
+    T = kv.shape[2]
+    k = keep_count(T, drop_ratio)
+    if T <= window:
+        return torch.arange(T)
+    scores = rkv_scores(kv, q, head_dim=head_dim, window=window, kernel_size=kernel_size, mix_lambda=mix_lambda,
+                        threshold=threshold, redundancy=redundancy, eps=eps, **tiles)
+    full = torch.cat([scores.cpu(), torch.zeros(window)])  # window slots are protected below
+    return keep_top_scores(full, k, protected_mask(T, window=window))
+
+
+# --------------------------------------------------------------------------------------------- helpers
+# Used by the R-KV notebooks and bench/rkv_bench.py; they hold no part of the algorithm.
+
+def synthetic_keys(heads: int, n: int, head_dim: int, *, kind: str = "random", seed: int = 0,
+                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Keys `[heads, n, head_dim]` for tests and benchmarks.
+
+    `kind="random"`: i.i.d. N(0, 1) (almost no pair above a 0.5 cosine once `d` is large).
+    `kind="realistic"`: `0.6·μ_h + 0.4·N(0, 1)` with one N(0, 1) mean vector `μ_h` per head, like real
+    post-RoPE keys that share a large per-head component: most pairs are near-duplicates, so most rows
+    find their rightmost hit right next to the right edge. Filled in place (no full-size temporaries).
+    """
+    if kind not in ("random", "realistic"):
+        raise ValueError(f"kind must be 'random' or 'realistic', got {kind!r}")
+    g = torch.Generator(device=device).manual_seed(seed)
+    keys = torch.empty(heads, n, head_dim, dtype=torch.float32, device=device).normal_(generator=g)
+    if kind == "realistic":
+        mu = torch.empty(heads, 1, head_dim, dtype=torch.float32, device=device).normal_(generator=g)
+        keys.mul_(0.4).add_(mu, alpha=0.6)
+    return keys.to(dtype)
+
+
+def kept_agreement(keep: torch.Tensor, reference: torch.Tensor) -> float:
+    """Fraction of `reference`'s kept tokens that `keep` also keeps (1.0 = same set when sizes match)."""
+    ref = set(torch.as_tensor(reference).tolist())
+    if not ref:
+        return 1.0
+    return len(ref & set(torch.as_tensor(keep).tolist())) / len(ref)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory(fn, *args, device: str | torch.device | None = None, **kwargs) -> tuple[object, int]:
+    """Run `fn(*args, **kwargs)` once; return `(result, peak bytes allocated by torch during the call)`.
+
+    CUDA: `torch.cuda.max_memory_allocated` minus what was allocated before the call. CPU: the torch
+    profiler's allocation events (`profile_memory=True`), replayed in time order; the peak of live bytes
+    allocated after the call started, the returned tensors included. Counts tensors only (not Python
+    objects, allocator slack, or memory freed but kept by the C allocator).
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = fn(*args, **kwargs)
+        torch.cuda.synchronize(device)
+        return out, torch.cuda.max_memory_allocated(device) - before
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn(*args, **kwargs)
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:  # + allocation, - free
+        live += nbytes
+        peak = max(peak, live)
+    return out, peak
+
+
+def timed(fn, *args, device: str | torch.device | None = None, repeats: int = 1, **kwargs) -> tuple[object, float]:
+    """`(result of the last call, median seconds over `repeats` calls)`, synchronising CUDA around each."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    times, out = [], None
+    for _ in range(max(1, repeats)):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return out, statistics.median(times)
+
+
+class TimedDropFn:
+    """Wraps a `DropFn` and records, per request, the seconds spent choosing tokens (scoring) and applying
+    the choice (gathering K/V and RoPE re-rotation). Use it wherever the drop function goes
+    (`engine.modify`, `tdutils.run_once`, `tdutils.compare`); `split()` sums the two parts.
+    """
+
+    def __init__(self, drop_fn):
+        self.drop_fn = drop_fn
+        self.name = drop_fn.name
+        self.rerotate = drop_fn.rerotate  # engines check it against their positions setting
+        self.drop_ratio = drop_fn.drop_ratio
+        self.score_s: list[float] = []
+        self.rerotate_s: list[float] = []
+
+    def reset(self) -> None:
+        self.score_s.clear()
+        self.rerotate_s.clear()
+
+    def keep_indices(self, tensors, tokens) -> torch.Tensor:
+        return self.drop_fn.keep_indices(tensors, tokens)
+
+    def __call__(self, tensors, tokens):
+        from ..edit import apply_keep, check_kv, get_kv
+
+        kv = get_kv(tensors)
+        check_kv(kv, tokens)
+        if self.drop_ratio == 0.0:  # same shortcut as DropFn: unchanged, bit for bit
+            return kv.clone(), [int(t) for t in tokens]
+        _sync(kv.device)
+        t0 = time.perf_counter()
+        keep = self.drop_fn.select(tensors, tokens)
+        t1 = time.perf_counter()
+        out = apply_keep(kv, tokens, keep, rope_spec=self.drop_fn.rope_spec, rerotate=self.drop_fn.rerotate)
+        _sync(kv.device)
+        self.score_s.append(t1 - t0)
+        self.rerotate_s.append(time.perf_counter() - t1)
+        return out
+
+    def split(self) -> dict:
+        """Totals over the recorded requests: `score_s`, `rerotate_s` (gather + re-rotation), `requests`."""
+        return {"requests": len(self.score_s), "score_s": sum(self.score_s), "rerotate_s": sum(self.rerotate_s)}
+
+
+def compare_redundancy_methods(tensors, tokens, *, drop_ratio: float, model_config, methods=RKV_METHODS,
+                               method_tiles: dict | None = None, repeats: int = 1, **params):
+    """Run R-KV with each redundancy method on one request; a pandas table of cost and agreement.
+
+    Args:
+        tensors: `{CacheKind.KV: kv [2, L, T, D], CacheKind.QUERY: q}` of one request (unedited).
+        tokens: its T token ids.
+        drop_ratio: fraction dropped.
+        model_config: the model's config (head_dim, RoPE for the re-rotation timing).
+        methods: redundancy methods to run; `"exact"` is always run (the agreement baseline).
+        method_tiles: optional `{method: {tile: value}}` (e.g. `{"tiled": {"device": "cuda"}}`).
+        repeats: timing repeats (median).
+        **params: other `RKVParams` fields (window, mix_lambda, threshold, kernel_size, eps).
+
+    Returns:
+        DataFrame indexed by method: `device`, `score_s` (choosing the kept tokens), `rerotate_s` (gather +
+        RoPE re-rotation of the kept keys), `modify_s` (their sum), `score_peak_mib` (peak tensor memory of
+        the scoring step, see `peak_memory`), `kept`, `agreement_with_exact`, `same_as_exact`.
+    """
+    import pandas as pd
+
+    from ..edit import apply_keep, get_kv, get_query
+    from ..models import model_facts
+    from ..rope import RopeSpec
+
+    method_tiles = method_tiles or {}
+    kv, q = get_kv(tensors), get_query(tensors)
+    head_dim = model_facts(model_config).head_dim
+    spec = RopeSpec.from_config(model_config)
+    order = ["exact"] + [m for m in methods if m != "exact"]
+    rows, base = {}, None
+    for method in order:
+        p = RKVParams(**params, redundancy=method, **method_tiles.get(method, {}))
+        dev = torch.device(p.device) if p.device is not None else kv.device
+
+        def score(p=p):
+            return rkv_keep(kv, q, drop_ratio, head_dim=head_dim, **p.score_kwargs())
+
+        keep, score_s = timed(score, device=dev, repeats=repeats)
+        _, peak = peak_memory(score, device=dev)
+        _, rerotate_s = timed(apply_keep, kv, tokens, keep, rope_spec=spec, rerotate=True, device=kv.device,
+                              repeats=repeats)
+        if base is None:
+            base = keep
+        rows[method] = {"device": str(dev), "score_s": score_s, "rerotate_s": rerotate_s,
+                        "modify_s": score_s + rerotate_s, "score_peak_mib": peak / 2**20, "kept": keep.numel(),
+                        "agreement_with_exact": kept_agreement(keep, base),
+                        "same_as_exact": bool(torch.equal(keep, base))}
+    table = pd.DataFrame.from_dict(rows, orient="index")
+    table.index.name = "redundancy"
+    return table.loc[[m for m in methods if m in rows] + ([] if "exact" in methods else ["exact"])]
+
+
+__all__ = ["RKV_METHODS", "RKVParams", "TimedDropFn", "compare_redundancy_methods", "kept_agreement",
+           "normalize_keys", "peak_memory", "rkv_importance", "rkv_keep", "rkv_redundancy", "rkv_scores",
+           "synthetic_keys", "timed"]
