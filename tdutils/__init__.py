@@ -10,5 +10,15 @@ from .selection import keep_count
 
 __version__ = "0.1.0"
 
-__all__ = ["CacheKind", "DropFn", "DropFunctionError", "compare", "default_kv_budget", "keep_count", "make_drop_fn", "open_engine",
-           "run_once", "__version__"]
+__all__ = [
+           "CacheKind",
+           "DropFn",
+           "DropFunctionError",
+           "__version__",
+           "compare",
+           "default_kv_budget",
+           "keep_count",
+           "make_drop_fn",
+           "open_engine",
+           "run_once",
+]

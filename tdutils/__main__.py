@@ -14,7 +14,7 @@ import statistics
 import sys
 from pathlib import Path
 
-POLICIES = ("snapkv", "random", "middle_chunk")
+POLICIES = ("snapkv", "rkv", "random", "middle_chunk")
 
 # Subcommands defined in other modules: name -> (module, help). Each module provides
 # `add_arguments(parser)` and `run(args) -> int` (exit status).
@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Prefill the prompts, drop tokens from every request's KV cache with a policy, decode under "
                     "a fixed KV budget, and compare with the baseline (no dropping) on the same prompts.")
     run.add_argument("--policy", choices=POLICIES, default="snapkv",
-                     help="token-selection policy: snapkv (attention of the last prompt tokens), random, "
-                          "middle_chunk (the LMCache reference's chunk-middle dropping) (default: snapkv)")
+                     help="token-selection policy: snapkv (attention of the last prompt tokens), rkv (importance "
+                          "minus redundancy), random, middle_chunk (the LMCache reference's chunk-middle dropping) "
+                          "(default: snapkv)")
     run.add_argument("--drop-ratio", type=_ratio, default=0.5,
                      help="fraction of each request's tokens to drop, in [0, 1] (default: 0.5)")
     run.add_argument("--engine", choices=("hf", "lmcache"), default="hf",
@@ -88,9 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="baseline and dropped run alternately this many times; the table shows medians")
     run.add_argument("--window", type=_positive_int, default=None,
                      help="observation window: the last prompt tokens always kept, whose queries vote in snapkv "
-                          "(default: 64 for snapkv, 16 for random)")
+                          "(default: 64 for snapkv, 16 for rkv and random)")
     run.add_argument("--kernel-size", type=_positive_int, default=5, help="snapkv pooling kernel, odd (default: 5)")
     run.add_argument("--pooling", choices=("avg", "max"), default="avg", help="snapkv pooling (default: avg)")
+    run.add_argument("--redundancy", choices=("exact", "reference", "tiled", "buffered"), default="exact",
+                     help="rkv redundancy method (default: exact, linear memory)")
     run.add_argument("--seed", type=int, default=0, help="seed of the random policy (default: 0)")
     run.add_argument("--chunk-size", type=_positive_int, default=256, help="chunk size of middle_chunk (default: 256)")
     run.add_argument("--dtype", default="auto", help="model dtype: auto, float32, float16, bfloat16 (default: auto)")
@@ -121,6 +124,7 @@ def cmd_run(args) -> int:
         hf_logging.disable_progress_bar()
     params = {
         "snapkv": {"window": args.window or 64, "kernel_size": args.kernel_size, "pooling": args.pooling},
+        "rkv": {"window": args.window or 16, "redundancy": args.redundancy},
         "random": {"seed": args.seed, "window": args.window or 16},
         "middle_chunk": {"chunk_size": args.chunk_size},
     }[args.policy]

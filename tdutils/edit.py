@@ -27,7 +27,7 @@ from .selection import check_drop_ratio, keep_count
 
 try:  # LMCache's own enum when installed, so drop functions run unchanged on the serving path.
     from lmcache.sdk import LMCacheSDKCacheKind as CacheKind  # type: ignore
-except Exception:  # lmcache is an optional extra
+except Exception:  # noqa: BLE001 (lmcache is optional; any import failure means "not usable")
 
     class CacheKind(str, enum.Enum):
         """Which tensor of a request a drop function receives (same values as `lmcache.sdk`)."""
@@ -63,9 +63,9 @@ def get_query(tensors: Mapping) -> torch.Tensor | None:
 
 
 def check_kv(kv: torch.Tensor, tokens: Sequence[int]) -> None:
-    """Raise ValueError unless `kv` is a `[2, L, T, D]` tensor with `T == len(tokens)`."""
+    """Raise TypeError unless `kv` is a tensor, ValueError unless it is `[2, L, T, D]` with `T == len(tokens)`."""
     if not isinstance(kv, torch.Tensor):
-        raise ValueError(f"KV must be a torch.Tensor of shape [2, L, T, D], got {type(kv).__name__}")
+        raise TypeError(f"KV must be a torch.Tensor of shape [2, L, T, D], got {type(kv).__name__}")
     if kv.dim() != 4 or kv.shape[0] != 2:
         raise ValueError(f"KV must have shape [2, L, T, D] (keys and values), got {tuple(kv.shape)}")
     if kv.shape[2] != len(tokens):
@@ -135,7 +135,7 @@ def validate_drop_output(kv: torch.Tensor, tokens: Sequence[int], result) -> tup
     new_kv, new_tokens = result
     if not isinstance(new_kv, torch.Tensor):
         raise DropFunctionError(f"new_kv must be a torch.Tensor, got {type(new_kv).__name__}")
-    two, n_layers, n_tok, dim = kv.shape
+    _, n_layers, n_tok, dim = kv.shape
     if new_kv.dim() != 4 or new_kv.shape[0] != 2 or new_kv.shape[1] != n_layers or new_kv.shape[3] != dim:
         raise DropFunctionError(f"new_kv must have shape [2, {n_layers}, k, {dim}], got {tuple(new_kv.shape)}")
     k = new_kv.shape[2]

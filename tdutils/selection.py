@@ -36,7 +36,7 @@ def keep_count(n: int, drop_ratio: float) -> int:
     r = check_drop_ratio(drop_ratio)
     if int(n) != n or n < 0:
         raise ValueError(f"n must be a non-negative integer, got {n!r}")
-    return int(round(int(n) * (1.0 - r)))
+    return round(int(n) * (1.0 - r))
 
 
 def protected_mask(n: int, *, n_sink: int = 0, window: int = 0) -> torch.Tensor:

@@ -64,7 +64,7 @@ def throughput_sweep(engine, prompts, configs: list[SweepConfig], *, max_tokens:
     runs = []
     for rep in range(repeats):
         base_tps = base_e2e = None
-        for name in ratios:
+        for name, ratio in ratios.items():
             res = run_once(engine, ids, name=name, drop_fn=fns.get(name), max_tokens=max_tokens, ignore_eos=True)
             s = res.metrics.summary()
             if s["decode_tokens"] != expected:
@@ -72,7 +72,7 @@ def throughput_sweep(engine, prompts, configs: list[SweepConfig], *, max_tokens:
                                    f"({len(ids)} requests x {max_tokens})")
             if name == "baseline":
                 base_tps, base_e2e = s["decode_tok_s"], s["end_to_end_s"]
-            s.update(repeat=rep, drop_ratio=ratios[name], speedup=s["decode_tok_s"] / base_tps,
+            s.update(repeat=rep, drop_ratio=ratio, speedup=s["decode_tok_s"] / base_tps,
                      e2e_speedup=base_e2e / s["end_to_end_s"])
             runs.append(s)
             if progress:

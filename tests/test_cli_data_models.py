@@ -12,7 +12,7 @@ from tdutils.models import load_model, model_facts
 
 
 def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "tdutils", *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-m", "tdutils", *args], check=False, capture_output=True, text=True, timeout=300,
                           env={**os.environ, **(env or {})})
 
 
@@ -84,7 +84,7 @@ def test_offline_hub_model_and_dataset_give_clear_errors():
             "from tdutils.models import load_model\nfrom tdutils.data import load_prompts\n"
             "for f, a in ((load_model, 'Qwen/Qwen3-0.6B'), (load_prompts, 'raniayu/token-dropping-demo-short')):\n"
             "    try:\n        f(a)\n    except Exception as e:\n        print(type(e).__name__, '|', e)\n")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    p = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     lines = p.stdout.splitlines()
     assert lines[0].startswith("OSError |") and "'Qwen/Qwen3-0.6B'" in lines[0] and "local folder" in lines[0]
@@ -92,7 +92,7 @@ def test_offline_hub_model_and_dataset_give_clear_errors():
 
 
 def test_tiny_model_uses_gqa(tiny):
-    model, tok = tiny
+    model, _ = tiny
     f = model_facts(model.config)
     assert (f.num_layers, f.num_query_heads, f.num_kv_heads, f.head_dim) == (2, 4, 2, 32)
     assert f.gqa_group_size == 2 and f.kv_bytes_per_token == 2 * 2 * 64 * 4

@@ -1,6 +1,6 @@
 import pytest
 
-import tdutils.sweep as sweep
+from tdutils import sweep
 from tdutils.engines.hf import HFEngine
 from tdutils.sweep import SweepConfig, throughput_sweep
 

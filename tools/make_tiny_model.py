@@ -40,8 +40,7 @@ def main() -> None:
         # 16 prompts of ~1024 tokens: the default workload of `python -m tdutils run`.
         rows = make_passkey_dataset(16, 1024, tokenizer=tok, seed=1234)
         with open(SAMPLE_PATH, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+            f.writelines(json.dumps(r) + "\n" for r in rows)
         print(f"wrote {SAMPLE_PATH} ({len(rows)} rows)")
 
 

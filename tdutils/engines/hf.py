@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..edit import CacheKind, DropFunctionError, check_kv, validate_drop_output
-from .capture import QueryRecorder, capture_implementation, recording
-from ..metrics import DecodeMetrics, ModifyMetrics, PrefillMetrics, RunMetrics
+from ..metrics import DecodeMetrics, ModifyMetrics, RunMetrics
 from ..models import load_model, model_facts
 from .base import ModifyReport, RequestOutput
+from .capture import QueryRecorder, capture_implementation, recording
 
 POSITIONS = ("compact", "original")
 
@@ -295,7 +295,7 @@ class HFEngine:
             try:
                 result = drop_fn(self.tensors(req.request_id), list(req.tokens))
                 edits[req.request_id] = validate_drop_output(req.kv, req.tokens, result)
-            except Exception as exc:  # reported below, never swallowed
+            except Exception as exc:  # noqa: BLE001 (any failure of user code is reported below, never swallowed)
                 failures.append((req.request_id, f"{exc.__class__.__name__}: {exc}"))
         mm.seconds = time.perf_counter() - t0
         mm.tokens_before = sum(r.kv.shape[2] for r in self.requests)

@@ -66,7 +66,7 @@ def middle_chunk_keep(n: int, drop_ratio: float = 0.5, *, chunk_size: int = 256)
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     keep = torch.ones(n, dtype=torch.bool)
     n_chunks = -(-n // chunk_size)  # the last chunk may be partial
-    n_drop = int(round(chunk_size * r))
+    n_drop = round(chunk_size * r)
     lo = (chunk_size - n_drop) // 2  # centred span [lo, lo + n_drop) inside each middle chunk
     for c in range(1, n_chunks - 1):
         start = c * chunk_size + lo

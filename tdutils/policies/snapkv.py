@@ -79,8 +79,8 @@ def window_attention(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int) -> torch
     g = hq // n_kv_heads
     kh = k.float().view(T, n_kv_heads, d).transpose(0, 1)  # [H, T, d]
     qh = q.float().view(w, hq, d).transpose(0, 1)  # [Hq, w, d]
-    kh = kh.repeat_interleave(g, dim=0)  # [Hq, T, d]: query head h -> KV head h // g
-    logits = qh @ kh.transpose(1, 2) / d**0.5  # [Hq, w, T]
+    # query head h reads KV head h // g: group the query heads instead of copying the keys g times
+    logits = (qh.reshape(n_kv_heads, g * w, d) @ kh.transpose(1, 2)).view(hq, w, T) / d**0.5  # [Hq, w, T]
     # causal inside the window: row i (token T - w + i) sees keys 0 .. T - w + i
     rows = torch.arange(w, device=k.device)[:, None] + (T - w)
     logits = logits.masked_fill(torch.arange(T, device=k.device)[None, :] > rows, float("-inf"))
