@@ -61,6 +61,29 @@ class RunResult:
         return [o.text for o in self.outputs]
 
 
+def tokenize_prompts(tokenizer, prompts) -> list[list[int]]:
+    """Token ids of each prompt: a string, a `PromptRow`/dict with `prompt`, or a list of token ids.
+
+    Raises:
+        TypeError: a prompt of another type.
+        ValueError: an empty prompt (index given).
+    """
+    out = []
+    for i, p in enumerate(prompts):
+        if hasattr(p, "prompt") or isinstance(p, dict):
+            p = p.prompt if hasattr(p, "prompt") else p["prompt"]
+        if isinstance(p, str):
+            ids = tokenizer(p)["input_ids"]
+        elif isinstance(p, list | tuple) or hasattr(p, "tolist"):
+            ids = [int(t) for t in (p.tolist() if hasattr(p, "tolist") else p)]
+        else:
+            raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        out.append(ids)
+    return out
+
+
 def default_kv_budget(prompt_lengths, max_tokens: int, full_requests: int = 4) -> int:
     """A KV budget (tokens) that holds `full_requests` undropped requests: `full_requests * (max T + max_tokens)`.
 

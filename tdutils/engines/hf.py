@@ -21,6 +21,7 @@ import inspect
 import time
 import warnings
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from ..edit import CacheKind, DropFunctionError, check_kv, validate_drop_output
 from ..metrics import DecodeMetrics, ModifyMetrics, RunMetrics
 from ..models import load_model, model_facts
-from .base import ModifyReport, RequestOutput
+from .base import ModifyReport, RequestOutput, tokenize_prompts
 from .capture import QueryRecorder, capture_implementation, recording
 
 POSITIONS = ("compact", "original")
@@ -120,20 +121,7 @@ class HFEngine:
 
     def tokenize(self, prompts) -> list[list[int]]:
         """Token ids of each prompt: a string, a `PromptRow`/dict with `prompt`, or a list of ids."""
-        out = []
-        for i, p in enumerate(prompts):
-            if hasattr(p, "prompt") or isinstance(p, dict):
-                p = p.prompt if hasattr(p, "prompt") else p["prompt"]
-            if isinstance(p, str):
-                ids = self.tokenizer(p)["input_ids"]
-            elif isinstance(p, list | tuple | torch.Tensor):
-                ids = [int(t) for t in p]
-            else:
-                raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            out.append(ids)
-        return out
+        return tokenize_prompts(self.tokenizer, prompts)
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -320,7 +308,7 @@ class HFEngine:
         return ModifyReport(edited=len(edits), failures=failures)
 
     @torch.inference_mode()
-    def decode(self, max_tokens: int = 64, *, temperature: float = 0.0, ignore_eos: bool = True, seed: int = 0,
+    def decode(self, max_tokens: int | Sequence[int] = 64, *, temperature: float = 0.0, ignore_eos: bool = True, seed: int = 0,
                keep_logits: bool = False) -> list[RequestOutput]:
         """Batched decoding of every request under the KV budget; returns one `RequestOutput` per request.
 
@@ -329,10 +317,10 @@ class HFEngine:
         leaves the batch when it has `max_tokens` tokens (or generated EOS with `ignore_eos=False`).
 
         Args:
-            max_tokens: tokens to generate per request (>= 1).
+            max_tokens: tokens to generate per request (>= 1): one int for all, or one per request.
             temperature: 0 = greedy; > 0 samples from softmax(logits / temperature) with `seed`.
             ignore_eos: keep generating after an EOS token (fixed output lengths, for benchmarks).
-            keep_logits: store each step's fp32 logits `[vocab]` in the outputs (tests, analysis).
+            keep_logits: store each step's logits `[vocab]` (fp32, or the model dtype when wider) in the outputs.
 
         Raises:
             RuntimeError: called before `prefill`.
@@ -341,18 +329,23 @@ class HFEngine:
         """
         if not self.requests:
             raise RuntimeError("decode() needs prefilled requests; call prefill(prompts) first")
-        if int(max_tokens) != max_tokens or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        per_request = list(max_tokens) if isinstance(max_tokens, Sequence) else [max_tokens] * len(self.requests)
+        if len(per_request) != len(self.requests):
+            raise ValueError(f"max_tokens has {len(per_request)} entries for {len(self.requests)} requests")
+        for m in per_request:
+            if isinstance(m, bool) or int(m) != m or m < 1:
+                raise ValueError(f"max_tokens must be a positive integer, got {m!r}")
+        limit = {r.request_id: int(m) for r, m in zip(self.requests, per_request)}
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         budget = self.kv_budget_tokens
-        need = {r.request_id: r.kv.shape[2] + max_tokens for r in self.requests}
+        need = {r.request_id: r.kv.shape[2] + limit[r.request_id] for r in self.requests}
         if budget is not None:
             for r in self.requests:
                 if need[r.request_id] > budget:
                     raise ValueError(
                         f"request {r.request_id} needs {need[r.request_id]} KV tokens ({r.kv.shape[2]} cached + "
-                        f"{max_tokens} to generate) but kv_budget_tokens is {budget}; raise kv_budget_tokens, "
+                        f"{limit[r.request_id]} to generate) but kv_budget_tokens is {budget}; raise kv_budget_tokens, "
                         f"lower max_tokens, or drop more tokens")
         dm = self.metrics.decode = DecodeMetrics(kv_budget_tokens=budget)
         gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -364,7 +357,7 @@ class HFEngine:
         waiting = deque(self.requests)
         running: list[_Request] = []
         state = None  # batched cache, mask, next inputs of `running`
-        bar = self._bar(len(self.requests) * max_tokens, "decode")
+        bar = self._bar(sum(limit.values()), "decode")
         t0 = time.perf_counter()
         while waiting or running:
             admitted = []
@@ -383,7 +376,9 @@ class HFEngine:
             cache, mask, next_ids, next_pos, lens = state
             mask = torch.cat([mask, torch.ones(len(running), 1, dtype=mask.dtype, device=mask.device)], dim=1)
             out = self._forward(next_ids[:, None], mask, next_pos[:, None], cache)
-            logits = out.logits[:, -1, :].float()  # [B, vocab]
+            logits = out.logits[:, -1, :]  # [B, vocab]
+            if logits.dtype in (torch.float16, torch.bfloat16):
+                logits = logits.float()  # sampling and keep_logits in at least fp32
             if temperature > 0:
                 probs = torch.softmax(logits / temperature, dim=-1).cpu()
                 new_ids = torch.multinomial(probs, 1, generator=gen).flatten()
@@ -398,7 +393,7 @@ class HFEngine:
                 r.token_times.append(now)
                 if keep_logits:
                     r.logits.append(logits[b].cpu())
-                if len(r.output_ids) >= max_tokens:
+                if len(r.output_ids) >= limit[r.request_id]:
                     done.append(b)
                 elif not ignore_eos and eos is not None and tok == eos:
                     r.finish_reason = "stop"

@@ -55,7 +55,7 @@ from ..completion import CompletionError, make_post_completion
 from ..edit import CacheKind, DropFunctionError, check_kv, validate_drop_output
 from ..metrics import DecodeMetrics, ModifyMetrics, RunMetrics
 from ..models import bundled_model_path, model_facts
-from .base import ModifyReport, RequestOutput
+from .base import ModifyReport, RequestOutput, tokenize_prompts
 
 LMCACHE_START_HINT = (
     "start it with `lmcache server --l1-size-gb 20 --eviction-policy LRU --chunk-size 256 --port 6555 "
@@ -408,20 +408,7 @@ class LMCacheEngine:
 
     def tokenize(self, prompts) -> list[list[int]]:
         """Token ids of each prompt: a string, a `PromptRow`/dict with `prompt`, or a list of ids."""
-        out = []
-        for i, p in enumerate(prompts):
-            if hasattr(p, "prompt") or isinstance(p, dict):
-                p = p.prompt if hasattr(p, "prompt") else p["prompt"]
-            if isinstance(p, str):
-                ids = self.tokenizer(p)["input_ids"]
-            elif isinstance(p, list | tuple | torch.Tensor):
-                ids = [int(t) for t in p]
-            else:
-                raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            out.append(ids)
-        return out
+        return tokenize_prompts(self.tokenizer, prompts)
 
     def _aligned(self, ids: list[int]) -> tuple[list[int], int]:
         """`ids` front-padded to a multiple of the chunk size (after a leading BOS), and the pad count."""
