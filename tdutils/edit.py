@@ -70,7 +70,7 @@ def check_kv(kv: torch.Tensor, tokens: Sequence[int]) -> None:
         raise ValueError(f"KV must have shape [2, L, T, D] (keys and values), got {tuple(kv.shape)}")
     if kv.shape[2] != len(tokens):
         raise ValueError(f"KV holds {kv.shape[2]} tokens but {len(tokens)} token ids were given; "
-                         f"they must match (SPEC §3)")
+                         f"they must match")
 
 
 def check_keep(keep: torch.Tensor, n: int) -> torch.Tensor:
@@ -252,6 +252,8 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float = 0.5, model_confi
         from .policies.random import middle_chunk_keep
 
         chunk_size = int(params.pop("chunk_size", 256))
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         if params:
             raise ValueError(f"unknown parameters for policy 'middle_chunk': {sorted(params)}; known: ['chunk_size']")
         p = {"chunk_size": chunk_size}

@@ -49,6 +49,7 @@ def load_tokenizer(name_or_path: str):
     """
     from transformers import AutoTokenizer
 
+    _check_local(name_or_path)
     path = bundled_model_path(name_or_path) or name_or_path
     try:
         return AutoTokenizer.from_pretrained(str(path))
@@ -81,6 +82,7 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    _check_local(name_or_path)
     path = bundled_model_path(name_or_path) or name_or_path
     tokenizer = load_tokenizer(name_or_path)
     try:
@@ -96,13 +98,21 @@ def load_model(
     return model, tokenizer
 
 
+def _check_local(name: str) -> None:
+    """A name that is clearly a path (absolute, ./, ../, ~) must exist: say so instead of a hub error."""
+    if (bundled_model_path(name) is None and name.startswith(("/", "./", "../", "~"))
+            and not Path(name).expanduser().is_dir()):
+        raise FileNotFoundError(f"model folder {name!r} does not exist; pass a folder with config.json, weights "
+                                f"and tokenizer, a hub id such as 'Qwen/Qwen3-0.6B', or {TINY_MODEL_NAME!r}")
+
+
 def _offline_hint(name: str, exc: Exception) -> str:
     offline = os.environ.get("HF_HUB_OFFLINE") == "1"
     return (
         f"could not load model {name!r}: {exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
         f"{'HF_HUB_OFFLINE=1 is set; ' if offline else ''}"
         f"Without network access pass a local folder that holds config.json, the weights and the tokenizer "
-        f"(e.g. one made by `huggingface-cli download {name} --local-dir DIR` on a connected machine), "
+        f"(e.g. one made by `hf download {name} --local-dir DIR` on a connected machine), "
         f"or use the bundled model {TINY_MODEL_NAME!r}."
     )
 

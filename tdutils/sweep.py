@@ -61,6 +61,9 @@ def throughput_sweep(engine, prompts, configs: list[SweepConfig], *, max_tokens:
                                 rerotate=getattr(engine, "positions", "compact") == "compact", **(c.params or {}))
            for c in configs}
     ratios = {c.name: c.drop_ratio for c in [SweepConfig(None)] + list(configs)}
+    # untimed warm-up: a process's first forward passes can be many times slower than the rest
+    for name in ratios:
+        run_once(engine, ids[:4], name="warm-up", drop_fn=fns.get(name), max_tokens=min(4, max_tokens))
     runs = []
     for rep in range(repeats):
         base_tps = base_e2e = None

@@ -36,7 +36,7 @@ def test_main_job_prints_ratio_and_writes_json(tmp_path):
     (["run", "--policy", "nope"], "invalid choice: 'nope'"),
     (["run", "--dataset", "missing.jsonl"], "dataset file 'missing.jsonl' does not exist"),
     (["run", "--num-requests", "0"], "expected a positive integer"),
-    (["run", "--kv-budget-tokens", "100", "--num-requests", "2"], "needs 1088 KV tokens"),
+    (["run", "--kv-budget-tokens", "100", "--num-requests", "2"], "give at least 1088"),
 ])
 def test_bad_options_exit_nonzero_with_one_clear_line(args, msg):
     p = _cli(*args, "--no-progress")
@@ -98,3 +98,14 @@ def test_tiny_model_uses_gqa(tiny):
     assert f.gqa_group_size == 2 and f.kv_bytes_per_token == 2 * 2 * 64 * 4
     with pytest.raises(ValueError, match="unknown dtype"):
         load_model("tiny-qwen3", dtype="float8")
+
+
+def test_missing_local_model_folder_and_bad_cli_values_fail_early(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model folder '/nonexistent/dir' does not exist"):
+        load_model("/nonexistent/dir")
+    p = _cli("run", "--kernel-size", "4", "--no-progress")
+    assert p.returncode == 2 and "kernel_size must be an odd number" in p.stderr and "Traceback" not in p.stderr
+    p = _cli("run", "--json", str(tmp_path), "--no-progress")
+    assert p.returncode == 2 and "not a writable file path" in p.stderr
+    p = _cli("run", "--kv-budget-tokens", "600", "--num-requests", "2", "--no-progress")
+    assert p.returncode == 2 and "cannot hold one undropped request" in p.stderr

@@ -218,3 +218,18 @@ def test_phase_calls_in_wrong_order_and_bad_settings(tiny):
     with pytest.raises(ValueError, match="max_tokens"):
         eng.prefill([[1, 2, 3]])
         eng.decode(max_tokens=0)
+
+
+def test_drop_function_editing_its_input_in_place_then_failing_changes_nothing(tiny, sample_ids):
+    eng = _engine(tiny)
+    kvs = [kv.clone() for kv in eng.prefill(sample_ids)]
+
+    def vandal(tensors, tokens):
+        next(iter(tensors.values())).zero_()
+        raise RuntimeError("oops")
+
+    with pytest.raises(DropFunctionError, match="oops"):
+        eng.modify(vandal)
+    assert all(torch.equal(eng.kv(i), kv) for i, kv in enumerate(kvs))
+    with pytest.raises(TypeError, match="wrap a single prompt"):
+        eng.prefill("one prompt as a bare string")

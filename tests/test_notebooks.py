@@ -25,6 +25,11 @@ NOTEBOOKS = {
         {"n_tokens": 1024, "timing_cache_shape": [2, 2, 1024, 1024], "timing_repeats": 1},
         ["re-rotated vs fresh", "GB/s (read+write)"],
     ),
+    "notebooks/compare_policies.ipynb": (
+        {"n_eval": 8, "context_length": 512, "num_requests": 6, "max_tokens": 8, "repeats": 1,
+         "rkv_methods": ["exact", "buffered"], "drop_ratios": [0.5]},
+        ["full cache accuracy", "decode_speedup", "rkv/buffered"],
+    ),
     "notebooks/random_token_dropping.ipynb": (
         {"num_requests": 6, "max_tokens": 8},
         ["decode_speedup", "decode throughput ratio"],
@@ -88,8 +93,8 @@ def test_notebook_executes(path):
         assert needle in text, f"{path}: executed notebook does not show {needle!r}"
 
 
-@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("**/*.ipynb")
-                                        if "executed" not in p.parts and ".ipynb_checkpoints" not in p.parts))
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for d in ("notebooks", "colab")
+                                        for p in (ROOT / d).glob("**/*.ipynb") if ".ipynb_checkpoints" not in p.parts))
 def test_notebook_is_committed_clean(path):
     """Committed notebooks carry no outputs and start with a cell tagged `parameters`."""
     nb = nbformat.read(ROOT / path, as_version=4)

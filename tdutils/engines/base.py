@@ -68,6 +68,8 @@ def tokenize_prompts(tokenizer, prompts) -> list[list[int]]:
         TypeError: a prompt of another type.
         ValueError: an empty prompt (index given).
     """
+    if isinstance(prompts, str):
+        raise TypeError("prompts must be a list of prompts; wrap a single prompt as [prompt]")
     out = []
     for i, p in enumerate(prompts):
         if hasattr(p, "prompt") or isinstance(p, dict):

@@ -281,7 +281,9 @@ class HFEngine:
         edits, failures = {}, []
         for req in self.requests:
             try:
-                result = drop_fn(self.tensors(req.request_id), list(req.tokens))
+                # a copy: a drop function that edits its input in place and then fails must not touch the cache
+                tensors = {kind: t.clone() for kind, t in self.tensors(req.request_id).items()}
+                result = drop_fn(tensors, list(req.tokens))
                 edits[req.request_id] = validate_drop_output(req.kv, req.tokens, result)
             except Exception as exc:  # noqa: BLE001 (any failure of user code is reported below, never swallowed)
                 failures.append((req.request_id, f"{exc.__class__.__name__}: {exc}"))

@@ -17,6 +17,10 @@ class RandomParams:
     n_sink: int = 4
     window: int = 16
 
+    def __post_init__(self):  # fail when the drop function is built, not on the first request
+        if self.n_sink < 0 or self.window < 0:
+            raise ValueError(f"n_sink and window must be >= 0, got n_sink={self.n_sink}, window={self.window}")
+
 
 def random_keep(n: int, drop_ratio: float, *, seed: int = 0, n_sink: int = 4, window: int = 16) -> torch.Tensor:
     """Keep the first `n_sink` tokens, the last `window` tokens, and a uniform random sample of the rest.

@@ -31,6 +31,16 @@ class SnapKVParams:
     pooling: str = "avg"
     gqa_reduce: str = "mean"
 
+    def __post_init__(self):  # fail when the drop function is built, not on the first request
+        if int(self.window) != self.window or self.window < 1:
+            raise ValueError(f"window must be a positive integer, got {self.window!r}")
+        if int(self.kernel_size) != self.kernel_size or self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be an odd number >= 1 (1 = no pooling), got {self.kernel_size!r}")
+        if self.pooling not in ("avg", "max"):
+            raise ValueError(f"pooling must be 'avg' or 'max', got {self.pooling!r}")
+        if self.gqa_reduce not in ("mean", "max"):
+            raise ValueError(f"gqa_reduce must be 'mean' or 'max', got {self.gqa_reduce!r}")
+
 
 def _check(kv: torch.Tensor, q: torch.Tensor, window: int, head_dim: int, kernel_size: int, pooling: str,
            gqa_reduce: str) -> torch.Tensor:
