@@ -74,9 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lmcache-http-url", default="http://localhost:8080", help="lmcache engine: LMCache HTTP API")
     run.add_argument("--model", default="tiny-qwen3",
                      help="bundled model name, hub id (e.g. Qwen/Qwen3-0.6B) or local folder (default: tiny-qwen3)")
-    run.add_argument("--dataset", default="sample",
-                     help="'sample' (bundled passkey prompts, ~1k tokens), a .jsonl/.json/.csv/.parquet file with a "
-                          "'prompt' column, or a hub dataset id (default: sample)")
+    run.add_argument("--dataset", default=None,
+                     help="'sample' (bundled passkey prompts, ~1k tokens), 'mc-sample' (bundled English multiple "
+                          "choice), a .jsonl/.json/.csv/.parquet file with a 'prompt' column, or a hub dataset id "
+                          "(default: 'sample' for the bundled model, which reads no English; for other models "
+                          "raniayu/token-dropping-demo, or 'mc-sample' when the hub is unreachable)")
     run.add_argument("--num-requests", type=_positive_int, default=16, help="prompts to run (default: 16)")
     run.add_argument("--max-tokens", type=_positive_int, default=64,
                      help="decode tokens per request, EOS ignored (default: 64)")
@@ -121,6 +123,17 @@ def cmd_run(args) -> int:
     out = Path(args.json_path)
     if out.is_dir() or (out.parent.exists() and not out.parent.is_dir()):
         raise ValueError(f"--json {out}: not a writable file path; give a file name such as runs/run.json")
+    if args.dataset is None:
+        from .data import DEMO_DATASET, MC_SAMPLE_NAME, SAMPLE_NAME
+        from .models import TINY_MODEL_NAME
+
+        args.dataset = SAMPLE_NAME if args.model == TINY_MODEL_NAME else DEMO_DATASET
+        if args.dataset == DEMO_DATASET:
+            try:
+                rows = load_prompts(args.dataset, num_requests=args.num_requests)
+            except ConnectionError:
+                print(f"note: {DEMO_DATASET} is unreachable; using the bundled {MC_SAMPLE_NAME!r}", flush=True)
+                args.dataset = MC_SAMPLE_NAME
     rows = load_prompts(args.dataset, num_requests=args.num_requests)
     if args.no_progress:
         from transformers.utils import logging as hf_logging
