@@ -61,6 +61,17 @@ class RunResult:
         return [o.text for o in self.outputs]
 
 
+def check_engine_settings(kv_budget_tokens, max_batch_size, query_window) -> None:
+    """Settings every engine shares. Raises ValueError for a non-positive budget or batch cap, or a negative
+    query window (None means unlimited / all tokens)."""
+    if kv_budget_tokens is not None and kv_budget_tokens < 1:
+        raise ValueError(f"kv_budget_tokens must be a positive number of tokens or None, got {kv_budget_tokens}")
+    if max_batch_size is not None and max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
+    if query_window is not None and query_window < 0:
+        raise ValueError(f"query_window must be >= 0 or None (all tokens), got {query_window}")
+
+
 def tokenize_prompts(tokenizer, prompts) -> list[list[int]]:
     """Token ids of each prompt: a string, a `PromptRow`/dict with `prompt`, or a list of token ids.
 

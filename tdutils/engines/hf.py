@@ -29,7 +29,7 @@ import torch
 from ..edit import CacheKind, DropFunctionError, check_kv, validate_drop_output
 from ..metrics import DecodeMetrics, ModifyMetrics, RunMetrics
 from ..models import load_model, model_facts
-from .base import ModifyReport, RequestOutput, tokenize_prompts
+from .base import ModifyReport, RequestOutput, check_engine_settings, tokenize_prompts
 from .capture import QueryRecorder, capture_implementation, recording
 
 POSITIONS = ("compact", "original")
@@ -81,12 +81,7 @@ class HFEngine:
                  query_window: int | None = 64, progress: bool = True):
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
-        if kv_budget_tokens is not None and kv_budget_tokens < 1:
-            raise ValueError(f"kv_budget_tokens must be a positive number of tokens or None, got {kv_budget_tokens}")
-        if max_batch_size is not None and max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
-        if query_window is not None and query_window < 0:
-            raise ValueError(f"query_window must be >= 0 or None (all tokens), got {query_window}")
+        check_engine_settings(kv_budget_tokens, max_batch_size, query_window)
         if prefill_batch_size < 1:
             raise ValueError(f"prefill_batch_size must be >= 1, got {prefill_batch_size}")
         if isinstance(model, str):

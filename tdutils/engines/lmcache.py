@@ -55,7 +55,7 @@ from ..completion import CompletionError, make_post_completion
 from ..edit import CacheKind, DropFunctionError, check_kv, validate_drop_output
 from ..metrics import DecodeMetrics, ModifyMetrics, RunMetrics
 from ..models import bundled_model_path, model_facts
-from .base import ModifyReport, RequestOutput, tokenize_prompts
+from .base import ModifyReport, RequestOutput, check_engine_settings, tokenize_prompts
 
 LMCACHE_START_HINT = (
     "start it with `lmcache server --l1-size-gb 20 --eviction-policy LRU --chunk-size 256 --port 6555 "
@@ -287,12 +287,7 @@ class LMCacheEngine:
         if dtype not in ("auto", None) or device not in (None, "auto"):
             raise ValueError("dtype and device are chosen by vLLM on the lmcache engine (vllm serve --dtype ...); "
                              f"leave them at their defaults, got dtype={dtype!r}, device={device!r}")
-        if query_window is not None and query_window < 0:
-            raise ValueError(f"query_window must be >= 0 or None (all tokens), got {query_window}")
-        if kv_budget_tokens is not None and kv_budget_tokens < 1:
-            raise ValueError(f"kv_budget_tokens must be a positive number of tokens or None, got {kv_budget_tokens}")
-        if max_batch_size is not None and max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
+        check_engine_settings(kv_budget_tokens, max_batch_size, query_window)
         for name, value in (("timeout", timeout), ("http_timeout", http_timeout),
                             ("retrieve_timeout", retrieve_timeout)):
             if not 0 < float(value) < float("inf"):
