@@ -50,6 +50,17 @@ NOTEBOOKS = {
          "kept-set agreement with exact (tiled): 1.000",
          "peak memory of the scoring step (tiled)", "= scoring"],
     ),
+    # Colab notebooks: CPU fallback (bundled tiny model and data), install step skipped.
+    "colab/snapkv_colab.ipynb": (
+        {"install": False, "num_requests": 6, "max_tokens": 8},
+        ["No GPU found", "snapkv@0.5: 6/6 correct", "decode_speedup", "hardware: CPU", "peak RSS",
+         "lmcache section skipped (run_lmcache=False)"],
+    ),
+    "colab/rkv_colab.ipynb": (
+        {"install": False, "num_requests": 6, "max_tokens": 8},
+        ["No GPU found", "rkv-tiled@0.5: 6/6 correct", "decode_speedup", "hardware: CPU", "peak RSS",
+         "lmcache section skipped (run_lmcache=False)"],
+    ),
     "notebooks/rkv_variants/rkv_variant_buffered_cpu.ipynb": (
         {"num_requests": 4, "max_tokens": 8, "chunk_size": 256},
         ["decode throughput ratio (rkv-buffered@0.5", "kept-set agreement with exact (buffered)",
@@ -101,3 +112,26 @@ def test_notebook_is_committed_clean(path):
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and "parameters" in code[0].metadata.get("tags", []), f"{path}: first code cell is not tagged 'parameters'"
     assert not any(c.outputs or c.execution_count for c in code), f"{path}: committed with outputs"
+    # papermill reads the parameters cell to list and type the parameters (`papermill --help-notebook`); a
+    # line it cannot parse (e.g. an `=` inside a comment) is silently left out, so every assignment must parse.
+    from papermill.translators import PythonTranslator
+
+    assigned = {line.split("=", 1)[0].strip() for line in code[0].source.splitlines()
+                if "=" in line.split("#", 1)[0] and not line.startswith((" ", "#"))}
+    parsed = {p.name for p in PythonTranslator.inspect(code[0])}
+    assert assigned <= parsed, f"{path}: papermill cannot parse the parameters {sorted(assigned - parsed)}"
+
+
+@pytest.mark.parametrize("name", ["snapkv_colab", "rkv_colab"])
+def test_colab_notebook_points_at_the_repository(name):
+    """The badge and the install cell use the one repository URL of pyproject.toml ([project.urls] Repository)."""
+    import re
+
+    url = re.search(r'^Repository = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE).group(1)
+    nb = nbformat.read(ROOT / "colab" / f"{name}.ipynb", as_version=4)
+    owner_repo = url.removeprefix("https://github.com/")
+    assert f"colab.research.google.com/github/{owner_repo}/blob/main/colab/{name}.ipynb" in nb.cells[0].source
+    assert f'repo_url = "{url}"' in nb.cells[1].source
+    install = nb.cells[2].source
+    assert 'find_spec("tdutils")' in install, "the install cell must skip an importable tdutils"
+    assert "torch==" in install, "the install cell must hold Colab's torch with a constraint"

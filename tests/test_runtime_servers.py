@@ -1,0 +1,213 @@
+"""Runtime choice of the Colab notebooks (tdutils.runtime) and background server control (tdutils.servers)."""
+
+import json
+import os
+import signal
+import sys
+import textwrap
+import time
+
+import pandas as pd
+import pytest
+import torch
+
+from tdutils import runtime, servers
+
+
+def test_plan_falls_back_to_the_bundled_model_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    plan = runtime.plan_runtime(max_tokens=256)
+    assert (plan.device, plan.model, plan.dtype, plan.dataset) == ("cpu", "tiny-qwen3", "float32", "sample")
+    assert plan.fallback and plan.max_tokens == runtime.CPU_MAX_TOKENS == 64
+    assert "No GPU found" in plan.describe()
+
+
+def test_plan_keeps_an_explicit_model_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    plan = runtime.plan_runtime("Qwen/Qwen3-0.6B", max_tokens=256)
+    assert (plan.model, plan.dataset, plan.max_tokens, plan.fallback) == (
+        "Qwen/Qwen3-0.6B", runtime.GPU_DATASET, 256, False)
+    assert "No GPU found" not in plan.describe()
+
+
+class _T4:
+    name, total_memory = "Tesla T4", 15 * 2**30
+
+
+def test_plan_on_a_t4_uses_float16_and_the_demo(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)  # compute capability 7.5
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: _T4())
+    plan = runtime.plan_runtime()
+    assert (plan.device, plan.model, plan.dtype, plan.dataset, plan.max_tokens, plan.fallback) == (
+        "cuda", "Qwen/Qwen3-1.7B", "float16", "raniayu/token-dropping-demo-short", 256, False)
+    assert plan.hardware == "Tesla T4 (15.0 GiB)"
+
+
+def test_plan_rejects_bad_settings(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="torch sees no GPU"):
+        runtime.plan_runtime(device="cuda")
+    with pytest.raises(ValueError, match="device must be"):
+        runtime.plan_runtime(device="tpu")
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        runtime.plan_runtime(max_tokens=0)
+
+
+def test_runtime_report_lists_every_phase(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    table = pd.DataFrame([{"run": "baseline", "prefill_s": 1.5, "modify_s": 0.0, "decode_s": 2.0,
+                           "decode_tok_s": 128.0, "peak_batch": 4, "end_to_end_s": 3.5}]).set_index("run")
+    text = runtime.runtime_report(table)
+    assert "baseline: prefill    1.50 s | modify   0.00 s | decode    2.00 s (   128.0 tok/s, peak batch 4)" in text
+    assert "end to end    3.50 s" in text and "peak RSS" in text
+    assert capsys.readouterr().out.strip() == text
+
+
+def test_lmcache_server_command_is_spec_section_6():
+    assert servers.lmcache_server_command(port=7000, http_port=7001, l1_size_gb=0.5, shm_name="t1") == [
+        "lmcache", "server", "--l1-size-gb", "0.5", "--eviction-policy", "LRU", "--chunk-size", "256",
+        "--port", "7000", "--http-port", "7001", "--shm-name", "t1", "--no-l1-use-lazy",
+        "--supported-transfer-mode", "auto", "--enable", "transfer_query"]
+    assert "--enable" not in servers.lmcache_server_command(transfer_query=False)
+
+
+def test_vllm_server_command_t4_settings_and_connector():
+    cmd = servers.vllm_server_command("Qwen/Qwen3-1.7B", port=8001, lmcache_port=7000, python="py", dtype="half",
+                                      max_model_len=4096, gpu_memory_utilization=0.6, attention_backend="TRITON_ATTN")
+    assert cmd[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "Qwen/Qwen3-1.7B"]
+    for flag, value in [("--port", "8001"), ("--dtype", "half"), ("--max-model-len", "4096"),
+                        ("--gpu-memory-utilization", "0.6"), ("--attention-backend", "TRITON_ATTN")]:
+        assert cmd[cmd.index(flag) + 1] == value
+    for flag in ("--return-tokens-as-token-ids", "--enforce-eager", "--no-enable-prefix-caching"):
+        assert flag in cmd
+    config = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert config == {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+        "lmcache.mp.port": 7000, "lmcache.mp.transfer_intermediate_tensors": True, "lmcache.mp.q.ring_depth": 2}}
+    cpu = servers.vllm_server_command("m", lmcache_port=7000, transfer_intermediate_tensors=False, lmcache_driven=True)
+    extra = json.loads(cpu[cpu.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert extra == {"lmcache.mp.port": 7000, "lmcache.mp.mp_transfer_mode": "lmcache_driven"}
+    assert "--kv-transfer-config" not in servers.vllm_server_command("m", lmcache_port=None)
+
+
+# A stand-in server: answers 200 on /health after `delay` seconds and forks a child that sleeps, so stopping
+# must take down the whole process group.
+_SERVER = textwrap.dedent("""
+    import http.server, os, subprocess, sys, time
+    time.sleep(float(sys.argv[2]))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print("child", child.pid, flush=True)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+        def log_message(self, *a): pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_start_wait_and_stop_a_process_group(tmp_path):
+    script = tmp_path / "server.py"
+    script.write_text(_SERVER)
+    port = servers.free_port()
+    srv = servers.start_server("stand-in", [sys.executable, str(script), str(port), "0.3"],
+                               health_url=f"http://127.0.0.1:{port}/health", log_path=tmp_path / "logs" / "s.log")
+    try:
+        took = servers.wait_healthy([srv], timeout_s=30, poll_s=0.1)
+        assert took >= 0.3
+        child = int(srv.log_tail().split()[-1])
+        assert _alive(child)
+    finally:
+        servers.stop_servers([srv], timeout_s=5)
+    assert not srv.alive()
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child), "the server's child outlived stop_servers"
+    servers.stop_servers([srv])  # a second stop is harmless
+
+
+def test_a_server_that_exits_reports_its_log_tail(tmp_path):
+    srv = servers.start_server("broken", [sys.executable, "-c", "print('bad flag --foo'); raise SystemExit(3)"],
+                               health_url="http://127.0.0.1:9/health", log_path=tmp_path / "b.log")
+    with pytest.raises(servers.ServerStartError) as err:
+        servers.wait_healthy([srv], timeout_s=30, poll_s=0.05)
+    assert "broken (pid" in str(err.value) and "exited with code 3" in str(err.value)
+    assert "bad flag --foo" in str(err.value)
+
+
+def test_a_server_that_never_answers_times_out(tmp_path):
+    srv = servers.start_server("silent", [sys.executable, "-c", "import time; time.sleep(60)"],
+                               health_url=f"http://127.0.0.1:{servers.free_port()}/health", log_path=tmp_path / "s.log")
+    try:
+        with pytest.raises(servers.ServerStartError, match=r"silent \(pid \d+\) not healthy at .* after 0.5 s"):
+            servers.wait_healthy([srv], timeout_s=0.5, poll_s=0.05)
+    finally:
+        servers.stop_servers([srv], timeout_s=1)
+    assert srv.process.returncode == -signal.SIGTERM
+
+
+def test_missing_executable_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="cannot start lmcache: '/nonexistent/lmcache' not found"):
+        servers.start_server("lmcache", ["/nonexistent/lmcache", "server"], health_url="http://x",
+                             log_path=tmp_path / "l.log")
+
+
+def test_only_new_shm_files_are_removed(tmp_path):
+    old = tmp_path / "psm_old"
+    old.write_bytes(b"x")
+    (tmp_path / "other_file").write_bytes(b"x")
+    before = servers.shm_files(tmp_path)
+    new = [tmp_path / "lmcache_kv_t1", tmp_path / "psm_1234", tmp_path / "sem.mp-abc"]
+    for p in new:
+        p.write_bytes(b"x")
+    assert servers.remove_new_shm_files(before, tmp_path) == sorted(new)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other_file", "psm_old"]
+
+
+_STANDIN = textwrap.dedent("""
+    import http.server, sys
+    args = sys.argv[1:]
+    port = int(args[args.index("{flag}") + 1])
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "{path}" else 404); self.end_headers()
+        def log_message(self, *a): pass
+    print("listening", port, args, flush=True)
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+""")
+
+
+def test_serving_stack_starts_both_and_stops_both(tmp_path):
+    """serving_stack with stand-ins for `lmcache server` (the venv's script) and `python -m vllm....api_server`."""
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").symlink_to(sys.executable)
+    lmcache = venv_bin / "lmcache"
+    lmcache.write_text(f"#!{sys.executable}\n" + _STANDIN.format(flag="--http-port", path="/healthcheck"))
+    lmcache.chmod(0o755)
+    api = tmp_path / "pkgs" / "vllm" / "entrypoints" / "openai"
+    api.mkdir(parents=True)
+    for d in (api.parent.parent, api.parent, api):
+        (d / "__init__.py").write_text("")
+    (api / "api_server.py").write_text(_STANDIN.format(flag="--port", path="/health"))
+    with servers.serving_stack("my-model", python=str(venv_bin / "python"), log_dir=tmp_path / "logs",
+                               env={"PYTHONPATH": str(tmp_path / "pkgs")}, lmcache_options={"l1_size_gb": 1},
+                               vllm_options={"dtype": "half"}, timeout_s=60) as stack:
+        settings = stack.engine_settings()
+        assert set(settings) == {"vllm_url", "lmcache_url", "lmcache_http_url"}
+        assert settings["lmcache_url"].startswith("tcp://127.0.0.1:")
+        procs = {s.name: s for s in stack.servers}
+        assert all(s.alive() for s in procs.values())
+        assert "'--model', 'my-model'" in procs["vllm"].log_tail() and "'--dtype', 'half'" in procs["vllm"].log_tail()
+        assert "'--l1-size-gb', '1'" in procs["lmcache"].log_tail()
+    assert not any(s.alive() for s in procs.values())
