@@ -3,7 +3,11 @@
     python bench/throughput.py                                   # bundled model, 16 x 1024-token prompts
     python bench/throughput.py --policies snapkv,random --drop-ratios 0.5,0.75 --repeats 5 --json out.json
 
-One process, one model, one budget (default: room for 4 undropped requests). Each repeat runs the baseline
+One process, one model, one budget. The default budget holds 4.25 undropped requests (`--full-requests`): the
+baseline decodes 4 at a time, and a request at drop ratio 0.5 (a T/2-token cache plus its max_tokens decode
+tokens, 53% of an undropped one at T=1024, max_tokens=64) fits 8 times, so the batch can reach the 2x capacity
+limit. At exactly 4 undropped requests the decode tokens, which dropping does not shrink, cap it at 7 (4352
+tokens / 576 = 7.6), and 16 requests then decode in waves of 7 + 7 + 2. Each repeat runs the baseline
 and every configuration back to back, so machine noise hits them alike; ratios are taken per repeat.
 Prints decode tok/s (median, min, max), peak batch, modify seconds, the ratio to baseline and to the
 capacity limit 1/(1-r), and the end-to-end ratio (prefill + modify + decode). Exits 1 if any run decoded a
@@ -34,7 +38,9 @@ def main(argv=None) -> int:
     ap.add_argument("--drop-ratios", default="0.5,0.75", help="comma-separated ratios in (0, 1)")
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--kv-budget-tokens", type=int, default=None, help="default: 4 x (longest prompt + max tokens)")
+    ap.add_argument("--full-requests", type=float, default=4.25,
+                    help="KV budget in undropped requests: ceil(N x (longest prompt + max tokens))")
+    ap.add_argument("--kv-budget-tokens", type=int, default=None, help="budget in tokens (overrides --full-requests)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--json", dest="json_path", default=None)
@@ -43,7 +49,8 @@ def main(argv=None) -> int:
     rows = load_prompts(args.dataset, num_requests=args.num_requests)
     eng = tdutils.open_engine("hf", model=args.model, dtype=args.dtype, progress=False)
     ids = eng.tokenize(rows)
-    eng.kv_budget_tokens = args.kv_budget_tokens or tdutils.default_kv_budget(map(len, ids), args.max_tokens)
+    eng.kv_budget_tokens = args.kv_budget_tokens or tdutils.default_kv_budget(map(len, ids), args.max_tokens,
+                                                                              args.full_requests)
     configs = [SweepConfig(p, float(r)) for p in args.policies.split(",") for r in args.drop_ratios.split(",")]
     print(f"model={args.model} requests={len(ids)} prompt tokens={min(map(len, ids))}-{max(map(len, ids))} "
           f"max_tokens={args.max_tokens} kv_budget_tokens={eng.kv_budget_tokens} repeats={args.repeats} "

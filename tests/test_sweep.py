@@ -36,3 +36,22 @@ def test_sweep_fails_when_a_run_loses_tokens(tiny, sample_ids, monkeypatch):
     eng = _engine(tiny, None)
     with pytest.raises(RuntimeError, match="decoded 7 tokens, expected 8"):
         throughput_sweep(eng, [sample_ids[1]] * 2, [], max_tokens=4, repeats=1, progress=None)
+
+
+def test_default_budget_in_undropped_requests():
+    from tdutils import default_kv_budget
+
+    assert default_kv_budget([1024, 900], 64) == 4352  # 4 x (1024 + 64)
+    assert default_kv_budget([1024], 64, 4.25) == 4624  # ceil(4.25 x 1088)
+    with pytest.raises(ValueError, match="full_requests must be >= 1"):
+        default_kv_budget([1024], 64, 0.5)
+
+
+def test_a_quarter_request_of_slack_lets_half_dropped_requests_reach_twice_the_batch(tiny, sample_ids):
+    from tdutils import default_kv_budget
+
+    ids = [sample_ids[0][:100]] * 8
+    for full, peak in ((4, 7), (4.25, 8)):  # 4 x 104 = 416: 7 x 54 = 378 fit, 8 x 54 = 432 do not; 442 holds 8
+        eng = _engine(tiny, default_kv_budget(map(len, ids), 4, full))
+        table, _ = throughput_sweep(eng, ids, [SweepConfig("random", 0.5)], max_tokens=4, repeats=1, progress=None)
+        assert (table.loc["baseline", "peak_batch"], table.loc["random@0.5", "peak_batch"]) == (4, peak)

@@ -237,11 +237,27 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-n", type=int, default=200, help="final report: examples per length")
     ap.add_argument("--eval-seed", type=int, default=0, help="final report: evaluation dataset seed (< 1e7)")
     ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="start from this model folder's model.safetensors (same config) and skip the curriculum: "
+                         "fine-tune with the consolidation phase only")
+    ap.add_argument("--lengths", default=None,
+                    help="consolidation context lengths, comma-separated, cycled in order; repeat one to weight it "
+                         "(default: every curriculum length). Batch sizes follow the curriculum table.")
     ap.add_argument("--out", type=Path, default=None,
                     help="folder for model.safetensors (default: the bundled tdutils/assets/tiny-qwen3)")
     args = ap.parse_args(argv)
     if args.eval_seed >= TRAIN_SEED_BASE:
         ap.error(f"--eval-seed must be below {TRAIN_SEED_BASE} (training streams start there)")
+    batch_of = dict(CURRICULUM)
+    try:
+        lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [n for n, _ in CURRICULUM]
+    except ValueError:
+        ap.error(f"--lengths must be comma-separated integers such as 1024,2048,2048, got {args.lengths!r}")
+    if not lengths or any(n not in batch_of for n in lengths):
+        ap.error(f"--lengths must be taken from the curriculum lengths {sorted(batch_of)}, got {args.lengths!r}")
+    consolidation = [(n, batch_of[n]) for n in lengths]
+    if args.init_from is not None and not (args.init_from / "model.safetensors").is_file():
+        ap.error(f"--init-from {args.init_from}: no model.safetensors there (give a model folder)")
 
     from transformers import AutoConfig, Qwen3ForCausalLM
 
@@ -257,6 +273,16 @@ def main(argv=None) -> int:
     config._attn_implementation = "sdpa"  # fastest causal attention on CPU; the weights do not depend on it
     torch.manual_seed(args.seed)
     model = Qwen3ForCausalLM(config)
+    if args.init_from is not None:
+        from safetensors.torch import load_file
+
+        # strict=False only for the tied lm_head, which save_pretrained leaves out of the file.
+        missing, unexpected = model.load_state_dict(load_file(args.init_from / "model.safetensors"), strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise SystemExit(f"--init-from {args.init_from}: weights do not match the bundled config "
+                             f"(missing {missing}, unexpected {unexpected})")
+        model.tie_weights()
+        print(f"initialised from {args.init_from / 'model.safetensors'}; curriculum skipped", flush=True)
     model.train()
     spec = RopeSpec.from_config(config)
     if spec.layout != "neox" or spec.rotary_dim != spec.head_dim:
@@ -307,7 +333,7 @@ def main(argv=None) -> int:
               f"elapsed {time.perf_counter() - t0:7.1f}s", flush=True)
 
     # --- curriculum ----------------------------------------------------------------------------------
-    for length, batch in CURRICULUM:
+    for length, batch in (CURRICULUM if args.init_from is None else ()):
         need = max(2, math.ceil(64 / batch))  # judge a stage on its last >= 64 examples
         recent: list[float] = []
         for stage_step in range(1, args.max_stage_steps + 1):
@@ -342,8 +368,9 @@ def main(argv=None) -> int:
         progress = i / args.final_steps
         if clock > progress + 1 / args.final_steps:  # the clock is ahead of the steps: it sets the lr
             progress, clock_bound = clock, True
-        length, batch = CURRICULUM[i % len(CURRICULUM)]
-        lr = args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+        length, batch = consolidation[i % len(consolidation)]
+        warm = min(1.0, (i + 1) / args.warmup_steps) if args.init_from is not None else 1.0  # fresh optimizer state
+        lr = warm * args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
         loss, acc = train_step(length, batch, lr)
         step += 1
         if step % args.log_every == 0 or i == args.final_steps - 1:

@@ -8,6 +8,7 @@ runs a baseline and one or more drop functions on the same prompts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..metrics import RunMetrics, phase_table
@@ -97,13 +98,19 @@ def tokenize_prompts(tokenizer, prompts) -> list[list[int]]:
     return out
 
 
-def default_kv_budget(prompt_lengths, max_tokens: int, full_requests: int = 4) -> int:
-    """A KV budget (tokens) that holds `full_requests` undropped requests: `full_requests * (max T + max_tokens)`.
+def default_kv_budget(prompt_lengths, max_tokens: int, full_requests: float = 4) -> int:
+    """A KV budget (tokens) that holds `full_requests` undropped requests: `ceil(full_requests * (max T + max_tokens))`.
 
-    At this budget the baseline decodes `full_requests` at a time; dropping a fraction `r` of every
-    cache lets up to about `full_requests / (1 - r)` requests share it.
+    At this budget the baseline decodes `floor(full_requests)` at a time; dropping a fraction `r` of every
+    cache lets up to about `full_requests / (1 - r)` requests share it (fewer: the generated tokens are not
+    dropped). A fractional `full_requests` (e.g. 4.25) leaves room for that: `bench/throughput.py`.
+
+    Raises:
+        ValueError: `full_requests < 1`.
     """
-    return int(full_requests) * (max(prompt_lengths) + int(max_tokens))
+    if full_requests < 1:
+        raise ValueError(f"full_requests must be >= 1 (the budget must hold one undropped request), got {full_requests}")
+    return math.ceil(full_requests * (max(prompt_lengths) + int(max_tokens)))
 
 
 def run_once(engine, prompts, *, name: str = "baseline", drop_fn=None, max_tokens: int = 64, **decode_kwargs) -> RunResult:

@@ -84,6 +84,8 @@ def window_attention(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int) -> torch
         fp32 `[Hq, w, T]`, each row summing to 1.
     """
     T, w = k.shape[0], q.shape[0]
+    if w > T:
+        raise ValueError(f"{w} window queries for {T} keys: the window queries are the last prompt tokens, so w <= T")
     d = k.shape[1] // n_kv_heads
     hq = q.shape[1] // d
     g = hq // n_kv_heads
@@ -91,9 +93,10 @@ def window_attention(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int) -> torch
     qh = q.float().view(w, hq, d).transpose(0, 1)  # [Hq, w, d]
     # query head h reads KV head h // g: group the query heads instead of copying the keys g times
     logits = (qh.reshape(n_kv_heads, g * w, d) @ kh.transpose(1, 2)).view(hq, w, T) / d**0.5  # [Hq, w, T]
-    # causal inside the window: row i (token T - w + i) sees keys 0 .. T - w + i
-    rows = torch.arange(w, device=k.device)[:, None] + (T - w)
-    logits = logits.masked_fill(torch.arange(T, device=k.device)[None, :] > rows, float("-inf"))
+    # causal inside the window: row i (token T - w + i) sees keys 0 .. T - w + i, so only the last w
+    # columns need a mask (strictly upper triangle of the [w, w] block); masking in place saves a copy
+    future = torch.ones(w, w, dtype=torch.bool, device=k.device).triu_(1)  # [w, w]
+    logits[:, :, T - w:].masked_fill_(future, float("-inf"))
     return torch.softmax(logits, dim=-1)
 
 
