@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--json", dest="json_path", default=None)
+    ap.add_argument("--plot", default=None, help="save the speed-up vs drop ratio plot here (PNG, SVG, ...)")
     args = ap.parse_args(argv)
 
     rows = load_prompts(args.dataset, num_requests=args.num_requests)
@@ -62,11 +63,22 @@ def main(argv=None) -> int:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
     cols = ["decode_tok_s_median", "decode_tok_s_min", "decode_tok_s_max", "peak_batch", "modify_s",
-            "decode_speedup", "capacity_limit", "of_limit", "e2e_speedup"]
+            "modify_of_base_decode", "decode_speedup", "capacity_limit", "of_limit", "e2e_speedup"]
     import pandas as pd
 
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3g}".format):
         print(table[cols].to_string())
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from tdutils.sweep import plot_speedup
+
+        ax = plot_speedup(table, title=f"{args.model}, {len(ids)} x {max(map(len, ids))} tokens, "
+                                       f"budget {eng.kv_budget_tokens} tokens")
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        ax.figure.savefig(args.plot, dpi=120, bbox_inches="tight")
+        print(f"wrote {args.plot}")
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps({

@@ -47,8 +47,9 @@ def throughput_sweep(engine, prompts, configs: list[SweepConfig], *, max_tokens:
     Returns:
         `(table, runs)`: a pandas DataFrame with one row per configuration — decode tok/s median / min /
         max, `decode_speedup` (median over repeats of the ratio to that repeat's baseline), the capacity
-        limit `1/(1−r)` and `of_limit` (speedup / limit), peak batch, modify seconds, end-to-end seconds
-        (prefill + modify + decode) and its ratio — and the list of per-run summaries.
+        limit `1/(1−r)` and `of_limit` (speedup / limit), peak batch, modify seconds and
+        `modify_of_base_decode` (median of modify seconds / the same repeat's baseline decode seconds),
+        end-to-end seconds (prefill + modify + decode) and its ratio — and the list of per-run summaries.
 
     Raises:
         RuntimeError: a run decoded a different number of tokens than `requests × max_tokens`.
@@ -61,6 +62,7 @@ def throughput_sweep(engine, prompts, configs: list[SweepConfig], *, max_tokens:
                                 rerotate=getattr(engine, "positions", "compact") == "compact", **(c.params or {}))
            for c in configs}
     ratios = {c.name: c.drop_ratio for c in [SweepConfig(None)] + list(configs)}
+    policies = {c.name: c.policy or "baseline" for c in [SweepConfig(None)] + list(configs)}
     # untimed warm-up: a process's first forward passes can be many times slower than the rest
     for name in ratios:
         run_once(engine, ids[:4], name="warm-up", drop_fn=fns.get(name), max_tokens=min(4, max_tokens))
@@ -74,9 +76,9 @@ def throughput_sweep(engine, prompts, configs: list[SweepConfig], *, max_tokens:
                 raise RuntimeError(f"{name} decoded {s['decode_tokens']} tokens, expected {expected} "
                                    f"({len(ids)} requests x {max_tokens})")
             if name == "baseline":
-                base_tps, base_e2e = s["decode_tok_s"], s["end_to_end_s"]
+                base_tps, base_e2e, base_decode_s = s["decode_tok_s"], s["end_to_end_s"], s["decode_s"]
             s.update(repeat=rep, drop_ratio=ratio, speedup=s["decode_tok_s"] / base_tps,
-                     e2e_speedup=base_e2e / s["end_to_end_s"])
+                     e2e_speedup=base_e2e / s["end_to_end_s"], modify_of_base_decode=s["modify_s"] / base_decode_s)
             runs.append(s)
             if progress:
                 progress(f"repeat {rep + 1}/{repeats} {name:>24}: decode {s['decode_tok_s']:9.1f} tok/s, "
@@ -89,13 +91,42 @@ def throughput_sweep(engine, prompts, configs: list[SweepConfig], *, max_tokens:
         limit = 1.0 / (1.0 - r) if r < 1 else float("inf")
         speedup = statistics.median(s["speedup"] for s in mine)
         rows.append({
-            "config": name, "drop_ratio": r, "decode_tok_s_median": statistics.median(tps),
+            "config": name, "policy": policies[name], "drop_ratio": r, "decode_tok_s_median": statistics.median(tps),
             "decode_tok_s_min": min(tps), "decode_tok_s_max": max(tps), "decode_speedup": speedup,
             "capacity_limit": limit, "of_limit": speedup / limit,
             "peak_batch": max(s["peak_batch"] for s in mine),
             "kept_fraction": statistics.median(s["kept_fraction"] for s in mine),
             "modify_s": statistics.median(s["modify_s"] for s in mine),
+            "modify_of_base_decode": statistics.median(s["modify_of_base_decode"] for s in mine),
             "end_to_end_s": statistics.median(s["end_to_end_s"] for s in mine),
             "e2e_speedup": statistics.median(s["e2e_speedup"] for s in mine),
         })
     return pd.DataFrame(rows).set_index("config"), runs
+
+
+def plot_speedup(table, ax=None, title: str = "Decode speed-up at a fixed KV budget", label_column: str = "policy"):
+    """Decode speed-up vs drop ratio, one line per `label_column` value, with the capacity limit `1/(1 − r)`.
+
+    Args:
+        table: the table of `throughput_sweep` (columns `drop_ratio`, `decode_speedup`, `label_column`).
+        ax: matplotlib axes (default: a new figure).
+
+    Returns:
+        The axes.
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5.5, 3.8))
+    rows = table[table[label_column] != "baseline"]
+    for label, g in rows.groupby(label_column, sort=False):
+        g = g.sort_values("drop_ratio")
+        ax.plot(g.drop_ratio, g.decode_speedup, marker="o", label=label)
+    rs = sorted(set(rows.drop_ratio))
+    ax.plot(rs, [1 / (1 - r) for r in rs], "k--", lw=1, label="capacity limit 1/(1-r)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("drop ratio")
+    ax.set_ylabel("decode tok/s vs baseline")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return ax

@@ -22,6 +22,19 @@ def test_sweep_alternates_configs_and_reports_capacity(tiny, sample_ids):
     assert table.loc["baseline", "decode_speedup"] == 1.0
     row = table.loc["random@0.5"]
     assert row["of_limit"] == pytest.approx(row["decode_speedup"] / 2)
+    assert list(table.policy) == ["baseline", "random"]
+    base = [r for r in runs if r["run"] == "baseline"]
+    mine = [r for r in runs if r["run"] == "random@0.5"]
+    per_repeat = [m["modify_s"] / b["decode_s"] for m, b in zip(mine, base)]
+    assert row["modify_of_base_decode"] == pytest.approx(sum(per_repeat) / 2)  # the median of two is their mean
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ax = sweep.plot_speedup(table)
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels[:2] == ["random", "capacity limit 1/(1-r)"]
+    assert list(ax.get_lines()[0].get_ydata()) == [row["decode_speedup"]]
 
 
 def test_sweep_fails_when_a_run_loses_tokens(tiny, sample_ids, monkeypatch):
