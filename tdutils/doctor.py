@@ -14,7 +14,14 @@ from __future__ import annotations
 import sys
 
 from .completion import CompletionError, make_post_completion
-from .engines.lmcache import LMCACHE_START_HINT, VLLM_START_HINT, ServerError, http_json, registered_models
+from .engines.lmcache import (
+    LMCACHE_START_HINT,
+    VLLM_START_HINT,
+    ServerError,
+    http_json,
+    lmcache_model_name,
+    registered_models,
+)
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -68,24 +75,26 @@ def _lmcache(rep: Report, url: str, timeout: float) -> dict | None:
     return status
 
 
-def _vllm_model(rep: Report, url: str, model: str | None, timeout: float) -> str | None:
+def _vllm_model(rep: Report, url: str, model: str | None, timeout: float) -> tuple[str | None, str | None]:
+    """The served model's name and its `root` (vLLM's model path), or (None, None) after a failure."""
     try:
         data = http_json("GET", url + "/v1/models", timeout=timeout, what="vLLM", hint=VLLM_START_HINT)
-        names = [m.get("id") for m in data.get("data", [])]
+        entries = data.get("data", [])
+        names = [m.get("id") for m in entries]
     except (ServerError, AttributeError) as exc:
         rep.add(FAIL, f"vLLM at {url}: {str(exc).split('; start it')[0]}", VLLM_START_HINT)
-        return None
+        return None, None
     if model is None:
         if len(names) != 1:
             rep.add(FAIL, f"vLLM at {url} serves {names}", "pass --model NAME")
-            return None
+            return None, None
         model = names[0]
     if model not in names:
         rep.add(FAIL, f"vLLM at {url} does not serve {model!r} (it serves {names})",
                 f"pass --model with one of {names}, or start vLLM with that model")
-        return None
+        return None, None
     rep.add(OK, f"vLLM at {url} serves {model!r}")
-    return model
+    return model, entries[names.index(model)].get("root")
 
 
 def _vllm_version(rep: Report, url: str, timeout: float) -> None:
@@ -123,9 +132,10 @@ def _patch_state(rep: Report, vllm_dir: str | None, python: str | None) -> None:
                 + (f" --vllm-dir {vllm_dir}" if vllm_dir else "") + ", then restart vLLM")
 
 
-def _registration(rep: Report, status: dict, model: str, queries: bool) -> None:
-    if model in registered_models(status):
-        rep.add(OK, f"LMCache has the KV layout of {model!r} registered")
+def _registration(rep: Report, status: dict, model: str, root: str | None, queries: bool) -> None:
+    name = lmcache_model_name(model, root, registered_models(status))
+    if name is not None:
+        rep.add(OK, f"LMCache has the KV layout of {model!r} registered" + (f" (as {name!r})" if name != model else ""))
     else:
         rep.add(FAIL, f"LMCache has no KV layout registered for {model!r} (registered: "
                       f"{sorted(registered_models(status))})",
@@ -133,7 +143,7 @@ def _registration(rep: Report, status: dict, model: str, queries: bool) -> None:
     if not queries:
         return
     q_models = {e.get("model_name") for e in (status.get("q_context_meta") or {}).values() if isinstance(e, dict)}
-    if model in q_models or f"{model}##query" in q_models:
+    if {model, f"{model}##query", name, f"{name}##query"} & q_models:
         rep.add(OK, f"LMCache has a query ring registered for {model!r}")
     else:
         rep.add(WARN, f"no query ring registered for {model!r} in LMCache; SnapKV/R-KV need queries",
@@ -172,13 +182,13 @@ def run(args, out=None) -> int:
     vllm_url = args.vllm_url.rstrip("/").removesuffix("/v1")
     lmc_url = args.lmcache_http_url.rstrip("/")
     status = _lmcache(rep, lmc_url, args.timeout)
-    model = _vllm_model(rep, vllm_url, args.model, args.timeout)
+    model, root = _vllm_model(rep, vllm_url, args.model, args.timeout)
     if model is not None:
         _vllm_version(rep, vllm_url, args.timeout)
     if not args.no_queries:
         _patch_state(rep, args.vllm_dir, args.vllm_python)
     if status is not None and model is not None:
-        _registration(rep, status, model, not args.no_queries)
+        _registration(rep, status, model, root, not args.no_queries)
     if model is not None:
         _token_ids(rep, vllm_url, model, args.timeout)
     print("all checks passed" if not rep.failed else "some checks failed: fix them in order, then run doctor again",

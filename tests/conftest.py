@@ -19,3 +19,19 @@ def sample_ids(tiny):
     _, tok = tiny
     rows = load_prompts("sample", num_requests=3)
     return [tok(r.prompt)["input_ids"][:n] for r, n in zip(rows, (180, 75, 301))]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the `servers` tier (real vLLM + LMCache, tests/test_servers.py) after every other test, so the unit
+    tests report first and a slow server build never delays them; skip it when TDUTILS_SKIP_SERVERS=1 (same
+    as `-m "not servers"`)."""
+    import os
+
+    tier = [item for item in items if item.get_closest_marker("servers")]
+    if not tier:
+        return
+    items[:] = [item for item in items if not item.get_closest_marker("servers")] + tier
+    if os.environ.get("TDUTILS_SKIP_SERVERS", "") not in ("", "0"):
+        skip = pytest.mark.skip(reason="TDUTILS_SKIP_SERVERS is set: the real-server tier is skipped")
+        for item in tier:
+            item.add_marker(skip)

@@ -128,6 +128,19 @@ def registered_models(status: dict) -> dict[str, dict]:
     return out
 
 
+def lmcache_model_name(model: str, root: str | None, registered: dict) -> str | None:
+    """The name LMCache knows the served model by, or None when it has no registration for it.
+
+    vLLM's LMCache connector registers the KV layout under vLLM's model *path* (`--model`, which
+    `/v1/models` reports as `root`), not under `--served-model-name`; the two differ as soon as a server
+    names its model. So the served name is tried first, then the root.
+    """
+    for name in (model, root):
+        if name and name in registered:
+            return name
+    return None
+
+
 @dataclass
 class _Request:
     request_id: int
@@ -324,7 +337,8 @@ class LMCacheEngine:
         status = http_json("GET", self.lmcache_http_url + "/status", timeout=self.http_timeout,
                            what="the LMCache server", hint=LMCACHE_START_HINT)
         registered = registered_models(status)
-        if model not in registered:
+        self.lmcache_model_name = lmcache_model_name(model, self.model_source, registered)
+        if self.lmcache_model_name is None:
             raise ValueError(
                 f"LMCache has no KV layout registered for {model!r} (registered: {sorted(registered)}); vLLM registers "
                 f"it at start-up when it runs with the LMCacheMPConnector pointing at this LMCache server: "
@@ -333,7 +347,7 @@ class LMCacheEngine:
         # 2. Model facts: from the served checkpoint, cross-checked with the layout LMCache registered.
         self.config = config if config is not None else self._load_config(self.model_source)
         self.facts = model_facts(self.config)
-        layout = registered[model].get("kv_cache_layout") or {}
+        layout = registered[self.lmcache_model_name].get("kv_cache_layout") or {}
         if layout.get("num_layers") not in (None, self.facts.num_layers):
             raise ValueError(f"LMCache's layout for {model!r} has {layout['num_layers']} layers but the model config "
                              f"has {self.facts.num_layers}; config= belongs to another model")
@@ -350,14 +364,23 @@ class LMCacheEngine:
                 raise ImportError("the lmcache engine needs LMCache's SDK: pip install 'tdutils[lmcache]' "
                                   f"(or pip install lmcache) in this environment ({exc})") from exc
         self.sdk = sdk
-        self.kv_ctx = sdk.connect(sdk.LMCacheSDKCacheKind.KV, lmcache_url, self.lmcache_http_url, model,
-                                  timeout=self.http_timeout)
+        try:
+            self.kv_ctx = sdk.connect(sdk.LMCacheSDKCacheKind.KV, lmcache_url, self.lmcache_http_url,
+                                      self.lmcache_model_name, timeout=self.http_timeout)
+        except Exception as exc:
+            # Keep LMCache's own exception (type and message) and say which layout it was given.
+            formats = sorted({g.get("engine_kv_format", "?") for g in layout.get("kernel_groups") or []})
+            exc.add_note(f"tdutils: LMCache's SDK could not connect to the KV cache vLLM registered for "
+                         f"{self.lmcache_model_name!r} (engine KV format {', '.join(formats) or 'unknown'}). "
+                         f"lmcache 0.5.6's SDK cannot read the fused K/V layout of vLLM's CPU backend "
+                         f"(NL_X_NB_NH_BS_CS); the lmcache engine needs vLLM on a GPU (SPEC §6).")
+            raise
         self.q_ctx = None
         self.query_unavailable = None
         if query_window != 0:
             try:
-                self.q_ctx = sdk.connect(sdk.LMCacheSDKCacheKind.QUERY, lmcache_url, self.lmcache_http_url, model,
-                                         timeout=self.http_timeout)
+                self.q_ctx = sdk.connect(sdk.LMCacheSDKCacheKind.QUERY, lmcache_url, self.lmcache_http_url,
+                                         self.lmcache_model_name, timeout=self.http_timeout)
             except Exception as exc:  # noqa: BLE001 (policies without queries still run; the reason is kept)
                 self.query_unavailable = (f"no query context ({exc.__class__.__name__}: {exc}); start LMCache with "
                                           f"--enable transfer_query and vLLM patched (python -m tdutils.patches "
