@@ -111,7 +111,9 @@ def apply_keep(kv: torch.Tensor, tokens: Sequence[int], keep: torch.Tensor, *, r
     keep = check_keep(keep, n)
     if keep.numel() == n:  # nothing dropped: return an exact copy (bit for bit)
         return kv.clone(), [int(t) for t in tokens]
-    new_kv = kv.index_select(2, keep.to(kv.device))  # [2, L, k, D], a new tensor
+    two, n_layers, _, dim = kv.shape
+    # [2L, T, D] gather along tokens: several times faster than index_select on dim 2 of the 4-D view
+    new_kv = kv.reshape(two * n_layers, n, dim).index_select(1, keep.to(kv.device)).view(two, n_layers, -1, dim)
     if rerotate:
         if rope_spec is None:
             raise ValueError("rerotate=True needs the model's RoPE spec; pass model_config= to make_drop_fn")
@@ -151,7 +153,9 @@ def validate_drop_output(kv: torch.Tensor, tokens: Sequence[int], result) -> tup
         raise DropFunctionError(f"new_kv has dtype {new_kv.dtype}, the cache is {kv.dtype}")
     if new_kv.device != kv.device:
         raise DropFunctionError(f"new_kv is on {new_kv.device}, the cache is on {kv.device}")
-    if not bool(torch.isfinite(new_kv).all()):
+    # One fp32 sum is finite exactly when no element is NaN/inf (barring an fp32 overflow of the sum, which
+    # the elementwise check below then rules out); ~10x cheaper than isfinite(new_kv).all() on CPU.
+    if not bool(torch.isfinite(new_kv.sum(dtype=torch.float32))) and not bool(torch.isfinite(new_kv).all()):
         raise DropFunctionError("new_kv contains NaN or infinite values")
     return new_kv, new_tokens
 

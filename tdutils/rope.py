@@ -80,6 +80,9 @@ _THETA_FIELDS = (
 
 # Element budget of one fp32 temporary in rerotate_k_cache (4 Mi elements = 16 MiB); see _token_chunk.
 _CHUNK_ELEMS = 1 << 22
+# ... and at least 64 Ki elements (256 KiB): a small cache is rotated in one chunk per layer, since for it
+# the per-chunk operator overhead, not memory, is the cost (the SnapKV/R-KV modify step of the tiny model).
+_CHUNK_FLOOR = 1 << 16
 
 
 # --------------------------------------------------------------------------------------------------
@@ -586,12 +589,12 @@ def rerotate_keys(
 
 
 def _token_chunk(t: int, heads: int, rotary_dim: int) -> int:
-    """Tokens per chunk so that one fp32 temporary holds at most min(16 MiB, a quarter of one layer's
-    rotated keys). _rotate_into keeps about two such temporaries alive (the fp32 copy of the rotary
+    """Tokens per chunk so that one fp32 temporary holds at most min(16 MiB, max(256 KiB, a quarter of one
+    layer's rotated keys)). _rotate_into keeps about two such temporaries alive (the fp32 copy of the rotary
     channels, then the two rotated halves), so the working set stays under half of one layer's keys in
-    fp32 — the bound rerotate_k_cache promises."""
+    fp32, or 512 KiB for a small cache — the bound rerotate_k_cache promises."""
     per_token = heads * rotary_dim
-    budget = min(_CHUNK_ELEMS, max(1, (t * per_token) // 4))
+    budget = min(_CHUNK_ELEMS, max(_CHUNK_FLOOR, (t * per_token) // 4))
     return max(1, budget // per_token)
 
 
@@ -616,8 +619,9 @@ def rerotate_k_cache(
         A new tensor like ``kv`` (the input is never modified): keys re-rotated (fp32 arithmetic, one
         cast), values bit-identical. Works layer by layer and in token chunks: beyond the returned
         tensor it holds the cos/sin tables (``2 * T * rotary_dim/2`` fp32) and about two fp32 chunk
-        temporaries of at most ``min(4 Mi, T*H*rotary_dim/4)`` elements each, i.e. less than one layer's
-        keys in fp32 for any cache with ``H >= 2`` (``bench/rope_bench.py`` measures it).
+        temporaries of at most ``min(4 Mi, max(64 Ki, T*H*rotary_dim/4))`` elements each, i.e. less than one
+        layer's keys in fp32 for any cache with ``H >= 2`` (or 512 KiB for a small one;
+        ``bench/rope_bench.py`` measures it).
 
     Raises:
         ValueError: ``kv`` not ``[2, L, T, D]``, ``D % head_dim != 0``, positions not of length ``T``,

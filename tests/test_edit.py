@@ -113,3 +113,13 @@ def test_validate_drop_output_catches_contract_violations():
             validate_drop_output(kv, tokens, (new_kv, new_tokens))
     with pytest.raises(DropFunctionError, match="must return"):
         validate_drop_output(kv, tokens, kv)
+
+
+def test_validate_drop_output_finiteness_is_elementwise():
+    kv, tokens = _kv(T=10), list(range(10))
+    one_inf = kv[:, :, :4].clone()
+    one_inf[1, 0, 2, 3] = float("inf")  # a single value: the sum is inf
+    big = torch.full_like(kv[:, :, :4], 3e38)  # every value finite, but their fp32 sum overflows
+    with pytest.raises(DropFunctionError, match="NaN or infinite"):
+        validate_drop_output(kv, tokens, (one_inf, [0, 1, 2, 3]))
+    assert validate_drop_output(kv, tokens, (big, [0, 1, 2, 3]))[0] is big

@@ -90,9 +90,9 @@ def window_attention(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int) -> torch
     hq = q.shape[1] // d
     g = hq // n_kv_heads
     kh = k.float().view(T, n_kv_heads, d).transpose(0, 1)  # [H, T, d]
-    qh = q.float().view(w, hq, d).transpose(0, 1)  # [Hq, w, d]
+    qh = q.float().view(w, hq, d).transpose(0, 1) / d**0.5  # [Hq, w, d], scaled here: w*d values, not w*T
     # query head h reads KV head h // g: group the query heads instead of copying the keys g times
-    logits = (qh.reshape(n_kv_heads, g * w, d) @ kh.transpose(1, 2)).view(hq, w, T) / d**0.5  # [Hq, w, T]
+    logits = (qh.reshape(n_kv_heads, g * w, d) @ kh.transpose(1, 2)).view(hq, w, T)  # [Hq, w, T]
     # causal inside the window: row i (token T - w + i) sees keys 0 .. T - w + i, so only the last w
     # columns need a mask (strictly upper triangle of the [w, w] block); masking in place saves a copy
     future = torch.ones(w, w, dtype=torch.bool, device=k.device).triu_(1)  # [w, w]
