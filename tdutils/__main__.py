@@ -159,6 +159,10 @@ def cmd_run(args) -> int:
     if engine.kv_budget_tokens < need:  # the baseline cannot drop: say so before any work
         raise ValueError(f"--kv-budget-tokens {engine.kv_budget_tokens} cannot hold one undropped request of the "
                          f"baseline ({need} tokens = longest prompt + --max-tokens); give at least {need}")
+    shortest = min(map(len, prompt_ids))
+    if params.get("window", 0) >= shortest:  # the window is always kept: nothing would be dropped
+        raise ValueError(f"--window {params['window']} is not shorter than the shortest prompt ({shortest} tokens); "
+                         f"the {args.policy} window is always kept, so nothing would be dropped: give a smaller --window")
     drop_fn = make_drop_fn(args.policy, drop_ratio=args.drop_ratio, model_config=engine.config,
                            rerotate=args.positions == "compact", **params)
     name = f"{args.policy}@{args.drop_ratio:g}"

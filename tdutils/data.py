@@ -112,7 +112,7 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
     rows = _read_rows(dataset, split)
     if rows and prompt_column not in rows[0]:
         raise ValueError(f"dataset {dataset!r} has no column {prompt_column!r}; columns: {sorted(rows[0])}. "
-                         f"Pass prompt_column= to name the prompt column.")
+                         f"From Python pass load_prompts(..., prompt_column=NAME); the command line reads a column named 'prompt'.")
     if num_requests is not None:
         if len(rows) < num_requests:
             raise ValueError(f"dataset {dataset!r} has {len(rows)} rows, fewer than num_requests={num_requests}")

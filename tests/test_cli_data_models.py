@@ -37,6 +37,7 @@ def test_main_job_prints_ratio_and_writes_json(tmp_path):
     (["run", "--dataset", "missing.jsonl"], "dataset file 'missing.jsonl' does not exist"),
     (["run", "--num-requests", "0"], "expected a positive integer"),
     (["run", "--kv-budget-tokens", "100", "--num-requests", "2"], "give at least 1088"),
+    (["run", "--window", "1024", "--num-requests", "2"], "--window 1024 is not shorter than the shortest prompt (1024"),
 ])
 def test_bad_options_exit_nonzero_with_one_clear_line(args, msg):
     p = _cli(*args, "--no-progress")
