@@ -36,9 +36,9 @@ from pathlib import Path
 import httpx
 
 SHM_DIR = Path("/dev/shm")
-# What LMCache's server and vLLM's multiprocessing leave in /dev/shm: the KV pool, Python shared memory
-# blocks and POSIX semaphores.
-SHM_PATTERNS = ("lmcache_kv_*", "psm_*", "sem.mp-*")
+# What LMCache's server and vLLM's multiprocessing leave in /dev/shm: the KV pool, LMCache's L1 segment
+# (removed on a clean exit, not after SIGKILL), Python shared memory blocks and POSIX semaphores.
+SHM_PATTERNS = ("lmcache_kv_*", "lmcache_l1_pool_*", "psm_*", "sem.mp-*")
 
 
 class ServerStartError(RuntimeError):
