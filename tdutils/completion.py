@@ -258,6 +258,27 @@ def _check_prompt(prompt_token_ids: Sequence[int]) -> list[int]:
     return ids
 
 
+def http_error_message(url: str, status: int, text: str, model_name: str) -> str:
+    """The message of a `CompletionHTTPError`: vLLM's own error message (its JSON body's `error.message`, else
+    the body), plus what to do for the errors a user makes most (a model name vLLM does not serve, a prompt
+    longer than the model's context)."""
+    detail = text[:2000]
+    try:
+        err = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        err = None
+    if isinstance(err, dict) and err.get("message"):
+        detail = str(err["message"])
+    elif isinstance(err, str) and err:
+        detail = err
+    msg = f"POST {url} returned HTTP {status}: {detail}"
+    if status == 404 and "does not exist" in detail:
+        msg += f" (fix: pass the model name vLLM serves, as GET /v1/models lists it, instead of {model_name!r})"
+    elif status == 400 and "maximum context length" in detail:
+        msg += " (fix: shorten the prompt or lower max_tokens, or start vLLM with a larger --max-model-len)"
+    return msg
+
+
 def _sdk_token_event():
     """LMCache's `TokenEvent` class when lmcache is installed (its request streams expect it), else ours."""
     try:
@@ -347,8 +368,8 @@ class PostCompletion:
             with self._client.stream("POST", self.url, json=body) as resp:
                 if resp.status_code >= 400:
                     text = resp.read().decode("utf-8", "replace")
-                    raise CompletionHTTPError(
-                        f"POST {self.url} returned HTTP {resp.status_code}: {text[:2000]}", resp.status_code, text)
+                    raise CompletionHTTPError(http_error_message(self.url, resp.status_code, text, self.model_name),
+                                              resp.status_code, text)
                 for ev in iter_token_events(resp.iter_lines(), result=result, require_done=True):
                     yield self.event_type(token_id=ev.token_id, text=ev.text)
         except httpx.ConnectError as exc:

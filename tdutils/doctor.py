@@ -115,7 +115,7 @@ def _vllm_version(rep: Report, url: str, timeout: float) -> None:
 
 
 def _patch_state(rep: Report, vllm_dir: str | None, python: str | None) -> None:
-    from .patches import PatchError, find_vllm, status
+    from .patches import SUPPORTED_TEXT, PatchError, find_vllm, status
 
     try:
         install = find_vllm(vllm_dir, python)
@@ -126,6 +126,11 @@ def _patch_state(rep: Report, vllm_dir: str | None, python: str | None) -> None:
         return
     if state == "applied":
         rep.add(OK, f"vLLM {install.version} at {install.package_dir} is patched to export query tensors")
+    elif state == "conflict":  # `apply` refuses such a vLLM: say what does help
+        rep.add(FAIL, f"vLLM {install.version} at {install.package_dir}: the query-export patch does not fit this "
+                      f"vLLM (its code differs from the versions the patch was written for, {SUPPORTED_TEXT})",
+                f"install vLLM {SUPPORTED_TEXT} in vLLM's environment (pip install vllm==0.25.1), or run "
+                f"policies without queries (random, middle_chunk) and pass --no-queries")
     else:
         rep.add(FAIL, f"vLLM {install.version} at {install.package_dir}: query-export patch {state}",
                 "python -m tdutils.patches apply" + (f" --python {python}" if python else "")
@@ -136,6 +141,7 @@ def _registration(rep: Report, status: dict, model: str, root: str | None, queri
     name = lmcache_model_name(model, root, registered_models(status))
     if name is not None:
         rep.add(OK, f"LMCache has the KV layout of {model!r} registered" + (f" (as {name!r})" if name != model else ""))
+        _layout_readable(rep, registered_models(status)[name], model)
     else:
         rep.add(FAIL, f"LMCache has no KV layout registered for {model!r} (registered: "
                       f"{sorted(registered_models(status))})",
@@ -149,6 +155,27 @@ def _registration(rep: Report, status: dict, model: str, root: str | None, queri
         rep.add(WARN, f"no query ring registered for {model!r} in LMCache; SnapKV/R-KV need queries",
                 "start LMCache with --enable transfer_query and vLLM (patched) with "
                 "\"lmcache.mp.transfer_intermediate_tensors\": true; or use --no-queries for random/middle_chunk")
+
+
+def _layout_readable(rep: Report, entry: dict, model: str) -> None:
+    """FAIL when LMCache publishes a KV layout its own SDK cannot read.
+
+    LMCache's SDK (0.5.6) reads each kernel group's `engine_kv_concrete_shape`, e.g. `"2 x [16384, 2, 128,
+    32]"`, by splitting it at `[`. For vLLM's CPU backend (fused K/V, engine KV format `NL_X_NB_NH_BS_CS`)
+    the server publishes `"Unknown (EngineKVFormat.NL_X_NB_NH_BS_CS)"` instead, and the SDK's connect fails
+    with "failed to decode KV cache layout" (tests/repro_lmcache_cpu_fused_layout.py).
+    """
+    groups = (entry.get("kv_cache_layout") or {}).get("kernel_groups") or []
+    bad = [g for g in groups if "[" not in str(g.get("engine_kv_concrete_shape", "["))]
+    if not bad:
+        return
+    g = bad[0]
+    rep.add(FAIL, f"LMCache cannot describe the KV layout vLLM registered for {model!r}: engine KV format "
+                  f"{g.get('engine_kv_format')} ({g.get('attention_backend')}), concrete shape "
+                  f"{g.get('engine_kv_concrete_shape')!r}; LMCache's SDK cannot connect to it, so the lmcache "
+                  f"engine cannot edit this cache",
+            "run vLLM on a GPU (README, 'On a GPU'); lmcache 0.5.6 cannot read the fused K/V layout of vLLM's "
+            "CPU backend (NL_X_NB_NH_BS_CS)")
 
 
 def _token_ids(rep: Report, url: str, model: str, timeout: float) -> None:

