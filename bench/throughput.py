@@ -27,6 +27,7 @@ import torch
 
 import tdutils
 from tdutils.data import load_prompts
+from tdutils.engines.base import DEFAULT_FULL_REQUESTS
 from tdutils.sweep import SweepConfig, throughput_sweep
 
 
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--drop-ratios", default="0.5,0.75", help="comma-separated ratios in (0, 1)")
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--full-requests", type=float, default=4.25,
+    ap.add_argument("--full-requests", type=float, default=DEFAULT_FULL_REQUESTS,
                     help="KV budget in undropped requests: ceil(N x (longest prompt + max tokens))")
     ap.add_argument("--kv-budget-tokens", type=int, default=None, help="budget in tokens (overrides --full-requests)")
     ap.add_argument("--repeats", type=int, default=3)

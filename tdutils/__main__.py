@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="decode tokens per request, EOS ignored (default: 64)")
     run.add_argument("--kv-budget-tokens", type=_positive_int, default=None,
                      help="KV tokens the decode batch may hold (cache lengths + tokens still to generate); "
-                          "default: room for 4 full requests (4 x (longest prompt + max tokens))")
+                          "default: 4.25 undropped requests, ceil(4.25 x (longest prompt + max tokens)): the baseline decodes 4 at "
+                          "a time, 8 requests at drop ratio 0.5 fit")
     run.add_argument("--positions", choices=("compact", "original"), default="compact",
                      help="compact: re-rotate kept keys to 0..k-1 and decode at k (default, as vLLM+LMCache); "
                           "original: keep rotations and decode at T")

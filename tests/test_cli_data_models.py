@@ -26,9 +26,9 @@ def test_main_job_prints_ratio_and_writes_json(tmp_path):
     rows = {r["run"]: r for r in report["table"]}
     assert rows["baseline"]["decode_tokens"] == 8 * 4 == rows["random@0.5"]["decode_tokens"]
     assert rows["random@0.5"]["kv_tokens_after"] == rows["baseline"]["prompt_tokens"] // 2
-    # default budget: room for 4 undropped requests of 1024 tokens + 4 decode tokens
-    assert rows["baseline"]["kv_budget_tokens"] == 4 * (1024 + 4)
-    assert rows["baseline"]["peak_batch"] == 4 and rows["random@0.5"]["peak_batch"] == 7
+    # default budget: 4.25 undropped requests of 1024 tokens + 4 decode tokens; 8 x (512 + 4) fit in it
+    assert rows["baseline"]["kv_budget_tokens"] == 4369  # ceil(4.25 x 1028)
+    assert rows["baseline"]["peak_batch"] == 4 and rows["random@0.5"]["peak_batch"] == 8
 
 
 @pytest.mark.parametrize("args,msg", [

@@ -54,8 +54,8 @@ def test_sweep_fails_when_a_run_loses_tokens(tiny, sample_ids, monkeypatch):
 def test_default_budget_in_undropped_requests():
     from tdutils import default_kv_budget
 
-    assert default_kv_budget([1024, 900], 64) == 4352  # 4 x (1024 + 64)
-    assert default_kv_budget([1024], 64, 4.25) == 4624  # ceil(4.25 x 1088)
+    assert default_kv_budget([1024, 900], 64, 4) == 4352  # 4 x (1024 + 64)
+    assert default_kv_budget([1024], 64) == 4624  # ceil(4.25 x 1088)
     with pytest.raises(ValueError, match="full_requests must be >= 1"):
         default_kv_budget([1024], 64, 0.5)
 

@@ -98,12 +98,16 @@ def tokenize_prompts(tokenizer, prompts) -> list[list[int]]:
     return out
 
 
-def default_kv_budget(prompt_lengths, max_tokens: int, full_requests: float = 4) -> int:
-    """A KV budget (tokens) that holds `full_requests` undropped requests: `ceil(full_requests * (max T + max_tokens))`.
+DEFAULT_FULL_REQUESTS = 4.25  # the default KV budget, in undropped requests
 
-    At this budget the baseline decodes `floor(full_requests)` at a time; dropping a fraction `r` of every
-    cache lets up to about `full_requests / (1 - r)` requests share it (fewer: the generated tokens are not
-    dropped). A fractional `full_requests` (e.g. 4.25) leaves room for that: `bench/throughput.py`.
+
+def default_kv_budget(prompt_lengths, max_tokens: int, full_requests: float = DEFAULT_FULL_REQUESTS) -> int:
+    """A KV budget (tokens) of `full_requests` undropped requests: `ceil(full_requests * (max T + max_tokens))`.
+
+    The default 4.25 decodes 4 undropped requests at a time (the baseline), and leaves room for 8 requests
+    at drop ratio 0.5: each keeps `T/2` cache tokens but still needs its `max_tokens` decode tokens, which
+    dropping does not shrink, so at exactly 4 only 7 would fit and the 2x capacity limit `1/(1 - r)` could
+    not be reached (for T = 1024, max_tokens = 64: 8 x 576 = 4608 <= 4624 < 5 x 1088).
 
     Raises:
         ValueError: `full_requests < 1`.
