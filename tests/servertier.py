@@ -312,7 +312,7 @@ class Servers:
 
     def stop(self) -> list[str]:
         """Stop every server (vLLM first: its connector talks to LMCache), remove the /dev/shm files that
-        appeared since `start` (and our LMCache pool by name), drop the records; returns the shm names removed."""
+        appeared since `start`, drop the records; returns the shm names removed."""
         from tdutils.servers import remove_new_shm_files, stop_servers
 
         stop_servers(list(reversed(self.servers)), timeout_s=20)
@@ -322,10 +322,6 @@ class Servers:
         while self.alive() and time.monotonic() < deadline:
             time.sleep(0.1)
         removed = [p.name for p in remove_new_shm_files(self._shm_before)]
-        pool = Path("/dev/shm") / f"lmcache_l1_pool_{self.shm_name}"  # left by LMCache after a SIGKILL
-        if pool.exists():
-            pool.unlink(missing_ok=True)
-            removed.append(pool.name)
         for record in self._records:
             record.unlink(missing_ok=True)
         return removed

@@ -223,6 +223,9 @@ def test_doctor_without_token_ids_flag(servers, plain_vllm):
     ids_main = next(line for line in out_main.splitlines()
                     if line.startswith("[  ok] completions stream token ids (")).split("(")[1].split(")")[0]
     assert ids_plain == ids_main
+    # What does fail: this vLLM has no LMCache connector, so LMCache knows only the session vLLM's model.
+    assert (f"[FAIL] LMCache has no KV layout registered for '{MODEL}' (registered: ['{servers.model_dir}'])"
+            in lines)
     assert rc == 1
 
 
