@@ -242,6 +242,7 @@ class Servers:
         self.shm_name = f"tdutils_{os.getpid()}_{self.tag}"
         self._shm_before: set = set()
         self._records: list[Path] = []
+        self._stopped = False
 
     def lmcache_cmd(self) -> list[str]:
         from tdutils.servers import lmcache_server_command
@@ -315,6 +316,9 @@ class Servers:
         appeared since `start`, drop the records; returns the shm names removed."""
         from tdutils.servers import remove_new_shm_files, stop_servers
 
+        if self._stopped:  # never signal a recorded group id twice: once reaped, the number may be reused
+            return []
+        self._stopped = True
         stop_servers(list(reversed(self.servers)), timeout_s=20)
         # SIGKILLed workers leave the process table a moment after the leader is reaped; wait (bounded) so
         # that "stopped" means no process of the groups is left.
