@@ -9,7 +9,6 @@ per run and the peak GPU memory.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -135,7 +134,3 @@ def _peak_rss_gib() -> float:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**30 if sys.platform == "darwin" else rss / 2**20
 
-
-def in_colab() -> bool:
-    """True inside a Google Colab runtime (it sets `COLAB_RELEASE_TAG`)."""
-    return "COLAB_RELEASE_TAG" in os.environ
