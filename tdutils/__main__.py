@@ -114,6 +114,21 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _ratio_caveats(base_batch: int, dropped_batch: int, ratio: float, drop_ratio: float) -> list[str]:
+    """Why a printed decode-throughput ratio may not measure what token dropping buys (empty when it does)."""
+    notes = []
+    if dropped_batch <= base_batch:
+        notes.append(f"both runs decoded at most {base_batch} requests at a time, so dropping bought no larger batch "
+                     "and the ratio only reflects cheaper steps and machine noise; use more requests (--num-requests) "
+                     "or a smaller --kv-budget-tokens")
+    limit = 1 / (1 - drop_ratio) if drop_ratio < 1 else float("inf")
+    if ratio > 1.25 * max(limit, dropped_batch / max(base_batch, 1)):
+        notes.append(f"the ratio is above what the batch sizes ({base_batch} -> {dropped_batch}) and the capacity limit "
+                     f"1/(1-r) = {limit:.2f} explain: runs this short are dominated by machine noise; use --repeats 5 "
+                     "on a quiet machine")
+    return notes
+
+
 def cmd_run(args) -> int:
     import pandas as pd
 
@@ -160,6 +175,10 @@ def cmd_run(args) -> int:
     if engine.kv_budget_tokens < need:  # the baseline cannot drop: say so before any work
         raise ValueError(f"--kv-budget-tokens {engine.kv_budget_tokens} cannot hold one undropped request of the "
                          f"baseline ({need} tokens = longest prompt + --max-tokens); give at least {need}")
+    max_pos = getattr(engine.config, "max_position_embeddings", None)
+    if max_pos and max(map(len, prompt_ids)) + args.max_tokens > max_pos:  # the baseline decodes at T..T+m-1
+        raise ValueError(f"the longest prompt ({max(map(len, prompt_ids))} tokens) plus --max-tokens {args.max_tokens} "
+                         f"exceeds the model's {max_pos} positions (max_position_embeddings); lower --max-tokens")
     shortest = min(map(len, prompt_ids))
     if params.get("window", 0) >= shortest:  # the window is always kept: nothing would be dropped
         raise ValueError(f"--window {params['window']} is not shorter than the shortest prompt ({shortest} tokens); "
@@ -195,6 +214,9 @@ def cmd_run(args) -> int:
         print(table[cols].T.to_string())
     print(f"\ndecode throughput ratio ({name} / baseline): {med:.2f}x"
           + (f" (median of {len(speedups)}; min {min(speedups):.2f}x, max {max(speedups):.2f}x)" if len(speedups) > 1 else ""))
+    for line in _ratio_caveats(int(table.loc["baseline", "peak_batch"]), int(table.loc[name, "peak_batch"]), med,
+                               args.drop_ratio):
+        print(f"note: {line}")
     accuracy = {}
     if all(r.answer is not None for r in rows):
         from .answers import score_rows

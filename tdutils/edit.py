@@ -124,13 +124,26 @@ def apply_keep(kv: torch.Tensor, tokens: Sequence[int], keep: torch.Tensor, *, r
     return new_kv, [int(tokens[i]) for i in keep.tolist()]
 
 
-def validate_drop_output(kv: torch.Tensor, tokens: Sequence[int], result) -> tuple[torch.Tensor, list[int]]:
+def check_token_ids(ids: Sequence[int], vocab_size: int) -> int | None:
+    """Index of the first id outside `[0, vocab_size)`, or None when all are inside."""
+    for j, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            return j
+    return None
+
+
+def validate_drop_output(kv: torch.Tensor, tokens: Sequence[int], result,
+                         vocab_size: int | None = None) -> tuple[torch.Tensor, list[int]]:
     """Check a drop function's return value against its input (SPEC §3); returns `(new_kv, new_tokens)`.
+
+    Args:
+        vocab_size: when given, every new token id must lie in `[0, vocab_size)` (decode feeds the last one
+            to the model again).
 
     Raises:
         DropFunctionError: not a `(tensor, tokens)` pair; shape not `[2, L, k, D]` with the input's
-            `L` and `D`; `k` not in `[1, T]`; `len(new_tokens) != k`; dtype or device changed;
-            non-finite values.
+            `L` and `D`; `k` not in `[1, T]`; `len(new_tokens) != k`; token ids not integers or outside
+            the vocabulary; dtype or device changed; non-finite values.
     """
     if not (isinstance(result, tuple | list) and len(result) == 2):
         raise DropFunctionError(f"a drop function must return (new_kv, new_tokens), got {type(result).__name__}")
@@ -144,9 +157,18 @@ def validate_drop_output(kv: torch.Tensor, tokens: Sequence[int], result) -> tup
     if not 1 <= k <= n_tok:
         raise DropFunctionError(f"new_kv keeps {k} tokens; it must keep between 1 and {n_tok}")
     try:
-        new_tokens = [int(t) for t in new_tokens]
+        as_int = [int(t) for t in new_tokens]
     except (TypeError, ValueError):
         raise DropFunctionError("new_tokens must be a sequence of integer token ids") from None
+    if any(isinstance(t, float | bool) or a != t for t, a in zip(new_tokens, as_int)):
+        raise DropFunctionError("new_tokens must be integer token ids (got floats or bools); return the kept "
+                                "entries of `tokens`")
+    new_tokens = as_int
+    if vocab_size is not None:
+        bad = check_token_ids(new_tokens, vocab_size)
+        if bad is not None:
+            raise DropFunctionError(f"new_tokens[{bad}] = {new_tokens[bad]} is outside the model's vocabulary "
+                                    f"[0, {vocab_size}); return the kept entries of `tokens`")
     if len(new_tokens) != k:
         raise DropFunctionError(f"len(new_tokens) = {len(new_tokens)} but new_kv holds {k} tokens; they must match")
     if new_kv.dtype != kv.dtype:
@@ -238,6 +260,13 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float = 0.5, model_confi
         sig = inspect.signature(user_select).parameters
         takes_ratio = "drop_ratio" in sig or any(p.kind is p.VAR_KEYWORD for p in sig.values())
         extra = {"drop_ratio": r, **params} if takes_ratio else dict(params)
+        try:  # the call every request will make, checked now rather than at modify time
+            inspect.signature(user_select).bind(None, None, **extra)
+        except TypeError as exc:
+            raise ValueError(f"selection function {name}{inspect.signature(user_select)} cannot be called as "
+                             f"select(tensors, tokens{''.join(f', {k}=...' for k in extra)}): {exc}. It gets "
+                             "the tensors and the token ids positionally and drop_ratio only as a keyword "
+                             "(name the parameter drop_ratio)") from None
 
         def select(tensors, tokens):
             return user_select(tensors, tokens, **extra)

@@ -20,6 +20,7 @@ AUTO = "auto"
 GPU_MODEL = "Qwen/Qwen3-1.7B"  # fits a 15 GB T4 in float16 with room for the KV cache of 4 1k-token requests
 GPU_DATASET = DEMO_DATASET_SHORT  # 10 prompts of ~1k Qwen3 tokens
 CPU_MAX_TOKENS = 64  # decode tokens per request on the CPU fallback (the tiny model answers in 5)
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,10 @@ class RuntimePlan:
     def describe(self) -> str:
         head = f"{self.hardware}: model {self.model} ({self.dtype}), dataset {self.dataset}, {self.max_tokens} decode tokens"
         if self.fallback:
-            return (head + "\nNo GPU found, so this run falls back to the bundled tiny model and its passkey data "
-                    "(CPU, minutes). On Colab choose Runtime > Change runtime type > T4 GPU and run all again "
-                    "for the real model.")
+            data = ("its passkey data" if self.dataset == SAMPLE_NAME else
+                    f"dataset {self.dataset!r} (the tiny model reads only its passkey data, dataset='auto' or 'sample')")
+            return (head + f"\nNo GPU found, so this run falls back to the bundled tiny model with {data} (CPU, "
+                    "minutes). On Colab choose Runtime > Change runtime type > T4 GPU and run all again for the real model.")
         return head
 
 
@@ -74,8 +76,13 @@ def plan_runtime(model: str = AUTO, dataset: str = AUTO, dtype: str = AUTO, *, m
     """
     if device not in (AUTO, "cuda", "cpu"):
         raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {device!r}")
-    if int(max_tokens) < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    for what, value in (("model", model), ("dataset", dataset), ("dtype", dtype)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{what} must be a non-empty string ('auto' or a name), got {value!r}")
+    if dtype not in (AUTO, *DTYPES):
+        raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {dtype!r}")
     has_cuda = torch.cuda.is_available()
     if device == "cuda" and not has_cuda:
         raise ValueError("device='cuda' but torch sees no GPU (torch.cuda.is_available() is False); "
@@ -92,7 +99,7 @@ def plan_runtime(model: str = AUTO, dataset: str = AUTO, dtype: str = AUTO, *, m
         dataset = SAMPLE_NAME if resolved_model == TINY_MODEL_NAME else gpu_dataset
     if dtype == AUTO:
         dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if dev == "cuda" else "float32"
-    tokens = min(int(max_tokens), int(cpu_max_tokens)) if fallback else int(max_tokens)
+    tokens = min(max_tokens, int(cpu_max_tokens)) if fallback else max_tokens
     return RuntimePlan(device=dev, hardware=hardware, model=resolved_model, dtype=dtype, dataset=dataset,
                        max_tokens=tokens, fallback=fallback)
 

@@ -154,7 +154,13 @@ def start_server(name: str, command: list[str], *, health_url: str, log_path: st
 
     Raises:
         FileNotFoundError: the executable does not exist (the message names it).
+        TypeError: `command` is not a non-empty list of strings (e.g. one shell string).
+        ValueError: `health_url` is not an http(s) URL.
     """
+    if isinstance(command, str) or not command or not all(isinstance(a, str | os.PathLike) for a in command):
+        raise TypeError(f"command must be a non-empty list of strings such as ['lmcache', 'server', ...], got "
+                        f"{command!r}" + (" (split the string: shlex.split(...))" if isinstance(command, str) else ""))
+    _check_url(health_url)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
@@ -174,6 +180,7 @@ def wait_healthy(servers: list[Server], *, timeout_s: float = 600.0, poll_s: flo
         ServerStartError: a server exited, or `timeout_s` passed; the message has each failing server's
             command, exit code and log tail.
     """
+    servers = _server_list(servers, "wait_healthy")
     t0 = time.monotonic()
     pending = list(servers)
     with httpx.Client(timeout=httpx.Timeout(5.0)) as client:
@@ -195,6 +202,20 @@ def wait_healthy(servers: list[Server], *, timeout_s: float = 600.0, poll_s: flo
     return time.monotonic() - t0
 
 
+def _check_url(url: str) -> None:
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")) or "//" not in url or not url.split("//", 1)[1]:
+        raise ValueError(f"health_url must be an http(s) URL such as http://127.0.0.1:8000/health, got {url!r}")
+
+
+def _server_list(servers, caller: str) -> list[Server]:
+    """`servers` as a list of `Server` (a single one is accepted too)."""
+    items = [servers] if isinstance(servers, Server) else list(servers)
+    for s in items:
+        if not isinstance(s, Server):
+            raise TypeError(f"{caller} takes Server objects from start_server, got {type(s).__name__}")
+    return items
+
+
 def _failure(srv: Server, what: str) -> str:
     return (f"{srv.name} (pid {srv.pid}) {what}\ncommand: {' '.join(srv.command)}\n"
             f"last lines of {srv.log_path}:\n{srv.log_tail() or '(empty)'}")
@@ -202,6 +223,7 @@ def _failure(srv: Server, what: str) -> str:
 
 def stop_servers(servers: list[Server], *, timeout_s: float = 30.0) -> None:
     """Stop each server's whole process group: SIGTERM, then SIGKILL after `timeout_s`. Safe to call twice."""
+    servers = _server_list(servers, "stop_servers")
     for srv in servers:
         if srv.alive():
             _signal_group(srv.pid, signal.SIGTERM)

@@ -123,3 +123,25 @@ def test_validate_drop_output_finiteness_is_elementwise():
     with pytest.raises(DropFunctionError, match="NaN or infinite"):
         validate_drop_output(kv, tokens, (one_inf, [0, 1, 2, 3]))
     assert validate_drop_output(kv, tokens, (big, [0, 1, 2, 3]))[0] is big
+
+
+def test_custom_selection_signature_is_checked_when_built():
+    with pytest.raises(ValueError, match=r"selection function <lambda>\(te, to, r\) cannot be called as "
+                                         r"select\(tensors, tokens\).*name the parameter drop_ratio"):
+        make_drop_fn(lambda te, to, r: None, rerotate=False)
+    with pytest.raises(ValueError, match=r"cannot be called as select\(tensors, tokens, drop_ratio=\.\.\., top=\.\.\.\)"):
+        make_drop_fn(lambda te, to, drop_ratio: None, rerotate=False, top=3)
+    assert make_drop_fn(lambda te, to, drop_ratio=0.5: None, rerotate=False).drop_ratio == 0.5
+
+
+def test_validate_drop_output_checks_token_ids():
+    kv, tokens = _kv(T=10), list(range(10))
+    new_kv = kv[:, :, :4].clone()
+    assert validate_drop_output(kv, tokens, (new_kv, [0, 1, 2, 3]), vocab_size=4)[1] == [0, 1, 2, 3]
+    with pytest.raises(DropFunctionError, match=r"new_tokens\[2\] = 1000000000 is outside the model's vocabulary "
+                                                r"\[0, 100\)"):
+        validate_drop_output(kv, tokens, (new_kv, [0, 1, 10**9, 3]), vocab_size=100)
+    with pytest.raises(DropFunctionError, match=r"new_tokens\[0\] = -1 is outside"):
+        validate_drop_output(kv, tokens, (new_kv, [-1, 1, 2, 3]), vocab_size=100)
+    with pytest.raises(DropFunctionError, match="must be integer token ids \\(got floats or bools\\)"):
+        validate_drop_output(kv, tokens, (new_kv, [0.0, 1.5, 2.0, 3.0]))

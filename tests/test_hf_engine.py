@@ -235,3 +235,40 @@ def test_drop_function_editing_its_input_in_place_then_failing_changes_nothing(t
     assert all(torch.equal(eng.kv(i), kv) for i, kv in enumerate(kvs))
     with pytest.raises(TypeError, match="wrap a single prompt"):
         eng.prefill("one prompt as a bare string")
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tiny, sample_ids):
+    eng = _engine(tiny)
+    vocab = tiny[0].config.vocab_size
+    with pytest.raises(ValueError, match=rf"prompt 1: token id 99999 at position 2 is outside the model's vocabulary "
+                                         rf"\[0, {vocab}\)"):
+        eng.prefill([[5, 6, 7], [5, 6, 99999]])
+    with pytest.raises(ValueError, match="no prompts: pass a non-empty list"):
+        eng.prefill([])
+    eng.prefill(sample_ids[:1])
+    before = eng.kv(0).clone(), list(eng.tokens(0))
+
+    def bad_ids(tensors, tokens):
+        return tensors["kv"][:, :, :4].clone(), [10**9] * 4
+
+    with pytest.raises(DropFunctionError, match=r"new_tokens\[0\] = 1000000000 is outside the model's vocabulary"):
+        eng.modify(bad_ids, positions="original")
+    assert torch.equal(eng.kv(0), before[0]) and eng.tokens(0) == before[1]  # nothing changed
+    assert len(eng.decode(max_tokens=2)[0].output_ids) == 2
+
+
+def test_decoding_past_the_models_positions_warns(tiny, sample_ids):
+    eng = _engine(tiny)
+    eng.prefill([(sample_ids[2] * 14)[:4000]])  # the refeed sits at 3999
+    max_pos = tiny[0].config.max_position_embeddings
+    assert max_pos == 4096
+    with pytest.warns(UserWarning, match=f"decoding feeds position {3999 + 100 - 1}, beyond the model's "
+                                         f"max_position_embeddings {max_pos}"):
+        eng.decode(max_tokens=100)
+
+
+def test_text_the_tokenizer_cannot_read_warns(tiny):
+    eng = _engine(tiny)
+    with pytest.warns(UserWarning, match=r"\d+% of the prompt tokens are unknown to this tokenizer .* the model cannot "
+                                         r"read this text"):
+        eng.tokenize(["Quantum chromodynamics describes gluons and quarks."])

@@ -50,8 +50,19 @@ def test_plan_rejects_bad_settings(monkeypatch):
         runtime.plan_runtime(device="cuda")
     with pytest.raises(ValueError, match="device must be"):
         runtime.plan_runtime(device="tpu")
-    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
-        runtime.plan_runtime(max_tokens=0)
+    for bad in (0, 2.7, "abc", None, True):
+        with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
+            runtime.plan_runtime(max_tokens=bad)
+    with pytest.raises(ValueError, match=r"dtype must be 'auto' or one of \('float32', 'float16', 'bfloat16'\), got 'garbage'"):
+        runtime.plan_runtime(dtype="garbage")
+    with pytest.raises(ValueError, match="model must be a non-empty string"):
+        runtime.plan_runtime(model=None)
+
+
+def test_fallback_with_another_dataset_says_what_the_tiny_model_reads(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    text = runtime.plan_runtime(dataset="mc-sample").describe()
+    assert "falls back to the bundled tiny model with dataset 'mc-sample' (the tiny model reads only its passkey" in text
 
 
 def test_runtime_report_lists_every_phase(monkeypatch, capsys):
@@ -211,3 +222,18 @@ def test_serving_stack_starts_both_and_stops_both(tmp_path):
         assert "'--model', 'my-model'" in procs["vllm"].log_tail() and "'--dtype', 'half'" in procs["vllm"].log_tail()
         assert "'--l1-size-gb', '1'" in procs["lmcache"].log_tail()
     assert not any(s.alive() for s in procs.values())
+
+
+def test_bad_server_arguments_are_named(tmp_path):
+    with pytest.raises(TypeError, match=r"command must be a non-empty list of strings .* \(split the string"):
+        servers.start_server("s", "sleep 100", health_url="http://127.0.0.1:1/health", log_path=tmp_path / "s.log")
+    with pytest.raises(TypeError, match="command must be a non-empty list"):
+        servers.start_server("s", [], health_url="http://127.0.0.1:1/health", log_path=tmp_path / "s.log")
+    with pytest.raises(ValueError, match="health_url must be an http\\(s\\) URL .* got 'not a url'"):
+        servers.start_server("s", ["sleep", "1"], health_url="not a url", log_path=tmp_path / "s.log")
+    with pytest.raises(TypeError, match="stop_servers takes Server objects from start_server, got NoneType"):
+        servers.stop_servers([None])
+    srv = servers.start_server("s", [sys.executable, "-c", "import time; time.sleep(60)"],
+                               health_url="http://127.0.0.1:1/health", log_path=tmp_path / "s.log")
+    servers.stop_servers(srv, timeout_s=1)  # a single server is accepted
+    assert not srv.alive()

@@ -9,8 +9,10 @@ runs a baseline and one or more drop functions on the same prompts.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
+from ..edit import check_token_ids
 from ..metrics import RunMetrics, phase_table
 
 
@@ -73,28 +75,46 @@ def check_engine_settings(kv_budget_tokens, max_batch_size, query_window) -> Non
         raise ValueError(f"query_window must be >= 0 or None (all tokens), got {query_window}")
 
 
-def tokenize_prompts(tokenizer, prompts) -> list[list[int]]:
+def tokenize_prompts(tokenizer, prompts, vocab_size: int | None = None) -> list[list[int]]:
     """Token ids of each prompt: a string, a `PromptRow`/dict with `prompt`, or a list of token ids.
+
+    Args:
+        vocab_size: when given, token ids must lie in `[0, vocab_size)` (the model's embedding rows).
 
     Raises:
         TypeError: a prompt of another type.
-        ValueError: an empty prompt (index given).
+        ValueError: no prompts, an empty prompt, or a token id outside the vocabulary (index given).
     """
     if isinstance(prompts, str):
         raise TypeError("prompts must be a list of prompts; wrap a single prompt as [prompt]")
-    out = []
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("no prompts: pass a non-empty list of prompts")
+    out, unknown, from_text = [], 0, 0
     for i, p in enumerate(prompts):
         if hasattr(p, "prompt") or isinstance(p, dict):
             p = p.prompt if hasattr(p, "prompt") else p["prompt"]
         if isinstance(p, str):
             ids = tokenizer(p)["input_ids"]
+            unk = getattr(tokenizer, "unk_token_id", None)
+            unknown += sum(t == unk for t in ids) if unk is not None else 0
+            from_text += len(ids)
         elif isinstance(p, list | tuple) or hasattr(p, "tolist"):
             ids = [int(t) for t in (p.tolist() if hasattr(p, "tolist") else p)]
         else:
             raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
         if not ids:
             raise ValueError(f"prompt {i} is empty")
+        if vocab_size is not None:
+            bad = check_token_ids(ids, vocab_size)
+            if bad is not None:
+                raise ValueError(f"prompt {i}: token id {ids[bad]} at position {bad} is outside the model's "
+                                 f"vocabulary [0, {vocab_size}); token ids must come from this model's tokenizer")
         out.append(ids)
+    if from_text and unknown > 0.1 * from_text:  # e.g. English text for the bundled tiny model's vocabulary
+        warnings.warn(f"{unknown / from_text:.0%} of the prompt tokens are unknown to this tokenizer "
+                      f"({getattr(tokenizer, 'unk_token', None)!r}): the model cannot read this text, so its answers "
+                      "mean nothing (the bundled tiny-qwen3 reads only its passkey data, dataset 'sample')", stacklevel=3)
     return out
 
 
@@ -114,7 +134,12 @@ def default_kv_budget(prompt_lengths, max_tokens: int, full_requests: float = DE
     """
     if full_requests < 1:
         raise ValueError(f"full_requests must be >= 1 (the budget must hold one undropped request), got {full_requests}")
-    return math.ceil(full_requests * (max(prompt_lengths) + int(max_tokens)))
+    lengths = list(prompt_lengths)
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"prompt_lengths must be positive token counts of at least one prompt, got {lengths[:8]}")
+    if int(max_tokens) < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    return math.ceil(full_requests * (max(lengths) + int(max_tokens)))
 
 
 def run_once(engine, prompts, *, name: str = "baseline", drop_fn=None, max_tokens: int = 64, **decode_kwargs) -> RunResult:

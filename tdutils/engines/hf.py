@@ -116,7 +116,7 @@ class HFEngine:
 
     def tokenize(self, prompts) -> list[list[int]]:
         """Token ids of each prompt: a string, a `PromptRow`/dict with `prompt`, or a list of ids."""
-        return tokenize_prompts(self.tokenizer, prompts)
+        return tokenize_prompts(self.tokenizer, prompts, self.model.config.vocab_size)
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -279,7 +279,8 @@ class HFEngine:
                 # a copy: a drop function that edits its input in place and then fails must not touch the cache
                 tensors = {kind: t.clone() for kind, t in self.tensors(req.request_id).items()}
                 result = drop_fn(tensors, list(req.tokens))
-                edits[req.request_id] = validate_drop_output(req.kv, req.tokens, result)
+                edits[req.request_id] = validate_drop_output(req.kv, req.tokens, result,
+                                                             vocab_size=self.model.config.vocab_size)
             except Exception as exc:  # noqa: BLE001 (any failure of user code is reported below, never swallowed)
                 failures.append((req.request_id, f"{exc.__class__.__name__}: {exc}"))
         mm.seconds = time.perf_counter() - t0
@@ -344,6 +345,13 @@ class HFEngine:
                         f"request {r.request_id} needs {need[r.request_id]} KV tokens ({r.kv.shape[2]} cached + "
                         f"{limit[r.request_id]} to generate) but kv_budget_tokens is {budget}; raise kv_budget_tokens, "
                         f"lower max_tokens, or drop more tokens")
+        max_pos = getattr(self.model.config, "max_position_embeddings", None)
+        if max_pos:
+            # positions fed: the refeed (k-1 or T-1) and then max_tokens - 1 generated tokens
+            last = max(r.refeed_pos + limit[r.request_id] - 1 for r in self.requests)
+            if last >= max_pos:
+                warnings.warn(f"decoding feeds position {last}, beyond the model's max_position_embeddings "
+                              f"{max_pos}: outputs there are extrapolation; lower max_tokens", stacklevel=2)
         dm = self.metrics.decode = DecodeMetrics(kv_budget_tokens=budget)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         eos = self.eos_token_id

@@ -1,0 +1,43 @@
+"""The main job's caveats on its printed ratio, and its refusal of runs past the model's positions."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tdutils.__main__ import _ratio_caveats
+
+
+def test_no_caveat_when_the_batch_grows_as_expected():
+    assert _ratio_caveats(4, 8, 1.95, 0.5) == []
+    assert _ratio_caveats(4, 8, 2.3, 0.5) == []  # cheaper steps may beat the batch ratio a little
+
+
+def test_equal_batches_and_impossible_ratios_are_flagged():
+    (note,) = _ratio_caveats(4, 4, 14.7, 0.5)[:1]
+    assert note.startswith("both runs decoded at most 4 requests at a time, so dropping bought no larger batch")
+    notes = _ratio_caveats(1, 1, 1.92, 0.5)
+    assert len(notes) == 1 and "at most 1 requests" in notes[0]
+    (note,) = _ratio_caveats(4, 8, 6.5, 0.5)
+    assert note.startswith("the ratio is above what the batch sizes (4 -> 8) and the capacity limit 1/(1-r) = 2.00")
+
+
+def test_run_past_the_models_positions_is_refused():
+    p = subprocess.run([sys.executable, "-m", "tdutils", "run", "--num-requests", "1", "--max-tokens", "3500",
+                        "--no-progress"], check=False, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert p.returncode == 2, p.stderr
+    assert ("the longest prompt (1024 tokens) plus --max-tokens 3500 exceeds the model's 4096 positions "
+            "(max_position_embeddings); lower --max-tokens") in p.stderr
+
+
+@pytest.mark.parametrize("lengths,max_tokens,msg", [
+    ([], 64, "prompt_lengths must be positive token counts of at least one prompt"),
+    ([-5], 10, "prompt_lengths must be positive token counts"),
+    ([1024], -64, "max_tokens must be >= 1"),
+])
+def test_default_budget_rejects_bad_sizes(lengths, max_tokens, msg):
+    from tdutils import default_kv_budget
+
+    with pytest.raises(ValueError, match=msg):
+        default_kv_budget(lengths, max_tokens)
