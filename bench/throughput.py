@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import sys
 import time
@@ -28,47 +29,131 @@ import torch
 import tdutils
 from tdutils.data import load_prompts
 from tdutils.engines.base import DEFAULT_FULL_REQUESTS
+from tdutils.evaluate import check_output_path, check_plot_path
+from tdutils.models import progress_bars
 from tdutils.sweep import SweepConfig, throughput_sweep
+
+POLICIES = ("snapkv", "rkv", "random", "middle_chunk")
+DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
+TABLE_COLUMNS = ("decode_tok_s_median", "decode_tok_s_min", "decode_tok_s_max", "peak_batch", "modify_s",
+                 "modify_of_base_decode", "decode_speedup", "capacity_limit", "of_limit", "e2e_speedup")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad option in one line (no usage block) and exits with status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _full_requests(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}") from None
+    if not (math.isfinite(v) and v >= 1):
+        raise argparse.ArgumentTypeError(f"expected a number >= 1 (the budget must hold one undropped request), "
+                                         f"got {text!r}")
+    return v
+
+
+def _drop_ratios(text: str) -> list[float]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            r = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a number; give comma-separated ratios in (0, 1), "
+                                             f"e.g. 0.5,0.75") from None
+        if not 0 < r < 1:
+            raise argparse.ArgumentTypeError(f"{part} is not in (0, 1): the baseline (ratio 0) always runs, and "
+                                             f"ratio 1 would drop every token; give ratios such as 0.5,0.75")
+        out.append(r)
+    return out
+
+
+def _policies(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",")]
+    bad = [p for p in names if p not in POLICIES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown policy {bad[0]!r}; give comma-separated names from "
+                                         f"{', '.join(POLICIES)}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="bench/throughput.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny-qwen3")
+    ap.add_argument("--dataset", default="sample")
+    ap.add_argument("--policies", type=_policies, default="snapkv,random",
+                    help=f"comma-separated policy names ({', '.join(POLICIES)})")
+    ap.add_argument("--drop-ratios", type=_drop_ratios, default="0.5,0.75", help="comma-separated ratios in (0, 1)")
+    ap.add_argument("--num-requests", type=_positive_int, default=16)
+    ap.add_argument("--max-tokens", type=_positive_int, default=64)
+    ap.add_argument("--full-requests", type=_full_requests, default=DEFAULT_FULL_REQUESTS,
+                    help="KV budget in undropped requests (>= 1): ceil(N x (longest prompt + max tokens))")
+    ap.add_argument("--kv-budget-tokens", type=_positive_int, default=None,
+                    help="budget in tokens (overrides --full-requests)")
+    ap.add_argument("--repeats", type=_positive_int, default=3)
+    ap.add_argument("--dtype", choices=DTYPES, default="auto")
+    ap.add_argument("--json", dest="json_path", default=None)
+    ap.add_argument("--plot", default=None, help="save the speed-up vs drop ratio plot here (PNG, SVG, ...)")
+    return ap
+
+
+def format_table(table) -> str:
+    """The sweep table with plain numbers: tok/s as integers, modify seconds and its fraction of the baseline's
+    decode time with 3 decimals, speed-ups and limits with 2."""
+    fmt = {c: "{:.0f}".format for c in ("decode_tok_s_median", "decode_tok_s_min", "decode_tok_s_max", "peak_batch")}
+    fmt["modify_s"] = fmt["modify_of_base_decode"] = "{:.3f}".format
+    fmt.update({c: "{:.2f}".format for c in ("decode_speedup", "capacity_limit", "of_limit", "e2e_speedup")})
+    return table[list(TABLE_COLUMNS)].to_string(formatters=fmt)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny-qwen3")
-    ap.add_argument("--dataset", default="sample")
-    ap.add_argument("--policies", default="snapkv,random", help="comma-separated policy names")
-    ap.add_argument("--drop-ratios", default="0.5,0.75", help="comma-separated ratios in (0, 1)")
-    ap.add_argument("--num-requests", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--full-requests", type=float, default=DEFAULT_FULL_REQUESTS,
-                    help="KV budget in undropped requests: ceil(N x (longest prompt + max tokens))")
-    ap.add_argument("--kv-budget-tokens", type=int, default=None, help="budget in tokens (overrides --full-requests)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--json", dest="json_path", default=None)
-    ap.add_argument("--plot", default=None, help="save the speed-up vs drop ratio plot here (PNG, SVG, ...)")
+    ap = build_parser()
     args = ap.parse_args(argv)
-
-    rows = load_prompts(args.dataset, num_requests=args.num_requests)
-    eng = tdutils.open_engine("hf", model=args.model, dtype=args.dtype, progress=False)
-    ids = eng.tokenize(rows)
-    eng.kv_budget_tokens = args.kv_budget_tokens or tdutils.default_kv_budget(map(len, ids), args.max_tokens,
-                                                                              args.full_requests)
-    configs = [SweepConfig(p, float(r)) for p in args.policies.split(",") for r in args.drop_ratios.split(",")]
+    try:  # every check that needs no model runs before loading it
+        if args.json_path:
+            check_output_path(args.json_path, "--json", example="runs/throughput.json")
+        if args.plot:
+            check_plot_path(args.plot, "--plot")
+        rows = load_prompts(args.dataset, num_requests=args.num_requests)
+        with progress_bars(False):  # no "Loading weights" bar either
+            eng = tdutils.open_engine("hf", model=args.model, dtype=args.dtype, progress=False)
+        ids = eng.tokenize(rows)
+        eng.kv_budget_tokens = args.kv_budget_tokens or tdutils.default_kv_budget(map(len, ids), args.max_tokens,
+                                                                                  args.full_requests)
+        need = max(map(len, ids)) + args.max_tokens
+        if eng.kv_budget_tokens < need:
+            raise ValueError(f"--kv-budget-tokens {eng.kv_budget_tokens} cannot hold one undropped request ({need} "
+                             f"tokens = longest prompt + --max-tokens); give at least {need}")
+        configs = [SweepConfig(p, r) for p in args.policies for r in args.drop_ratios]
+    except (ValueError, OSError, ConnectionError) as exc:  # OSError covers FileNotFoundError
+        ap.exit(2, f"{ap.prog}: error: {exc}\n")
     print(f"model={args.model} requests={len(ids)} prompt tokens={min(map(len, ids))}-{max(map(len, ids))} "
           f"max_tokens={args.max_tokens} kv_budget_tokens={eng.kv_budget_tokens} repeats={args.repeats} "
           f"torch threads={torch.get_num_threads()}", flush=True)
     try:
         table, runs = throughput_sweep(eng, ids, configs, max_tokens=args.max_tokens, repeats=args.repeats,
                                        progress=lambda line: print(line, flush=True))
+    except ValueError as exc:  # e.g. a policy parameter that does not fit these prompts
+        ap.exit(2, f"{ap.prog}: error: {exc}\n")
     except RuntimeError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
-    cols = ["decode_tok_s_median", "decode_tok_s_min", "decode_tok_s_max", "peak_batch", "modify_s",
-            "modify_of_base_decode", "decode_speedup", "capacity_limit", "of_limit", "e2e_speedup"]
-    import pandas as pd
-
-    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3g}".format):
-        print(table[cols].to_string())
+    print(format_table(table))
     if args.plot:
         import matplotlib
 

@@ -110,7 +110,7 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
     if num_requests is not None and num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     rows = _read_rows(dataset, split)
-    if rows and prompt_column not in rows[0]:
+    if rows and isinstance(rows[0], dict) and prompt_column not in rows[0]:
         raise ValueError(f"dataset {dataset!r} has no column {prompt_column!r}; columns: {sorted(rows[0])}. "
                          f"From Python pass load_prompts(..., prompt_column=NAME); the command line reads a column named 'prompt'.")
     if num_requests is not None:
@@ -118,11 +118,37 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
             raise ValueError(f"dataset {dataset!r} has {len(rows)} rows, fewer than num_requests={num_requests}")
         rows = rows[:num_requests]
     out = []
-    for r in rows:
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or prompt_column not in r:
+            got = f"its columns: {sorted(r)}" if isinstance(r, dict) else f"it is {type(r).__name__} {_short(r)}"
+            raise ValueError(f"dataset {dataset!r}: row {i} (counting from 0) has no {prompt_column!r} column ({got}); "
+                             f"every row needs a text {prompt_column!r}")
+        prompt = r[prompt_column]
+        if not isinstance(prompt, str):
+            raise ValueError(  # noqa: TRY004 (bad data in a file, as the other row errors: ValueError)
+                f"dataset {dataset!r}: row {i} (counting from 0) has a {prompt_column!r} that is not text "
+                f"({type(prompt).__name__} {_short(prompt)}); every row needs the prompt as a string")
         meta = {k: v for k, v in r.items() if k not in (prompt_column, answer_column)}
         ans = r.get(answer_column)
-        out.append(PromptRow(prompt=str(r[prompt_column]), answer=None if ans is None else str(ans), meta=meta))
+        out.append(PromptRow(prompt=prompt, answer=None if ans is None else str(ans), meta=meta))
     return out
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _close_bundled_name(dataset: str) -> str | None:
+    """The bundled dataset name `dataset` looks like a typo of (`"samples"` -> `"sample"`), or None."""
+    import difflib
+
+    key = dataset.strip().lower().replace("_", "-")
+    names = (SAMPLE_NAME, MC_SAMPLE_NAME)
+    if key in names:
+        return key
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def _read_rows(dataset: str, split: str) -> list[dict]:
@@ -137,23 +163,55 @@ def _read_rows(dataset: str, split: str) -> list[dict]:
     if looks_local:
         raise FileNotFoundError(f"dataset file {str(path)!r} does not exist; pass an existing .jsonl/.json/.csv/"
                                 f".parquet file, a hub id, or {SAMPLE_NAME!r} for the bundled sample")
+    # Not a file: a hub id, which has the form owner/name. Fail at once on a typo of a bundled name or a
+    # name without a slash, instead of after the hub's retries.
+    guess = _close_bundled_name(dataset)
+    if guess is not None or "/" not in dataset.strip("/"):
+        what = f"dataset {dataset!r} is not a bundled dataset, an existing file or a hub id (owner/name)"
+        if guess is not None:
+            raise ValueError(f"{what}: did you mean {guess!r}?")
+        raise ValueError(f"{what}; pass {SAMPLE_NAME!r} or {MC_SAMPLE_NAME!r} (bundled), a .jsonl/.json/.csv/.parquet "
+                         f"file, or a hub id such as {DEMO_DATASET_SHORT!r}")
     return _read_hub(dataset, split)
 
 
+_FILE_KINDS = {".jsonl": "JSONL", ".json": "JSON", ".csv": "CSV", ".parquet": "Parquet"}
+
+
 def _read_local(path: Path) -> list[dict]:
+    if path.is_dir():
+        raise ValueError(f"dataset {str(path)!r} is a folder; pass a .jsonl/.json/.csv/.parquet file")
+    if path.suffix not in _FILE_KINDS:
+        raise ValueError(f"unsupported dataset file type {path.suffix!r} ({str(path)!r}): use .jsonl, .json, .csv "
+                         f"or .parquet")
+    try:
+        return _parse_local(path)
+    except OSError:
+        raise
+    except Exception as exc:  # json, pandas and pyarrow each raise their own types for a malformed file
+        reason = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+        raise ValueError(f"dataset file {str(path)!r} could not be read as {_FILE_KINDS[path.suffix]}: {reason}") from exc
+
+
+def _parse_local(path: Path) -> list[dict]:
     if path.suffix == ".jsonl":
+        rows = []
         with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as exc:
+                        raise ValueError(f"line {n}: {exc.msg} (column {exc.colno})") from None
+        return rows
     if path.suffix == ".json":
         data = json.loads(path.read_text())
-        return data if isinstance(data, list) else data.get("data", [])
+        return data if isinstance(data, list) else data.get("data", []) if isinstance(data, dict) else [data]
     import pandas as pd
 
     if path.suffix == ".csv":
         return pd.read_csv(path).to_dict("records")
-    if path.suffix == ".parquet":
-        return pd.read_parquet(path).to_dict("records")
-    raise ValueError(f"unsupported dataset file type {path.suffix!r}: use .jsonl, .json, .csv or .parquet")
+    return pd.read_parquet(path).to_dict("records")
 
 
 def _read_hub(dataset: str, split: str) -> list[dict]:

@@ -26,6 +26,17 @@ from .engines.lmcache import (
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
 
+def _doctor_hint(hint: str, options: str) -> str:
+    """An engine's start hint with its "or point at it: keyword= (command line: ...)" tail replaced by the
+    options of this command, which are the ones a doctor user can pass."""
+    head = hint.split(", or point at it")[0]
+    return f"{head}, or point doctor at it: {options}"
+
+
+LMCACHE_HINT = _doctor_hint(LMCACHE_START_HINT, "--lmcache-http-url URL")
+VLLM_HINT = _doctor_hint(VLLM_START_HINT, "--vllm-url URL")
+
+
 class Report:
     """Collects check results; `failed` is True once any check failed."""
 
@@ -58,7 +69,7 @@ def _lmcache(rep: Report, url: str, timeout: float) -> dict | None:
         health = http_json("GET", url + "/healthcheck", timeout=timeout, what="the LMCache server",
                            hint=LMCACHE_START_HINT)
     except ServerError as exc:
-        rep.add(FAIL, f"LMCache server at {url}: {str(exc).split('; start it')[0]}", LMCACHE_START_HINT)
+        rep.add(FAIL, f"LMCache server at {url}: {str(exc).split('; start it')[0]}", LMCACHE_HINT)
         return None
     if not isinstance(health, dict) or health.get("status") != "healthy":
         rep.add(FAIL, f"LMCache at {url} is not healthy: {health}", "look at the LMCache server's log, restart it")
@@ -82,7 +93,7 @@ def _vllm_model(rep: Report, url: str, model: str | None, timeout: float) -> tup
         entries = data.get("data", [])
         names = [m.get("id") for m in entries]
     except (ServerError, AttributeError) as exc:
-        rep.add(FAIL, f"vLLM at {url}: {str(exc).split('; start it')[0]}", VLLM_START_HINT)
+        rep.add(FAIL, f"vLLM at {url}: {str(exc).split('; start it')[0]}", VLLM_HINT)
         return None, None
     if model is None:
         if len(names) != 1:
@@ -118,7 +129,7 @@ def _patch_state(rep: Report, vllm_dir: str | None, python: str | None) -> None:
     from .patches import SUPPORTED_TEXT, PatchError, find_vllm, status
 
     try:
-        install = find_vllm(vllm_dir, python)
+        install = find_vllm(vllm_dir, python, options=("--vllm-python", "--vllm-dir"))
         state = status(install).state
     except (PatchError, OSError) as exc:
         rep.add(WARN, f"patch state unknown: {exc}",
@@ -145,7 +156,7 @@ def _registration(rep: Report, status: dict, model: str, root: str | None, queri
     else:
         rep.add(FAIL, f"LMCache has no KV layout registered for {model!r} (registered: "
                       f"{sorted(registered_models(status))})",
-                "start vLLM with the LMCacheMPConnector pointing at this LMCache server: " + VLLM_START_HINT)
+                "start vLLM with the LMCacheMPConnector pointing at this LMCache server: " + VLLM_HINT)
     if not queries:
         return
     q_models = {e.get("model_name") for e in (status.get("q_context_meta") or {}).values() if isinstance(e, dict)}
@@ -192,11 +203,11 @@ def _token_ids(rep: Report, url: str, model: str, timeout: float) -> None:
             usage = post.last_result.usage if post.last_result else None
     except CompletionError as exc:
         fix = ("start vLLM with --return-tokens-as-token-ids" if "return-tokens-as-token-ids" in str(exc)
-               else VLLM_START_HINT)
+               else VLLM_HINT)
         rep.add(FAIL, f"test completion failed: {exc}", fix)
         return
     if len(ids) != 2:
-        rep.add(FAIL, f"test completion returned {len(ids)} token ids for max_tokens=2", VLLM_START_HINT)
+        rep.add(FAIL, f"test completion returned {len(ids)} token ids for max_tokens=2", VLLM_HINT)
         return
     rep.add(OK, f"completions stream token ids ({ids}); usage {'matches' if usage else 'not reported'}")
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -114,8 +115,9 @@ def passkey_eval(
     ratios = [check_drop_ratio(r) for r in drop_ratios]
     if not policies or not ratios or not lengths:
         raise ValueError("passkey_eval needs at least one policy, one drop ratio and one context length")
-    if n < 1 or batch_size < 1 or max_tokens < 1:
-        raise ValueError(f"n, batch_size and max_tokens must be >= 1, got {n}, {batch_size}, {max_tokens}")
+    for name, value in (("n", n), ("batch_size", batch_size), ("max_tokens", max_tokens)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     params = {k: dict(v) for k, v in (policy_params or {}).items()}
     if engine is None:
         from .engines.hf import HFEngine
@@ -125,8 +127,11 @@ def passkey_eval(
                              f"evaluate with a seed below it")
         # The query window must cover the largest observation window of the policies asked for.
         windows = [int(p.get("window", 0)) for p in params.values()]
-        engine = HFEngine(model, device=device, dtype=dtype, kv_budget_tokens=None, prefill_batch_size=8,
-                          query_window=max([64, *windows]), progress=False)
+        from .models import progress_bars
+
+        with progress_bars(False):  # this engine shows no progress bars: neither does its model load
+            engine = HFEngine(model, device=device, dtype=dtype, kv_budget_tokens=None, prefill_batch_size=8,
+                              query_window=max([64, *windows]), progress=False)
     elif getattr(engine, "model_name", None) == "tiny-qwen3" and seed >= TRAIN_SEED_BASE:
         raise ValueError(f"seed {seed} is a training stream of the bundled model (>= {TRAIN_SEED_BASE})")
 
@@ -238,19 +243,70 @@ def plot_accuracy(table, path: str | Path | None = None, *, title: str = "Passke
     fig.suptitle(title)
     fig.tight_layout()
     if path is not None:
-        path = Path(path)
+        path = check_plot_path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
     return fig
 
 
 def write_json(table, path: str | Path, *, meta: Mapping | None = None) -> Path:
-    """Write `{"meta": meta, "rows": [one dict per table row]}` to `path` (parents created); returns it."""
-    path = Path(path)
+    """Write `{"meta": meta, "rows": [one dict per table row]}` to `path` (parents created); returns it.
+
+    Raises:
+        ValueError: `path` is not a writable file path (see `check_output_path`).
+    """
+    path = check_output_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {"meta": dict(meta or {}), "rows": json.loads(table.to_json(orient="records"))}
     path.write_text(json.dumps(report, indent=1, default=str))
     return path
+
+
+def check_output_path(path: str | Path, option: str = "path", example: str = "runs/eval.json") -> Path:
+    """`path` as a Path after checking a file can be written there; creates nothing.
+
+    A missing parent folder is fine when its nearest existing ancestor is a writable folder other than the
+    filesystem root (the writer creates the missing folders there); nothing is ever created at the root.
+
+    Raises:
+        ValueError: `path` is a folder, an unwritable file, or lies under a file, an unwritable folder or
+            missing folders that would start at the filesystem root; the message names `option` (e.g.
+            `"--json"`) and the path.
+    """
+    p = Path(path).expanduser()
+    where = f"{option} {str(path)!r}"
+    if p.is_dir():
+        raise ValueError(f"{where} is a folder, not a writable file path; give a file name such as {example}")
+    if p.exists():
+        if not os.access(p, os.W_OK):
+            raise ValueError(f"{where}: the file exists and is not writable; give another file name")
+        return p
+    parent = p.absolute().parent
+    ancestor = parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"{where} is not a writable file path: {str(ancestor)!r} is a file, not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"{where} is not a writable file path: the folder {str(ancestor)!r} is not writable")
+    if ancestor != parent and ancestor.parent == ancestor:
+        raise ValueError(f"{where}: the folder {str(parent)!r} does not exist, and missing folders are not created "
+                         f"at the filesystem root; create it first or give a path such as {example}")
+    return p
+
+
+def check_plot_path(path: str | Path, option: str = "path") -> Path:
+    """`check_output_path` plus a file extension matplotlib can save (`.png`, `.svg`, `.pdf`, ...)."""
+    from matplotlib.figure import Figure
+
+    p = check_output_path(path, option, example="runs/accuracy.png")
+    supported = Figure().canvas.get_supported_filetypes()
+    ext = p.suffix.lower().lstrip(".")
+    if ext not in supported:
+        what = f"extension {p.suffix!r}" if p.suffix else "no file extension"
+        raise ValueError(f"{option} {str(path)!r} has {what}, which matplotlib cannot save; use one of "
+                         f"{', '.join('.' + e for e in sorted(supported))}")
+    return p
 
 
 # --- command line: `python -m tdutils eval` ------------------------------------------------------------
@@ -304,6 +360,19 @@ def run(args) -> int:
         lengths = _split(args.context_lengths, int, "context length")
     except argparse.ArgumentTypeError as exc:
         raise ValueError(str(exc)) from None
+    # Everything that can be checked without the model, before any work.
+    for option, value in (("--n", args.n), ("--max-tokens", args.max_tokens)):
+        if value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}")
+    if not policies or not ratios or not lengths:
+        raise ValueError("give at least one value to each of --policies, --drop-ratios and --context-lengths")
+    bad_lengths = [x for x in lengths if x < 1]
+    if bad_lengths:
+        raise ValueError(f"--context-lengths must be >= 1 tokens, got {bad_lengths}")
+    if args.json_path:
+        check_output_path(args.json_path, "--json", example="runs/eval.json")
+    if args.plot:
+        check_plot_path(args.plot, "--plot")
     t0 = time.perf_counter()
     log = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     table = passkey_eval(args.model, policies, ratios, lengths, n=args.n, seed=args.seed,
@@ -327,5 +396,5 @@ def run(args) -> int:
 
 
 __all__ = ["COLUMNS", "DEFAULT_CONTEXT_LENGTHS", "DEFAULT_DROP_RATIOS", "DEFAULT_POLICIES", "FULL",
-           "TRAIN_SEED_BASE", "add_arguments", "format_table", "passkey_eval", "plot_accuracy", "run",
+           "TRAIN_SEED_BASE", "add_arguments", "check_output_path", "check_plot_path", "format_table", "passkey_eval", "plot_accuracy", "run",
            "wilson_interval", "write_json"]

@@ -10,6 +10,7 @@ transformers' `from_pretrained` (a hub id such as `Qwen/Qwen3-0.6B`, or a local 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,16 +41,80 @@ def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
     return table[dtype]
 
 
+@contextmanager
+def progress_bars(enabled: bool = True):
+    """Within the block, hide transformers' / huggingface_hub's progress bars unless `enabled`.
+
+    `progress_bars(False)` hides e.g. the "Loading weights" bar of `from_pretrained` and restores the
+    previous setting afterwards. `progress_bars(True)` changes nothing: bars that a caller disabled
+    globally (`transformers.utils.logging.disable_progress_bar()`) stay disabled.
+    """
+    from transformers.utils import logging as hf_logging
+
+    if enabled or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+def check_device(device: str | torch.device | None) -> torch.device | None:
+    """`device` as a `torch.device` after checking it exists here (None stays None: pick the default).
+
+    Raises:
+        ValueError: not a torch device name (`"gpu"`), or a device this machine does not have (`"cuda"`
+            without CUDA, `"cuda:3"` with fewer GPUs, `"mps"` off Apple silicon); the message names the
+            device asked for and says to use "cpu" or omit it.
+    """
+    if device is None:
+        return None
+    fix = "use \"cpu\" or omit the device (default: cuda when available, else cpu)"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device {str(device)!r} is not a torch device name (such as 'cpu', 'cuda', 'cuda:0', "
+                         f"'mps'); {fix}") from None
+    if dev.type == "cpu" or dev.type == "meta":
+        return dev
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch is built without CUDA" if torch.version.cuda is None
+                   else "torch.cuda.is_available() is False: no GPU is visible")
+            raise ValueError(f"device {str(device)!r} was asked for but CUDA is not available here ({why}); {fix}")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device {str(device)!r} was asked for but this machine has {count} CUDA device"
+                             f"{'s' if count != 1 else ''} (cuda:0..cuda:{count - 1}); use one of those, \"cpu\", "
+                             f"or omit the device")
+        return dev
+    if dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device {str(device)!r} was asked for but MPS is not available here "
+                             f"(torch.backends.mps.is_available() is False: it needs Apple silicon and a torch "
+                             f"built with MPS); {fix}")
+        return dev
+    backend = getattr(torch, dev.type, None)
+    available = getattr(backend, "is_available", None)
+    if callable(available) and not available():
+        raise ValueError(f"device {str(device)!r} was asked for but {dev.type} is not available here "
+                         f"(torch.{dev.type}.is_available() is False); {fix}")
+    return dev
+
+
 def load_tokenizer(name_or_path: str):
     """Load the tokenizer of `name_or_path` (bundled name, hub id or local folder).
 
     Raises:
+        FileNotFoundError: a local folder that does not exist or lacks config.json / tokenizer files.
         OSError: the model is not available locally and the hub cannot be reached (message says how
             to pass a local folder instead).
     """
     from transformers import AutoTokenizer
 
-    _check_local(name_or_path)
+    _check_local(name_or_path, weights=False)
     path = bundled_model_path(name_or_path) or name_or_path
     try:
         return AutoTokenizer.from_pretrained(str(path))
@@ -63,6 +128,7 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = None,
     attn_implementation: str | None = "sdpa",
+    progress: bool = True,
 ):
     """Load a causal LM and its tokenizer; returns `(model, tokenizer)` with the model in eval mode.
 
@@ -73,24 +139,30 @@ def load_model(
             `"bfloat16"` or a `torch.dtype`.
         device: where to put the model; default CUDA when available, else CPU.
         attn_implementation: transformers attention backend (`"sdpa"`, `"eager"`, ...).
+        progress: False hides transformers' progress bars while loading ("Loading weights", downloads);
+            True leaves them as they are (shown unless disabled globally).
 
     Raises:
+        FileNotFoundError: a local folder that does not exist, or lacks config.json, tokenizer files or
+            weights (the message lists what is missing).
         OSError: the weights are neither local nor downloadable (no network, unknown id); the message
             names the model and how to use a local copy.
-        ValueError: unknown dtype string.
+        ValueError: unknown dtype string; a device that is not a torch device or not available here.
     """
     from transformers import AutoModelForCausalLM
 
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = check_device(device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch_dtype = _torch_dtype(dtype)
     _check_local(name_or_path)
     path = bundled_model_path(name_or_path) or name_or_path
-    tokenizer = load_tokenizer(name_or_path)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=_torch_dtype(dtype), attn_implementation=attn_implementation
-        )
-    except OSError as exc:
-        raise OSError(_offline_hint(name_or_path, exc)) from exc
+    with progress_bars(progress):
+        tokenizer = load_tokenizer(name_or_path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=torch_dtype, attn_implementation=attn_implementation
+            )
+        except OSError as exc:
+            raise OSError(_offline_hint(name_or_path, exc)) from exc
     model.to(device).eval()
     if tokenizer.pad_token_id is None:
         # Decoder-only checkpoints often have no pad token; padding is always masked, any id works.
@@ -98,12 +170,36 @@ def load_model(
     return model, tokenizer
 
 
-def _check_local(name: str) -> None:
-    """A name that is clearly a path (absolute, ./, ../, ~) must exist: say so instead of a hub error."""
-    if (bundled_model_path(name) is None and name.startswith(("/", "./", "../", "~"))
-            and not Path(name).expanduser().is_dir()):
-        raise FileNotFoundError(f"model folder {name!r} does not exist; pass a folder with config.json, weights "
-                                f"and tokenizer, a hub id such as 'Qwen/Qwen3-0.6B', or {TINY_MODEL_NAME!r}")
+# Files a local model folder needs: any one of each group (sharded weights come with an index file).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.model", "*.tiktoken")
+WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
+                   "*.gguf")
+
+
+def _check_local(name: str, *, weights: bool = True) -> None:
+    """A name that is clearly a path (absolute, ./, ../, ~) must exist, and an existing folder must hold
+    config.json, tokenizer files (and weights, when `weights`): say what is missing instead of letting
+    transformers fail later with an unrelated message (e.g. "You need to have sentencepiece or tiktoken
+    installed")."""
+    if bundled_model_path(name) is not None:
+        return
+    folder = Path(name).expanduser()
+    hint = (f"pass a folder with config.json, the weights and the tokenizer (e.g. made by `hf download "
+            f"Qwen/Qwen3-0.6B --local-dir DIR`), a hub id such as 'Qwen/Qwen3-0.6B', or {TINY_MODEL_NAME!r}")
+    if not folder.is_dir():
+        if name.startswith(("/", "./", "../", "~")):
+            what = "is a file, not a folder" if folder.exists() else "does not exist"
+            raise FileNotFoundError(f"model folder {name!r} {what}; {hint}")
+        return  # a hub id
+    missing = []
+    if not (folder / "config.json").is_file():
+        missing.append("config.json")
+    if not any(any(folder.glob(p)) for p in TOKENIZER_FILES):
+        missing.append(f"tokenizer files (one of {', '.join(TOKENIZER_FILES[:3])}, ...)")
+    if weights and not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
+        missing.append("weights (*.safetensors or *.bin)")
+    if missing:
+        raise FileNotFoundError(f"model folder {name!r} has no {' and no '.join(missing)}; {hint}")
 
 
 def _offline_hint(name: str, exc: Exception) -> str:

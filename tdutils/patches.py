@@ -198,12 +198,16 @@ def read_version(package_dir: Path) -> str:
     raise PatchError(f"cannot tell the version of the vLLM in {package_dir}: no _version.py and no vllm*.dist-info")
 
 
-def find_vllm(vllm_dir: str | os.PathLike | None = None, python: str | None = None) -> VllmInstall:
+def find_vllm(vllm_dir: str | os.PathLike | None = None, python: str | None = None, *,
+              options: tuple[str, str] = ("--python", "--vllm-dir")) -> VllmInstall:
     """Locate vLLM without importing it.
 
     Args:
         vllm_dir: the folder holding vLLM's `__init__.py` (e.g. `.../site-packages/vllm`).
         python: an interpreter whose environment has vLLM (`find_spec("vllm")` runs there, 30 s timeout).
+        options: the command-line options of the calling command that set `python` and `vllm_dir`, named
+            in the "point at it" hint (`python -m tdutils.patches`: `--python`, `--vllm-dir`; `python -m
+            tdutils doctor`: `--vllm-python`, `--vllm-dir`).
 
     Raises:
         PatchError: not found (the message says how to point at it).
@@ -219,7 +223,8 @@ def find_vllm(vllm_dir: str | os.PathLike | None = None, python: str | None = No
         except (OSError, subprocess.SubprocessError) as exc:
             raise PatchError(f"could not ask {python} where vLLM is: {exc}") from exc
         if not out.strip():
-            raise PatchError(f"vLLM is not installed for {python}")
+            raise PatchError(f"vLLM is not installed for {python}; give the interpreter of vLLM's environment to "
+                             f"{options[0]}, or its package folder to {options[1]}")
         pkg = Path(out.strip())
     else:
         import importlib.util
@@ -228,7 +233,7 @@ def find_vllm(vllm_dir: str | os.PathLike | None = None, python: str | None = No
         if spec is None or not spec.submodule_search_locations:
             raise PatchError(
                 f"vLLM is not installed in this Python environment ({sys.executable}); point at it with "
-                f"--python /path/to/vllm-venv/bin/python or --vllm-dir /path/to/site-packages/vllm")
+                f"{options[0]} /path/to/vllm-venv/bin/python or {options[1]} /path/to/site-packages/vllm")
         pkg = Path(next(iter(spec.submodule_search_locations)))
     if not (pkg / "__init__.py").is_file():
         raise PatchError(f"{pkg} is not a vLLM package folder (no __init__.py)")

@@ -21,6 +21,7 @@ def test_main_job_prints_ratio_and_writes_json(tmp_path):
     p = _cli("run", "--policy", "random", "--drop-ratio", "0.5", "--num-requests", "8", "--max-tokens", "4",
              "--json", str(out), "--no-progress")
     assert p.returncode == 0, p.stderr
+    assert "Loading weights" not in p.stderr  # --no-progress hides the model load's bar too
     assert "decode throughput ratio (random@0.5 / baseline)" in p.stdout
     report = json.loads(out.read_text())
     rows = {r["run"]: r for r in report["table"]}
@@ -38,10 +39,18 @@ def test_main_job_prints_ratio_and_writes_json(tmp_path):
     (["run", "--num-requests", "0"], "expected a positive integer"),
     (["run", "--kv-budget-tokens", "100", "--num-requests", "2"], "give at least 1088"),
     (["run", "--window", "1024", "--num-requests", "2"], "--window 1024 is not shorter than the shortest prompt (1024"),
+    (["run", "--dataset", "samples"], ("dataset 'samples' is not a bundled dataset, an existing file or a hub id "
+                                      "(owner/name): did you mean 'sample'?")),
+    (["run", "--device", "gpu"], ("device 'gpu' is not a torch device name (such as 'cpu', 'cuda', 'cuda:0', 'mps'); "
+                                 "use \"cpu\" or omit the device (default: cuda when available, else cpu)")),
+    (["eval", "--n", "0"], "--n must be >= 1, got 0"),
+    (["eval", "--plot", "acc.xyz"], ("--plot 'acc.xyz' has extension '.xyz', which matplotlib cannot save; use one of "
+                                    ".avif, .eps, .gif, .jpeg, .jpg, .pdf, .pgf, .png, .ps, .raw, .rgba, .svg, .svgz, "
+                                    ".tif, .tiff, .webp")),
 ])
 def test_bad_options_exit_nonzero_with_one_clear_line(args, msg):
-    p = _cli(*args, "--no-progress")
-    assert p.returncode == 2
+    p = _cli(*args, *(["--no-progress"] if args[0] == "run" else []))
+    assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = [line for line in p.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and msg in lines[0], p.stderr
 
@@ -102,11 +111,161 @@ def test_tiny_model_uses_gqa(tiny):
 
 
 def test_missing_local_model_folder_and_bad_cli_values_fail_early(tmp_path):
-    with pytest.raises(FileNotFoundError, match="model folder '/nonexistent/dir' does not exist"):
-        load_model("/nonexistent/dir")
+    missing = str(tmp_path / "no" / "such" / "dir")  # never exists, whatever the machine holds elsewhere
+    with pytest.raises(FileNotFoundError, match=f"model folder '{missing}' does not exist"):
+        load_model(missing)
     p = _cli("run", "--kernel-size", "4", "--no-progress")
     assert p.returncode == 2 and "kernel_size must be an odd number" in p.stderr and "Traceback" not in p.stderr
     p = _cli("run", "--json", str(tmp_path), "--no-progress")
     assert p.returncode == 2 and "not a writable file path" in p.stderr
     p = _cli("run", "--kv-budget-tokens", "600", "--num-requests", "2", "--no-progress")
     assert p.returncode == 2 and "cannot hold one undropped request" in p.stderr
+
+
+def test_local_model_folder_lacking_files_says_what_is_missing(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    hint = ("pass a folder with config.json, the weights and the tokenizer (e.g. made by `hf download Qwen/Qwen3-0.6B "
+            "--local-dir DIR`), a hub id such as 'Qwen/Qwen3-0.6B', or 'tiny-qwen3'")
+    with pytest.raises(FileNotFoundError) as e:
+        load_model(str(empty))
+    assert str(e.value) == (f"model folder '{empty}' has no config.json and no tokenizer files (one of tokenizer.json, "
+                            f"tokenizer.model, vocab.json, ...) and no weights (*.safetensors or *.bin); {hint}")
+    (empty / "config.json").write_text("{}")
+    (empty / "tokenizer.json").write_text("{}")
+    with pytest.raises(FileNotFoundError) as e:
+        load_model(str(empty))
+    assert str(e.value) == f"model folder '{empty}' has no weights (*.safetensors or *.bin); {hint}"
+    from tdutils.models import load_tokenizer
+
+    (empty / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError) as e:  # the tokenizer alone needs no weights
+        load_tokenizer(str(empty))
+    assert str(e.value) == (f"model folder '{empty}' has no tokenizer files (one of tokenizer.json, tokenizer.model, "
+                            f"vocab.json, ...); {hint}")
+
+
+def test_unavailable_devices_fail_before_loading(monkeypatch):
+    import torch
+
+    from tdutils.models import check_device
+
+    fix = 'use "cpu" or omit the device (default: cuda when available, else cpu)'
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    calls = []
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: calls.append(a))
+    for device, msg in [
+        ("cuda", "device 'cuda' was asked for but CUDA is not available here (this torch is built without CUDA); "
+                 + fix),
+        ("cuda:1", "device 'cuda:1' was asked for but CUDA is not available here (this torch is built without "
+                   "CUDA); " + fix),
+        ("gpu", "device 'gpu' is not a torch device name (such as 'cpu', 'cuda', 'cuda:0', 'mps'); " + fix),
+        ("mps", "device 'mps' was asked for but MPS is not available here (torch.backends.mps.is_available() is "
+                "False: it needs Apple silicon and a torch built with MPS); " + fix),
+    ]:
+        with pytest.raises(ValueError) as e:
+            load_model("tiny-qwen3", device=device)
+        assert str(e.value) == msg
+    assert calls == []  # nothing was loaded
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    with pytest.raises(ValueError) as e:
+        check_device("cuda")
+    assert str(e.value) == ("device 'cuda' was asked for but CUDA is not available here (torch.cuda.is_available() "
+                            "is False: no GPU is visible); " + fix)
+    assert check_device(None) is None and check_device("cpu") == torch.device("cpu")
+
+
+def test_load_model_without_progress_shows_no_loading_bar(capfd):
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()
+    load_model("tiny-qwen3", device="cpu", progress=False)
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # restored afterwards
+    hf_logging.disable_progress_bar()
+    try:  # a caller that disabled the bars globally (as `run --no-progress` does) sees none, during and after
+        load_model("tiny-qwen3", device="cpu", progress=True)
+        assert "Loading weights" not in capfd.readouterr().err
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()
+    load_model("tiny-qwen3", device="cpu")
+    assert "Loading weights" in capfd.readouterr().err  # shown by default
+
+
+def test_unreadable_dataset_files_and_rows_name_the_file_and_row(tmp_path, monkeypatch):
+    empty_csv = tmp_path / "empty.csv"
+    empty_csv.write_text("")
+    with pytest.raises(ValueError) as e:
+        load_prompts(str(empty_csv))
+    assert str(e.value) == f"dataset file '{empty_csv}' could not be read as CSV: No columns to parse from file"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\nnot json\n')
+    with pytest.raises(ValueError) as e:
+        load_prompts(str(bad))
+    assert str(e.value) == f"dataset file '{bad}' could not be read as JSONL: line 2: Expecting value (column 1)"
+    ints = tmp_path / "ints.jsonl"
+    ints.write_text('{"prompt": "ok"}\n{"prompt": 5}\n')
+    with pytest.raises(ValueError) as e:
+        load_prompts(str(ints))
+    assert str(e.value) == (f"dataset '{ints}': row 1 (counting from 0) has a 'prompt' that is not text (int 5); every row needs the "
+                            f"prompt as a string")
+    ragged = tmp_path / "ragged.jsonl"
+    ragged.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    with pytest.raises(ValueError) as e:
+        load_prompts(str(ragged))
+    assert str(e.value) == (f"dataset '{ragged}': row 1 (counting from 0) has no 'prompt' column (its columns: ['text']); every row "
+                            f"needs a text 'prompt'")
+
+
+def test_names_that_cannot_be_hub_ids_fail_without_the_hub(monkeypatch):
+    from tdutils import data
+
+    monkeypatch.setattr(data, "_read_hub", lambda *a: pytest.fail("the hub was asked"))
+    what = "is not a bundled dataset, an existing file or a hub id (owner/name)"
+    for name, guess in (("samples", "sample"), ("Sample", "sample"), ("mc_sample", "mc-sample"),
+                        ("mcsample", "mc-sample")):
+        with pytest.raises(ValueError) as e:
+            load_prompts(name)
+        assert str(e.value) == f"dataset {name!r} {what}: did you mean {guess!r}?"
+    with pytest.raises(ValueError) as e:
+        load_prompts("longbench")
+    assert str(e.value) == (f"dataset 'longbench' {what}; pass 'sample' or 'mc-sample' (bundled), a "
+                            f".jsonl/.json/.csv/.parquet file, or a hub id such as 'raniayu/token-dropping-demo-short'")
+
+
+def test_eval_output_paths_are_checked_before_any_work(tmp_path):
+    import uuid
+    from pathlib import Path
+
+    from tdutils.evaluate import check_output_path, check_plot_path
+
+    at_root = Path("/") / f"tdutils-test-{uuid.uuid4().hex}" / "dir" / "x.json"
+    with pytest.raises(ValueError) as e:
+        check_output_path(at_root, "--json")
+    assert str(e.value) == (f"--json '{at_root}': the folder '{at_root.parent}' does not exist, and missing folders "
+                            f"are not created at the filesystem root; create it first or give a path such as "
+                            f"runs/eval.json")
+    assert not at_root.parents[1].exists()
+    with pytest.raises(ValueError) as e:
+        check_output_path(tmp_path, "--json")
+    assert str(e.value) == (f"--json '{tmp_path}' is a folder, not a writable file path; give a file name such as "
+                            f"runs/eval.json")
+    afile = tmp_path / "a.txt"
+    afile.write_text("")
+    with pytest.raises(ValueError) as e:
+        check_output_path(afile / "x.json", "--json")
+    assert str(e.value) == f"--json '{afile / 'x.json'}' is not a writable file path: '{afile}' is a file, not a folder"
+    with pytest.raises(ValueError) as e:
+        check_plot_path(tmp_path / "plot", "--plot")
+    assert str(e.value).startswith(f"--plot '{tmp_path / 'plot'}' has no file extension, which matplotlib cannot "
+                                   f"save; use one of .avif, .eps,")
+    new = tmp_path / "new" / "deeper" / "x.json"  # missing folders inside a writable one are fine, not created yet
+    assert check_output_path(new, "--json") == new and not new.parent.exists()
+    p = _cli("eval", "--json", str(at_root), "--quiet")
+    assert p.returncode == 2 and not at_root.parents[1].exists()
+    assert p.stderr.strip() == (f"tdutils: error: --json '{at_root}': the folder '{at_root.parent}' does not exist, "
+                                f"and missing folders are not created at the filesystem root; create it first or "
+                                f"give a path such as runs/eval.json")

@@ -1,6 +1,8 @@
 """`python -m tdutils doctor` against absent servers and stand-in vLLM / LMCache servers on 127.0.0.1."""
 
+import importlib.util
 import io
+import sys
 import time
 
 from standins import chunk, closed_port_url, models_route, serve, usage_chunk
@@ -92,3 +94,18 @@ def test_unknown_model_and_no_queries_mode():
         assert rc == 1 and "does not serve 'other'" in out
         rc, out = _doctor("--vllm-url", url, "--lmcache-http-url", url, "--no-queries")
         assert rc == 0 and "patch state" not in out and "query ring" not in out
+
+
+def test_fix_lines_name_doctors_own_options(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)  # no vLLM in this environment
+    down = closed_port_url()
+    rc, out = _doctor("--vllm-url", down, "--lmcache-http-url", down, "--timeout", "2")
+    assert rc == 1
+    assert "lmcache_url=" not in out and "lmcache_http_url=" not in out and "vllm_url=" not in out
+    assert "--python " not in out  # doctor's option is --vllm-python
+    fixes = [line.strip() for line in out.splitlines() if line.strip().startswith("fix:")]
+    assert fixes[0].endswith("(README, section 'On a GPU'), or point doctor at it: --lmcache-http-url URL")
+    assert fixes[1].endswith("(README, section 'On a GPU'), or point doctor at it: --vllm-url URL")
+    assert (f"[warn] patch state unknown: vLLM is not installed in this Python environment ({sys.executable}); "
+            f"point at it with --vllm-python /path/to/vllm-venv/bin/python or --vllm-dir "
+            f"/path/to/site-packages/vllm") in out

@@ -186,7 +186,9 @@ def test_vllm_not_found_says_how_to_point_at_it(tmp_path, capsys):
     assert "not a vLLM package folder" in capsys.readouterr().err
     if importlib.util.find_spec("vllm") is None:
         assert tp.main(["check"]) == 2
-        assert "--python" in capsys.readouterr().err
+        assert capsys.readouterr().err.strip() == (
+            f"tdutils.patches: error: vLLM is not installed in this Python environment ({sys.executable}); point at "
+            f"it with --python /path/to/vllm-venv/bin/python or --vllm-dir /path/to/site-packages/vllm")
     assert tp.main(["check", "--python", sys.executable, "--vllm-dir", str(tmp_path)]) == 2
 
 

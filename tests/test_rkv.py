@@ -277,3 +277,29 @@ def test_rkv_drop_fn_errors(tiny):
     kv = torch.randn(2, 2, 40, 64)
     with pytest.raises(ValueError, match="R-KV needs the query"):
         fn({CacheKind.KV: kv}, list(range(40)))
+
+
+@pytest.mark.parametrize("params,msg", [
+    ({"mix_lambda": 2}, ("mix_lambda must lie in [0, 1] (the weight of importance against redundancy in "
+                        "Z = λ·I − (1 − λ)·R), got 2")),
+    ({"mix_lambda": -0.1}, ("mix_lambda must lie in [0, 1] (the weight of importance against redundancy in "
+                           "Z = λ·I − (1 − λ)·R), got -0.1")),
+    ({"threshold": -1}, ("threshold must lie in (-1, 1]: it is the cosine similarity above which two keys count as "
+                        "near-duplicates, so at -1 or below every pair would (1 = none), got -1")),
+    ({"threshold": 1.5}, ("threshold must lie in (-1, 1]: it is the cosine similarity above which two keys count as "
+                         "near-duplicates, so at -1 or below every pair would (1 = none), got 1.5")),
+    ({"window": 0}, "window must be a positive integer, got 0"),
+    ({"kernel_size": 4}, "kernel_size must be an odd number >= 1 (1 = no pooling), got 4"),
+    ({"eps": 0}, "eps must be a number > 0 (it keeps zero-norm keys from dividing by zero), got 0"),
+])
+def test_rkv_params_are_checked_when_the_drop_fn_is_built(tiny, params, msg):
+    from tdutils.policies.rkv import RKVParams
+
+    model, _ = tiny
+    with pytest.raises(ValueError) as e:
+        make_drop_fn("rkv", drop_ratio=0.5, model_config=model.config, **params)
+    assert str(e.value) == msg
+    with pytest.raises(ValueError) as e:
+        RKVParams(**params)
+    assert str(e.value) == msg
+    assert RKVParams(mix_lambda=0, threshold=1).mix_lambda == 0  # the closed ends are fine

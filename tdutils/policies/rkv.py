@@ -72,8 +72,8 @@ class RKVParams:
     Attributes:
         window: `w`, the observation window (last `w` prompt tokens, always kept).
         kernel_size: odd max-pool kernel for the importance (1 = no pooling).
-        mix_lambda: `λ` in `Z = λ·I − (1 − λ)·R`.
-        threshold: cosine similarity above which two keys count as near-duplicates.
+        mix_lambda: `λ` in `Z = λ·I − (1 − λ)·R`, in [0, 1].
+        threshold: cosine similarity above which two keys count as near-duplicates, in (-1, 1] (1: none).
         redundancy: `"reference"`, `"exact"`, `"tiled"` or `"buffered"`.
         eps: added to key norms before normalising (zero keys normalise to 0, never NaN).
         row_tile, col_block, first_block, chunk_size, device: tile settings (see `rkv_redundancy`).
@@ -91,6 +91,22 @@ class RKVParams:
     chunk_size: int | None = None
     device: str | None = None
 
+    def __post_init__(self):  # fail when the drop function is built, not on the first request
+        if not _is_number(self.window) or int(self.window) != self.window or self.window < 1:
+            raise ValueError(f"window must be a positive integer, got {self.window!r}")
+        if (not _is_number(self.kernel_size) or int(self.kernel_size) != self.kernel_size or self.kernel_size < 1
+                or self.kernel_size % 2 == 0):
+            raise ValueError(f"kernel_size must be an odd number >= 1 (1 = no pooling), got {self.kernel_size!r}")
+        if not _is_number(self.mix_lambda) or not 0.0 <= self.mix_lambda <= 1.0:
+            raise ValueError(f"mix_lambda must lie in [0, 1] (the weight of importance against redundancy in "
+                             f"Z = λ·I − (1 − λ)·R), got {self.mix_lambda!r}")
+        if not _is_number(self.threshold) or not -1.0 < self.threshold <= 1.0:
+            raise ValueError(f"threshold must lie in (-1, 1]: it is the cosine similarity above which two keys count "
+                             f"as near-duplicates, so at -1 or below every pair would (1 = none), got {self.threshold!r}")
+        if not _is_number(self.eps) or not self.eps > 0:
+            raise ValueError(f"eps must be a number > 0 (it keeps zero-norm keys from dividing by zero), "
+                             f"got {self.eps!r}")
+
     def tiles(self) -> dict:
         """The tile settings that were set (non-None), as keyword arguments of `rkv_redundancy`."""
         names = ("row_tile", "col_block", "first_block", "chunk_size", "device")
@@ -100,6 +116,11 @@ class RKVParams:
         """Keyword arguments of `rkv_scores` / `rkv_keep` (everything but `head_dim`)."""
         return {"window": self.window, "kernel_size": self.kernel_size, "mix_lambda": self.mix_lambda,
                 "threshold": self.threshold, "redundancy": self.redundancy, "eps": self.eps, **self.tiles()}
+
+
+def _is_number(x) -> bool:
+    """A finite real number (not a bool or a string)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 # --------------------------------------------------------------------------------------------- redundancy

@@ -1,0 +1,83 @@
+"""`python bench/throughput.py` and `python bench/accuracy.py` with bad arguments: one line, exit 2, before the model."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROG = "bench/throughput.py: error: "
+
+
+def _bench(script, *args, cwd=None):
+    return subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], check=False, capture_output=True,
+                          text=True, timeout=300, cwd=cwd)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--drop-ratios", "abc"], ("argument --drop-ratios: 'abc' is not a number; give comma-separated ratios in (0, 1), "
+                               "e.g. 0.5,0.75 (see --help)")),
+    (["--drop-ratios", "0.5,0"], ("argument --drop-ratios: 0 is not in (0, 1): the baseline (ratio 0) always runs, and "
+                                 "ratio 1 would drop every token; give ratios such as 0.5,0.75 (see --help)")),
+    (["--drop-ratios", "1"], ("argument --drop-ratios: 1 is not in (0, 1): the baseline (ratio 0) always runs, and "
+                             "ratio 1 would drop every token; give ratios such as 0.5,0.75 (see --help)")),
+    (["--policies", "snapkv,foo"], ("argument --policies: unknown policy 'foo'; give comma-separated names from "
+                                   "snapkv, rkv, random, middle_chunk (see --help)")),
+    (["--num-requests", "0"], "argument --num-requests: expected a positive integer, got 0 (see --help)"),
+    (["--repeats", "0"], "argument --repeats: expected a positive integer, got 0 (see --help)"),
+    (["--full-requests", "0"], ("argument --full-requests: expected a number >= 1 (the budget must hold one undropped "
+                               "request), got '0' (see --help)")),
+    (["--dataset", "samples"], ("dataset 'samples' is not a bundled dataset, an existing file or a hub id "
+                               "(owner/name): did you mean 'sample'?")),
+    (["--plot", "out.xyz"], ("--plot 'out.xyz' has extension '.xyz', which matplotlib cannot save; use one of .avif, "
+                            ".eps, .gif, .jpeg, .jpg, .pdf, .pgf, .png, .ps, .raw, .rgba, .svg, .svgz, .tif, .tiff, "
+                            ".webp")),
+])
+def test_throughput_bad_arguments_fail_in_one_line(args, msg):
+    p = _bench("throughput.py", *args)
+    assert p.returncode == 2 and p.stderr.strip() == PROG + msg, p.stderr
+    assert p.stdout == ""  # failed before loading the model (which prints the run header)
+
+
+def test_throughput_dataset_and_model_problems_fail_in_one_line(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "a"}\n{"text": "b"}\n')
+    p = _bench("throughput.py", "--dataset", str(data), "--num-requests", "2")
+    assert p.returncode == 2 and p.stderr.strip() == (
+        f"{PROG}dataset '{data}' has no column 'prompt'; columns: ['text']. From Python pass "
+        f"load_prompts(..., prompt_column=NAME); the command line reads a column named 'prompt'."), p.stderr
+    p = _bench("throughput.py", "--dataset", str(tmp_path / "missing.jsonl"))
+    assert p.returncode == 2 and p.stderr.strip().startswith(f"{PROG}dataset file '{tmp_path / 'missing.jsonl'}' "
+                                                             f"does not exist"), p.stderr
+    p = _bench("throughput.py", "--model", str(tmp_path), "--num-requests", "2")
+    assert p.returncode == 2 and p.stderr.strip().startswith(f"{PROG}model folder '{tmp_path}' has no config.json"), \
+        p.stderr
+
+
+def test_throughput_table_prints_plain_numbers():
+    spec = importlib.util.spec_from_file_location("bench_throughput", ROOT / "bench" / "throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    table = pd.DataFrame([
+        {"config": "baseline", "decode_tok_s_median": 3061.7, "decode_tok_s_min": 2990.2, "decode_tok_s_max": 3101.9,
+         "peak_batch": 4, "modify_s": 0.0, "modify_of_base_decode": 0.0, "decode_speedup": 1.0,
+         "capacity_limit": 1.0, "of_limit": 1.0, "e2e_speedup": 1.0},
+        {"config": "snapkv@0.5", "decode_tok_s_median": 6123.4, "decode_tok_s_min": 6001.0, "decode_tok_s_max": 6200.5,
+         "peak_batch": 8, "modify_s": 0.0412, "modify_of_base_decode": 0.0661, "decode_speedup": 2.0003,
+         "capacity_limit": 2.0, "of_limit": 1.00015, "e2e_speedup": 1.456},
+    ]).set_index("config")
+    text = bench.format_table(table)
+    assert "e+" not in text
+    assert text.splitlines()[-2].split() == ["baseline", "3062", "2990", "3102", "4", "0.000", "0.000", "1.00", "1.00",
+                                             "1.00", "1.00"]
+    assert text.splitlines()[-1].split() == ["snapkv@0.5", "6123", "6001", "6200", "8", "0.041", "0.066", "2.00",
+                                             "2.00", "1.00", "1.46"]
+
+
+def test_accuracy_script_reports_bad_values_in_one_line(tmp_path):
+    p = _bench("accuracy.py", "--n", "0", cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.strip() == "accuracy.py: error: --n must be >= 1, got 0", p.stderr
+    assert not (tmp_path / "runs").exists()
