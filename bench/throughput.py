@@ -30,7 +30,6 @@ import tdutils
 from tdutils.data import load_prompts
 from tdutils.engines.base import DEFAULT_FULL_REQUESTS
 from tdutils.evaluate import check_output_path, check_plot_path
-from tdutils.models import progress_bars
 from tdutils.sweep import SweepConfig, throughput_sweep
 
 POLICIES = ("snapkv", "rkv", "random", "middle_chunk")
@@ -130,8 +129,7 @@ def main(argv=None) -> int:
         if args.plot:
             check_plot_path(args.plot, "--plot")
         rows = load_prompts(args.dataset, num_requests=args.num_requests)
-        with progress_bars(False):  # no "Loading weights" bar either
-            eng = tdutils.open_engine("hf", model=args.model, dtype=args.dtype, progress=False)
+        eng = tdutils.open_engine("hf", model=args.model, dtype=args.dtype, progress=False)  # no loading bar either
         ids = eng.tokenize(rows)
         eng.kv_budget_tokens = args.kv_budget_tokens or tdutils.default_kv_budget(map(len, ids), args.max_tokens,
                                                                                   args.full_requests)

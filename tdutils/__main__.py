@@ -12,7 +12,6 @@ import importlib
 import json
 import statistics
 import sys
-from pathlib import Path
 
 POLICIES = ("snapkv", "rkv", "random", "middle_chunk")
 
@@ -135,10 +134,9 @@ def cmd_run(args) -> int:
     from . import make_drop_fn, open_engine
     from .data import load_prompts
     from .engines.base import default_kv_budget, run_once
+    from .evaluate import check_output_path
 
-    out = Path(args.json_path)
-    if out.is_dir() or (out.parent.exists() and not out.parent.is_dir()):
-        raise ValueError(f"--json {out}: not a writable file path; give a file name such as runs/run.json")
+    out = check_output_path(args.json_path, "--json", example="runs/run.json")  # before any work
     if args.dataset is None:
         from .data import DEMO_DATASET, MC_SAMPLE_NAME, SAMPLE_NAME
         from .models import TINY_MODEL_NAME

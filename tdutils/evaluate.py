@@ -127,11 +127,8 @@ def passkey_eval(
                              f"evaluate with a seed below it")
         # The query window must cover the largest observation window of the policies asked for.
         windows = [int(p.get("window", 0)) for p in params.values()]
-        from .models import progress_bars
-
-        with progress_bars(False):  # this engine shows no progress bars: neither does its model load
-            engine = HFEngine(model, device=device, dtype=dtype, kv_budget_tokens=None, prefill_batch_size=8,
-                              query_window=max([64, *windows]), progress=False)
+        engine = HFEngine(model, device=device, dtype=dtype, kv_budget_tokens=None, prefill_batch_size=8,
+                          query_window=max([64, *windows]), progress=False)  # no bars, the model load's included
     elif getattr(engine, "model_name", None) == "tiny-qwen3" and seed >= TRAIN_SEED_BASE:
         raise ValueError(f"seed {seed} is a training stream of the bundled model (>= {TRAIN_SEED_BASE})")
 

@@ -86,7 +86,7 @@ class HFEngine:
             raise ValueError(f"prefill_batch_size must be >= 1, got {prefill_batch_size}")
         if isinstance(model, str):
             self.model_name = model
-            self.model, self.tokenizer = load_model(model, dtype=dtype, device=device,
+            self.model, self.tokenizer = load_model(model, dtype=dtype, device=device, progress=progress,
                                                     attn_implementation=attn_implementation)
         else:
             if tokenizer is None:
