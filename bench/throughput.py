@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 import tdutils
+from tdutils.cli_args import OneLineParser, positive_int
 from tdutils.data import load_prompts
 from tdutils.engines.base import DEFAULT_FULL_REQUESTS
 from tdutils.evaluate import check_output_path, check_plot_path
@@ -36,23 +37,6 @@ POLICIES = ("snapkv", "rkv", "random", "middle_chunk")
 DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
 TABLE_COLUMNS = ("decode_tok_s_median", "decode_tok_s_min", "decode_tok_s_max", "peak_batch", "modify_s",
                  "modify_of_base_decode", "decode_speedup", "capacity_limit", "of_limit", "e2e_speedup")
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad option in one line (no usage block) and exits with status 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
 
 
 def _full_requests(text: str) -> float:
@@ -92,19 +76,19 @@ def _policies(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="bench/throughput.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="bench/throughput.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-qwen3")
     ap.add_argument("--dataset", default="sample")
     ap.add_argument("--policies", type=_policies, default="snapkv,random",
                     help=f"comma-separated policy names ({', '.join(POLICIES)})")
     ap.add_argument("--drop-ratios", type=_drop_ratios, default="0.5,0.75", help="comma-separated ratios in (0, 1)")
-    ap.add_argument("--num-requests", type=_positive_int, default=16)
-    ap.add_argument("--max-tokens", type=_positive_int, default=64)
+    ap.add_argument("--num-requests", type=positive_int, default=16)
+    ap.add_argument("--max-tokens", type=positive_int, default=64)
     ap.add_argument("--full-requests", type=_full_requests, default=DEFAULT_FULL_REQUESTS,
                     help="KV budget in undropped requests (>= 1): ceil(N x (longest prompt + max tokens))")
-    ap.add_argument("--kv-budget-tokens", type=_positive_int, default=None,
+    ap.add_argument("--kv-budget-tokens", type=positive_int, default=None,
                     help="budget in tokens (overrides --full-requests)")
-    ap.add_argument("--repeats", type=_positive_int, default=3)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--dtype", choices=DTYPES, default="auto")
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--plot", default=None, help="save the speed-up vs drop ratio plot here (PNG, SVG, ...)")

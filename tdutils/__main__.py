@@ -13,6 +13,8 @@ import json
 import statistics
 import sys
 
+from .cli_args import OneLineParser, positive_int
+
 POLICIES = ("snapkv", "rkv", "random", "middle_chunk")
 
 # Subcommands defined in other modules: name -> (module, help). Each module provides
@@ -32,30 +34,13 @@ def _ratio(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
 def _fmt(x: float) -> str:
     return f"{x:.0f}" if float(x).is_integer() else f"{x:.4g}"
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad option in one line (no usage block) and exits with status 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m tdutils", description="Token dropping for long-context LLM decoding.")
-    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    ap = OneLineParser(prog="python -m tdutils", description="Token dropping for long-context LLM decoding.")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     run = sub.add_parser(
         "run", help="baseline vs token dropping: phase metrics and the decode-throughput ratio",
         description="Prefill the prompts, drop tokens from every request's KV cache with a policy, decode under "
@@ -78,27 +63,27 @@ def build_parser() -> argparse.ArgumentParser:
                           "choice), a .jsonl/.json/.csv/.parquet file with a 'prompt' column, or a hub dataset id "
                           "(default: 'sample' for the bundled model, which reads no English; for other models "
                           "raniayu/token-dropping-demo, or 'mc-sample' when the hub is unreachable)")
-    run.add_argument("--num-requests", type=_positive_int, default=16, help="prompts to run (default: 16)")
-    run.add_argument("--max-tokens", type=_positive_int, default=64,
+    run.add_argument("--num-requests", type=positive_int, default=16, help="prompts to run (default: 16)")
+    run.add_argument("--max-tokens", type=positive_int, default=64,
                      help="decode tokens per request, EOS ignored (default: 64)")
-    run.add_argument("--kv-budget-tokens", type=_positive_int, default=None,
+    run.add_argument("--kv-budget-tokens", type=positive_int, default=None,
                      help="KV tokens the decode batch may hold (cache lengths + tokens still to generate); "
                           "default: 4.25 undropped requests, ceil(4.25 x (longest prompt + max tokens)): the baseline decodes 4 at "
                           "a time, 8 requests at drop ratio 0.5 fit")
     run.add_argument("--positions", choices=("compact", "original"), default="compact",
                      help="compact: re-rotate kept keys to 0..k-1 and decode at k (default, as vLLM+LMCache); "
                           "original: keep rotations and decode at T")
-    run.add_argument("--repeats", type=_positive_int, default=1,
+    run.add_argument("--repeats", type=positive_int, default=1,
                      help="baseline and dropped run alternately this many times; the table shows medians")
-    run.add_argument("--window", type=_positive_int, default=None,
+    run.add_argument("--window", type=positive_int, default=None,
                      help="observation window: the last prompt tokens always kept, whose queries vote in snapkv "
                           "(default: 64 for snapkv, 16 for rkv and random)")
-    run.add_argument("--kernel-size", type=_positive_int, default=5, help="snapkv pooling kernel, odd (default: 5)")
+    run.add_argument("--kernel-size", type=positive_int, default=5, help="snapkv pooling kernel, odd (default: 5)")
     run.add_argument("--pooling", choices=("avg", "max"), default="avg", help="snapkv pooling (default: avg)")
     run.add_argument("--redundancy", choices=("exact", "reference", "tiled", "buffered"), default="exact",
                      help="rkv redundancy method (default: exact, linear memory)")
     run.add_argument("--seed", type=int, default=0, help="seed of the random policy (default: 0)")
-    run.add_argument("--chunk-size", type=_positive_int, default=256, help="chunk size of middle_chunk (default: 256)")
+    run.add_argument("--chunk-size", type=positive_int, default=256, help="chunk size of middle_chunk (default: 256)")
     run.add_argument("--dtype", default="auto", help="model dtype: auto, float32, float16, bfloat16 (default: auto)")
     run.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     run.add_argument("--json", dest="json_path", default="runs/run.json",
