@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def batch_notes(table, n_requests: int) -> list[str]:
+    """Configurations whose batch the request count, not the KV budget, capped: their `of_limit` understates."""
+    capped = [c for c in table.index if c != "baseline" and table.loc[c, "peak_batch"] >= n_requests]
+    return [f"{c}: all {n_requests} requests decoded in one batch, so the request count, not the KV budget, capped "
+            f"its batch and its of_limit understates what the budget allows; use more --num-requests" for c in capped]
+
+
 def format_table(table) -> str:
     """The sweep table with plain numbers: tok/s as integers, modify seconds and its fraction of the baseline's
     decode time with 3 decimals, speed-ups and limits with 2."""
@@ -136,6 +143,8 @@ def main(argv=None) -> int:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
     print(format_table(table))
+    for line in batch_notes(table, len(ids)):
+        print(f"note: {line}")
     if args.plot:
         import matplotlib
 

@@ -75,6 +75,9 @@ def test_throughput_table_prints_plain_numbers():
                                              "1.00", "1.00"]
     assert text.splitlines()[-1].split() == ["snapkv@0.5", "6123", "6001", "6200", "8", "0.041", "0.066", "2.00",
                                              "2.00", "1.00", "1.46"]
+    assert bench.batch_notes(table, 16) == []  # 8 of 16 requests: the budget capped the batch
+    (note,) = bench.batch_notes(table, 8)
+    assert note.startswith("snapkv@0.5: all 8 requests decoded in one batch, so the request count, not the KV budget")
 
 
 def test_accuracy_script_reports_bad_values_in_one_line(tmp_path):
