@@ -46,6 +46,7 @@ import tempfile
 import time
 
 import torch
+from _report import write_json  # bench/_report.py (this folder is on sys.path)
 
 from tdutils.policies.rkv import (
     kept_agreement,
@@ -258,12 +259,7 @@ def main(argv=None) -> int:
                 results["summary"].append(summarize(kind, n, runs, agreement(kind, n, args, save_dir)))
     print_summary(results["summary"])
     if args.json:
-        text = json.dumps(results, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+        write_json(results, args.json)
     return 0
 
 

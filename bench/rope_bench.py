@@ -32,6 +32,7 @@ import sys
 import time
 
 import torch
+from _report import write_json  # bench/_report.py (this folder is on sys.path)
 
 from tdutils import rope as R
 from tdutils.rope import RopeSpec, rerotate_k_cache
@@ -269,12 +270,7 @@ def main(argv=None) -> int:
     print(f"bound (one layer's keys in fp32): {one_layer / MiB:.1f} MiB; output cache {cache_bytes / MiB:.0f} MiB "
           f"(not counted); memory: {fp32['memory_method']}")
     if args.json:
-        text = json.dumps(results, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+        write_json(results, args.json)
     return 0
 
 
