@@ -61,7 +61,7 @@ def _drop_ratios(text: str) -> list[float]:
                                              f"e.g. 0.5,0.75") from None
         if not 0 < r < 1:
             raise argparse.ArgumentTypeError(f"{part} is not in (0, 1): the baseline (ratio 0) always runs, and "
-                                             f"ratio 1 would drop every token; give ratios such as 0.5,0.75")
+                                             f"a ratio of 1 keeps only the always-kept tokens; give ratios such as 0.5,0.75")
         out.append(r)
     return out
 
@@ -95,11 +95,22 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def batch_notes(table, n_requests: int) -> list[str]:
-    """Configurations whose batch the request count, not the KV budget, capped: their `of_limit` understates."""
-    capped = [c for c in table.index if c != "baseline" and table.loc[c, "peak_batch"] >= n_requests]
-    return [f"{c}: all {n_requests} requests decoded in one batch, so the request count, not the KV budget, capped "
-            f"its batch and its of_limit understates what the budget allows; use more --num-requests" for c in capped]
+def batch_notes(table, n_requests: int, kv_budget: int, prompt_tokens: int, max_tokens: int) -> list[str]:
+    """Configurations whose batch the request count, not the KV budget, capped: their `of_limit` understates.
+
+    A configuration is capped when every request ran in one batch and the budget would have held one more
+    request of the same size (`kept_fraction * prompt_tokens + max_tokens` KV tokens).
+    """
+    notes = []
+    for c in table.index:
+        if c == "baseline" or table.loc[c, "peak_batch"] < n_requests:
+            continue
+        per_request = math.ceil(table.loc[c, "kept_fraction"] * prompt_tokens) + max_tokens
+        if (n_requests + 1) * per_request <= kv_budget:
+            notes.append(f"{c}: all {n_requests} requests decoded in one batch and the KV budget would hold more, "
+                         f"so the request count capped its batch and its of_limit understates what the budget "
+                         f"allows; use more --num-requests")
+    return notes
 
 
 def format_table(table) -> str:
@@ -143,7 +154,7 @@ def main(argv=None) -> int:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
     print(format_table(table))
-    for line in batch_notes(table, len(ids)):
+    for line in batch_notes(table, len(ids), eng.kv_budget_tokens, max(map(len, ids)), args.max_tokens):
         print(f"note: {line}")
     if args.plot:
         import matplotlib

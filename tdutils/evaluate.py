@@ -132,6 +132,10 @@ def passkey_eval(
     elif getattr(engine, "model_name", None) == "tiny-qwen3" and seed >= TRAIN_SEED_BASE:
         raise ValueError(f"seed {seed} is a training stream of the bundled model (>= {TRAIN_SEED_BASE})")
 
+    max_pos = getattr(engine.config, "max_position_embeddings", None)
+    if max_pos and max(lengths) + max_tokens > max_pos:
+        raise ValueError(f"context length {max(lengths)} + max_tokens {max_tokens} exceeds the model's {max_pos} "
+                         f"positions (max_position_embeddings); use shorter context lengths")
     # Every (policy, ratio) cell and its drop function, built before any work so a bad name fails fast.
     cells: list[tuple[str, float, object]] = []
     for policy in policies:

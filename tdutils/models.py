@@ -190,6 +190,12 @@ def _check_local(name: str, *, weights: bool = True) -> None:
         if name.startswith(("/", "./", "../", "~")):
             what = "is a file, not a folder" if folder.exists() else "does not exist"
             raise FileNotFoundError(f"model folder {name!r} {what}; {hint}")
+        import difflib
+
+        if "/" not in name and difflib.get_close_matches(name, [TINY_MODEL_NAME], n=1, cutoff=0.8):
+            # a near miss of the bundled name: say so now rather than after a minute of hub retries
+            raise FileNotFoundError(f"model {name!r} is neither a local folder nor the bundled model: did you mean "
+                                    f"{TINY_MODEL_NAME!r}?")
         return  # a hub id
     missing = []
     if not (folder / "config.json").is_file():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -161,15 +162,19 @@ def start_server(name: str, command: list[str], *, health_url: str, log_path: st
         raise TypeError(f"command must be a non-empty list of strings such as ['lmcache', 'server', ...], got "
                         f"{command!r}" + (" (split the string: shlex.split(...))" if isinstance(command, str) else ""))
     _check_url(health_url)
+    if shutil.which(str(command[0])) is None:
+        raise FileNotFoundError(f"cannot start {name}: {str(command[0])!r} not found; install it or pass the full "
+                                f"path of its environment's executable")
     log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        try:
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **(env or {})}, start_new_session=True)
-        except FileNotFoundError as exc:
-            raise FileNotFoundError(f"cannot start {name}: {command[0]!r} not found; install it or pass the full "
-                                    f"path of its environment's executable") from exc
+    try:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "ab")  # noqa: SIM115 (handed to the child, closed below)
+    except OSError as exc:
+        raise ValueError(f"cannot write {name}'s log file {str(log_path)!r}: {exc.strerror or exc}; give a log_path "
+                         f"in a writable folder") from None
+    with log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
     return Server(name, list(command), health_url, log_path, proc)
 
 

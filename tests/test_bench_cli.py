@@ -21,9 +21,9 @@ def _bench(script, *args, cwd=None):
     (["--drop-ratios", "abc"], ("argument --drop-ratios: 'abc' is not a number; give comma-separated ratios in (0, 1), "
                                "e.g. 0.5,0.75 (see --help)")),
     (["--drop-ratios", "0.5,0"], ("argument --drop-ratios: 0 is not in (0, 1): the baseline (ratio 0) always runs, and "
-                                 "ratio 1 would drop every token; give ratios such as 0.5,0.75 (see --help)")),
+                                 "a ratio of 1 keeps only the always-kept tokens; give ratios such as 0.5,0.75 (see --help)")),
     (["--drop-ratios", "1"], ("argument --drop-ratios: 1 is not in (0, 1): the baseline (ratio 0) always runs, and "
-                             "ratio 1 would drop every token; give ratios such as 0.5,0.75 (see --help)")),
+                             "a ratio of 1 keeps only the always-kept tokens; give ratios such as 0.5,0.75 (see --help)")),
     (["--policies", "snapkv,foo"], ("argument --policies: unknown policy 'foo'; give comma-separated names from "
                                    "snapkv, rkv, random, middle_chunk (see --help)")),
     (["--num-requests", "0"], "argument --num-requests: expected a positive integer, got 0 (see --help)"),
@@ -75,9 +75,11 @@ def test_throughput_table_prints_plain_numbers():
                                              "1.00", "1.00"]
     assert text.splitlines()[-1].split() == ["snapkv@0.5", "6123", "6001", "6200", "8", "0.041", "0.066", "2.00",
                                              "2.00", "1.00", "1.46"]
-    assert bench.batch_notes(table, 16) == []  # 8 of 16 requests: the budget capped the batch
-    (note,) = bench.batch_notes(table, 8)
-    assert note.startswith("snapkv@0.5: all 8 requests decoded in one batch, so the request count, not the KV budget")
+    table["kept_fraction"] = [1.0, 0.5]
+    assert bench.batch_notes(table, 16, 4624, 1024, 64) == []  # 8 of 16 requests: the budget capped the batch
+    assert bench.batch_notes(table, 8, 4624, 1024, 64) == []  # all 8 ran together, but 9 x 576 > 4624
+    (note,) = bench.batch_notes(table, 8, 6000, 1024, 64)  # 9 x 576 = 5184 would have fit
+    assert note.startswith("snapkv@0.5: all 8 requests decoded in one batch and the KV budget would hold more")
 
 
 def test_accuracy_script_reports_bad_values_in_one_line(tmp_path):

@@ -41,3 +41,30 @@ def test_default_budget_rejects_bad_sizes(lengths, max_tokens, msg):
 
     with pytest.raises(ValueError, match=msg):
         default_kv_budget(lengths, max_tokens)
+
+
+def test_a_near_miss_of_the_bundled_model_fails_at_once():
+    from tdutils.models import load_model
+
+    with pytest.raises(FileNotFoundError, match="model 'tiny-qwen' is neither a local folder nor the bundled model: "
+                                                "did you mean 'tiny-qwen3'"):
+        load_model("tiny-qwen")
+
+
+def test_eval_refuses_contexts_past_the_models_positions():
+    from tdutils.evaluate import passkey_eval
+
+    with pytest.raises(ValueError, match=r"context length 6000 \+ max_tokens 10 exceeds the model's 4096 positions"):
+        passkey_eval(policies=["full"], drop_ratios=[0.0], context_lengths=[6000], n=2)
+
+
+def test_snapkv_after_a_first_modify_says_why_the_query_is_gone():
+    import tdutils
+
+    eng = tdutils.open_engine("hf", progress=False)
+    ids = eng.tokenize(tdutils.data.load_prompts("sample", num_requests=1))
+    eng.prefill(ids)
+    fn = tdutils.make_drop_fn("snapkv", drop_ratio=0.5, model_config=eng.config)
+    eng.modify(fn)
+    with pytest.raises(tdutils.DropFunctionError, match="discards it after the first modify .* prefill again"):
+        eng.modify(fn)

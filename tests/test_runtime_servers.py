@@ -237,3 +237,16 @@ def test_bad_server_arguments_are_named(tmp_path):
                                health_url="http://127.0.0.1:1/health", log_path=tmp_path / "s.log")
     servers.stop_servers(srv, timeout_s=1)  # a single server is accepted
     assert not srv.alive()
+
+
+def test_an_unwritable_log_path_is_named(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match=r"cannot write s's log file '.*a_file/x.log': .*give a log_path in a "
+                                         r"writable folder"):
+        servers.start_server("s", [sys.executable, "-c", "pass"], health_url="http://127.0.0.1:1/health",
+                             log_path=blocker / "x.log")
+    with pytest.raises(FileNotFoundError, match="not found"):
+        servers.start_server("s", ["/nonexistent/exe"], health_url="http://127.0.0.1:1/health",
+                             log_path=tmp_path / "logs" / "x.log")
+    assert not (tmp_path / "logs").exists()  # nothing left behind by a start that could not happen

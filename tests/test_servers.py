@@ -257,7 +257,7 @@ def test_doctor_reports_a_stopped_server(servers, plain_vllm):
     assert any(line.startswith(f"[FAIL] LMCache server at {lmc.lmcache_http_url}: cannot reach the LMCache "
                                f"server at {lmc.lmcache_http_url}/healthcheck (ConnectError")
                for line in out.splitlines()), out
-    assert "       fix: start it with `lmcache server --l1-size-gb 20" in out
+    assert "       fix: start it with `lmcache server --l1-size-gb 40" in out
     assert f"[  ok] vLLM at {servers.vllm_url} serves '{MODEL}'" in out
     assert rc == 1
 

@@ -146,6 +146,10 @@ class HFEngine:
             `kv(i)` returns one again. Resets the engine's requests and metrics.
         """
         ids = self.tokenize(prompts)
+        max_pos = getattr(self.model.config, "max_position_embeddings", None)
+        if max_pos and max(map(len, ids)) > max_pos:
+            warnings.warn(f"a prompt of {max(map(len, ids))} tokens is longer than the model's "
+                          f"max_position_embeddings {max_pos}: positions past it are extrapolation", stacklevel=2)
         self.requests, self.metrics = [], RunMetrics("run")
         pm = self.metrics.prefill
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0

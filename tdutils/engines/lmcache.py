@@ -58,13 +58,13 @@ from ..models import bundled_model_path, model_facts
 from .base import ModifyReport, RequestOutput, check_engine_settings, tokenize_prompts
 
 LMCACHE_START_HINT = (
-    "start it with `lmcache server --l1-size-gb 20 --eviction-policy LRU --chunk-size 256 --port 6555 "
+    "start it with `lmcache server --l1-size-gb 40 --eviction-policy LRU --chunk-size 256 --port 6555 "
     "--http-port 8080 --shm-name tdutils --no-l1-use-lazy --supported-transfer-mode auto --enable transfer_query` "
     "(README, section 'On a GPU'), or point at it: lmcache_url= / lmcache_http_url= (command line: --lmcache-url / "
     "--lmcache-http-url)")
 VLLM_START_HINT = (
     "start it with `vllm serve MODEL --port 8000 --no-enable-prefix-caching --enforce-eager "
-    "--return-tokens-as-token-ids --kv-transfer-config '{\"kv_connector\": \"LMCacheMPConnector\", \"kv_role\": "
+    "--return-tokens-as-token-ids --max-num-batched-tokens 32768 --kv-transfer-config '{\"kv_connector\": \"LMCacheMPConnector\", \"kv_role\": "
     "\"kv_both\", \"kv_connector_extra_config\": {\"lmcache.mp.port\": 6555, "
     "\"lmcache.mp.transfer_intermediate_tensors\": true, \"lmcache.mp.q.ring_depth\": 2}}'` (README, section "
     "'On a GPU'), or point at it: vllm_url= (command line: --vllm-url)")

@@ -383,8 +383,10 @@ def rkv_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, window: int 
             redundancy method or tile.
     """
     if q is None:
-        raise ValueError("R-KV needs the query tensor (CacheKind.QUERY): the hf engine captures it when "
-                         "query_window >= window; the lmcache engine needs the vLLM query patch and transfer_query")
+        raise ValueError("R-KV needs the query tensor (CacheKind.QUERY): the hf engine captures it at prefill "
+                         "when query_window >= window and discards it after the first modify (it belongs to the "
+                         "unedited prompt; prefill again to edit anew); the lmcache engine needs the vLLM query "
+                         "patch and transfer_query")
     q = _snapkv_check(kv, q, window, head_dim, kernel_size, "max", "max")
     if not 0.0 <= float(mix_lambda) <= 1.0:
         raise ValueError(f"mix_lambda must lie in [0, 1], got {mix_lambda}")

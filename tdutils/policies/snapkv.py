@@ -45,8 +45,10 @@ class SnapKVParams:
 def _check(kv: torch.Tensor, q: torch.Tensor, window: int, head_dim: int, kernel_size: int, pooling: str,
            gqa_reduce: str) -> torch.Tensor:
     if q is None:
-        raise ValueError("SnapKV needs the query tensor (CacheKind.QUERY): the hf engine captures it when "
-                         "query_window >= window; the lmcache engine needs the vLLM query patch and transfer_query")
+        raise ValueError("SnapKV needs the query tensor (CacheKind.QUERY): the hf engine captures it at prefill "
+                         "when query_window >= window and discards it after the first modify (it belongs to the "
+                         "unedited prompt; prefill again to edit anew); the lmcache engine needs the vLLM query "
+                         "patch and transfer_query")
     if q.dim() == 4 and q.shape[0] == 1:  # LMCache returns [1, L, Tq, Hq*d]
         q = q[0]
     if kv.dim() != 4 or kv.shape[0] != 2:
