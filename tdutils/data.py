@@ -206,7 +206,12 @@ def _parse_local(path: Path) -> list[dict]:
         return rows
     if path.suffix == ".json":
         data = json.loads(path.read_text())
-        return data if isinstance(data, list) else data.get("data", []) if isinstance(data, dict) else [data]
+        if isinstance(data, dict) and isinstance(data.get("data"), list):  # {"data": [rows]}
+            return data["data"]
+        if not isinstance(data, list):
+            raise ValueError(f"expected a list of rows ([{{\"prompt\": ...}}, ...]) or {{\"data\": [rows]}}, "
+                             f"got a JSON {type(data).__name__}; one prompt per line works as .jsonl")
+        return data
     import pandas as pd
 
     if path.suffix == ".csv":

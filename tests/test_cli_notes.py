@@ -68,3 +68,15 @@ def test_snapkv_after_a_first_modify_says_why_the_query_is_gone():
     eng.modify(fn)
     with pytest.raises(tdutils.DropFunctionError, match="discards it after the first modify .* prefill again"):
         eng.modify(fn)
+
+
+def test_a_json_object_is_not_read_as_an_empty_dataset(tmp_path):
+    from tdutils.data import load_prompts
+
+    one = tmp_path / "one.json"
+    one.write_text('{"prompt": "a"}')
+    with pytest.raises(ValueError, match=r"could not be read as JSON: expected a list of rows .* got a JSON dict"):
+        load_prompts(str(one))
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text('{"data": [{"prompt": "pass key"}]}')
+    assert [r.prompt for r in load_prompts(str(wrapped))] == ["pass key"]
