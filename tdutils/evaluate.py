@@ -362,6 +362,11 @@ def run(args) -> int:
     except argparse.ArgumentTypeError as exc:
         raise ValueError(str(exc)) from None
     # Everything that can be checked without the model, before any work.
+    from .edit import _POLICIES
+
+    unknown = [p for p in policies if p not in (FULL, *_POLICIES)]
+    if unknown:
+        raise ValueError(f"--policies: unknown {', '.join(map(repr, unknown))}; choose from {[FULL, *_POLICIES]}")
     for option, value in (("--n", args.n), ("--max-tokens", args.max_tokens)):
         if value < 1:
             raise ValueError(f"{option} must be >= 1, got {value}")

@@ -80,3 +80,11 @@ def test_a_json_object_is_not_read_as_an_empty_dataset(tmp_path):
     wrapped = tmp_path / "wrapped.json"
     wrapped.write_text('{"data": [{"prompt": "pass key"}]}')
     assert [r.prompt for r in load_prompts(str(wrapped))] == ["pass key"]
+
+
+def test_eval_names_the_policies_it_knows():
+    p = subprocess.run([sys.executable, "-m", "tdutils", "eval", "--policies", "full", "foo", "--n", "2"],
+                       check=False, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert ("--policies: unknown 'foo'; choose from ['full', 'random', 'middle_chunk', 'snapkv', 'rkv']"
+            in p.stderr), p.stderr
