@@ -98,21 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _ratio_caveats(base_batch: int, dropped_batch: int, ratio: float, drop_ratio: float) -> list[str]:
-    """Why a printed decode-throughput ratio may not measure what token dropping buys (empty when it does)."""
-    notes = []
-    if dropped_batch <= base_batch:
-        notes.append(f"both runs decoded at most {base_batch} requests at a time, so dropping bought no larger batch "
-                     "and the ratio only reflects cheaper steps and machine noise; use more requests (--num-requests) "
-                     "or a smaller --kv-budget-tokens")
-    limit = 1 / (1 - drop_ratio) if drop_ratio < 1 else float("inf")
-    if ratio > 1.25 * max(limit, dropped_batch / max(base_batch, 1)):
-        notes.append(f"the ratio is above what the batch sizes ({base_batch} -> {dropped_batch}) and the capacity limit "
-                     f"1/(1-r) = {limit:.2f} explain: runs this short are dominated by machine noise; use --repeats 5 "
-                     "on a quiet machine")
-    return notes
-
-
 def cmd_run(args) -> int:
     import pandas as pd
 
@@ -120,6 +105,7 @@ def cmd_run(args) -> int:
     from .data import load_prompts
     from .engines.base import default_kv_budget, run_once
     from .evaluate import check_output_path
+    from .metrics import ratio_caveats
 
     out = check_output_path(args.json_path, "--json", example="runs/run.json")  # before any work
     if args.dataset is None:
@@ -197,7 +183,7 @@ def cmd_run(args) -> int:
         print(table[cols].T.to_string())
     print(f"\ndecode throughput ratio ({name} / baseline): {med:.2f}x"
           + (f" (median of {len(speedups)}; min {min(speedups):.2f}x, max {max(speedups):.2f}x)" if len(speedups) > 1 else ""))
-    for line in _ratio_caveats(int(table.loc["baseline", "peak_batch"]), int(table.loc[name, "peak_batch"]), med,
+    for line in ratio_caveats(int(table.loc["baseline", "peak_batch"]), int(table.loc[name, "peak_batch"]), med,
                                args.drop_ratio):
         print(f"note: {line}")
     accuracy = {}

@@ -145,3 +145,40 @@ def plot_decode_throughput(table, ax=None, title: str = "Decode throughput"):
     ax.set_ylabel("decode tokens / s")
     ax.set_title(title)
     return ax
+
+
+def ratio_caveats(base_batch: int, dropped_batch: int, ratio: float, drop_ratio: float) -> list[str]:
+    """Why a decode-throughput ratio may not measure what token dropping buys (empty list when it does).
+
+    Args:
+        base_batch, dropped_batch: peak decode batch sizes of the baseline and the dropped run.
+        ratio: dropped decode tok/s / baseline decode tok/s.
+        drop_ratio: the fraction dropped (capacity limit `1/(1 - r)`).
+
+    Returns:
+        Sentences (no "note:" prefix): the batch did not grow, or the ratio exceeds what the batch sizes and
+        the capacity limit explain by more than 25% (machine noise on short runs).
+    """
+    notes = []
+    if dropped_batch <= base_batch:
+        notes.append(f"both runs decoded at most {base_batch} requests at a time, so dropping bought no larger batch "
+                     "and the ratio only reflects cheaper steps and machine noise; use more requests or a smaller KV "
+                     "budget")
+    limit = 1 / (1 - drop_ratio) if drop_ratio < 1 else float("inf")
+    if ratio > 1.25 * max(limit, dropped_batch / max(base_batch, 1)):
+        notes.append(f"the ratio is above what the batch sizes ({base_batch} -> {dropped_batch}) and the capacity limit "
+                     f"1/(1-r) = {limit:.2f} explain: runs this short are dominated by machine noise; repeat it on a "
+                     "quiet machine (run --repeats 5, bench/throughput.py)")
+    return notes
+
+
+def speedup_notes(table, baseline: str = "baseline") -> list[str]:
+    """`ratio_caveats` for every dropped run of a phase table (`tdutils.compare`, `throughput_sweep`).
+
+    Reads `peak_batch`, `decode_speedup` and `kept_fraction` (drop ratio = 1 - kept fraction); each note
+    starts with the run's name.
+    """
+    base = int(table.loc[baseline, "peak_batch"])
+    return [f"{run}: {line}" for run, row in table.iterrows() if run != baseline
+            for line in ratio_caveats(base, int(row["peak_batch"]), float(row["decode_speedup"]),
+                                      1.0 - float(row["kept_fraction"]))]

@@ -6,20 +6,20 @@ import sys
 
 import pytest
 
-from tdutils.__main__ import _ratio_caveats
+from tdutils.metrics import ratio_caveats, speedup_notes
 
 
 def test_no_caveat_when_the_batch_grows_as_expected():
-    assert _ratio_caveats(4, 8, 1.95, 0.5) == []
-    assert _ratio_caveats(4, 8, 2.3, 0.5) == []  # cheaper steps may beat the batch ratio a little
+    assert ratio_caveats(4, 8, 1.95, 0.5) == []
+    assert ratio_caveats(4, 8, 2.3, 0.5) == []  # cheaper steps may beat the batch ratio a little
 
 
 def test_equal_batches_and_impossible_ratios_are_flagged():
-    (note,) = _ratio_caveats(4, 4, 14.7, 0.5)[:1]
+    (note,) = ratio_caveats(4, 4, 14.7, 0.5)[:1]
     assert note.startswith("both runs decoded at most 4 requests at a time, so dropping bought no larger batch")
-    notes = _ratio_caveats(1, 1, 1.92, 0.5)
+    notes = ratio_caveats(1, 1, 1.92, 0.5)
     assert len(notes) == 1 and "at most 1 requests" in notes[0]
-    (note,) = _ratio_caveats(4, 8, 6.5, 0.5)
+    (note,) = ratio_caveats(4, 8, 6.5, 0.5)
     assert note.startswith("the ratio is above what the batch sizes (4 -> 8) and the capacity limit 1/(1-r) = 2.00")
 
 
@@ -88,3 +88,15 @@ def test_eval_names_the_policies_it_knows():
     assert p.returncode == 2
     assert ("--policies: unknown 'foo'; choose from ['full', 'random', 'middle_chunk', 'snapkv', 'rkv']"
             in p.stderr), p.stderr
+
+
+
+def test_speedup_notes_read_a_phase_table():
+    import pandas as pd
+
+    table = pd.DataFrame([{"run": "baseline", "peak_batch": 4, "decode_speedup": 1.0, "kept_fraction": 1.0},
+                          {"run": "snapkv@0.5", "peak_batch": 4, "decode_speedup": 1.13, "kept_fraction": 0.5},
+                          {"run": "random@0.5", "peak_batch": 8, "decode_speedup": 1.97, "kept_fraction": 0.5}]
+                         ).set_index("run")
+    (note,) = speedup_notes(table)
+    assert note.startswith("snapkv@0.5: both runs decoded at most 4 requests at a time")
