@@ -108,6 +108,9 @@ def cmd_run(args) -> int:
     from .metrics import ratio_caveats
 
     out = check_output_path(args.json_path, "--json", example="runs/run.json")  # before any work
+    from .models import _check_local
+
+    _check_local(args.model, weights=args.engine == "hf")  # a broken local folder fails before the dataset loads
     if args.dataset is None:
         from .data import DEMO_DATASET, MC_SAMPLE_NAME, SAMPLE_NAME
         from .models import TINY_MODEL_NAME

@@ -100,3 +100,11 @@ def test_speedup_notes_read_a_phase_table():
                          ).set_index("run")
     (note,) = speedup_notes(table)
     assert note.startswith("snapkv@0.5: both runs decoded at most 4 requests at a time")
+
+
+def test_a_broken_model_folder_fails_before_the_dataset_loads(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    p = subprocess.run([sys.executable, "-m", "tdutils", "run", "--model", str(tmp_path), "--no-progress"],
+                       check=False, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "has no tokenizer files" in p.stderr and "unreachable" not in p.stdout, (p.stdout, p.stderr)
