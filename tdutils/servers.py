@@ -3,7 +3,6 @@
 The `lmcache` engine talks to two servers (SPEC §6). A notebook (the Colab T4 notebooks' optional
 section) or a test session starts them here instead of in two terminals:
 
-    before = shm_files()
     lm = start_server("lmcache", lmcache_server_command(port=6555, http_port=8080),
                       health_url="http://127.0.0.1:8080/healthcheck", log_path="lmcache.log")
     vl = start_server("vllm", vllm_server_command("Qwen/Qwen3-1.7B", port=8000, lmcache_port=6555),
@@ -12,15 +11,22 @@ section) or a test session starts them here instead of in two terminals:
         wait_healthy([lm, vl], timeout_s=900)
         ...
     finally:
-        stop_servers([vl, lm])
-        remove_new_shm_files(before)
+        stop_servers([vl, lm])   # also removes the /dev/shm files the two stacks made
 
 Each server runs in its own session (process group), so stopping it by its recorded process id also stops
 the workers it forked; its output goes to a log file whose tail is shown when it fails to come up.
+
+Shared memory: vLLM's workers and LMCache leave files in /dev/shm when they are killed (LMCache's L1 pool,
+Python shared-memory blocks `psm_*`, POSIX semaphores `sem.mp-*`). tdutils removes only the files of the
+servers it started: LMCache's segments by the server's own `--shm-name`, and every other file that the
+server's processes held open or mapped (read from `/proc/PID/fd` and `/proc/PID/maps` when the server became
+healthy and again just before it is stopped) — never a bare name pattern, so another program's (or another
+test session's) shared memory is never touched. A file some other live process still holds is left too.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -37,8 +43,9 @@ from pathlib import Path
 import httpx
 
 SHM_DIR = Path("/dev/shm")
-# What LMCache's server and vLLM's multiprocessing leave in /dev/shm: the KV pool, LMCache's L1 segment
-# (removed on a clean exit, not after SIGKILL), Python shared memory blocks and POSIX semaphores.
+# The kinds of file LMCache's server and vLLM's multiprocessing leave in /dev/shm: the KV pool, LMCache's L1
+# segment (removed on a clean exit, not after SIGKILL), Python shared memory blocks and POSIX semaphores.
+# Used to *report* files (shm_files); removal goes by ownership (Server.shm), never by these patterns.
 SHM_PATTERNS = ("lmcache_kv_*", "lmcache_l1_pool_*", "psm_*", "sem.mp-*")
 
 
@@ -129,6 +136,20 @@ class Server:
     health_url: str
     log_path: Path
     process: subprocess.Popen = field(repr=False)
+    shm: set = field(default_factory=set)  # /dev/shm files its processes were seen holding (track_shm)
+
+    def track_shm(self, shm_dir: Path = SHM_DIR) -> set[Path]:
+        """Add the `shm_dir` files this server's processes hold open or mapped now to `self.shm`; return them."""
+        if self.alive():
+            self.shm |= held_shm_files(self.pid, shm_dir)
+        return self.shm
+
+    def named_shm(self, shm_dir: Path = SHM_DIR) -> set[Path]:
+        """LMCache's segments named after this server's `--shm-name` (none for a server without one)."""
+        if "--shm-name" not in self.command[:-1]:
+            return set()
+        name = str(self.command[self.command.index("--shm-name") + 1])
+        return set(shm_dir.glob(f"lmcache_kv_{glob.escape(name)}*")) | set(shm_dir.glob(f"lmcache_l1_pool_{glob.escape(name)}"))
 
     @property
     def pid(self) -> int:
@@ -196,6 +217,7 @@ def wait_healthy(servers: list[Server], *, timeout_s: float = 600.0, poll_s: flo
                 try:
                     if client.get(srv.health_url).status_code == 200:
                         pending.remove(srv)
+                        srv.track_shm()  # its workers and shared memory exist once it answers
                 except httpx.HTTPError:
                     pass  # not listening yet
             if not pending:
@@ -226,11 +248,13 @@ def _failure(srv: Server, what: str) -> str:
             f"last lines of {srv.log_path}:\n{srv.log_tail() or '(empty)'}")
 
 
-def stop_servers(servers: list[Server], *, timeout_s: float = 30.0) -> None:
-    """Stop each server's whole process group: SIGTERM, then SIGKILL after `timeout_s`. Safe to call twice."""
+def stop_servers(servers: list[Server], *, timeout_s: float = 30.0) -> list[Path]:
+    """Stop each server's whole process group (SIGTERM, then SIGKILL after `timeout_s`), then remove the
+    /dev/shm files those servers made (`remove_server_shm`); return the files removed. Safe to call twice."""
     servers = _server_list(servers, "stop_servers")
     for srv in servers:
         if srv.alive():
+            srv.track_shm()  # what it holds now, before its processes go
             _signal_group(srv.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     for srv in servers:
@@ -241,6 +265,12 @@ def stop_servers(servers: list[Server], *, timeout_s: float = 30.0) -> None:
         # Workers may outlive the leader; the group id is the leader's pid (start_new_session=True).
         _signal_group(srv.pid, signal.SIGKILL)
         srv.process.wait()
+    # SIGKILLed workers leave the process table a moment after the leader is reaped; their files are still
+    # held until then, so wait (bounded) before removing.
+    end = time.monotonic() + 15
+    while any(_session_pids(s.pid) for s in servers) and time.monotonic() < end:
+        time.sleep(0.1)
+    return remove_server_shm(servers)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -251,17 +281,89 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def shm_files(shm_dir: Path = SHM_DIR) -> set[Path]:
-    """The files in `shm_dir` that match `SHM_PATTERNS` now."""
+    """The files in `shm_dir` that match `SHM_PATTERNS` now (for reports and tests; nothing is removed)."""
     return {p for pat in SHM_PATTERNS for p in shm_dir.glob(pat)} if shm_dir.is_dir() else set()
 
 
-def remove_new_shm_files(before: set[Path], shm_dir: Path = SHM_DIR) -> list[Path]:
-    """Remove the `SHM_PATTERNS` files that appeared since `before = shm_files()`; return what was removed.
+def _proc_fields(pid: int | str) -> list[str] | None:
+    """Fields of /proc/PID/stat after "pid (comm)": state ppid pgrp session ...; None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
-    Only files created after the snapshot are touched, so other programs' shared memory stays.
+
+def _session_pids(leader: int) -> list[int]:
+    """Live processes of the session / process group that `leader` started (start_new_session=True): the
+    server and every process it forked, also after the leader itself is gone."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        f = _proc_fields(entry.name)
+        if f and f[0] != "Z" and leader in (int(f[2]), int(f[3])):
+            pids.append(int(entry.name))
+    return pids
+
+
+def _held_by(pids, shm_dir: Path) -> set[Path]:
+    """Files under `shm_dir` that processes `pids` hold open (/proc/PID/fd) or mapped (/proc/PID/maps)."""
+    prefix = str(shm_dir).rstrip("/") + "/"
+    held = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            fds = []  # gone, or not ours to read
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(prefix) and not target.endswith(" (deleted)"):
+                held.add(Path(target))
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            parts = line.split(None, 5)  # address perms offset dev inode [path]
+            if len(parts) == 6 and parts[5].startswith(prefix) and not parts[5].endswith(" (deleted)"):
+                held.add(Path(parts[5]))
+    return held
+
+
+def held_shm_files(leader: int, shm_dir: Path = SHM_DIR) -> set[Path]:
+    """The files in `shm_dir` that the server started as process `leader` (its whole session) holds now.
+
+    Linux only (reads /proc); returns an empty set where /proc cannot be read.
     """
+    return _held_by(_session_pids(leader), shm_dir)
+
+
+def remove_server_shm(servers, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """Remove the /dev/shm files of stopped `servers` (from `start_server`); return what was removed.
+
+    A file is removed when the server made it: LMCache's segments named after its `--shm-name`, or a file
+    its processes were seen holding (`Server.track_shm`, done when it became healthy and before it was
+    stopped) — and only when no live process holds it any more. Other programs' files are never touched.
+    """
+    servers = _server_list(servers, "remove_server_shm")
+    candidates = set()
+    for srv in servers:
+        candidates |= srv.shm | srv.named_shm(shm_dir)
+    return remove_unheld_shm(candidates, shm_dir)
+
+
+def remove_unheld_shm(paths, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """Remove those of `paths` (files directly in `shm_dir`) that no live process holds open or mapped;
+    return what was removed. The building block of `remove_server_shm` and of cleaning up after a killed
+    session from its recorded file names."""
+    candidates = {Path(p) for p in paths}
+    candidates = {p for p in candidates if p.parent == shm_dir and p.exists()}
+    if not candidates:
+        return []
+    still_held = _held_by([int(e.name) for e in Path("/proc").glob("[0-9]*")], shm_dir)
     removed = []
-    for p in sorted(shm_files(shm_dir) - before):
+    for p in sorted(candidates - still_held):
         try:
             p.unlink()
             removed.append(p)
@@ -361,8 +463,7 @@ def serving_stack(model: str, *, python: str, log_dir: str | os.PathLike, env: d
     log_dir = Path(log_dir)
     lm_port, lm_http, vl_port = free_port(host), free_port(host), free_port(host)
     lmcache_exe = Path(python).parent / "lmcache"
-    lm_opts = {"shm_name": f"tdutils{lm_port}", **(lmcache_options or {})}
-    before = shm_files()
+    lm_opts = {"shm_name": f"tdutils{os.getpid()}_{lm_port}", **(lmcache_options or {})}
     servers: list[Server] = []
     try:
         servers.append(start_server(
@@ -375,6 +476,5 @@ def serving_stack(model: str, *, python: str, log_dir: str | os.PathLike, env: d
         yield ServingStack(f"http://{host}:{vl_port}", f"tcp://{host}:{lm_port}", f"http://{host}:{lm_http}",
                            servers, startup)
     finally:
-        stop_servers(list(reversed(servers)))
-        remove_new_shm_files(before)
+        stop_servers(list(reversed(servers)))  # and removes the /dev/shm files they made
 

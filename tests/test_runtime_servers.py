@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -173,16 +174,69 @@ def test_missing_executable_is_named(tmp_path):
                              log_path=tmp_path / "l.log")
 
 
-def test_only_new_shm_files_are_removed(tmp_path):
-    old = tmp_path / "psm_old"
-    old.write_bytes(b"x")
-    (tmp_path / "other_file").write_bytes(b"x")
-    before = servers.shm_files(tmp_path)
-    new = [tmp_path / "lmcache_kv_t1", tmp_path / "psm_1234", tmp_path / "sem.mp-abc"]
-    for p in new:
-        p.write_bytes(b"x")
-    assert servers.remove_new_shm_files(before, tmp_path) == sorted(new)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["other_file", "psm_old"]
+_SHM_HOLDER = textwrap.dedent("""
+    import mmap, sys, time
+    from pathlib import Path
+    d, ready = Path(sys.argv[1]), Path(sys.argv[2])
+    held = open(d / "psm_ours", "wb")                      # held open (/proc/PID/fd)
+    with open(d / "sem.mp-ours", "wb") as f:               # mapped, fd closed (/proc/PID/maps)
+        f.write(b"x" * 4096)
+    with open(d / "sem.mp-ours", "r+b") as f:
+        mapped = mmap.mmap(f.fileno(), 4096)
+    shared = open(d / "psm_shared", "ab")                  # also held by the foreign process below
+    ready.write_text("ok")
+    time.sleep(120)
+""")
+
+
+def _wait_for(path, timeout=60):
+    end = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < end, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_stopping_removes_only_the_shm_files_the_servers_made(tmp_path):
+    """Files held by a stopped server's processes (open or mapped) and LMCache's segments named after its
+    --shm-name are removed; another program's files of the same kinds are not, nor a file that a live
+    process outside the server still holds, nor files that existed before."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    for name in ("psm_old", "sem.mp-old", "lmcache_l1_pool_other"):
+        (shm / name).write_bytes(b"x")
+    (shm / "psm_shared").write_bytes(b"")
+    # A foreign program (not started by tdutils) holding two files of the same kinds, alive throughout.
+    foreign_ready = tmp_path / "foreign.ready"
+    foreign = subprocess.Popen([sys.executable, "-c", ("import sys, time\nfrom pathlib import Path\n"
+                                "a = open(sys.argv[1] + '/psm_foreign', 'wb'); b = open(sys.argv[1] + '/psm_shared', 'ab')\n"
+                                "Path(sys.argv[2]).write_text('ok'); time.sleep(120)"), str(shm), str(foreign_ready)])
+    try:
+        _wait_for(foreign_ready)
+        ready = tmp_path / "server.ready"
+        srv = servers.start_server("s", [sys.executable, "-c", _SHM_HOLDER, str(shm), str(ready), "--shm-name", "t1"],
+                                   health_url="http://127.0.0.1:1/health", log_path=tmp_path / "s.log")
+        (shm / "lmcache_l1_pool_t1").write_bytes(b"x")  # what LMCache --shm-name t1 leaves after SIGKILL
+        (shm / "lmcache_kv_t1_0").write_bytes(b"x")
+        _wait_for(ready)
+        assert srv.track_shm(shm) == {shm / "psm_ours", shm / "sem.mp-ours", shm / "psm_shared"}
+        servers.stop_servers(srv, timeout_s=5)
+        assert not srv.alive()
+        removed = servers.remove_server_shm(srv, shm)
+        assert [p.name for p in removed] == ["lmcache_kv_t1_0", "lmcache_l1_pool_t1", "psm_ours", "sem.mp-ours"]
+        assert sorted(p.name for p in shm.iterdir()) == ["lmcache_l1_pool_other", "psm_foreign", "psm_old",
+                                                         "psm_shared", "sem.mp-old"]
+    finally:
+        foreign.kill()
+        foreign.wait()
+    # Once nobody holds it, the file the server had shared is removed on the next call.
+    assert [p.name for p in servers.remove_server_shm(srv, shm)] == ["psm_shared"]
+
+
+def test_shm_files_only_reports(tmp_path):
+    (tmp_path / "psm_1").write_bytes(b"x")
+    (tmp_path / "other").write_bytes(b"x")
+    assert servers.shm_files(tmp_path) == {tmp_path / "psm_1"}
+    assert (tmp_path / "psm_1").exists()
 
 
 _STANDIN = textwrap.dedent("""

