@@ -31,7 +31,6 @@ import servertier
 from servertier import Servers, ensure_venv, group_alive, group_rss_mb, venv_info, venv_python
 
 from tdutils.completion import CompletionHTTPError, make_post_completion
-from tdutils.servers import shm_files
 
 pytestmark = pytest.mark.servers
 
@@ -168,6 +167,14 @@ def test_wrong_model_and_over_long_prompt_give_clear_errors(servers, prompt_ids)
 # ---------------------------------------------------------------- doctor against the real servers
 
 
+def _line_starting(out: str, prefix: str) -> str:
+    """The first line of `out` that starts with `prefix`; fails showing the whole output when none does."""
+    for line in out.splitlines():
+        if line.startswith(prefix):
+            return line
+    pytest.fail(f"no line starts with {prefix!r} in:\n{out}")
+
+
 def _doctor(*argv: str) -> tuple[int, str]:
     """`python -m tdutils doctor ...` as a user runs it (in tdutils' venv); exit status and output."""
     proc = subprocess.run([sys.executable, "-m", "tdutils", "doctor", *argv], capture_output=True, text=True,
@@ -179,19 +186,19 @@ def test_doctor_reports_both_servers_healthy_and_the_cpu_layout(servers):
     rc, out = _doctor("--vllm-url", servers.vllm_url, "--lmcache-http-url", servers.lmcache_http_url,
                       "--no-queries")
     lines = out.splitlines()
-    assert f"[  ok] LMCache server at {servers.lmcache_http_url} is healthy; chunk size 256" in lines
-    assert f"[  ok] vLLM at {servers.vllm_url} serves '{MODEL}'" in lines
+    assert f"[  ok] LMCache server at {servers.lmcache_http_url} is healthy; chunk size 256" in lines, out
+    assert f"[  ok] vLLM at {servers.vllm_url} serves '{MODEL}'" in lines, out
     assert ("[warn] vLLM 0.32.0 is outside the range the query-export patch was tested on (0.23.0-0.25.1)"
-            in lines)
+            in lines), out
     # vLLM registers the layout under its model path, not the served name: doctor finds it there.
-    assert f"[  ok] LMCache has the KV layout of '{MODEL}' registered (as '{servers.model_dir}')" in lines
+    assert f"[  ok] LMCache has the KV layout of '{MODEL}' registered (as '{servers.model_dir}')" in lines, out
     assert (f"[FAIL] LMCache cannot describe the KV layout vLLM registered for '{MODEL}': engine KV format "
             f"NL_X_NB_NH_BS_CS (vLLM non-MLA blocks-first, fused K/V (HND)), concrete shape "
             f"'Unknown (EngineKVFormat.NL_X_NB_NH_BS_CS)'; LMCache's SDK cannot connect to it, so the lmcache "
-            f"engine cannot edit this cache") in lines
-    token_line = next(line for line in lines if line.startswith("[  ok] completions stream token ids ("))
-    assert token_line.endswith("; usage matches")
-    assert rc == 1 and lines[-1] == "some checks failed: fix them in order, then run doctor again"
+            f"engine cannot edit this cache") in lines, out
+    token_line = _line_starting(out, "[  ok] completions stream token ids (")
+    assert token_line.endswith("; usage matches"), out
+    assert rc == 1 and lines[-1] == "some checks failed: fix them in order, then run doctor again", out
 
 
 def test_doctor_says_the_patch_does_not_fit_vllm_0_32(servers):
@@ -200,8 +207,8 @@ def test_doctor_says_the_patch_does_not_fit_vllm_0_32(servers):
     pkg = servers.venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" / "vllm"
     assert (f"[FAIL] vLLM 0.32.0 at {pkg}: the query-export patch does not fit this vLLM (its code differs "
             f"from the versions the patch was written for, 0.23.0-0.25.1)") in out.splitlines()
-    assert f"[warn] no query ring registered for '{MODEL}' in LMCache; SnapKV/R-KV need queries" in out
-    assert rc == 1
+    assert f"[warn] no query ring registered for '{MODEL}' in LMCache; SnapKV/R-KV need queries" in out, out
+    assert rc == 1, out
 
 
 @pytest.fixture(scope="module")
@@ -223,17 +230,15 @@ def test_doctor_without_token_ids_flag(servers, plain_vllm):
     rc, out = _doctor("--vllm-url", plain_vllm.vllm_url, "--lmcache-http-url", servers.lmcache_http_url,
                       "--no-queries")
     lines = out.splitlines()
-    token_line = next(line for line in lines if line.startswith("[  ok] completions stream token ids ("))
-    ids_plain = token_line.split("(")[1].split(")")[0]
+    ids_plain = _line_starting(out, "[  ok] completions stream token ids (").split("(")[1].split(")")[0]
     _, out_main = _doctor("--vllm-url", servers.vllm_url, "--lmcache-http-url", servers.lmcache_http_url,
                           "--no-queries")
-    ids_main = next(line for line in out_main.splitlines()
-                    if line.startswith("[  ok] completions stream token ids (")).split("(")[1].split(")")[0]
-    assert ids_plain == ids_main
+    ids_main = _line_starting(out_main, "[  ok] completions stream token ids (").split("(")[1].split(")")[0]
+    assert ids_plain == ids_main, f"{out}\n---\n{out_main}"
     # What does fail: this vLLM has no LMCache connector, so LMCache knows only the session vLLM's model.
     assert (f"[FAIL] LMCache has no KV layout registered for '{MODEL}' (registered: ['{servers.model_dir}'])"
-            in lines)
-    assert rc == 1
+            in lines), out
+    assert rc == 1, out
 
 
 def test_doctor_reports_a_stopped_server(servers, plain_vllm):
@@ -243,8 +248,8 @@ def test_doctor_reports_a_stopped_server(servers, plain_vllm):
     lines = out.splitlines()
     assert any(line.startswith(f"[FAIL] vLLM at {plain_vllm.vllm_url}: cannot reach vLLM at "
                                f"{plain_vllm.vllm_url}/v1/models (ConnectError") for line in lines), out
-    assert "       fix: start it with `vllm serve MODEL --port 8000" in out
-    assert rc == 1
+    assert "       fix: start it with `vllm serve MODEL --port 8000" in out, out
+    assert rc == 1, out
 
     # An LMCache server of its own (alone: no vLLM), healthy first, then stopped.
     lmc = Servers(servers.workdir / "lmcache-stopped", servers.venv, with_vllm=False, tag="stopped")
@@ -252,10 +257,10 @@ def test_doctor_reports_a_stopped_server(servers, plain_vllm):
         lmc.start()
         rc_up, out_up = _doctor("--vllm-url", servers.vllm_url, "--lmcache-http-url", lmc.lmcache_http_url,
                                 "--no-queries")
-        assert f"[  ok] LMCache server at {lmc.lmcache_http_url} is healthy; chunk size 256" in out_up
+        assert f"[  ok] LMCache server at {lmc.lmcache_http_url} is healthy; chunk size 256" in out_up, out_up
         # A fresh LMCache knows no model: vLLM registered its layout with the session's server, not this one.
-        assert f"[FAIL] LMCache has no KV layout registered for '{MODEL}' (registered: [])" in out_up
-        assert rc_up == 1
+        assert f"[FAIL] LMCache has no KV layout registered for '{MODEL}' (registered: [])" in out_up, out_up
+        assert rc_up == 1, out_up
     finally:
         lmc.stop()
     assert not lmc.alive()
@@ -264,9 +269,9 @@ def test_doctor_reports_a_stopped_server(servers, plain_vllm):
     assert any(line.startswith(f"[FAIL] LMCache server at {lmc.lmcache_http_url}: cannot reach the LMCache "
                                f"server at {lmc.lmcache_http_url}/healthcheck (ConnectError")
                for line in out.splitlines()), out
-    assert "       fix: start it with `lmcache server --l1-size-gb 40" in out
-    assert f"[  ok] vLLM at {servers.vllm_url} serves '{MODEL}'" in out
-    assert rc == 1
+    assert "       fix: start it with `lmcache server --l1-size-gb 40" in out, out
+    assert f"[  ok] vLLM at {servers.vllm_url} serves '{MODEL}'" in out, out
+    assert rc == 1, out
 
 
 # ---------------------------------------------------------------- the lmcache engine and the notebook
@@ -281,8 +286,8 @@ def test_the_upstream_layout_error_reproduces(servers):
     assert (f"registered: model_name='{servers.model_dir}' engine_kv_format=NL_X_NB_NH_BS_CS "
             f"engine_kv_concrete_shape='Unknown (EngineKVFormat.NL_X_NB_NH_BS_CS)'") in out, proc.stderr[-3000:]
     assert (f"REPRODUCED: lmcache.sdk.context.LMCacheSDKError: failed to decode KV cache layout for "
-            f"model_name='{servers.model_dir}' (caused by IndexError: list index out of range)") in out
-    assert proc.returncode == 1
+            f"model_name='{servers.model_dir}' (caused by IndexError: list index out of range)") in out, out
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.xfail(strict=True, raises=UpstreamLayoutError, reason=XFAIL_REASON)
@@ -295,12 +300,12 @@ def test_lmcache_engine_end_to_end(servers):
         _raise_upstream_or_fail(proc.stdout + proc.stderr, "the lmcache engine")
     rep = json.loads(proc.stdout.strip().splitlines()[-1])
     c = rep["chunk_size"]
-    assert all(n % c == 0 and 0 <= n - x < c for n, x in zip(rep["padded_lengths"], rep["prompt_lengths"]))
-    assert rep["kv_shape"] == [2, 2, rep["padded_lengths"][0], 64]
-    assert rep["edited"] == 2 and rep["failures"] == []
-    assert len(rep["salts"]) == 1 and rep["salts"][0].endswith("-edit")
-    assert rep["cached_tokens"] == [n // 2 for n in rep["padded_lengths"]]
-    assert [len(ids) for ids in rep["output_ids"]] == [8, 8] and rep["finish_reasons"] == ["length", "length"]
+    assert all(n % c == 0 and 0 <= n - x < c for n, x in zip(rep["padded_lengths"], rep["prompt_lengths"])), proc.stdout[-3000:]
+    assert rep["kv_shape"] == [2, 2, rep["padded_lengths"][0], 64], proc.stdout[-3000:]
+    assert rep["edited"] == 2 and rep["failures"] == [], proc.stdout[-3000:]
+    assert len(rep["salts"]) == 1 and rep["salts"][0].endswith("-edit"), proc.stdout[-3000:]
+    assert rep["cached_tokens"] == [n // 2 for n in rep["padded_lengths"]], proc.stdout[-3000:]
+    assert [len(ids) for ids in rep["output_ids"]] == [8, 8] and rep["finish_reasons"] == ["length", "length"], proc.stdout[-3000:]
 
 
 @pytest.mark.xfail(strict=True, raises=UpstreamLayoutError, reason=XFAIL_REASON)
@@ -325,7 +330,7 @@ def test_snapkv_notebook_on_the_lmcache_engine(servers, tmp_path, monkeypatch):
                                 "lmcache_http_url": servers.lmcache_http_url})
     except pm.PapermillExecutionError as exc:
         _raise_upstream_or_fail(f"{exc.ename}: {exc.evalue}\n{''.join(exc.traceback)}", "the notebook")
-    assert "snapkv@0.5:" in out.read_text()
+    assert "snapkv@0.5:" in out.read_text(), out.read_text()[-3000:]
 
 
 # ---------------------------------------------------------------- nothing outlives the servers
@@ -333,16 +338,17 @@ def test_snapkv_notebook_on_the_lmcache_engine(servers, tmp_path, monkeypatch):
 
 def test_stopping_leaves_no_process_and_no_shm_file(server_venv, tmp_path):
     """A full start/stop cycle of both servers: every process group is gone and every /dev/shm file they
-    made is removed (the session's servers are stopped by the same code in their finalizer)."""
-    before = shm_files()
+    made (held by their processes, or named after LMCache's --shm-name) is removed (the session's servers are
+    stopped by the same code in their finalizer). Other programs' files are not looked at: other jobs may
+    create and remove theirs meanwhile."""
     srv = Servers(tmp_path / "cycle", server_venv, model_name=MODEL, tag="cycle")
     with srv:
         pids = srv.pids()
-        during = shm_files() - before
-        assert during, "the servers made no /dev/shm file; this test would not test the cleanup"
+        made = set().union(*(s.track_shm() | s.named_shm() for s in srv.servers))
+        assert made, "the servers hold no /dev/shm file; this test would not test the cleanup"
         assert all(group_alive(p) for p in pids)
         records = sorted(p.name for p in servertier.pid_dir().glob("*.json"))
         assert {f"{p}.json" for p in pids} <= set(records)
     assert not any(group_alive(p) for p in pids)
-    assert not (shm_files() - before), f"left in /dev/shm: {sorted(shm_files() - before)}"
+    assert not [p for p in made if p.exists()], f"left in /dev/shm: {sorted(p for p in made if p.exists())}"
     assert not any((servertier.pid_dir() / f"{p}.json").exists() for p in pids)
