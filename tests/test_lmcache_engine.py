@@ -456,10 +456,10 @@ def test_edited_requests_sharing_leading_kept_chunks_each_get_their_own_kv(tiny,
         assert ids0[:32] == ids1[:32] == shared and ids0[32:] != ids1[32:]
         # the precondition: the shared kept tokens' KV differs between the two contexts
         assert not torch.equal(kv0[:, :, :32], kv1[:, :, :32])
-        assert eng.requests[0].salt != eng.requests[1].salt
         for i, (kv, ids) in enumerate(edited):  # what each request will decode from is its own edited KV
             assert eng.tokens(i) == ids
             assert torch.equal(eng.kv(i), kv), f"request {i} is served another request's edited KV"
+        assert eng.requests[0].salt != eng.requests[1].salt
         eng.decode(max_tokens=2)
         loaded = sorted((salt, n) for _, salt, n in eng.serving.completions[2:])  # streams run concurrently
         assert loaded == [(eng.edit_salt(0), 47), (eng.edit_salt(1), 47)]  # all but the last token from its own KV
