@@ -17,6 +17,10 @@ Wire format handled by `iter_token_events` (what vLLM 0.2x sends)::
     data: {"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":3,...}}
     data: [DONE]
 
+The stream's bytes are decoded as UTF-8 by `iter_sse_lines`, whatever charset the `Content-Type` header names
+(the event-stream format is always UTF-8), and a leading byte-order mark is ignored in every path, so the
+first event is never lost.
+
 `make_post_completion(base_url, model)` returns a callable with LMCache's `PostCompletion` signature
 `(prompt_token_ids, sampling_params, cache_salt) -> Iterable[TokenEvent]`, so LMCache's SDK request
 streams can drive it; with lmcache installed it yields the SDK's own `TokenEvent` type.
