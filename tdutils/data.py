@@ -8,6 +8,7 @@ English text `assets/sample/filler.txt`, whose words never include the markers `
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from dataclasses import dataclass, field
@@ -242,7 +243,7 @@ def _read_csv(path: Path) -> list[dict]:
 
 def _missing_as_none(rows: list[dict]) -> list[dict]:
     """pandas' NaN (an empty CSV cell) -> None, so a missing value reads as missing, never as the float nan."""
-    return [{k: (None if isinstance(v, float) and v != v else v) for k, v in r.items()} for r in rows]
+    return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
 
 
 def _read_hub(dataset: str, split: str) -> list[dict]:

@@ -3,8 +3,8 @@
 Python's `open()` and `Path.read_text()` without `encoding=` use the locale's encoding (cp1252 on Windows,
 ASCII under `LANG=C`), so the same file reads differently on different machines, and `json.loads` refuses
 a UTF-8 file saved with a byte-order mark (`Unexpected UTF-8 BOM`). Every text file tdutils reads goes
-through `read_text` / `open_text` (encoding `utf-8-sig`: UTF-8, one leading BOM removed when present) and
-every text file it writes through `write_text` (UTF-8, no BOM).
+through `read_text` / `iter_lines` (encoding `READ_ENCODING`, `utf-8-sig`: UTF-8, one leading BOM removed
+when present); every text file it writes names `encoding=WRITE_ENCODING` (UTF-8, no BOM).
 """
 
 from __future__ import annotations
@@ -55,9 +55,4 @@ def iter_lines(path: str | Path):
             raise _not_utf8(path, exc) from None
 
 
-def write_text(path: str | Path, text: str) -> None:
-    """Write `text` to `path` as UTF-8 (no byte-order mark), replacing the file."""
-    Path(path).write_text(text, encoding=WRITE_ENCODING)
-
-
-__all__ = ["NotUTF8Error", "READ_ENCODING", "WRITE_ENCODING", "iter_lines", "read_text", "write_text"]
+__all__ = ["READ_ENCODING", "WRITE_ENCODING", "NotUTF8Error", "iter_lines", "read_text"]

@@ -320,7 +320,7 @@ def test_the_other_plot_helpers_take_drop_ratio_one(agg):
                         "context_tokens": [128] * 3, "n": [4] * 3, "accuracy": [1.0, 0.75, 0.0],
                         "ci_low": [0.5, 0.3, 0.0], "ci_high": [1.0, 0.95, 0.5]})
     fig = plot_accuracy(acc)
-    line = [ln for ln in fig.axes[0].get_lines() if ln.get_label() == "snapkv"][0]
+    line = next(ln for ln in fig.axes[0].get_lines() if ln.get_label() == "snapkv")
     assert list(line.get_xdata()) == [0.5, 1.0] and list(line.get_ydata()) == [75.0, 0.0]
     assert ratio_caveats(2, 8, 4.0, 1.0) == []  # limit inf: the 4x is explained
 
