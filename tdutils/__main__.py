@@ -202,7 +202,7 @@ def cmd_run(args) -> int:
     report = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "decode_speedups": speedups,
               "decode_speedup_median": med, "accuracy": accuracy,
               "table": json.loads(table.reset_index().to_json(orient="records")), "runs": runs}
-    out.write_text(json.dumps(report, indent=1, default=str))
+    out.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
     print(f"wrote {out}")
     return 0
 

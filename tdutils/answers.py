@@ -126,7 +126,25 @@ _LENIENT_PATTERNS = (
     # 4. The response starts with the letter in brackets: "(C) The blue ledger ...".
     re.compile(r"^\s*[(\[]([A-D])[)\]]"),
 )
-_THINK_RE = re.compile(r"^\s*<think>.*?</think>", re.DOTALL)
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+
+
+def _final_answer(s: str) -> str:
+    """The part of a response that is its answer: after the last `</think>` (reasoning models such as Qwen3
+    and DeepSeek-R1 often emit the closing tag without the opening one); `""` for a response that opened
+    `<think>` and never closed it (still thinking when the generation stopped); else the whole text."""
+    end = s.rfind(_THINK_CLOSE)
+    if end >= 0:
+        return s[end + len(_THINK_CLOSE):]
+    return "" if s.lstrip().startswith(_THINK_OPEN) else s
+
+
+def _first_match(patterns, s: str) -> str | None:
+    for pat in patterns:
+        m = pat.search(s)
+        if m:
+            return m.group(1)
+    return None
 
 
 def extract_answer(text: str | None, mode: str = "official") -> str | None:
@@ -135,17 +153,23 @@ def extract_answer(text: str | None, mode: str = "official") -> str | None:
     `mode="official"` is LongBench-v2's rule (`pred.py`): remove every `*`, then take the first match of
     `The correct answer is (X)`, else the first match of `The correct answer is X`; case-sensitive, X in
     A-D; otherwise None. As in the official code there is no word boundary after X, so
-    `The correct answer is Done` gives `"D"`.
+    `The correct answer is Done` gives `"D"`. It reads the whole text, reasoning included.
 
-    `mode="lenient"` first removes every `*` and a leading `<think>...</think>` block (a response that opens
-    `<think>` and never closes it has not answered yet: None), then tries, in order:
+    `mode="lenient"` removes every `*` and reads the *final answer*: the text after the last `</think>`
+    (reasoning models often close a block they never opened), the whole text when there is none, nothing
+    when the response opened `<think>` and never closed it. In the final answer it tries, in order:
 
+    0. the official rule;
     1. the official sentence in any letter case and with optional brackets or a colon:
        `the correct answer is (A)`, `The Correct Answer Is: [B]`, `The correct answer is C.`;
     2. `answer`, `option` or `choice` (any case) followed by `is`, `is:` or `:`: `Answer: C`, `the answer is (B)`,
        `The correct option is D`, `My choice: (A)`;
     3. a response that is only the letter: `C`, `(C)`, `C.`, `[C]`;
-    4. a response that starts with the letter in brackets: `(C) The blue ledger`.
+    4. a response that starts with the letter in brackets: `(C) The blue ledger`;
+
+    and when none matches there, the official rule on the whole text. So lenient never does worse than
+    official on a response official parses: without `</think>` it returns official's letter; with it, it
+    returns official's letter on the final answer, which is what the model answered after reasoning.
 
     In every lenient phrasing the letter is an upper-case A-D not followed by another letter. Lenient
     figures are reported in their own column, never mixed into official ones.
@@ -161,19 +185,10 @@ def extract_answer(text: str | None, mode: str = "official") -> str | None:
         raise ValueError(f"unknown extraction mode {mode!r}; use one of {MODES}")
     s = (text or "").replace("*", "")
     if mode == "official":
-        patterns = _OFFICIAL_PATTERNS
-    else:
-        if s.lstrip().startswith("<think>"):
-            m = _THINK_RE.match(s)
-            if m is None:
-                return None  # still thinking when the generation stopped
-            s = s[m.end():]
-        patterns = _LENIENT_PATTERNS
-    for pat in patterns:
-        m = pat.search(s)
-        if m:
-            return m.group(1)
-    return None
+        return _first_match(_OFFICIAL_PATTERNS, s)
+    final = _final_answer(s)
+    return (_first_match(_OFFICIAL_PATTERNS, final) or _first_match(_LENIENT_PATTERNS, final)
+            or _first_match(_OFFICIAL_PATTERNS, s))
 
 
 # --- scoring -------------------------------------------------------------------------------------------

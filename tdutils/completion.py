@@ -17,6 +17,10 @@ Wire format handled by `iter_token_events` (what vLLM 0.2x sends)::
     data: {"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":3,...}}
     data: [DONE]
 
+The stream's bytes are decoded as UTF-8 by `iter_sse_lines`, whatever charset the `Content-Type` header names
+(the event-stream format is always UTF-8), and a leading byte-order mark is ignored in every path, so the
+first event is never lost.
+
 `make_post_completion(base_url, model)` returns a callable with LMCache's `PostCompletion` signature
 `(prompt_token_ids, sampling_params, cache_salt) -> Iterable[TokenEvent]`, so LMCache's SDK request
 streams can drive it; with lmcache installed it yields the SDK's own `TokenEvent` type.
@@ -24,7 +28,9 @@ streams can drive it; with lmcache installed it yields the SDK's own `TokenEvent
 
 from __future__ import annotations
 
+import codecs
 import json
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -156,11 +162,54 @@ def _chunk_events(chunk: dict, raw: str, result: StreamResult) -> list[TokenEven
     return events
 
 
+_BOM = "\ufeff"
+_EOL = re.compile(r"\r\n|\r|\n")  # SSE line terminators; str.splitlines would also split at U+2028 etc.
+
+
+def iter_sse_lines(chunks: Iterable[bytes]) -> Iterator[str]:
+    """Split the raw bytes of an event stream into lines (terminators removed), decoded as UTF-8.
+
+    The event-stream format is always UTF-8 and a leading byte-order mark is ignored (WHATWG HTML,
+    "Server-sent events", parsing an event stream), whatever charset the response's `Content-Type` names;
+    decoding by that header (httpx's `iter_lines`) would garble non-ASCII text and keep the BOM. Lines end
+    at `\r\n`, `\n` or `\r`, also when a terminator or a multi-byte character is split between chunks.
+
+    Args:
+        chunks: the body as byte chunks of any size (e.g. `httpx.Response.iter_bytes()`).
+
+    Yields:
+        Lines as `str`, without their terminators; a last line without a terminator is yielded too.
+
+    Raises:
+        UnicodeDecodeError: the bytes are not UTF-8.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    buf, first = "", True
+    for chunk in chunks:
+        buf += decoder.decode(chunk)
+        if first and buf:  # the decoder emits whole characters only, so a split BOM arrives whole
+            buf, first = buf.removeprefix(_BOM), False
+        # A trailing "\r" may be the first half of "\r\n": keep it until the next character is known.
+        held = buf.endswith("\r")
+        lines = _EOL.split(buf[:-1] if held else buf)
+        buf = lines.pop() + ("\r" if held else "")
+        yield from lines
+    buf += decoder.decode(b"", final=True)
+    if first:
+        buf = buf.removeprefix(_BOM)
+    lines = _EOL.split(buf)
+    last = lines.pop()
+    yield from lines
+    if last:
+        yield last
+
+
 def iter_token_events(lines: Iterable[str | bytes], *, result: StreamResult | None = None,
                       require_done: bool = False) -> Iterator[TokenEvent]:
     """Parse server-sent-event lines of a vLLM completion stream into one `TokenEvent` per generated token.
 
-    Rules: blank lines end an event; lines starting with `:` are comments (keep-alives) and are skipped;
+    Rules: a byte-order mark at the start of the first line is ignored (the event-stream format is UTF-8,
+    a leading BOM is not part of the first field); blank lines end an event; lines starting with `:` are comments (keep-alives) and are skipped;
     `event:`/`id:`/`retry:` fields are ignored; a `data:` line holds one JSON chunk (several `data:` lines
     are joined with newlines, as SSE specifies, until they form a complete JSON value); `data: [DONE]`
     ends the stream and nothing after it is read. In a chunk, every `"token_id:<N>"` entry of
@@ -193,8 +242,11 @@ def iter_token_events(lines: Iterable[str | bytes], *, result: StreamResult | No
         result.chunks += 1
         return _chunk_events(chunk, data, result)
 
+    first = True
     for raw in lines:
         line = raw.decode("utf-8") if isinstance(raw, bytes | bytearray) else str(raw)
+        if first:
+            line, first = line.removeprefix(_BOM), False
         line = line.rstrip("\r\n")
         if not line:
             if pending:  # end of an event whose data never parsed
@@ -370,7 +422,8 @@ class PostCompletion:
                     text = resp.read().decode("utf-8", "replace")
                     raise CompletionHTTPError(http_error_message(self.url, resp.status_code, text, self.model_name),
                                               resp.status_code, text)
-                for ev in iter_token_events(resp.iter_lines(), result=result, require_done=True):
+                # Decode the bytes ourselves: an event stream is UTF-8 whatever the header says (iter_sse_lines).
+                for ev in iter_token_events(iter_sse_lines(resp.iter_bytes()), result=result, require_done=True):
                     yield self.event_type(token_id=ev.token_id, text=ev.text)
         except httpx.ConnectError as exc:
             raise CompletionConnectionError(f"cannot connect to vLLM at {self.url} ({exc}); {VLLM_START_HINT}") from exc
@@ -425,5 +478,5 @@ def make_post_completion(base_url: str, model_name: str, *, timeout: float = DEF
 
 
 __all__ = ["CompletionConnectionError", "CompletionError", "CompletionHTTPError", "CompletionTimeoutError",
-           "PostCompletion", "StreamResult", "TokenEvent", "TokenFormatError", "iter_token_events",
+           "PostCompletion", "StreamResult", "TokenEvent", "TokenFormatError", "iter_sse_lines", "iter_token_events",
            "make_post_completion"]

@@ -8,12 +8,14 @@ English text `assets/sample/filler.txt`, whose words never include the markers `
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .models import ASSETS
+from .textio import iter_lines, read_text
 
 SAMPLE_DIR = ASSETS / "sample"
 FILLER_PATH = SAMPLE_DIR / "filler.txt"
@@ -41,13 +43,13 @@ class PromptRow:
 
 def filler_sentences() -> list[str]:
     """Sentences of the bundled filler text (one per line of `filler.txt`)."""
-    return [s.strip() for s in FILLER_PATH.read_text().splitlines() if s.strip()]
+    return [s.strip() for s in read_text(FILLER_PATH).splitlines() if s.strip()]
 
 
 def filler_words() -> list[str]:
     """Distinct lower-case words and punctuation of the filler, in order of first appearance."""
     seen: dict[str, None] = {}
-    for tok in re.findall(r"\w+|[^\w\s]", FILLER_PATH.read_text().lower()):
+    for tok in re.findall(r"\w+|[^\w\s]", read_text(FILLER_PATH).lower()):
         seen.setdefault(tok, None)
     return list(seen)
 
@@ -101,6 +103,12 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
             file, or a hub id such as `raniayu/token-dropping-demo-short`.
         num_requests: keep the first `num_requests` rows (None: all). Fewer rows than asked is an error.
         prompt_column / answer_column: columns holding the prompt text and the gold answer.
+
+    Values arrive exactly as the file holds them (SPEC §7): text files are read as UTF-8 (a byte-order mark
+    tolerated); a CSV cell is text as written, never type-guessed (`04819` stays `"04819"`, `NA` stays
+    `"NA"`), an empty cell is missing (None); JSON/JSONL and Parquet values keep their own types (a null is
+    None, an integer never becomes a float); a hub dataset made of CSV files is read like a local CSV. The
+    answer is the value as text (`str`), None when missing.
 
     Raises:
         FileNotFoundError: a local path that does not exist.
@@ -194,36 +202,55 @@ def _read_local(path: Path) -> list[dict]:
 
 
 def _parse_local(path: Path) -> list[dict]:
+    """Rows of a local file, every value exactly as the file holds it (see `load_prompts`)."""
     if path.suffix == ".jsonl":
         rows = []
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as exc:
-                        raise ValueError(f"line {n}: {exc.msg} (column {exc.colno})") from None
+        for n, line in enumerate(iter_lines(path), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"line {n}: {exc.msg} (column {exc.colno})") from None
         return rows
     if path.suffix == ".json":
-        data = json.loads(path.read_text())
+        data = json.loads(read_text(path))
         if isinstance(data, dict) and isinstance(data.get("data"), list):  # {"data": [rows]}
             return data["data"]
         if not isinstance(data, list):
             raise ValueError(f"expected a list of rows ([{{\"prompt\": ...}}, ...]) or {{\"data\": [rows]}}, "
                              f"got a JSON {type(data).__name__}; one prompt per line works as .jsonl")
         return data
+    if path.suffix == ".csv":
+        return _read_csv(path)
+    import pyarrow.parquet as pq
+
+    # pyarrow gives each cell its Python value (int stays int, null is None); pandas would turn an integer
+    # column with one null into floats (48192 -> 48192.0).
+    return pq.read_table(path).to_pylist()
+
+
+# CSV has no types: every cell is text, read as written ("04819" stays "04819"); an empty cell is missing
+# (None). pandas' defaults would guess numbers (04819 -> 4819, a column with an empty cell -> floats) and
+# turn "NA", "null", "None", "nan", ... into missing values.
+_CSV_TEXT = {"dtype": str, "keep_default_na": False, "na_values": [""], "encoding": "utf-8-sig"}
+
+
+def _read_csv(path: Path) -> list[dict]:
     import pandas as pd
 
-    if path.suffix == ".csv":
-        return pd.read_csv(path).to_dict("records")
-    return pd.read_parquet(path).to_dict("records")
+    return _missing_as_none(pd.read_csv(path, **_CSV_TEXT).to_dict("records"))
+
+
+def _missing_as_none(rows: list[dict]) -> list[dict]:
+    """pandas' NaN (an empty CSV cell) -> None, so a missing value reads as missing, never as the float nan."""
+    return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
 
 
 def _read_hub(dataset: str, split: str) -> list[dict]:
     import datasets
 
     try:
-        ds = datasets.load_dataset(dataset, split=split)
+        ds = datasets.load_dataset(dataset, split=split, **_hub_csv_as_text(dataset, split))
     except Exception as exc:  # datasets raises several types for "offline" / "not found"
         raise ConnectionError(
             f"could not load hub dataset {dataset!r} ({exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
@@ -232,6 +259,24 @@ def _read_hub(dataset: str, split: str) -> list[dict]:
             f"or use {SAMPLE_NAME!r} for the bundled sample."
         ) from exc
     return [dict(r) for r in ds]
+
+
+def _hub_csv_as_text(dataset: str, split: str) -> dict:
+    """`load_dataset` arguments that read a hub dataset made of CSV files as text, as `_read_csv` reads one.
+
+    The `datasets` CSV builder parses with pandas' type guessing unless it is given `features`; those need
+    the column names, read from the first row of a streamed copy. Other formats carry their own types
+    (JSON, Parquet): no arguments.
+    """
+    import datasets
+
+    if datasets.load_dataset_builder(dataset).name != "csv":
+        return {}
+    kw = {k: v for k, v in _CSV_TEXT.items() if k != "dtype"}
+    first = next(iter(datasets.load_dataset(dataset, split=split, streaming=True, **kw)), None)
+    if first is None:
+        return {}
+    return {**kw, "features": datasets.Features({c: datasets.Value("string") for c in first})}
 
 
 def load_demo_dataset(source: str = DEMO_DATASET, split: str = "train") -> list[dict]:

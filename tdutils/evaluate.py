@@ -259,7 +259,7 @@ def write_json(table, path: str | Path, *, meta: Mapping | None = None) -> Path:
     path = check_output_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {"meta": dict(meta or {}), "rows": json.loads(table.to_json(orient="records"))}
-    path.write_text(json.dumps(report, indent=1, default=str))
+    path.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
     return path
 
 

@@ -147,6 +147,13 @@ def plot_decode_throughput(table, ax=None, title: str = "Decode throughput"):
     return ax
 
 
+def capacity_limit(drop_ratio: float) -> float:
+    """The decode speed-up ceiling `1/(1 − r)` at drop ratio `r` in [0, 1]; `inf` at `r = 1` (no tokens kept
+    but the protected ones, so any number of requests would fit the budget)."""
+    r = float(drop_ratio)
+    return 1.0 / (1.0 - r) if r < 1 else float("inf")
+
+
 def ratio_caveats(base_batch: int, dropped_batch: int, ratio: float, drop_ratio: float) -> list[str]:
     """Why a decode-throughput ratio may not measure what token dropping buys (empty list when it does).
 
@@ -164,7 +171,7 @@ def ratio_caveats(base_batch: int, dropped_batch: int, ratio: float, drop_ratio:
         notes.append(f"both runs decoded at most {base_batch} requests at a time, so dropping bought no larger batch "
                      "and the ratio only reflects cheaper steps and machine noise; use more requests or a smaller KV "
                      "budget")
-    limit = 1 / (1 - drop_ratio) if drop_ratio < 1 else float("inf")
+    limit = capacity_limit(drop_ratio)
     if ratio > 1.25 * max(limit, dropped_batch / max(base_batch, 1)):
         notes.append(f"the ratio is above what the batch sizes ({base_batch} -> {dropped_batch}) and the capacity limit "
                      f"1/(1-r) = {limit:.2f} explain: runs this short are dominated by machine noise; repeat it on a "

@@ -29,6 +29,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .textio import READ_ENCODING, WRITE_ENCODING, read_text
+
 PATCH_NAME = "vllm-export-intermediate-tensors.diff"
 PACKAGED_PATCH = Path(__file__).parent / "assets" / "patches" / PATCH_NAME
 SUPPORTED = ((0, 23, 0), (0, 25, 1))  # inclusive range of vLLM releases the patch was tested on
@@ -186,13 +188,13 @@ def read_version(package_dir: Path) -> str:
     """
     vfile = package_dir / "_version.py"
     if vfile.is_file():
-        m = re.search(r"""__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", vfile.read_text())
+        m = re.search(r"""__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", read_text(vfile))
         if m:
             return m.group(1)
     for dist in sorted(package_dir.parent.glob("vllm*.dist-info")):
         meta = dist / "METADATA"
         if meta.is_file():
-            m = re.search(r"^Version:\s*(\S+)", meta.read_text(errors="replace"), re.MULTILINE)
+            m = re.search(r"^Version:\s*(\S+)", meta.read_text(encoding=READ_ENCODING, errors="replace"), re.MULTILINE)
             if m:
                 return m.group(1)
     raise PatchError(f"cannot tell the version of the vLLM in {package_dir}: no _version.py and no vllm*.dist-info")
@@ -256,7 +258,7 @@ def load_patch(path: str | os.PathLike | None = None) -> list[FilePatch]:
     p = Path(path) if path is not None else PACKAGED_PATCH
     if not p.is_file():
         raise PatchError(f"patch file {p} not found")
-    return parse_diff(p.read_text())
+    return parse_diff(read_text(p))
 
 
 @dataclass
@@ -284,7 +286,7 @@ def status(install: VllmInstall, patch: list[FilePatch] | None = None) -> PatchS
     files = {}
     for fp in patch:
         target = install.root / fp.path
-        files[fp.path] = file_state(target.read_text(), fp) if target.is_file() else "missing"
+        files[fp.path] = file_state(read_text(target), fp) if target.is_file() else "missing"
     return PatchStatus(install, files)
 
 
@@ -295,7 +297,7 @@ def _write(path: Path, text: str) -> None:
     except OSError as exc:
         raise PatchError(f"cannot write next to {path}: {exc}; run as the owner of vLLM's environment") from exc
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding=WRITE_ENCODING) as f:
             f.write(text)
         os.chmod(tmp, path.stat().st_mode & 0o7777)
         os.replace(tmp, path)
@@ -319,7 +321,7 @@ def apply(install: VllmInstall, *, reverse: bool = False, patch: list[FilePatch]
         target = install.root / fp.path
         if not target.is_file():
             raise PatchError(f"{target} not found: this vLLM has no {fp.path}; nothing was changed")
-        text = target.read_text()
+        text = read_text(target)
         state = file_state(text, fp)
         if state == "conflict":
             raise PatchError(f"{target} does not match the patch (changed by hand or another patch?); nothing was "

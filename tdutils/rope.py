@@ -427,26 +427,37 @@ def _model_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tens
     return positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
 
 
-def _token_axis(x: torch.Tensor, n: int, token_dim: int | None) -> int:
-    """Which axis of x the positions index: -2 for [..., T, head_dim], -3 for [..., T, H, head_dim]."""
+def _token_axes(x: torch.Tensor, n: int, token_dim: int | None) -> list[int]:
+    """The axes of x the positions may index: [-2] for [..., T, head_dim], [-3] for [..., T, H, head_dim],
+    [-2, -3] when both x.shape[-2] and x.shape[-3] equal T (resolved by `_pick_axis`)."""
     if token_dim is not None:
         if token_dim not in (-2, -3) or x.dim() < -token_dim:
             raise ValueError(f"token_dim must be -2 or -3 (and exist in x), got {token_dim}")
         if x.shape[token_dim] != n:
             raise ValueError(f"x.shape[{token_dim}] = {x.shape[token_dim]} but positions have length {n}")
-        return token_dim
+        return [token_dim]
     candidates = [ax for ax in (-2, -3) if x.dim() >= -ax and x.shape[ax] == n]
     if not candidates:
         raise ValueError(
             f"x must be [..., T, head_dim] or [..., T, H, head_dim] with T = len(positions) = {n}; "
             f"got shape {list(x.shape)}"
         )
-    if len(candidates) == 2:
-        raise ValueError(
-            f"x of shape {list(x.shape)} is ambiguous for T = {n} (both x.shape[-2] and x.shape[-3] equal T); "
-            "pass token_dim=-2 for [..., T, head_dim] or token_dim=-3 for [..., T, H, head_dim]"
-        )
-    return candidates[0]
+    return candidates
+
+
+def _pick_axis(x: torch.Tensor, axes: list[int], *tables: torch.Tensor) -> int:
+    """The token axis; for an ambiguous shape, either when every row of the [T, rd/2] angle tables is the same
+    (one position, or positions whose rotations coincide), since both readings then give the same result
+    bit for bit; otherwise the shape is refused."""
+    if len(axes) == 1:
+        return axes[0]
+    if all(bool((t == t[:1]).all()) for t in tables):
+        return -2
+    raise ValueError(
+        f"x of shape {list(x.shape)} is ambiguous for T = {x.shape[-2]} (both x.shape[-2] and x.shape[-3] equal T, "
+        "and the two readings rotate differently); pass token_dim=-2 for [..., T, head_dim] or token_dim=-3 for "
+        "[..., T, H, head_dim]"
+    )
 
 
 def _check_x(x: torch.Tensor, spec: RopeSpec) -> None:
@@ -504,7 +515,9 @@ def apply_rope(
         positions: integer tensor ``[T]`` (any integers, in any order).
         spec: a :class:`RopeSpec`.
         token_dim: ``-2`` or ``-3`` to say which axis ``positions`` index; needed only when both
-            ``x.shape[-2]`` and ``x.shape[-3]`` equal ``T``.
+            ``x.shape[-2]`` and ``x.shape[-3]`` equal ``T`` and the two readings would give different
+            results (without it such a shape is refused; with one position, or positions whose rotations
+            coincide, both readings agree bit for bit and none is needed).
 
     Returns:
         A new tensor, same shape and dtype as ``x``: the first ``rotary_dim`` channels rotated by
@@ -519,12 +532,13 @@ def apply_rope(
     """
     _check_x(x, spec)
     pos = _positions_1d(positions, "positions")
-    axis = _token_axis(x, pos.shape[0], token_dim)
-    pos = _as_positions(pos, x.shape[axis], "positions", x.device)
+    axes = _token_axes(x, pos.shape[0], token_dim)
+    pos = _as_positions(pos, pos.shape[0], "positions", x.device)
     _check_range(spec, pos)
     phi = _model_angles(pos, spec.inv_freq)               # [T, rd/2] fp32
     cos = phi.cos() * spec.attention_scaling              # transformers: emb.cos() * attention_scaling
     sin = phi.sin() * spec.attention_scaling
+    axis = _pick_axis(x, axes, cos, sin)
     out = torch.empty_like(x)
     _rotate_into(out, x, _expand_table(cos, axis), _expand_table(sin, axis), spec, torch.float32)
     return out
@@ -577,12 +591,13 @@ def rerotate_keys(
     """
     _check_x(k, spec)
     old = _positions_1d(old_positions, "old_positions")
-    axis = _token_axis(k, old.shape[0], token_dim)
-    t = k.shape[axis]
+    axes = _token_axes(k, old.shape[0], token_dim)
+    t = old.shape[0]
     old = _as_positions(old, t, "old_positions", k.device)
     new = _as_positions(new_positions, t, "new_positions", k.device)
     _check_range(spec, old, new)
     cos, sin = _delta_tables(old, new, spec, compute_dtype)  # [T, rd/2]
+    axis = _pick_axis(k, axes, cos, sin)
     out = torch.empty_like(k)
     _rotate_into(out, k, _expand_table(cos, axis), _expand_table(sin, axis), spec, compute_dtype)
     return out

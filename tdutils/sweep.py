@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from .edit import make_drop_fn
 from .engines.base import run_once
+from .metrics import capacity_limit
 
 
 @dataclass
@@ -88,7 +89,7 @@ def throughput_sweep(engine, prompts, configs: list[SweepConfig], *, max_tokens:
     for name, r in ratios.items():
         mine = [s for s in runs if s["run"] == name]
         tps = [s["decode_tok_s"] for s in mine]
-        limit = 1.0 / (1.0 - r) if r < 1 else float("inf")
+        limit = capacity_limit(r)
         speedup = statistics.median(s["speedup"] for s in mine)
         rows.append({
             "config": name, "policy": policies[name], "drop_ratio": r, "decode_tok_s_median": statistics.median(tps),
@@ -109,6 +110,7 @@ def plot_speedup(table, ax=None, title: str = "Decode speed-up at a fixed KV bud
 
     Args:
         table: the table of `throughput_sweep` (columns `drop_ratio`, `decode_speedup`, `label_column`).
+            Drop ratio 1.0 is allowed: its limit is infinite, drawn as a dotted vertical line at r = 1.
         ax: matplotlib axes (default: a new figure).
 
     Returns:
@@ -123,7 +125,10 @@ def plot_speedup(table, ax=None, title: str = "Decode speed-up at a fixed KV bud
         g = g.sort_values("drop_ratio")
         ax.plot(g.drop_ratio, g.decode_speedup, marker="o", label=label)
     rs = sorted(set(rows.drop_ratio))
-    ax.plot(rs, [1 / (1 - r) for r in rs], "k--", lw=1, label="capacity limit 1/(1-r)")
+    finite = [r for r in rs if r < 1]  # at r = 1 the limit 1/(1-r) is infinite: no point to draw
+    ax.plot(finite, [capacity_limit(r) for r in finite], "k--", lw=1, label="capacity limit 1/(1-r)")
+    if len(finite) < len(rs):
+        ax.axvline(1.0, color="k", ls=":", lw=1, label="r = 1: no capacity limit")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("drop ratio")
     ax.set_ylabel("decode tok/s vs baseline")

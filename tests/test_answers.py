@@ -58,10 +58,13 @@ def test_official_extraction(text, expected):
     ("(B) In the boathouse", "B"),
     # A leading think block is skipped: the answer after it counts, not the one inside.
     ("<think>Maybe The correct answer is (A).</think>\nThe correct answer is (B).", "B"),
-    # Still thinking when generation stopped: no answer yet.
-    ("<think>The correct answer is (A), let me check", None),
+    # Still thinking when generation stopped: the final answer is empty, and lenient falls back to the
+    # official rule on the whole text (never worse than official, issue 19).
+    ("<think>The correct answer is (A), let me check", "A"),
+    ("<think>Answer: A, let me check", None),
     ("The correct answer is (E)", None),
-    ("The correct answer is Done", None),
+    # Official reads "D" here (no word boundary after X); lenient never does worse than official.
+    ("The correct answer is Done", "D"),
     ("the correct answer is a bit unclear", None),
     ("The correct answer is (A). Wait... The correct answer is (B).", "A"),
     ("", None),

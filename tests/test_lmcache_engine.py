@@ -323,7 +323,8 @@ def test_distinct_salts_cache_clears_and_no_leak_to_unsalted_requests(tiny, samp
         res = tdutils.run_once(eng, sample_ids, name="random", drop_fn=fn, max_tokens=3)
         first_run = eng.run_id
         salts = [c[1] for c in eng.serving.completions]
-        assert salts[:3] == [f"tdutils-{first_run}-prefill"] * 3 and salts[3:] == [f"tdutils-{first_run}-edit"] * 3
+        assert salts[:3] == [f"tdutils-{first_run}-prefill"] * 3
+        assert sorted(salts[3:]) == [f"tdutils-{first_run}-edit-{i}" for i in range(3)]  # one edit salt per request
         assert all(loaded > 0 for _, _, loaded in eng.serving.completions[3:])  # decode read the edited cache
         assert eng.serving.clears == 1
         # A later, unsalted request with the kept tokens finds nothing cached: no edited KV leaks to it.
@@ -389,26 +390,76 @@ def test_correct_rows_pass_the_layer0_check(tiny, sample_ids):
             eng.check_query_rows(kv, None, eng.tokens(0))
 
 
+def _snapshot(eng):
+    """Each request's cache as the engine serves it: (token ids, salt, stored KV fetched from LMCache)."""
+    return [(eng.tokens(i), eng.requests[i].salt, eng.kv(i)) for i in range(len(eng.requests))]
+
+
 def test_a_failing_drop_function_changes_no_cache_or_skips(tiny, sample_ids):
     def select(tensors, tokens):
         if len(tokens) > 300:
             raise RuntimeError("boom")
         return torch.arange(len(tokens) // 2)
 
-    with engine(tiny, 16) as eng:
+    with engine(tiny, 16, retrieve_timeout=0.5) as eng:
         eng.prefill(sample_ids)
+        before = _snapshot(eng)  # taken before modify: the check below compares two states, not one twice
         fn = make_drop_fn(select, drop_ratio=0.5, model_config=eng.config)
         with pytest.raises(DropFunctionError, match="failed on 1 of 3 requests; no cache was changed"):
             eng.modify(fn)
-        assert [eng.tokens(i) for i in range(3)] == [eng.requests[i].tokens for i in range(3)]
+        after = _snapshot(eng)
+        for i, ((tok0, salt0, kv0), (tok1, salt1, kv1)) in enumerate(zip(before, after)):
+            assert tok1 == tok0 and salt1 == salt0, f"request {i}: tokens or salt changed by a failed modify"
+            assert torch.equal(kv1, kv0), f"request {i}: stored KV changed by a failed modify"
         assert all(not r.edited for r in eng.requests)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             report = eng.modify(fn, on_error="skip")
         assert report.edited == 2 and [i for i, _ in report.failures] == [2]
+        skipped = _snapshot(eng)
+        assert skipped[2][0] == before[2][0] and torch.equal(skipped[2][2], before[2][2])  # the failed one: as it was
+        assert [len(skipped[i][0]) for i in (0, 1)] == [len(before[i][0]) // 2 for i in (0, 1)]
         outs = eng.decode(max_tokens=2)
         assert outs[2].cached_tokens == 304 and outs[0].cached_tokens < 200
         with pytest.raises(ValueError, match="rerotate=True"):
             eng.modify(make_drop_fn("random", drop_ratio=0.5, rerotate=False))
         with pytest.raises(ValueError, match="keep_logits"):
             eng.decode(max_tokens=2, keep_logits=True)
+
+
+def test_edited_requests_sharing_leading_kept_chunks_each_get_their_own_kv(tiny, sample_ids):
+    """Two prompts that differ only in the 32 tokens a drop function removes: their kept token ids share two
+    whole 16-token chunks, but those tokens' KV (layer 1 onwards) was computed in different contexts. LMCache
+    keys a chunk by its token prefix and salt, so under one shared edit salt the second store would find the
+    first request's chunks already cached and request 1 would decode from request 0's KV."""
+    shared, tails = sample_ids[2][:32], (sample_ids[2][32:48], sample_ids[2][48:64])
+    prompts = [sample_ids[0][:32] + shared + tails[0], sample_ids[1][:32] + shared + tails[1]]
+    assert prompts[0][:32] != prompts[1][:32] and all(len(p) == 80 for p in prompts)
+    edited = []
+
+    def keep_after_context(tensors, tokens):
+        return torch.arange(32, len(tokens))
+
+    fn = make_drop_fn(keep_after_context, drop_ratio=0.4, model_config=tiny[0].config)
+
+    def recording_fn(tensors, tokens):
+        out = fn(tensors, tokens)
+        edited.append(out)
+        return out
+
+    recording_fn.rerotate = True
+    with engine(tiny, 16) as eng:
+        assert eng.prefill(prompts) == [80, 80]  # whole chunks: no padding
+        report = eng.modify(recording_fn)
+        assert report.edited == 2
+        (kv0, ids0), (kv1, ids1) = edited
+        assert ids0[:32] == ids1[:32] == shared and ids0[32:] != ids1[32:]
+        # the precondition: the shared kept tokens' KV differs between the two contexts
+        assert not torch.equal(kv0[:, :, :32], kv1[:, :, :32])
+        for i, (kv, ids) in enumerate(edited):  # what each request will decode from is its own edited KV
+            assert eng.tokens(i) == ids
+            assert torch.equal(eng.kv(i), kv), f"request {i} is served another request's edited KV"
+        assert eng.requests[0].salt != eng.requests[1].salt
+        eng.decode(max_tokens=2)
+        loaded = sorted((salt, n) for _, salt, n in eng.serving.completions[2:])  # streams run concurrently
+        assert loaded == [(eng.edit_salt(0), 47), (eng.edit_salt(1), 47)]  # all but the last token from its own KV

@@ -39,7 +39,7 @@ def main() -> None:
     if args.sample:
         # 16 prompts of ~1024 tokens: the default workload of `python -m tdutils run`.
         rows = make_passkey_dataset(16, 1024, tokenizer=tok, seed=1234)
-        with open(SAMPLE_PATH, "w") as f:
+        with open(SAMPLE_PATH, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         print(f"wrote {SAMPLE_PATH} ({len(rows)} rows)")
 

@@ -32,14 +32,14 @@ def main(argv=None) -> int:
         return 2
     new = args[0]
     pyproject = ROOT / "pyproject.toml"
-    old = repository_url(pyproject.read_text())
+    old = repository_url(pyproject.read_text(encoding="utf-8"))
     for rel in ("pyproject.toml", *NOTEBOOKS):
         path = ROOT / rel
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
         # The badge links colab.research.google.com/github/OWNER/REPO/..., the rest the full URL.
         updated = text.replace(old, new).replace(old.removeprefix("https://github.com/") + "/blob/",
                                                  new.removeprefix("https://github.com/") + "/blob/")
-        path.write_text(updated)
+        path.write_text(updated, encoding="utf-8")
         print(f"{rel}: {'updated' if updated != text else 'unchanged'}")
     return 0
 

@@ -143,9 +143,17 @@ def default_kv_budget(prompt_lengths, max_tokens: int, full_requests: float = DE
 
 
 def run_once(engine, prompts, *, name: str = "baseline", drop_fn=None, max_tokens: int = 64, **decode_kwargs) -> RunResult:
-    """Prefill `prompts`, apply `drop_fn` (None: baseline, no modify), decode `max_tokens` per request."""
+    """Prefill `prompts`, apply `drop_fn` (None: baseline, no modify), decode `max_tokens` per request.
+
+    A drop function that records per-run state and has a `reset()` method (`TimedDropFn`) is reset before
+    this run's modify, so what it records afterwards describes this run only: reusing it in a second run
+    (or `compare`, or a sweep's repeats) never adds that run's timings to the first one's.
+    """
     engine.prefill(prompts)
     if drop_fn is not None:
+        reset = getattr(drop_fn, "reset", None)
+        if callable(reset):
+            reset()
         engine.modify(drop_fn)
     outputs = engine.decode(max_tokens=max_tokens, **decode_kwargs)
     metrics = engine.metrics

@@ -9,8 +9,12 @@ Phases:
   LMCache under this run's *prefill salt*.
 - `modify(drop_fn)`: per request, retrieves the KV `[2, L, T, D]` (and queries `[1, L, T, Hq*d]`) from
   LMCache, checks a few query and key rows against the model (see `check_rows`), runs the drop
-  function, validates its output and stores the edited KV under this run's *edit salt* — a salt no
-  other request uses, so a later request with the same token ids can never receive an edited cache.
+  function, validates its output and stores the edited KV under the request's own *edit salt*
+  (`tdutils-RUN-edit-I`, one per request and run): LMCache keys a chunk by every token up to its end,
+  so two edited requests whose kept token ids share leading chunks — edited from different contexts,
+  hence with different KV — would otherwise share those chunks and be served each other's KV; and no
+  other request (a later one with the same token ids, unsalted or of another run) can receive an edited
+  cache.
   A request switches to its edited cache only when every request succeeded (`on_error="raise"`), so a
   failure leaves every request decoding from its unedited cache, as on the `hf` engine.
 - `decode(max_tokens)`: sends each request's prompt (the kept tokens after an edit, with the edit salt)
@@ -55,6 +59,7 @@ from ..completion import CompletionError, make_post_completion
 from ..edit import CacheKind, DropFunctionError, check_kv, validate_drop_output
 from ..metrics import DecodeMetrics, ModifyMetrics, RunMetrics
 from ..models import bundled_model_path, model_facts
+from ..textio import read_text
 from .base import ModifyReport, RequestOutput, check_engine_settings, tokenize_prompts
 
 LMCACHE_START_HINT = (
@@ -179,7 +184,7 @@ class _Layer0:
 
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(read_text(index))["weight_map"]
         elif (model_dir / "model.safetensors").is_file():
             with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
                 weight_map = {n: "model.safetensors" for n in f.keys()}  # noqa: SIM118 (a safe_open handle is not a dict)
@@ -502,7 +507,8 @@ class LMCacheEngine:
     def prefill(self, prompts) -> list[int]:
         """Prefill every prompt on vLLM (max_tokens=1); LMCache stores each request's KV (and queries).
 
-        Clears LMCache's cache first (`clear_cache`) and starts a new run: new prefill and edit salts.
+        Clears LMCache's cache first (`clear_cache`) and starts a new run: a new prefill salt (shared by the
+        run's unedited prompts: the same tokens have the same KV) and new per-request edit salts.
 
         Args:
             prompts: strings, `PromptRow`s, dicts with `prompt`, or lists of token ids.
@@ -520,7 +526,7 @@ class LMCacheEngine:
             http_json("POST", self.lmcache_http_url + "/cache/clear", timeout=self.http_timeout,
                       what="the LMCache server", hint=LMCACHE_START_HINT)
         self.run_id = uuid.uuid4().hex[:16]
-        self._salt_prefill, self._salt_edit = f"tdutils-{self.run_id}-prefill", f"tdutils-{self.run_id}-edit"
+        self._salt_prefill = f"tdutils-{self.run_id}-prefill"
         self.requests, self.metrics = [], RunMetrics("run")
         for i, x in enumerate(ids):
             tokens, pad = self._aligned(x)
@@ -555,6 +561,11 @@ class LMCacheEngine:
     def _require_requests(self, op: str):
         if not self.requests:
             raise RuntimeError(f"{op} needs prefilled requests; call prefill(prompts) first")
+
+    def edit_salt(self, request_id: int) -> str:
+        """The cache salt request `request_id`'s edited KV is stored under in this run: its own, never shared
+        with another request (whose kept tokens may share leading chunks but not their KV) nor another run."""
+        return f"tdutils-{self.run_id}-edit-{int(request_id)}"
 
     def tokens(self, request_id: int) -> list[int]:
         """The token ids the request's current cache holds (the padded prompt, or the kept tokens)."""
@@ -677,7 +688,7 @@ class LMCacheEngine:
         Per request: retrieve the KV `[2, L, T, D]` (T = the padded prompt; with `align="none"` its
         chunk-aligned prefix) and the last `query_window` query rows `[L, Tq, Hq*d]`, check rows
         (`check_query_rows`), call the drop function, validate its output (`validate_drop_output`) and
-        store it under this run's edit salt. Requests switch to their edited cache only after all of
+        store it under the request's own edit salt (`edit_salt`). Requests switch to their edited cache only after all of
         them were processed (with `on_error="raise"`, only if none failed).
 
         Args:
@@ -732,9 +743,9 @@ class LMCacheEngine:
                     msg += f" [queries were not available: {self.query_unavailable}]"
                 failures.append((r.request_id, msg))
                 continue
-            # The edit salt is used by no request until the switch below, so storing now changes nothing
+            # The request's edit salt is used by nobody until the switch below, so storing now changes nothing
             # that anyone reads; a failure later leaves these entries unreachable (cleared next run).
-            if not self.kv_ctx.store(new_kv, new_tokens, self._salt_edit):
+            if not self.kv_ctx.store(new_kv, new_tokens, self.edit_salt(r.request_id)):
                 warnings.warn(f"request {r.request_id}: LMCache reports the edited KV as already cached", stacklevel=2)
             edits[r.request_id] = new_tokens + r.tokens[rows:]  # the unaligned tail (align="none") stays as is
             del kv, q, tensors, new_kv
@@ -749,7 +760,7 @@ class LMCacheEngine:
             if r.request_id in edits:
                 r.tokens = edits[r.request_id]
                 r.cached = len(r.tokens)
-                r.salt = self._salt_edit
+                r.salt = self.edit_salt(r.request_id)
                 r.edited = True
         mm.edited, mm.failed = len(edits), len(failures)
         mm.tokens_after = sum(len(r.tokens) for r in self.requests)
