@@ -161,7 +161,7 @@ class Server:
     def log_tail(self, lines: int = 30) -> str:
         """The last `lines` lines of the server's log ('' when it wrote nothing)."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
         except FileNotFoundError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
@@ -288,7 +288,7 @@ def shm_files(shm_dir: Path = SHM_DIR) -> set[Path]:
 def _proc_fields(pid: int | str) -> list[str] | None:
     """Fields of /proc/PID/stat after "pid (comm)": state ppid pgrp session ...; None when it is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace").rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
 
@@ -321,7 +321,7 @@ def _held_by(pids, shm_dir: Path) -> set[Path]:
             if target.startswith(prefix) and not target.endswith(" (deleted)"):
                 held.add(Path(target))
         try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
+            maps = Path(f"/proc/{pid}/maps").read_text(encoding="utf-8", errors="replace")
         except OSError:
             continue
         for line in maps.splitlines():
