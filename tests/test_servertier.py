@@ -30,10 +30,17 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-def _record(pid, session, cmd, shm=()):
+SLEEPER_CMD = f"{sys.executable} -c import time; time.sleep(120)  # tdutils-servertier-test"
+
+
+def _record(pid, session, cmd=SLEEPER_CMD, shm=(), start_shift=0):
+    """A record as Servers._start writes it; `start_shift` makes the recorded start time differ from the
+    process's (what a record of an earlier process whose pid was reused looks like)."""
     servertier.pid_dir().mkdir(parents=True, exist_ok=True)
     path = servertier.pid_dir() / f"{pid}.json"
-    path.write_text(json.dumps({"name": "x", "pgid": pid, "session": session, "cmd": cmd, "shm": list(shm)}))
+    start = servertier.start_time(pid)
+    path.write_text(json.dumps({"name": "x", "pgid": pid, "session": session, "cmd": cmd, "shm": list(shm),
+                                "start": start + start_shift, "session_start": servertier.start_time(session)}))
     return path
 
 
@@ -51,27 +58,30 @@ def test_venv_marker_decides_whether_to_rebuild(cache):
 
 
 def test_reap_stale_stops_only_what_a_dead_session_left(cache):
-    orphan, owned, foreign = _sleeper(), _sleeper(), _sleeper()
+    orphan, owned, foreign, reused = _sleeper(), _sleeper(), _sleeper(), _sleeper()
     try:
         assert servertier.group_alive(orphan.pid) and servertier.group_rss_mb(orphan.pid) > 1
         shm = f"tdutils-servertier-test-{os.getpid()}"
         (servertier.Path("/dev/shm") / shm).write_bytes(b"x")
-        marker = "import time; time.sleep(120)"
-        rec_orphan = _record(orphan.pid, _dead_pid(), f"{sys.executable} -c {marker}", [shm])
-        rec_owned = _record(owned.pid, os.getpid(), f"{sys.executable} -c {marker}")  # a live session's
+        rec_orphan = _record(orphan.pid, _dead_pid(), shm=[shm])
+        rec_owned = _record(owned.pid, os.getpid())  # a live session's
         rec_foreign = _record(foreign.pid, _dead_pid(), "/usr/bin/some-other-program")  # a reused pid
+        # A reused pid running the very same command (pids repeat on a fresh machine that starts the same
+        # processes in the same order): only the start time tells it from the recorded process.
+        rec_reused = _record(reused.pid, _dead_pid(), start_shift=-1)
         stopped = servertier.reap_stale(log=lambda msg: None)
         assert stopped == [orphan.pid]
         assert orphan.wait(timeout=10) == -9
         assert not (servertier.Path("/dev/shm") / shm).exists()
-        assert not rec_orphan.exists() and not rec_foreign.exists() and rec_owned.exists()
-        assert owned.poll() is None and foreign.poll() is None
+        assert not rec_orphan.exists() and not rec_foreign.exists() and not rec_reused.exists()
+        assert rec_owned.exists()
+        assert owned.poll() is None and foreign.poll() is None and reused.poll() is None
         deadline = time.monotonic() + 5
         while servertier.group_alive(orphan.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not servertier.group_alive(orphan.pid)
     finally:
-        for proc in (orphan, owned, foreign):
+        for proc in (orphan, owned, foreign, reused):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -86,7 +96,7 @@ def test_the_tier_skips_with_one_line_when_its_venv_cannot_be_built(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "servers", "-p", "no:cacheprovider",
                            "tests/test_servers.py::test_streamed_ids_equal_usage_and_the_non_streamed_ids"],
-                          capture_output=True, text=True, env=env, cwd=root, timeout=600)
+                          check=False, capture_output=True, text=True, env=env, cwd=root, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "1 skipped" in out, out
