@@ -265,12 +265,23 @@ def stop_servers(servers: list[Server], *, timeout_s: float = 30.0) -> list[Path
         # Workers may outlive the leader; the group id is the leader's pid (start_new_session=True).
         _signal_group(srv.pid, signal.SIGKILL)
         srv.process.wait()
-    # SIGKILLed workers leave the process table a moment after the leader is reaped; their files are still
-    # held until then, so wait (bounded) before removing.
+    # SIGKILLed workers leave the process table (zombies included) a moment after the leader is reaped; their
+    # files are held until then, and "stopped" means no process of the groups is left: wait, bounded.
     end = time.monotonic() + 15
-    while any(_session_pids(s.pid) for s in servers) and time.monotonic() < end:
+    while any(_group_exists(s.pid) for s in servers) and time.monotonic() < end:
         time.sleep(0.1)
     return remove_server_shm(servers)
+
+
+def _group_exists(pgid: int) -> bool:
+    """True while any process of group `pgid` exists, a zombie included."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _signal_group(pgid: int, sig: int) -> None:
