@@ -209,12 +209,18 @@ class DropFn:
         return check_keep(self.select(tensors, tokens), kv.shape[2])
 
     def __call__(self, tensors: Mapping, tokens: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+        new_kv, new_tokens, _ = self.edit(tensors, tokens)
+        return new_kv, new_tokens
+
+    def edit(self, tensors: Mapping, tokens: Sequence[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """`__call__` plus the sorted kept indices `LongTensor[k]` (engines that need kept positions use it)."""
         kv = get_kv(tensors)
         check_kv(kv, tokens)
         if self.drop_ratio == 0.0:  # SPEC §5: ratio 0 returns the input unchanged, bit for bit
-            return kv.clone(), [int(t) for t in tokens]
-        keep = self.select(tensors, tokens)
-        return apply_keep(kv, tokens, keep, rope_spec=self.rope_spec, rerotate=self.rerotate)
+            return kv.clone(), [int(t) for t in tokens], torch.arange(kv.shape[2])
+        keep = check_keep(self.select(tensors, tokens), kv.shape[2])
+        new_kv, new_tokens = apply_keep(kv, tokens, keep, rope_spec=self.rope_spec, rerotate=self.rerotate)
+        return new_kv, new_tokens, keep
 
 
 _POLICIES = ("random", "middle_chunk", "snapkv", "rkv")
