@@ -157,6 +157,25 @@ def attention_spec(model_or_config) -> AttentionSpec:
     return AttentionSpec.from_config(model_or_config)
 
 
+def scoring_attention(model_config) -> AttentionSpec | None:
+    """The `AttentionSpec` query-aware policies score with, from what `make_drop_fn(model_config=...)` got.
+
+    Returns None (plain attention, scale `head_dim ** -0.5`) for objects that are neither a transformers
+    config nor a model (mappings, namespaces standing in for a config).
+
+    Raises:
+        ValueError: the model has learned sinks and only a bare config was given (see `check_sinks`), or the
+            config's model cannot be built on the meta device.
+    """
+    from transformers import PreTrainedConfig
+
+    if not isinstance(model_config, (PreTrainedConfig, torch.nn.Module)):
+        return None
+    spec = attention_spec(model_config)
+    spec.check_sinks()
+    return spec
+
+
 def _probe(model, device) -> AttentionSpec:
     from .engines.capture import AttentionRecorder, capture_implementation, recording
 
@@ -199,4 +218,4 @@ def softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None) -> torc
 
 
 __all__ = ["AttentionSpec", "LayerAttention", "attention_spec", "live_model", "masked_logits",
-           "register_live_model", "softmax_with_sinks"]
+           "register_live_model", "scoring_attention", "softmax_with_sinks"]

@@ -228,6 +228,8 @@ class HFEngine:
             with recording(recorder):
                 self._forward(input_ids.to(self.device), mask.to(self.device), position_ids.to(self.device), cache)
             now = time.perf_counter() - t0
+            if recorder.attention:  # what the attention functions were called with (scale, window, sinks ...)
+                self.attention = recorder.spec(len(cache.layers))
             for b, x in enumerate(batch):
                 pad = width - len(x)
                 # cache layer keys/values: [B, H_kv, width, d] -> this row's [L, T, H_kv*d]
@@ -268,8 +270,10 @@ class HFEngine:
     @torch.inference_mode()
     def check_query(self, request_id: int, rows: int = 8) -> float:
         """Validate a request's captured queries against its keys: recompute the attention of its last
-        `rows` prompt tokens from the captured `q` and `kv` (`softmax(q·kᵀ/sqrt(d))`, causal) and compare
-        with the model's own attention probabilities (eager attention, `output_attentions=True`).
+        `rows` prompt tokens from the captured `q` and `kv` with the scoring helper the query-aware policies
+        use (`policies.snapkv.window_attention` with the scale, soft-cap, sinks and sliding window the model's
+        attention was called with at prefill, `self.attention`) and compare with the model's own attention
+        probabilities (eager attention, `output_attentions=True`).
 
         Returns:
             The largest absolute difference over layers, heads and rows (≈1e-7 in fp32 when the capture is
@@ -293,7 +297,8 @@ class HFEngine:
             self.model.set_attn_implementation(impl)
         worst = 0.0
         for layer, a in enumerate(att):
-            mine = window_attention(req.kv[0, layer], req.query[layer, -rows:], self.facts.num_kv_heads)
+            mine = window_attention(req.kv[0, layer], req.query[layer, -rows:], self.facts.num_kv_heads,
+                                    self.attention.layers[layer])
             worst = max(worst, float((mine - a[0, :, -rows:, :].float()).abs().max()))
         return worst
 
