@@ -42,7 +42,10 @@ def _configs():
         "gemma3": (tf.Gemma3TextConfig, dict(query_pre_attn_scalar=24, sliding_window=WINDOW, layer_types=hybrid,
                                              num_hidden_layers=3)),
         "gpt_oss": (tf.GptOssConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
-                                          layer_types=hybrid, num_hidden_layers=3)),
+                                          layer_types=hybrid, num_hidden_layers=3, rope_parameters={
+                                              "rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                              "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                              "original_max_position_embeddings": 64})),
         "olmo2": (tf.Olmo2Config, {}),
         "granite": (tf.GraniteConfig, dict(attention_multiplier=0.1, embedding_multiplier=2.0, residual_multiplier=0.5,
                                            logits_scaling=2.0)),
@@ -60,13 +63,19 @@ def family_config(name: str):
     return cls(**{**COMMON, **extra})
 
 
+# Weights are drawn with std 0.2 so that greedy decoding is decisive (no near-ties between the two best
+# logits). gpt-oss (experts + sinks) at 0.2 amplifies fp32 rounding so much that two equivalent computations
+# of the model itself (its own sliding-window cache vs a full cache) differ by 1.6e-5 in the logits; at 0.1
+# they differ by 2.5e-6, under the 1e-5 the tests hold every family to.
+INIT_STD = {"gpt_oss": 0.1}
+
+
 def family_model(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A tiny random `...ForCausalLM` of family `name`, eval mode, on CPU; weights drawn with std 0.2 so that
-    greedy decoding is decisive (no near-ties between the two best logits)."""
+    """A tiny random `...ForCausalLM` of family `name`, eval mode, on CPU (weight std: `INIT_STD`, else 0.2)."""
     from transformers import AutoModelForCausalLM
 
     config = family_config(name)
-    config.initializer_range = 0.2
+    config.initializer_range = INIT_STD.get(name, 0.2)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():

@@ -628,9 +628,12 @@ def _mask_windows(config, windows: list[int | None]) -> dict:
 
 
 def request_seed(seed: int, request_id: int) -> int:
-    """The seed of one request's sampling generator: `(seed * 2**32 + request_id) mod 2**63`, distinct per
-    request and independent of the batch the request decodes in."""
-    return (int(seed) * 2**32 + int(request_id)) % 2**63
+    """The seed of one request's sampling generator: the first 4 bytes of BLAKE2b(`"seed:request_id"`), as an
+    unsigned int (torch's CPU generator uses 32 bits of a seed): distinct streams per request and per seed,
+    independent of the batch the request decodes in."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(f"{int(seed)}:{int(request_id)}".encode(), digest_size=4).digest(), "little")
 
 
 def _eos_ids(tokenizer, model) -> frozenset[int]:
