@@ -68,7 +68,10 @@ class _Request:
 
 
 class HFEngine:
-    """Embedded engine over a transformers causal LM (Qwen3, Llama, Mistral, ... with a `DynamicCache`).
+    """Embedded engine over a transformers causal LM: any decoder with full and/or sliding-window attention
+    and one key and one value per layer and token (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, gpt-oss, OLMo 2,
+    Granite, GPT-NeoX, Phi ...: README "Supported models"). Any other model fails here with one line naming
+    its family and the reason (`ValueError`).
 
     Args:
         model: a bundled name (`"tiny-qwen3"`), hub id, local folder, or an already loaded model
