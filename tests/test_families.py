@@ -205,6 +205,19 @@ def test_rope_frequencies_come_from_the_live_model():
     assert buf.dtype == torch.float16
     torch.testing.assert_close(live.inv_freq, buf.float(), atol=0, rtol=0)
     assert not torch.equal(live.inv_freq, RopeSpec.from_config(model.config).inv_freq)
+    # the keys the model caches carry the rounded frequencies: re-rotating with them lands on the model's own
+    # layer-0 keys (to fp16 rounding); with the exact frequencies of a bare config copy it misses by ~10x more
+    ids = [torch.randint(4, 200, (400,), generator=torch.Generator().manual_seed(0)).tolist()]
+    errors = {}
+    for source in ("live", "config"):
+        eng = open_engine("hf", model=model, tokenizer=_tokenizer(), progress=False, query_window=0)
+        eng.prefill(ids)
+        config = eng.config if source == "live" else copy.deepcopy(eng.config)  # a copy: not the engine's model
+        eng.modify(make_drop_fn("random", drop_ratio=0.5, model_config=config, seed=0, n_sink=2, window=4))
+        fresh = open_engine("hf", model=model, tokenizer=_tokenizer(), progress=False, query_window=0)
+        fresh.prefill([eng.tokens(0)])
+        errors[source] = float((eng.kv(0)[0, 0].float() - fresh.kv(0)[0, 0].float()).abs().max())
+    assert errors["live"] <= 4e-3 and errors["config"] > 5 * errors["live"], errors
     gemma = model_rope(_model("gemma3"))  # one spec per layer: local and global bases
     rot = _model("gemma3").model.rotary_emb
     assert torch.equal(gemma[0].inv_freq, rot.sliding_attention_inv_freq.float())
