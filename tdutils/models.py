@@ -138,7 +138,8 @@ def load_model(
         dtype: `"auto"` (the checkpoint's dtype; fp32 for the bundled model), `"float32"`, `"float16"`,
             `"bfloat16"` or a `torch.dtype`.
         device: where to put the model; default CUDA when available, else CPU.
-        attn_implementation: transformers attention backend (`"sdpa"`, `"eager"`, ...).
+        attn_implementation: transformers attention backend (`"sdpa"`, `"eager"`, ...); `"sdpa"` falls back to
+            `"eager"` for architectures without an sdpa path (Gemma 2's soft-capping, gpt-oss's sinks).
         progress: False hides transformers' progress bars while loading ("Loading weights", downloads);
             True leaves them as they are (shown unless disabled globally).
 
@@ -158,9 +159,15 @@ def load_model(
     with progress_bars(progress):
         tokenizer = load_tokenizer(name_or_path)
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                str(path), dtype=torch_dtype, attn_implementation=attn_implementation
-            )
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(path), dtype=torch_dtype, attn_implementation=attn_implementation
+                )
+            except ValueError as exc:
+                if attn_implementation != "sdpa" or "does not support an attention implementation" not in str(exc):
+                    raise
+                # Gemma 2 (soft-capping) and gpt-oss (sinks) have no sdpa path: their own eager attention
+                model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation="eager")
         except OSError as exc:
             raise OSError(_offline_hint(name_or_path, exc)) from exc
     model.to(device).eval()
@@ -247,7 +254,32 @@ class ModelFacts:
 
 
 def model_facts(config, dtype: torch.dtype = torch.float32) -> ModelFacts:
-    """Read layer/head counts from a transformers config (`head_dim` may be absent or None)."""
+    """Layer and head counts of a model, as its attention computes them.
+
+    Args:
+        config: a loaded model, or a transformers config. Head counts and `head_dim` come from the shapes of
+            the query and key its attention functions receive (`tdutils.attention.AttentionSpec`: a 2-token
+            forward of the model, or of the config's model built on the `meta` device), so an architecture
+            that ignores a config field (GPT-NeoX is multi-head whatever `num_key_value_heads` says) is
+            counted right. Objects that are not transformers configs (mappings, namespaces), and configs
+            whose model cannot be built, are read from the fields `num_attention_heads`,
+            `num_key_value_heads`, `head_dim` (may be absent or None) and `num_hidden_layers`.
+        dtype: the KV dtype.
+    """
+    from transformers import PreTrainedConfig
+
+    if isinstance(config, torch.nn.Module) or isinstance(config, PreTrainedConfig):
+        from .attention import attention_spec
+
+        try:
+            spec = attention_spec(config)
+        except ValueError:
+            spec = None
+        if spec is not None and spec.layers[0].num_kv_heads is not None:
+            first = spec.layers[0]
+            return ModelFacts(num_layers=len(spec.layers), num_query_heads=first.num_query_heads,
+                              num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, kv_dtype=dtype)
+        config = getattr(config, "config", config)
     n_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     return ModelFacts(
