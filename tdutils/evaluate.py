@@ -38,6 +38,7 @@ from pathlib import Path
 TRAIN_SEED_BASE = 10_000_000  # training streams of tools/train_tiny_model.py start here
 FULL = "full"
 DEFAULT_POLICIES = ("full", "random", "snapkv")
+ALL = "all"  # command line: every registered policy
 DEFAULT_DROP_RATIOS = (0.0, 0.25, 0.5, 0.75)
 DEFAULT_CONTEXT_LENGTHS = (512, 1024, 2048)
 COLUMNS = ("policy", "drop_ratio", "context_tokens", "n", "correct", "accuracy", "ci_low", "ci_high", "modify_s",
@@ -77,8 +78,8 @@ def passkey_eval(
 
     Args:
         model: bundled name (`"tiny-qwen3"`), hub id or local folder; ignored when `engine` is given.
-        policies: `"full"` (no dropping) and/or names for `tdutils.make_drop_fn` (`"random"`, `"snapkv"`,
-            `"middle_chunk"`, `"rkv"`, ...).
+        policies: `"full"` (no dropping) and/or registered policy names for `tdutils.make_drop_fn`
+            (`tdutils.policies.policy_names()`, including policies a user registered in this process).
         drop_ratios: fractions dropped, each in [0, 1]; `"full"` ignores them (one row at 0).
         context_lengths: prompt lengths in tokens (`make_passkey_dataset` fills to exactly this many with
             the bundled tokenizer; never more).
@@ -125,10 +126,9 @@ def passkey_eval(
         if model == "tiny-qwen3" and seed >= TRAIN_SEED_BASE:
             raise ValueError(f"seed {seed} is a training stream of the bundled model (>= {TRAIN_SEED_BASE}); "
                              f"evaluate with a seed below it")
-        # The query window must cover the largest observation window of the policies asked for.
-        windows = [int(p.get("window", 0)) for p in params.values()]
+        # query capture starts off; capture_for below widens it to what the policies need
         engine = HFEngine(model, device=device, dtype=dtype, kv_budget_tokens=None, prefill_batch_size=8,
-                          query_window=max([64, *windows]), progress=False)  # no bars, the model load's included
+                          query_window=0, progress=False)  # no bars, the model load's included
     elif getattr(engine, "model_name", None) == "tiny-qwen3" and seed >= TRAIN_SEED_BASE:
         raise ValueError(f"seed {seed} is a training stream of the bundled model (>= {TRAIN_SEED_BASE})")
 
@@ -145,6 +145,8 @@ def passkey_eval(
         for r in ratios:
             cells.append((policy, r, make_drop_fn(policy, drop_ratio=r, model_config=engine.config,
                                                   **params.get(policy, {}))))
+    if hasattr(engine, "capture_for"):  # capture the queries the policies read: none, a window, or all (H2O)
+        engine.capture_for(*(fn for _, _, fn in cells))
 
     rows = []
     for length in lengths:
@@ -330,8 +332,8 @@ def _split(values: Iterable[str], cast, what: str) -> list:
 def add_arguments(parser) -> None:
     """Options of `python -m tdutils eval` (added to an argparse parser)."""
     parser.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES),
-                        help="'full' (no dropping) and/or make_drop_fn policy names, space- or comma-separated "
-                             "(default: full random snapkv)")
+                        help="'full' (no dropping) and/or registered policy names, space- or comma-separated; "
+                             "'all' for every registered policy (default: full random snapkv)")
     parser.add_argument("--drop-ratios", nargs="+", default=[str(r) for r in DEFAULT_DROP_RATIOS],
                         help="fractions dropped, each in [0, 1] (default: 0 0.25 0.5 0.75)")
     parser.add_argument("--context-lengths", nargs="+", default=[str(x) for x in DEFAULT_CONTEXT_LENGTHS],
@@ -362,11 +364,13 @@ def run(args) -> int:
     except argparse.ArgumentTypeError as exc:
         raise ValueError(str(exc)) from None
     # Everything that can be checked without the model, before any work.
-    from .edit import _POLICIES
+    from .policies import policy_names
 
-    unknown = [p for p in policies if p not in (FULL, *_POLICIES)]
+    if ALL in policies:  # every registered policy, in registration order, after "full" when given
+        policies = list(dict.fromkeys(p for q in policies for p in ([*policy_names()] if q == ALL else [q])))
+    unknown = [p for p in policies if p not in (FULL, *policy_names())]
     if unknown:
-        raise ValueError(f"--policies: unknown {', '.join(map(repr, unknown))}; choose from {[FULL, *_POLICIES]}")
+        raise ValueError(f"--policies: unknown {', '.join(map(repr, unknown))}; choose from {[FULL, *policy_names()]}")
     for option, value in (("--n", args.n), ("--max-tokens", args.max_tokens)):
         if value < 1:
             raise ValueError(f"{option} must be >= 1, got {value}")

@@ -143,7 +143,12 @@ def default_kv_budget(prompt_lengths, max_tokens: int, full_requests: float = DE
 
 
 def run_once(engine, prompts, *, name: str = "baseline", drop_fn=None, max_tokens: int = 64, **decode_kwargs) -> RunResult:
-    """Prefill `prompts`, apply `drop_fn` (None: baseline, no modify), decode `max_tokens` per request."""
+    """Prefill `prompts`, apply `drop_fn` (None: baseline, no modify), decode `max_tokens` per request.
+
+    Before prefill the engine widens its query capture to what `drop_fn` needs (`engine.capture_for`).
+    """
+    if drop_fn is not None and hasattr(engine, "capture_for"):
+        engine.capture_for(drop_fn)
     engine.prefill(prompts)
     if drop_fn is not None:
         engine.modify(drop_fn)

@@ -196,6 +196,27 @@ class HFEngine:
         """The current KV `[2, L, T, D]` of one request (after `modify`, the edited one)."""
         return self.requests[request_id].kv
 
+    def capture_for(self, *drop_fns) -> int | None:
+        """Widen query capture to what `drop_fns` need before the next `prefill`; never narrows it.
+
+        `tdutils.policies.query_window_for` says what they need: nothing (query-free policies), the last `w`
+        prompt queries (SnapKV, R-KV, TOVA) or all of them (H2O: `[L, T, Hq*d]` per request, held until the
+        edit). Drop functions that do not say (a bare ModifyFn) change nothing. `run_once` and `compare`
+        call this, so a policy gets its queries whatever `query_window` the engine was opened with.
+
+        Returns:
+            The engine's `query_window` after the call (None = all prompt tokens).
+        """
+        from ..policies import query_window_for
+
+        need = query_window_for(*drop_fns, default=0)
+        if need == 0 or self.query_window is None or (need is not None and self.query_window >= need):
+            return self.query_window
+        if self.query_window == 0:  # capture was never installed
+            self.model.set_attn_implementation(capture_implementation(self.model.config._attn_implementation))
+        self.query_window = need
+        return need
+
     def query(self, request_id: int) -> torch.Tensor | None:
         """The captured query `[L, Tq, Hq*d]` of one request (rows aligned to the end of its KV), or None."""
         return self.requests[request_id].query
