@@ -2,8 +2,8 @@
 (a user's own policy reaches make_drop_fn, compare() and passkey_eval), query capture per policy, and the CLI."""
 
 import ast
-import json
 import dataclasses
+import json
 import math
 from pathlib import Path
 
