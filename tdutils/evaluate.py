@@ -338,6 +338,9 @@ def add_arguments(parser) -> None:
                         help="fractions dropped, each in [0, 1] (default: 0 0.25 0.5 0.75)")
     parser.add_argument("--context-lengths", nargs="+", default=[str(x) for x in DEFAULT_CONTEXT_LENGTHS],
                         help="prompt lengths in tokens (default: 512 1024 2048)")
+    parser.add_argument("--window", type=int, default=None,
+                        help="most recent tokens always kept, for every policy with a window parameter "
+                             "(default: each policy's own)")
     parser.add_argument("--n", type=int, default=200, help="prompts per context length (default: 200)")
     parser.add_argument("--seed", type=int, default=0,
                         help=f"dataset seed, below {TRAIN_SEED_BASE} (training streams) (default: 0)")
@@ -385,14 +388,18 @@ def run(args) -> int:
         check_plot_path(args.plot, "--plot")
     t0 = time.perf_counter()
     log = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    from .policies import get_policy
+
+    params = {} if getattr(args, "window", None) is None else {
+        p: {"window": args.window} for p in policies if p != FULL and "window" in get_policy(p).defaults()}
     table = passkey_eval(args.model, policies, ratios, lengths, n=args.n, seed=args.seed,
-                         max_tokens=args.max_tokens, log=log)
+                         max_tokens=args.max_tokens, log=log, policy_params=params)
     seconds = time.perf_counter() - t0
     print(format_table(table))
     print(f"\npasskey exact match, model={args.model}, n={args.n} per length, seed={args.seed}, "
           f"{seconds:.0f} s")
     meta = {"model": args.model, "policies": policies, "drop_ratios": ratios, "context_lengths": lengths,
-            "n": args.n, "seed": args.seed, "max_tokens": args.max_tokens, "seconds": seconds,
+            "n": args.n, "seed": args.seed, "max_tokens": args.max_tokens, "seconds": seconds, "policy_params": params,
             "metric": "exact match of the 5 passkey digits (tdutils.answers.score_passkey), 95% Wilson interval"}
     if args.json_path:
         print(f"wrote {write_json(table, args.json_path, meta=meta)}")
