@@ -12,6 +12,10 @@ ascending, `new_tokens[i] = tokens[keep[i]]`, V rows gathered as they are, K row
 
 A drop function never mutates its input and validates shapes first; the engines validate its output
 (`validate_drop_output`) and keep a request's cache unchanged when it fails.
+
+`make_drop_fn` finds policies by name in the registry of `tdutils.policies` (`register_policy`); this module
+knows no policy. The cache-tensor helpers (`CacheKind`, `get_kv`, `get_query`, `check_kv`, `check_keep`,
+`apply_keep`) live in `tdutils.kvcache`, under both this module and the policies, and are re-exported here.
 """
 
 from __future__ import annotations

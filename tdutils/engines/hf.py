@@ -65,8 +65,9 @@ class HFEngine:
         prefill_batch_size: prompts prefilled together (left-padded).
         positions: `"compact"` or `"original"` (see module docstring).
         query_window: how many final prompt tokens' query states prefill captures per request (`[L, Tq,
-            Hq*d]`, after q_norm and RoPE) for policies that need them (SnapKV, R-KV); default 64, the
-            largest default policy window; None captures all tokens; 0 captures nothing.
+            Hq*d]`, after q_norm and RoPE) for policies that need them (SnapKV, R-KV, TOVA; H2O needs all);
+            default 64, the largest default policy window; None captures all tokens; 0 captures nothing.
+            `run_once` / `compare` widen it to what their drop function needs (`capture_for`).
         progress: show tqdm progress bars for the prefill and decode phases.
 
     Query capture switches the model to a registered attention function that wraps its `sdpa` or
