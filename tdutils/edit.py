@@ -202,12 +202,13 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float = 0.5, model_confi
         from .models import model_facts
 
         facts = model_facts(model_config)
-    elif pol.needs_model:
+    elif pol.needs_model or pol.setup is not None:
         raise ValueError(f"policy {policy!r} needs model_config (head_dim and head counts of the model)")
+    extra = dict(pol.setup(model_config)) if pol.setup is not None else {}  # per-model values, computed once
     keep, reads_query = pol.keep, pol.needs != "kv"
 
     def select(tensors, tokens):
-        return keep(get_kv(tensors), get_query(tensors) if reads_query else None, r, params=p, facts=facts)
+        return keep(get_kv(tensors), get_query(tensors) if reads_query else None, r, params=p, facts=facts, **extra)
 
     return DropFn(policy, select, r, rerotate, rope_spec, dict(vars(p)), needs=pol.needs, query_rows=pol.rows(p))
 

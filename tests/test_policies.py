@@ -261,6 +261,20 @@ def test_a_users_policy_registered_in_a_cell_reaches_make_drop_fn_compare_and_ev
         register_policy("every_other", params=EveryOtherParams, needs="kv", keep=every_other_keep)  # a re-run cell
         fn = make_drop_fn("every_other", drop_ratio=0.5, model_config=model.config, window=2)
         assert fn.keep_indices({CacheKind.KV: torch.zeros(2, 2, 10, 64)}, list(range(10))).tolist() == [0, 2, 4, 6, 8, 9]
+        # setup(model_config) runs once per drop function; its values reach keep as keywords
+        calls = []
+
+        def first_layers_keep(kv, q, drop_ratio, *, params, facts, n_layers):
+            assert n_layers == facts.num_layers == 2
+            return torch.arange(params.window)
+
+        register_policy("first_tokens", params=EveryOtherParams, needs="kv", keep=first_layers_keep,
+                        setup=lambda config: calls.append(1) or {"n_layers": config.num_hidden_layers})
+        fn2 = make_drop_fn("first_tokens", drop_ratio=0.5, model_config=model.config, window=3)
+        for _ in range(2):
+            assert fn2.keep_indices({CacheKind.KV: torch.zeros(2, 2, 10, 64)}, list(range(10))).tolist() == [0, 1, 2]
+        assert calls == [1]
+        unregister_policy("first_tokens")
         eng = HFEngine(model, tokenizer=tok, progress=False, query_window=0)
         prompts = [tok(r.prompt)["input_ids"][:64] for r in load_prompts("sample", num_requests=2)]
         _, table = tdutils.compare(eng, prompts, {"every_other": fn}, max_tokens=2)

@@ -66,6 +66,9 @@ class Policy:
         paper: the paper the policy implements, with its arXiv id ("" for baselines).
         needs_model: `keep` reads `facts` (head_dim, head counts); `make_drop_fn` then requires `model_config`.
         query_rows: for `needs="window"`, `query_rows(params) -> w` query rows needed (default `params.window`).
+        setup: optional `setup(model_config) -> dict` of extra keyword arguments for `keep`, computed once when
+            the drop function is built (per-model values such as the model's attention arithmetic), not per
+            request.
         builtin: registered by tdutils itself (replacing it needs `replace=True`).
     """
 
@@ -77,6 +80,7 @@ class Policy:
     paper: str = ""
     needs_model: bool = True
     query_rows: Callable | None = None
+    setup: Callable | None = None
     builtin: bool = False
 
     def make_params(self, **values):
@@ -105,8 +109,8 @@ _REGISTRY: dict[str, Policy] = {}
 
 
 def register_policy(name: str, *, params: type, needs: str, keep: KeepFn, summary: str = "", paper: str = "",
-                    needs_model: bool = True, query_rows: Callable | None = None, replace: bool = False,
-                    builtin: bool = False) -> Policy:
+                    needs_model: bool = True, query_rows: Callable | None = None, setup: Callable | None = None,
+                    replace: bool = False, builtin: bool = False) -> Policy:
     """Make a policy reachable by name everywhere (`make_drop_fn`, `--policy`, `passkey_eval`, notebooks).
 
     Args:
@@ -118,6 +122,8 @@ def register_policy(name: str, *, params: type, needs: str, keep: KeepFn, summar
         summary, paper: one-line description and source.
         needs_model: `keep` reads the model facts (then `make_drop_fn` requires `model_config`).
         query_rows: for `needs="window"`, `query_rows(params) -> w` (default: `params.window`).
+        setup: `setup(model_config) -> dict` of extra keyword arguments for `keep`, computed once per drop
+            function (requires `model_config`).
         replace: allow replacing a policy tdutils itself registers. A user's own policy may be registered
             again under its name (re-running a notebook cell) without it.
         builtin: for tdutils' own policies.
@@ -141,6 +147,8 @@ def register_policy(name: str, *, params: type, needs: str, keep: KeepFn, summar
                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
         raise ValueError(f"every parameter of policy {name!r} needs a default; {missing} have none")
+    if setup is not None and not callable(setup):
+        raise TypeError(f"setup must be callable as setup(model_config) -> dict, got {setup!r}")
     if not callable(keep):
         raise TypeError(f"keep must be callable as keep(kv, q, drop_ratio, *, params, facts), got {keep!r}")
     if needs == "window" and query_rows is None and "window" not in {f.name for f in dataclasses.fields(params)}:
@@ -148,7 +156,7 @@ def register_policy(name: str, *, params: type, needs: str, keep: KeepFn, summar
     old = _REGISTRY.get(name)
     if old is not None and old.builtin and not replace:
         raise ValueError(f"policy {name!r} is built into tdutils; pass replace=True to replace it, or choose another name")
-    policy = Policy(name, params, needs, keep, summary, paper, needs_model, query_rows, builtin)
+    policy = Policy(name, params, needs, keep, summary, paper, needs_model, query_rows, setup, builtin)
     _REGISTRY[name] = policy
     return policy
 
