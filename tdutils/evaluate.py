@@ -373,7 +373,7 @@ def run(args) -> int:
         policies = list(dict.fromkeys(p for q in policies for p in ([*policy_names()] if q == ALL else [q])))
     unknown = [p for p in policies if p not in (FULL, *policy_names())]
     if unknown:
-        raise ValueError(f"--policies: unknown {', '.join(map(repr, unknown))}; choose from {[FULL, *policy_names()]}")
+        raise ValueError(f"--policies: unknown {', '.join(map(repr, unknown))}; choose from {[FULL, *policy_names()]} or {ALL!r}")
     for option, value in (("--n", args.n), ("--max-tokens", args.max_tokens)):
         if value < 1:
             raise ValueError(f"{option} must be >= 1, got {value}")
