@@ -3,6 +3,8 @@
     python bench/accuracy.py                                   # n=200 per cell, 512/1024/2048 tokens
     python bench/accuracy.py --n 50 --context-lengths 512      # quicker
     python bench/accuracy.py --policies full random snapkv rkv # R-KV too
+    python bench/accuracy.py --policies full all --drop-ratios 0.5 --context-lengths 1024   # every policy
+    python bench/accuracy.py --policies knorm keydiff --window 64   # protect the last 64 tokens (the question)
 
 A thin script over `tdutils.evaluate` (the same code as `python -m tdutils eval`): prints the table
 (exact match of the five passkey digits, 95% Wilson interval, modify seconds), writes it as JSON and the

@@ -33,7 +33,7 @@ from tdutils.engines.base import DEFAULT_FULL_REQUESTS
 from tdutils.evaluate import check_output_path, check_plot_path
 from tdutils.sweep import SweepConfig, throughput_sweep
 
-POLICIES = ("snapkv", "rkv", "random", "middle_chunk")
+POLICIES = tuple(tdutils.policies.policy_names())  # every registered policy
 DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
 TABLE_COLUMNS = ("decode_tok_s_median", "decode_tok_s_min", "decode_tok_s_max", "peak_batch", "modify_s",
                  "modify_of_base_decode", "decode_speedup", "capacity_limit", "of_limit", "e2e_speedup")

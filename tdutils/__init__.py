@@ -4,6 +4,7 @@ Drop the tokens a policy judges least useful from each request's KV cache after 
 surviving keys' RoPE, and decode more requests per batch. See README.md.
 """
 
+from . import policies  # the policy registry: tdutils.policies.register_policy, policy_names
 from .edit import CacheKind, DropFn, DropFunctionError, make_drop_fn
 from .engines import compare, default_kv_budget, open_engine, run_once
 from .selection import keep_count
@@ -20,5 +21,6 @@ __all__ = [
            "keep_count",
            "make_drop_fn",
            "open_engine",
+           "policies",
            "run_once",
 ]

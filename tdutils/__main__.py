@@ -15,7 +15,9 @@ import sys
 
 from .cli_args import OneLineParser, positive_int
 
-POLICIES = ("snapkv", "rkv", "random", "middle_chunk")
+# Command-line options that reach a policy's parameters (when the policy has a parameter of that name).
+POLICY_OPTIONS = {"window": "--window", "n_sink": "--n-sink", "kernel_size": "--kernel-size", "pooling": "--pooling",
+                  "redundancy": "--redundancy", "seed": "--seed", "chunk_size": "--chunk-size"}
 
 # Subcommands defined in other modules: name -> (module, help). Each module provides
 # `add_arguments(parser)` and `run(args) -> int` (exit status).
@@ -34,6 +36,44 @@ def _ratio(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _count(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def policy_params(args) -> dict:
+    """The `make_drop_fn` parameters the command line's options give `args.policy`.
+
+    Only options given on the command line are passed (the policy's own defaults apply otherwise).
+
+    Raises:
+        ValueError: an option given that the policy has no parameter for.
+    """
+    from .policies import get_policy
+
+    pol = get_policy(args.policy)
+    fields = set(pol.defaults())
+    params, stray = {}, []
+    for name, option in POLICY_OPTIONS.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if name in fields:
+            params[name] = value
+        else:
+            stray.append(option)
+    if stray:
+        raise ValueError(f"{', '.join(stray)} does not apply to policy {args.policy!r}; its parameters are "
+                         f"{sorted(fields) or 'none'}")
+    return params
+
+
 def _fmt(x: float) -> str:
     return f"{x:.0f}" if float(x).is_integer() else f"{x:.4g}"
 
@@ -45,10 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="baseline vs token dropping: phase metrics and the decode-throughput ratio",
         description="Prefill the prompts, drop tokens from every request's KV cache with a policy, decode under "
                     "a fixed KV budget, and compare with the baseline (no dropping) on the same prompts.")
-    run.add_argument("--policy", choices=POLICIES, default="snapkv",
-                     help="token-selection policy: snapkv (attention of the last prompt tokens), rkv (importance "
-                          "minus redundancy), random, middle_chunk (the LMCache reference's chunk-middle dropping) "
-                          "(default: snapkv)")
+    from .policies import get_policy, policy_names
+
+    names = policy_names()
+    run.add_argument("--policy", choices=names, default="snapkv", metavar="{" + ",".join(names) + "}",
+                     help="token-selection policy (default: snapkv): " + "; ".join(
+                         f"{n}: {get_policy(n).summary}" for n in names))
     run.add_argument("--drop-ratio", type=_ratio, default=0.5,
                      help="fraction of each request's tokens to drop, in [0, 1] (default: 0.5)")
     run.add_argument("--engine", choices=("hf", "lmcache"), default="hf",
@@ -75,15 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
                           "original: keep rotations and decode at T")
     run.add_argument("--repeats", type=positive_int, default=1,
                      help="baseline and dropped run alternately this many times; the table shows medians")
-    run.add_argument("--window", type=positive_int, default=None,
-                     help="observation window: the last prompt tokens always kept, whose queries vote in snapkv "
-                          "(default: 64 for snapkv, 16 for rkv and random)")
-    run.add_argument("--kernel-size", type=positive_int, default=5, help="snapkv pooling kernel, odd (default: 5)")
-    run.add_argument("--pooling", choices=("avg", "max"), default="avg", help="snapkv pooling (default: avg)")
-    run.add_argument("--redundancy", choices=("exact", "reference", "tiled", "buffered"), default="exact",
+    run.add_argument("--window", type=_count, default=None,
+                     help="the most recent prompt tokens, always kept (the observation window of snapkv and rkv, "
+                          "whose queries vote) (default: the policy's own: 64 snapkv, 16 rkv and random, 1 tova, "
+                          "half the keep count h2o, 0 streaming_llm, knorm, keydiff)")
+    run.add_argument("--n-sink", type=_count, default=None,
+                     help="the first prompt tokens, always kept (attention sinks) (default: the policy's own: 4 "
+                          "random and streaming_llm, 0 h2o, tova, knorm, keydiff)")
+    run.add_argument("--kernel-size", type=positive_int, default=None, help="snapkv / rkv pooling kernel, odd "
+                     "(default: 5 snapkv, 7 rkv)")
+    run.add_argument("--pooling", choices=("avg", "max"), default=None, help="snapkv pooling (default: avg)")
+    run.add_argument("--redundancy", choices=("exact", "reference", "tiled", "buffered"), default=None,
                      help="rkv redundancy method (default: exact, linear memory)")
-    run.add_argument("--seed", type=int, default=0, help="seed of the random policy (default: 0)")
-    run.add_argument("--chunk-size", type=positive_int, default=256, help="chunk size of middle_chunk (default: 256)")
+    run.add_argument("--seed", type=int, default=None, help="seed of the random policy (default: 0)")
+    run.add_argument("--chunk-size", type=positive_int, default=None, help="chunk size of middle_chunk (default: 256)")
     run.add_argument("--dtype", default="auto", help="model dtype: auto, float32, float16, bfloat16 (default: auto)")
     run.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     run.add_argument("--json", dest="json_path", default="runs/run.json",
@@ -108,6 +155,12 @@ def cmd_run(args) -> int:
     from .metrics import ratio_caveats
 
     out = check_output_path(args.json_path, "--json", example="runs/run.json")  # before any work
+    from .policies import get_policy
+
+    params = policy_params(args)
+    policy = get_policy(args.policy)
+    settings = policy.make_params(**params)
+    window = getattr(settings, "window", None)  # protected recent tokens (None: the policy decides)
     from .models import _check_local
 
     _check_local(args.model, weights=args.engine == "hf")  # a broken local folder fails before the dataset loads
@@ -127,17 +180,11 @@ def cmd_run(args) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    params = {
-        "snapkv": {"window": args.window or 64, "kernel_size": args.kernel_size, "pooling": args.pooling},
-        "rkv": {"window": args.window or 16, "redundancy": args.redundancy},
-        "random": {"seed": args.seed, "window": args.window or 16},
-        "middle_chunk": {"chunk_size": args.chunk_size},
-    }[args.policy]
     servers = {} if args.engine == "hf" else {
         "vllm_url": args.vllm_url, "lmcache_url": args.lmcache_url, "lmcache_http_url": args.lmcache_http_url}
     engine = open_engine(args.engine, model=args.model, dtype=args.dtype, device=args.device,
                          positions=args.positions, progress=not args.no_progress,
-                         query_window=max(64, params.get("window", 0)), **servers)
+                         query_window=policy.rows(settings), **servers)  # 0: nothing captured
     prompt_ids = engine.tokenize(rows)
     if args.kv_budget_tokens is None:
         engine.kv_budget_tokens = default_kv_budget(map(len, prompt_ids), args.max_tokens)
@@ -152,8 +199,8 @@ def cmd_run(args) -> int:
         raise ValueError(f"the longest prompt ({max(map(len, prompt_ids))} tokens) plus --max-tokens {args.max_tokens} "
                          f"exceeds the model's {max_pos} positions (max_position_embeddings); lower --max-tokens")
     shortest = min(map(len, prompt_ids))
-    if params.get("window", 0) >= shortest:  # the window is always kept: nothing would be dropped
-        raise ValueError(f"--window {params['window']} is not shorter than the shortest prompt ({shortest} tokens); "
+    if window is not None and window >= shortest:  # the window is always kept: nothing would be dropped
+        raise ValueError(f"--window {window} is not shorter than the shortest prompt ({shortest} tokens); "
                          f"the {args.policy} window is always kept, so nothing would be dropped: give a smaller --window")
     drop_fn = make_drop_fn(args.policy, drop_ratio=args.drop_ratio, model_config=engine.config,
                            rerotate=args.positions == "compact", **params)

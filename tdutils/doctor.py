@@ -43,9 +43,16 @@ class Report:
     def __init__(self, out=None):
         self.out = out or sys.stdout
         self.failed = False
+        self.kv_failed = False  # a failure that stops every policy (servers, registration, completions)
+        self.query_issue: str | None = None  # why policies that need queries may not run
 
-    def add(self, level: str, what: str, fix: str = "") -> None:
+    def add(self, level: str, what: str, fix: str = "", *, queries: bool = False) -> None:
+        """One check's line; `queries=True` marks a check only policies that read queries depend on."""
         self.failed |= level == FAIL
+        if queries and level != OK:
+            self.query_issue = self.query_issue or what
+        elif level == FAIL:
+            self.kv_failed = True
         print(f"[{level:>4}] {what}", file=self.out)
         if fix:
             print(f"       fix: {fix}", file=self.out)
@@ -120,7 +127,8 @@ def _vllm_version(rep: Report, url: str, timeout: float) -> None:
         check_version(str(version))
     except PatchError:
         rep.add(WARN, f"vLLM {version} is outside the range the query-export patch was tested on ({SUPPORTED_TEXT})",
-                "pip install vllm==0.25.1 in vLLM's environment (policies without queries are unaffected)")
+                "pip install vllm==0.25.1 in vLLM's environment (policies without queries are unaffected)",
+                queries=True)
         return
     rep.add(OK, f"vLLM version {version} (patch tested on {SUPPORTED_TEXT})")
 
@@ -133,7 +141,8 @@ def _patch_state(rep: Report, vllm_dir: str | None, python: str | None) -> None:
         state = status(install).state
     except (PatchError, OSError) as exc:
         rep.add(WARN, f"patch state unknown: {exc}",
-                "run `python -m tdutils.patches check` in vLLM's environment, or pass --vllm-python / --vllm-dir")
+                "run `python -m tdutils.patches check` in vLLM's environment, or pass --vllm-python / --vllm-dir",
+                queries=True)
         return
     if state == "applied":
         rep.add(OK, f"vLLM {install.version} at {install.package_dir} is patched to export query tensors")
@@ -141,11 +150,11 @@ def _patch_state(rep: Report, vllm_dir: str | None, python: str | None) -> None:
         rep.add(FAIL, f"vLLM {install.version} at {install.package_dir}: the query-export patch does not fit this "
                       f"vLLM (its code differs from the versions the patch was written for, {SUPPORTED_TEXT})",
                 f"install vLLM {SUPPORTED_TEXT} in vLLM's environment (pip install vllm==0.25.1), or run "
-                f"policies without queries (random, middle_chunk) and pass --no-queries")
+                f"policies without queries ({', '.join(_query_free())}) and pass --no-queries", queries=True)
     else:
         rep.add(FAIL, f"vLLM {install.version} at {install.package_dir}: query-export patch {state}",
                 "python -m tdutils.patches apply" + (f" --python {python}" if python else "")
-                + (f" --vllm-dir {vllm_dir}" if vllm_dir else "") + ", then restart vLLM")
+                + (f" --vllm-dir {vllm_dir}" if vllm_dir else "") + ", then restart vLLM", queries=True)
 
 
 def _registration(rep: Report, status: dict, model: str, root: str | None, queries: bool) -> None:
@@ -163,9 +172,37 @@ def _registration(rep: Report, status: dict, model: str, root: str | None, queri
     if {model, f"{model}##query", name, f"{name}##query"} & q_models:
         rep.add(OK, f"LMCache has a query ring registered for {model!r}")
     else:
-        rep.add(WARN, f"no query ring registered for {model!r} in LMCache; SnapKV/R-KV need queries",
+        rep.add(WARN, f"no query ring registered for {model!r} in LMCache; {', '.join(_query_aware())} need queries",
                 "start LMCache with --enable transfer_query and vLLM (patched) with "
-                "\"lmcache.mp.transfer_intermediate_tensors\": true; or use --no-queries for random/middle_chunk")
+                "\"lmcache.mp.transfer_intermediate_tensors\": true; or use --no-queries for "
+                f"{', '.join(_query_free())}", queries=True)
+
+
+def _query_free() -> list[str]:
+    from .policies import policy_names
+
+    return policy_names("kv")
+
+
+def _query_aware() -> list[str]:
+    from .policies import policy_names
+
+    return [n for n in policy_names() if n not in _query_free()]
+
+
+def _policies(rep: Report, no_queries: bool) -> None:
+    """The summary: which registered policies this setup can run."""
+    free, aware = _query_free(), _query_aware()
+    if rep.kv_failed:
+        rep.add(WARN, "policies this setup can run: none until the failures above are fixed")
+        return
+    rep.add(OK, f"query-free policies can run (no query patch, no transfer_query): {', '.join(free)}")
+    if no_queries:
+        rep.add(WARN, f"not checked (--no-queries): {', '.join(aware)}, which need query tensors")
+    elif rep.query_issue:
+        rep.add(WARN, f"policies that need query tensors may not run: {', '.join(aware)} ({rep.query_issue})")
+    else:
+        rep.add(OK, f"policies that need query tensors can run: {', '.join(aware)}")
 
 
 def _layout_readable(rep: Report, entry: dict, model: str) -> None:
@@ -229,6 +266,7 @@ def run(args, out=None) -> int:
         _registration(rep, status, model, root, not args.no_queries)
     if model is not None:
         _token_ids(rep, vllm_url, model, args.timeout)
+    _policies(rep, args.no_queries)
     print("all checks passed" if not rep.failed else "some checks failed: fix them in order, then run doctor again",
           file=rep.out)
     return 1 if rep.failed else 0

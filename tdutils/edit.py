@@ -12,29 +12,22 @@ ascending, `new_tokens[i] = tokens[keep[i]]`, V rows gathered as they are, K row
 
 A drop function never mutates its input and validates shapes first; the engines validate its output
 (`validate_drop_output`) and keep a request's cache unchanged when it fails.
+
+`make_drop_fn` finds policies by name in the registry of `tdutils.policies` (`register_policy`); this module
+knows no policy. The cache-tensor helpers (`CacheKind`, `get_kv`, `get_query`, `check_kv`, `check_keep`,
+`apply_keep`) live in `tdutils.kvcache`, under both this module and the policies, and are re-exported here.
 """
 
 from __future__ import annotations
 
-import enum
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from .kvcache import CacheKind, apply_keep, check_keep, check_kv, get_kv, get_query
 from .selection import check_drop_ratio, keep_count
-
-try:  # LMCache's own enum when installed, so drop functions run unchanged on the serving path.
-    from lmcache.sdk import LMCacheSDKCacheKind as CacheKind  # type: ignore
-except Exception:  # noqa: BLE001 (lmcache is optional; any import failure means "not usable")
-
-    class CacheKind(str, enum.Enum):
-        """Which tensor of a request a drop function receives (same values as `lmcache.sdk`)."""
-
-        KV = "kv"
-        QUERY = "query"
-
 
 ModifyFn = Callable[[Mapping, Sequence[int]], tuple[torch.Tensor, list[int]]]
 # A selection function: (tensors, tokens) -> LongTensor of kept indices.
@@ -44,84 +37,6 @@ SelectFn = Callable[[Mapping, Sequence[int]], torch.Tensor]
 class DropFunctionError(RuntimeError):
     """A drop function raised or returned output that breaks the ModifyFn contract."""
 
-
-def get_kv(tensors: Mapping) -> torch.Tensor:
-    """The `[2, L, T, D]` KV tensor of `tensors`, keyed by `CacheKind.KV` (or the string "kv")."""
-    for key, value in tensors.items():
-        if key == CacheKind.KV or getattr(key, "value", key) == "kv":
-            return value
-    raise KeyError(f"tensors has no KV entry (keys: {[getattr(k, 'value', k) for k in tensors]}); "
-                   f"pass {{CacheKind.KV: kv}}")
-
-
-def get_query(tensors: Mapping) -> torch.Tensor | None:
-    """The query tensor `[L, Tq, Hq*d]` (a leading batch dim of 1, as LMCache returns, is removed), or None."""
-    for key, value in tensors.items():
-        if key == CacheKind.QUERY or getattr(key, "value", key) == "query":
-            return value[0] if value.dim() == 4 and value.shape[0] == 1 else value
-    return None
-
-
-def check_kv(kv: torch.Tensor, tokens: Sequence[int]) -> None:
-    """Raise TypeError unless `kv` is a tensor, ValueError unless it is `[2, L, T, D]` with `T == len(tokens)`."""
-    if not isinstance(kv, torch.Tensor):
-        raise TypeError(f"KV must be a torch.Tensor of shape [2, L, T, D], got {type(kv).__name__}")
-    if kv.dim() != 4 or kv.shape[0] != 2:
-        raise ValueError(f"KV must have shape [2, L, T, D] (keys and values), got {tuple(kv.shape)}")
-    if kv.shape[2] != len(tokens):
-        raise ValueError(f"KV holds {kv.shape[2]} tokens but {len(tokens)} token ids were given; "
-                         f"they must match")
-
-
-def check_keep(keep: torch.Tensor, n: int) -> torch.Tensor:
-    """Validate kept indices for `n` tokens; returns them as a sorted CPU LongTensor.
-
-    Raises:
-        ValueError: not 1-D integers, empty, out of range, or duplicated.
-    """
-    keep = torch.as_tensor(keep)
-    if keep.dim() != 1 or keep.dtype.is_floating_point or keep.dtype == torch.bool:
-        raise ValueError(f"kept indices must be a 1-D integer tensor, got dtype {keep.dtype}, shape {tuple(keep.shape)}")
-    keep = torch.sort(keep.long().cpu()).values
-    if keep.numel() == 0:
-        raise ValueError("a drop function must keep at least one token")
-    if keep[0] < 0 or keep[-1] >= n:
-        raise ValueError(f"kept indices must lie in [0, {n}), got min {int(keep[0])}, max {int(keep[-1])}")
-    if keep.numel() > 1 and bool((keep[1:] == keep[:-1]).any()):
-        raise ValueError("kept indices contain duplicates")
-    return keep
-
-
-def apply_keep(kv: torch.Tensor, tokens: Sequence[int], keep: torch.Tensor, *, rope_spec=None,
-               rerotate: bool = True) -> tuple[torch.Tensor, list[int]]:
-    """Gather the kept tokens of one request's KV; re-rotate keys to compact positions.
-
-    Args:
-        kv: `[2, L, T, D]` (any float dtype, any device); not modified.
-        tokens: the T token ids.
-        keep: LongTensor [k] of kept indices (validated and sorted here).
-        rope_spec: a `tdutils.rope.RopeSpec`; required when `rerotate=True`.
-        rerotate: move key `i` from position `keep[i]` to position `i` (fp32 arithmetic, one cast).
-
-    Returns:
-        `(new_kv [2, L, k, D], new_tokens list[int] of length k)`: new tensors, input untouched.
-    """
-    check_kv(kv, tokens)
-    n = kv.shape[2]
-    keep = check_keep(keep, n)
-    if keep.numel() == n:  # nothing dropped: return an exact copy (bit for bit)
-        return kv.clone(), [int(t) for t in tokens]
-    two, n_layers, _, dim = kv.shape
-    # [2L, T, D] gather along tokens: several times faster than index_select on dim 2 of the 4-D view
-    new_kv = kv.reshape(two * n_layers, n, dim).index_select(1, keep.to(kv.device)).view(two, n_layers, -1, dim)
-    if rerotate:
-        if rope_spec is None:
-            raise ValueError("rerotate=True needs the model's RoPE spec; pass model_config= to make_drop_fn")
-        from .rope import rerotate_k_cache
-
-        new_positions = torch.arange(keep.numel())
-        new_kv = rerotate_k_cache(new_kv, keep, new_positions, rope_spec)
-    return new_kv, [int(tokens[i]) for i in keep.tolist()]
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int) -> int | None:
@@ -193,6 +108,11 @@ class DropFn:
         rerotate: whether keys are moved to compact positions (engines check this against their
             `positions` setting).
         rope_spec: the model's `RopeSpec` (None when `rerotate=False`).
+        params: the policy's parameters, `{name: value}`.
+        needs: what the policy reads: `"kv"`, `"window"` (the last `query_rows` prompt queries) or `"all"`
+            (every prompt query); None for a selection function passed directly (unknown).
+        query_rows: query rows to capture at prefill: 0, `w`, or None (all); see
+            `tdutils.policies.query_window_for`.
     """
 
     name: str
@@ -201,6 +121,8 @@ class DropFn:
     rerotate: bool = True
     rope_spec: object | None = None
     params: dict = field(default_factory=dict)
+    needs: str | None = None
+    query_rows: int | None = 0
 
     def keep_indices(self, tensors: Mapping, tokens: Sequence[int]) -> torch.Tensor:
         """Sorted LongTensor [k] of the indices this function keeps for one request."""
@@ -223,22 +145,17 @@ class DropFn:
         return new_kv, new_tokens, keep
 
 
-_POLICIES = ("random", "middle_chunk", "snapkv", "rkv")
-
-
 def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float = 0.5, model_config=None, rerotate: bool = True,
                  **params) -> DropFn:
     """Build the drop function (LMCache `ModifyFn`) of a policy.
 
     Args:
-        policy: `"random"` (`policies.random_keep`; params `seed`, `n_sink`, `window`), `"middle_chunk"`
-            (`policies.middle_chunk_keep`; param `chunk_size`), `"snapkv"` (`policies.snapkv_keep`; params
-            `window`, `kernel_size`, `pooling`, `gqa_reduce`; needs `CacheKind.QUERY`), `"rkv"` (`policies.rkv_keep`;
-            params of `policies.rkv.RKVParams`: `window`, `kernel_size`, `mix_lambda`, `threshold`, `redundancy`
-            ("reference" | "exact" | "tiled" | "buffered"), `eps` and the method's tiles `row_tile`, `col_block`,
-            `first_block`, `chunk_size`, `device`; needs `CacheKind.QUERY`), or your own selection function
-            `select(tensors, tokens) -> LongTensor` of kept indices (it may read `CacheKind.KV` and
-            `CacheKind.QUERY`); `drop_ratio` is then passed to it as a keyword if it accepts one.
+        policy: a registered policy name (`tdutils.policies.policy_names()`: `"snapkv"`, `"rkv"`, `"random"`,
+            `"middle_chunk"`, `"streaming_llm"`, `"h2o"`, `"tova"`, `"knorm"`, `"keydiff"`, and any registered
+            with `tdutils.policies.register_policy`; its parameters are the fields of its params dataclass,
+            e.g. `tdutils.policies.SnapKVParams`), or your own selection function `select(tensors, tokens) ->
+            LongTensor` of kept indices (it may read `CacheKind.KV` and `CacheKind.QUERY`); `drop_ratio` is then
+            passed to it as a keyword if it accepts one.
         drop_ratio: fraction of tokens to remove, in [0, 1].
         model_config: the model's transformers config, or the loaded model; needed for RoPE re-rotation and
             by the query-aware policies (head counts, and the model's attention: scale, soft-cap, sinks,
@@ -247,13 +164,15 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float = 0.5, model_confi
             model (`tdutils.rope.model_rope`); a bare config gives them from its definition, and a model
             with learned sinks (gpt-oss) then fails for snapkv/rkv (their values live in the weights).
         rerotate: re-rotate kept keys to compact positions (True: what vLLM + LMCache decode with).
+        **params: the policy's parameters (e.g. `window=32`); unknown names are refused.
 
     Returns:
-        A `DropFn`, callable as `fn(tensors, tokens) -> (new_kv [2, L, k, D], new_tokens)`.
+        A `DropFn`, callable as `fn(tensors, tokens) -> (new_kv [2, L, k, D], new_tokens)`; its `needs` and
+        `query_rows` say which queries the engine must capture at prefill.
 
     Raises:
-        ValueError: unknown policy name, drop_ratio outside [0, 1], unknown params, or
-            `rerotate=True` without `model_config`.
+        ValueError: unknown policy name, drop_ratio outside [0, 1], unknown or bad params, or
+            `rerotate=True` (or a policy reading head counts) without `model_config`.
     """
     r = check_drop_ratio(drop_ratio)
     rope_spec = None
@@ -282,73 +201,26 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float = 0.5, model_confi
         def select(tensors, tokens):
             return user_select(tensors, tokens, **extra)
 
-        return DropFn(name, select, r, rerotate, rope_spec, dict(params))
+        return DropFn(name, select, r, rerotate, rope_spec, dict(params), needs=None, query_rows=None)
 
-    if policy == "random":
-        from .policies.random import RandomParams, random_keep
+    from .policies import get_policy
 
-        p = _params(RandomParams, params, policy)
-
-        def select(tensors, tokens):
-            return random_keep(len(tokens), r, seed=p.seed, n_sink=p.n_sink, window=p.window)
-
-    elif policy == "middle_chunk":
-        from .policies.random import middle_chunk_keep
-
-        chunk_size = int(params.pop("chunk_size", 256))
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        if params:
-            raise ValueError(f"unknown parameters for policy 'middle_chunk': {sorted(params)}; known: ['chunk_size']")
-        p = {"chunk_size": chunk_size}
-
-        def select(tensors, tokens):
-            return middle_chunk_keep(len(tokens), r, chunk_size=chunk_size)
-
-    elif policy == "snapkv":
-        from .attention import scoring_attention
+    pol = get_policy(policy)
+    p = pol.make_params(**params)
+    facts = None
+    if model_config is not None:
         from .models import model_facts
-        from .policies.snapkv import SnapKVParams, snapkv_keep
 
-        if model_config is None:
-            raise ValueError("policy 'snapkv' needs model_config (head_dim and head counts of the model)")
-        p = _params(SnapKVParams, params, policy)
-        head_dim = model_facts(model_config).head_dim
-        attention = scoring_attention(model_config)
+        facts = model_facts(model_config)
+    elif pol.needs_model or pol.setup is not None:
+        raise ValueError(f"policy {policy!r} needs model_config (head_dim and head counts of the model)")
+    extra = dict(pol.setup(model_config)) if pol.setup is not None else {}  # per-model values, computed once
+    keep, reads_query = pol.keep, pol.needs != "kv"
 
-        def select(tensors, tokens):
-            return snapkv_keep(get_kv(tensors), get_query(tensors), r, head_dim=head_dim, window=p.window,
-                               kernel_size=p.kernel_size, pooling=p.pooling, gqa_reduce=p.gqa_reduce,
-                               attention=attention)
+    def select(tensors, tokens):
+        return keep(get_kv(tensors), get_query(tensors) if reads_query else None, r, params=p, facts=facts, **extra)
 
-    elif policy == "rkv":
-        from .attention import scoring_attention
-        from .models import model_facts
-        from .policies.rkv import RKVParams, _method_settings, rkv_keep
-
-        if model_config is None:
-            raise ValueError("policy 'rkv' needs model_config (head_dim and head counts of the model)")
-        p = _params(RKVParams, params, policy)
-        _method_settings(p.redundancy, p.tiles())  # a bad method or tile fails here, not on the first request
-        rkv_kwargs = p.score_kwargs()
-        head_dim = model_facts(model_config).head_dim
-        attention = scoring_attention(model_config)
-
-        def select(tensors, tokens):
-            return rkv_keep(get_kv(tensors), get_query(tensors), r, head_dim=head_dim, attention=attention,
-                            **rkv_kwargs)
-
-    else:
-        raise ValueError(f"unknown policy {policy!r}; choose one of {list(_POLICIES)} or pass a selection function")
-    return DropFn(policy, select, r, rerotate, rope_spec, p if isinstance(p, dict) else vars(p))
-
-
-def _params(cls, params: dict, policy: str):
-    known = set(cls.__dataclass_fields__)
-    unknown = set(params) - known
-    if unknown:
-        raise ValueError(f"unknown parameters for policy {policy!r}: {sorted(unknown)}; known: {sorted(known)}")
-    return cls(**params)
+    return DropFn(policy, select, r, rerotate, rope_spec, dict(vars(p)), needs=pol.needs, query_rows=pol.rows(p))
 
 
 __all__ = ["CacheKind", "DropFn", "DropFunctionError", "ModifyFn", "apply_keep", "check_keep", "check_kv",

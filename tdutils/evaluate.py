@@ -38,6 +38,7 @@ from pathlib import Path
 TRAIN_SEED_BASE = 10_000_000  # training streams of tools/train_tiny_model.py start here
 FULL = "full"
 DEFAULT_POLICIES = ("full", "random", "snapkv")
+ALL = "all"  # command line: every registered policy
 DEFAULT_DROP_RATIOS = (0.0, 0.25, 0.5, 0.75)
 DEFAULT_CONTEXT_LENGTHS = (512, 1024, 2048)
 COLUMNS = ("policy", "drop_ratio", "context_tokens", "n", "correct", "accuracy", "ci_low", "ci_high", "modify_s",
@@ -77,8 +78,8 @@ def passkey_eval(
 
     Args:
         model: bundled name (`"tiny-qwen3"`), hub id or local folder; ignored when `engine` is given.
-        policies: `"full"` (no dropping) and/or names for `tdutils.make_drop_fn` (`"random"`, `"snapkv"`,
-            `"middle_chunk"`, `"rkv"`, ...).
+        policies: `"full"` (no dropping) and/or registered policy names for `tdutils.make_drop_fn`
+            (`tdutils.policies.policy_names()`, including policies a user registered in this process).
         drop_ratios: fractions dropped, each in [0, 1]; `"full"` ignores them (one row at 0).
         context_lengths: prompt lengths in tokens (`make_passkey_dataset` fills to exactly this many with
             the bundled tokenizer; never more).
@@ -125,10 +126,9 @@ def passkey_eval(
         if model == "tiny-qwen3" and seed >= TRAIN_SEED_BASE:
             raise ValueError(f"seed {seed} is a training stream of the bundled model (>= {TRAIN_SEED_BASE}); "
                              f"evaluate with a seed below it")
-        # The query window must cover the largest observation window of the policies asked for.
-        windows = [int(p.get("window", 0)) for p in params.values()]
+        # query capture starts off; capture_for below widens it to what the policies need
         engine = HFEngine(model, device=device, dtype=dtype, kv_budget_tokens=None, prefill_batch_size=8,
-                          query_window=max([64, *windows]), progress=False)  # no bars, the model load's included
+                          query_window=0, progress=False)  # no bars, the model load's included
     elif getattr(engine, "model_name", None) == "tiny-qwen3" and seed >= TRAIN_SEED_BASE:
         raise ValueError(f"seed {seed} is a training stream of the bundled model (>= {TRAIN_SEED_BASE})")
 
@@ -145,6 +145,8 @@ def passkey_eval(
         for r in ratios:
             cells.append((policy, r, make_drop_fn(policy, drop_ratio=r, model_config=engine.config,
                                                   **params.get(policy, {}))))
+    if hasattr(engine, "capture_for"):  # capture the queries the policies read: none, a window, or all (H2O)
+        engine.capture_for(*(fn for _, _, fn in cells))
 
     rows = []
     for length in lengths:
@@ -330,12 +332,15 @@ def _split(values: Iterable[str], cast, what: str) -> list:
 def add_arguments(parser) -> None:
     """Options of `python -m tdutils eval` (added to an argparse parser)."""
     parser.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES),
-                        help="'full' (no dropping) and/or make_drop_fn policy names, space- or comma-separated "
-                             "(default: full random snapkv)")
+                        help="'full' (no dropping) and/or registered policy names, space- or comma-separated; "
+                             "'all' for every registered policy (default: full random snapkv)")
     parser.add_argument("--drop-ratios", nargs="+", default=[str(r) for r in DEFAULT_DROP_RATIOS],
                         help="fractions dropped, each in [0, 1] (default: 0 0.25 0.5 0.75)")
     parser.add_argument("--context-lengths", nargs="+", default=[str(x) for x in DEFAULT_CONTEXT_LENGTHS],
                         help="prompt lengths in tokens (default: 512 1024 2048)")
+    parser.add_argument("--window", type=int, default=None,
+                        help="most recent tokens always kept, for every policy with a window parameter "
+                             "(default: each policy's own)")
     parser.add_argument("--n", type=int, default=200, help="prompts per context length (default: 200)")
     parser.add_argument("--seed", type=int, default=0,
                         help=f"dataset seed, below {TRAIN_SEED_BASE} (training streams) (default: 0)")
@@ -362,11 +367,13 @@ def run(args) -> int:
     except argparse.ArgumentTypeError as exc:
         raise ValueError(str(exc)) from None
     # Everything that can be checked without the model, before any work.
-    from .edit import _POLICIES
+    from .policies import policy_names
 
-    unknown = [p for p in policies if p not in (FULL, *_POLICIES)]
+    if ALL in policies:  # every registered policy, in registration order, after "full" when given
+        policies = list(dict.fromkeys(p for q in policies for p in ([*policy_names()] if q == ALL else [q])))
+    unknown = [p for p in policies if p not in (FULL, *policy_names())]
     if unknown:
-        raise ValueError(f"--policies: unknown {', '.join(map(repr, unknown))}; choose from {[FULL, *_POLICIES]}")
+        raise ValueError(f"--policies: unknown {', '.join(map(repr, unknown))}; choose from {[FULL, *policy_names()]} or {ALL!r}")
     for option, value in (("--n", args.n), ("--max-tokens", args.max_tokens)):
         if value < 1:
             raise ValueError(f"{option} must be >= 1, got {value}")
@@ -381,14 +388,18 @@ def run(args) -> int:
         check_plot_path(args.plot, "--plot")
     t0 = time.perf_counter()
     log = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    from .policies import get_policy
+
+    params = {} if getattr(args, "window", None) is None else {
+        p: {"window": args.window} for p in policies if p != FULL and "window" in get_policy(p).defaults()}
     table = passkey_eval(args.model, policies, ratios, lengths, n=args.n, seed=args.seed,
-                         max_tokens=args.max_tokens, log=log)
+                         max_tokens=args.max_tokens, log=log, policy_params=params)
     seconds = time.perf_counter() - t0
     print(format_table(table))
     print(f"\npasskey exact match, model={args.model}, n={args.n} per length, seed={args.seed}, "
           f"{seconds:.0f} s")
     meta = {"model": args.model, "policies": policies, "drop_ratios": ratios, "context_lengths": lengths,
-            "n": args.n, "seed": args.seed, "max_tokens": args.max_tokens, "seconds": seconds,
+            "n": args.n, "seed": args.seed, "max_tokens": args.max_tokens, "seconds": seconds, "policy_params": params,
             "metric": "exact match of the 5 passkey digits (tdutils.answers.score_passkey), 95% Wilson interval"}
     if args.json_path:
         print(f"wrote {write_json(table, args.json_path, meta=meta)}")

@@ -39,6 +39,17 @@ def keep_count(n: int, drop_ratio: float) -> int:
     return round(int(n) * (1.0 - r))
 
 
+def check_protected(n_sink=0, window=0, *, window_min: int = 0) -> None:
+    """Validate protected-token counts when a policy's parameters are built (not on the first request).
+
+    Raises:
+        ValueError: `n_sink` not an integer >= 0, or `window` not an integer >= `window_min`.
+    """
+    for name, value, low in (("n_sink", n_sink, 0), ("window", window, window_min)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
 def protected_mask(n: int, *, n_sink: int = 0, window: int = 0) -> torch.Tensor:
     """BoolTensor [n]: True for the first `n_sink` tokens (attention sinks) and the last `window` tokens
     (the observation window, which holds the question)."""

@@ -131,3 +131,19 @@ def test_cli_pieces_print_table_and_write_json_and_plot(tmp_path, capsys):
     # Ratio 0 returns the cache unchanged (SPEC §5), so it answers exactly as the full cache does.
     assert rows["random", 0.0]["correct"] == rows["full", 0.0]["correct"]
     assert png.stat().st_size > 0
+
+
+def test_cli_all_policies_and_window(tmp_path, capsys):
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    out = tmp_path / "eval.json"
+    args = ap.parse_args(["--policies", "all", "--drop-ratios", "0.5", "--context-lengths", "128", "--n", "2",
+                          "--window", "24", "--json", str(out), "--quiet"])
+    assert run(args) == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    from tdutils.policies import get_policy, policy_names
+
+    assert [r["policy"] for r in report["rows"]] == policy_names()
+    with_window = {p for p in policy_names() if "window" in get_policy(p).defaults()}
+    assert report["meta"]["policy_params"] == {p: {"window": 24} for p in with_window}
+    assert {"knorm", "h2o", "snapkv", "streaming_llm"} <= with_window and "middle_chunk" not in with_window

@@ -25,7 +25,7 @@ def _bench(script, *args, cwd=None):
     (["--drop-ratios", "1"], ("argument --drop-ratios: 1 is not in (0, 1): the baseline (ratio 0) always runs, and "
                              "a ratio of 1 keeps only the always-kept tokens; give ratios such as 0.5,0.75 (see --help)")),
     (["--policies", "snapkv,foo"], ("argument --policies: unknown policy 'foo'; give comma-separated names from "
-                                   "snapkv, rkv, random, middle_chunk (see --help)")),
+                                   "snapkv, rkv, random, middle_chunk, streaming_llm, h2o, tova, knorm, keydiff (see --help)")),
     (["--num-requests", "0"], "argument --num-requests: expected a positive integer, got 0 (see --help)"),
     (["--repeats", "0"], "argument --repeats: expected a positive integer, got 0 (see --help)"),
     (["--full-requests", "0"], ("argument --full-requests: expected a number >= 1 (the budget must hold one undropped "

@@ -72,6 +72,9 @@ def test_a_working_setup_passes(tmp_path):
     assert "chunk size 256" in out and f"serves '{MODEL}'" in out and "vLLM version 0.25.1" in out
     assert "is patched" in out and "KV layout of" in out and "query ring registered" in out
     assert "completions stream token ids ([11, 12])" in out and out.rstrip().endswith("all checks passed")
+    assert ("[  ok] query-free policies can run (no query patch, no transfer_query): random, middle_chunk, "
+            "streaming_llm, knorm, keydiff") in out.splitlines(), out
+    assert "[  ok] policies that need query tensors can run: snapkv, rkv, h2o, tova" in out.splitlines(), out
     body = next(b for m, p, b in log if p == "/v1/completions")
     assert body["prompt"] == [9707] and body["return_tokens_as_token_ids"] is True
 
@@ -94,6 +97,21 @@ def test_unknown_model_and_no_queries_mode():
         assert rc == 1 and "does not serve 'other'" in out
         rc, out = _doctor("--vllm-url", url, "--lmcache-http-url", url, "--no-queries")
         assert rc == 0 and "patch state" not in out and "query ring" not in out
+        assert "[  ok] query-free policies can run (no query patch, no transfer_query)" in out, out
+        assert "[warn] not checked (--no-queries): snapkv, rkv, h2o, tova, which need query tensors" in out, out
+
+
+def test_doctor_says_which_policies_an_unpatched_setup_can_run(tmp_path):
+    """A stock vLLM (patch not applied) with a working KV path: query-free policies run, the others do not."""
+    pkg = _synthetic_vllm(tmp_path, patched=False)
+    with serve(_routes(queries=False)) as (url, _):
+        rc, out = _doctor("--vllm-url", url, "--lmcache-http-url", url, "--vllm-dir", str(pkg))
+    lines = out.splitlines()
+    assert rc == 1, out  # the patch check fails ...
+    assert ("[  ok] query-free policies can run (no query patch, no transfer_query): random, middle_chunk, "
+            "streaming_llm, knorm, keydiff") in lines, out  # ... but these run
+    assert any(x.startswith("[warn] policies that need query tensors may not run: snapkv, rkv, h2o, tova (vLLM ")
+               and "query-export patch unapplied" in x for x in lines), out
 
 
 def test_fix_lines_name_doctors_own_options(monkeypatch):

@@ -139,9 +139,10 @@ def test_compact_rerotation_and_every_policy_at_half(family):
 def test_scores_follow_the_models_attention_not_one_formula():
     """SnapKV's vote equals the one taken from the model's own attention probabilities (`output_attentions`)
     on families whose attention differs from softmax(q·k/sqrt(d)): Granite's multiplier, Gemma 2's soft-cap
-    and window, gpt-oss's sinks."""
+    and window, gpt-oss's sinks; so does TOVA's, built by name through the policy registry."""
     from tdutils.attention import attention_spec
     from tdutils.policies import snapkv_scores
+    from tdutils.policies.tova import tova_keep, tova_scores
 
     ids = _prompts(3)[0]
     w = 8
@@ -164,6 +165,14 @@ def test_scores_follow_the_models_attention_not_one_formula():
         torch.testing.assert_close(mine, ref.float(), atol=1e-6, rtol=1e-5)
         plain = snapkv_scores(eng.kv(0), eng.query(0), head_dim=eng.facts.head_dim, window=w, kernel_size=1)
         assert float((plain - ref).abs().max()) > 1e-3, family  # the plain formula would be wrong here
+        # TOVA (the last query's attention, mean over heads and layers) through the registry: make_drop_fn's
+        # setup hands the model's attention to it, so its kept set is the one the model's attention gives.
+        tova_ref = torch.stack([a[0, :, -1, :].mean(0) for a in att]).mean(0).float()
+        tova = tova_scores(eng.kv(0), eng.query(0), head_dim=eng.facts.head_dim, attention=spec)
+        torch.testing.assert_close(tova, tova_ref, atol=1e-6, rtol=1e-5)
+        fn = make_drop_fn("tova", drop_ratio=0.5, model_config=eng.config, rerotate=False)
+        assert torch.equal(fn.keep_indices(eng.tensors(0), eng.tokens(0)),
+                           tova_keep(eng.kv(0), eng.query(0), 0.5, head_dim=eng.facts.head_dim, attention=spec))
 
 
 def test_spec_from_the_config_alone_matches_the_recorded_one():

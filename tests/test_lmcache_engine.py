@@ -145,11 +145,13 @@ class Serving:
     (two tokens per SSE chunk, a usage chunk, `[DONE]`).
     """
 
-    def __init__(self, tiny, chunk_size: int, *, shift_queries: bool = False, registered: bool = True):
+    def __init__(self, tiny, chunk_size: int, *, shift_queries: bool = False, registered: bool = True,
+                 export_queries: bool = True):
         self.model, self.tok = tiny
         self.model.set_attn_implementation(capture_implementation(self.model.config._attn_implementation))
         self.backend = Backend(chunk_size)
         self.shift_queries, self.registered = shift_queries, registered
+        self.export_queries = export_queries  # False: a stock vLLM without the query-export patch
         self.lock = threading.Lock()
         self.clears = 0
         self.completions = []  # (prompt, salt, loaded tokens)
@@ -185,7 +187,8 @@ class Serving:
         q = torch.stack([rec.layers[i][0].transpose(0, 1).reshape(T - n, -1) for i in range(L)])[None]
         if self.shift_queries:  # fault injection: every row one token late (mixed-up rows)
             q = torch.roll(q, 1, dims=2)
-        self.backend.put(f"{MODEL}##query", salt, prompt, q[:, :, first * c - n:], first_chunk=first)
+        if self.export_queries:
+            self.backend.put(f"{MODEL}##query", salt, prompt, q[:, :, first * c - n:], first_chunk=first)
         out_ids, pos = [], T
         logits = out.logits[0, -1]
         for _ in range(max_tokens):
@@ -351,6 +354,26 @@ def test_drop_functions_run_unchanged_and_decode_like_the_hf_engine(tiny, sample
             b = tdutils.run_once(eng, ids, drop_fn=fn, max_tokens=5).outputs
             assert [o.output_ids for o in a] == [o.output_ids for o in b], getattr(fn, "name", "baseline")
             assert [o.cached_tokens for o in a] == [o.cached_tokens for o in b]
+
+
+def test_query_free_policies_run_without_query_export(tiny, sample_ids):
+    """KNorm, KeyDiff and StreamingLLM read the KV only: with no query context (query_window=0, no
+    transfer_query) they run; against a vLLM that exports no queries (unpatched) a query context that stays
+    empty is never waited for. A policy that needs queries is refused before any work."""
+    fns = [make_drop_fn(p, drop_ratio=0.5, model_config=tiny[0].config) for p in ("knorm", "keydiff", "streaming_llm")]
+    with engine(tiny, 16, query_window=0) as eng:
+        assert [k.value for k, *_ in eng.connects] == ["kv"]  # no QUERY context
+        for fn in fns:
+            res = tdutils.run_once(eng, sample_ids, name=fn.name, drop_fn=fn, max_tokens=2)
+            assert res.metrics.modify.edited == 3 and res.metrics.decode.output_tokens == 6, fn.name
+        with pytest.raises(ValueError, match="snapkv needs query tensors, but this lmcache engine has none"):
+            tdutils.run_once(eng, sample_ids, drop_fn=make_drop_fn("snapkv", drop_ratio=0.5,
+                                                                   model_config=tiny[0].config), max_tokens=2)
+    with engine(tiny, 16, serving_kw={"export_queries": False}, retrieve_timeout=5) as eng:
+        assert eng.q_ctx is not None
+        t0 = time.perf_counter()
+        res = tdutils.run_once(eng, sample_ids, drop_fn=fns[0], max_tokens=2)
+        assert res.metrics.modify.edited == 3 and res.metrics.modify.seconds < 5, time.perf_counter() - t0
 
 
 def test_compare_gives_the_phase_table(tiny, sample_ids):

@@ -100,7 +100,7 @@ def test_doctor_says_what_helps_when_the_patch_does_not_fit(tmp_path):
     assert (f"[FAIL] vLLM 0.32.0 at {pkg}: the query-export patch does not fit this vLLM (its code differs from the "
             f"versions the patch was written for, 0.23.0-0.25.1)") in lines
     assert ("       fix: install vLLM 0.23.0-0.25.1 in vLLM's environment (pip install vllm==0.25.1), or run policies "
-            "without queries (random, middle_chunk) and pass --no-queries") in lines
+            "without queries (random, middle_chunk, streaming_llm, knorm, keydiff) and pass --no-queries") in lines
     assert rc == 1
 
 

@@ -216,7 +216,7 @@ def test_doctor_says_the_patch_does_not_fit_vllm_0_32(servers):
     pkg = servers.venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" / "vllm"
     assert (f"[FAIL] vLLM 0.32.0 at {pkg}: the query-export patch does not fit this vLLM (its code differs "
             f"from the versions the patch was written for, 0.23.0-0.25.1)") in out.splitlines()
-    assert f"[warn] no query ring registered for '{MODEL}' in LMCache; SnapKV/R-KV need queries" in out, out
+    assert f"[warn] no query ring registered for '{MODEL}' in LMCache; snapkv, rkv, h2o, tova need queries" in out, out
     assert rc == 1, out
 
 

@@ -147,8 +147,11 @@ def run_once(engine, prompts, *, name: str = "baseline", drop_fn=None, max_token
 
     A drop function that records per-run state and has a `reset()` method (`TimedDropFn`) is reset before
     this run's modify, so what it records afterwards describes this run only: reusing it in a second run
-    (or `compare`, or a sweep's repeats) never adds that run's timings to the first one's.
+    (or `compare`, or a sweep's repeats) never adds that run's timings to the first one's. Before prefill the
+    engine widens its query capture to what `drop_fn` needs (`engine.capture_for`).
     """
+    if drop_fn is not None and hasattr(engine, "capture_for"):
+        engine.capture_for(drop_fn)
     engine.prefill(prompts)
     if drop_fn is not None:
         reset = getattr(drop_fn, "reset", None)

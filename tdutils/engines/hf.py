@@ -84,8 +84,9 @@ class HFEngine:
         prefill_batch_size: prompts prefilled together (left-padded).
         positions: `"compact"` or `"original"` (see module docstring).
         query_window: how many final prompt tokens' query states prefill captures per request (`[L, Tq,
-            Hq*d]`, after q_norm and RoPE) for policies that need them (SnapKV, R-KV); default 64, the
-            largest default policy window; None captures all tokens; 0 captures nothing.
+            Hq*d]`, after q_norm and RoPE) for policies that need them (SnapKV, R-KV, TOVA; H2O needs all);
+            default 64, the largest default policy window; None captures all tokens; 0 captures nothing.
+            `run_once` / `compare` widen it to what their drop function needs (`capture_for`).
         progress: show tqdm progress bars for the prefill and decode phases.
 
     Query capture switches the model to a registered attention function that wraps its `sdpa` or
@@ -257,6 +258,27 @@ class HFEngine:
     def kv(self, request_id: int) -> torch.Tensor:
         """The current KV `[2, L, T, D]` of one request (after `modify`, the edited one)."""
         return self.requests[request_id].kv
+
+    def capture_for(self, *drop_fns) -> int | None:
+        """Widen query capture to what `drop_fns` need before the next `prefill`; never narrows it.
+
+        `tdutils.policies.query_window_for` says what they need: nothing (query-free policies), the last `w`
+        prompt queries (SnapKV, R-KV, TOVA) or all of them (H2O: `[L, T, Hq*d]` per request, held until the
+        edit). Drop functions that do not say (a bare ModifyFn) change nothing. `run_once` and `compare`
+        call this, so a policy gets its queries whatever `query_window` the engine was opened with.
+
+        Returns:
+            The engine's `query_window` after the call (None = all prompt tokens).
+        """
+        from ..policies import query_window_for
+
+        need = query_window_for(*drop_fns, default=0)
+        if need == 0 or self.query_window is None or (need is not None and self.query_window >= need):
+            return self.query_window
+        if self.query_window == 0:  # capture was never installed
+            self.model.set_attn_implementation(capture_implementation(self.model.config._attn_implementation))
+        self.query_window = need
+        return need
 
     def query(self, request_id: int) -> torch.Tensor | None:
         """The captured query `[L, Tq, Hq*d]` of one request (rows aligned to the end of its KV), or None."""

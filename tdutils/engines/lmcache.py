@@ -581,6 +581,32 @@ class LMCacheEngine:
         kv = self._retrieve(self.kv_ctx, r.tokens[:r.cached], r.salt, rows, "KV")
         return self._check_kv_layout(kv[:, :, :rows])
 
+    def capture_for(self, *drop_fns) -> int | None:
+        """Widen the query rows drop functions receive to what `drop_fns` need; never narrows.
+
+        Query-free policies (`needs="kv"`) need nothing: they run without the vLLM query patch and without
+        LMCache's `transfer_query` (open the engine with `query_window=0`). Returns the new `query_window`.
+
+        Raises:
+            ValueError: a drop function needs queries but this engine has no query context (opened with
+                `query_window=0`, or query export is unavailable).
+        """
+        from ..policies import query_window_for
+
+        need = query_window_for(*drop_fns, default=0)
+        if need == 0:
+            return self.query_window
+        if self.q_ctx is None:
+            why = self.query_unavailable or "the engine was opened with query_window=0"
+            names = [getattr(getattr(f, "drop_fn", f), "name", "?") for f in drop_fns if f is not None]
+            raise ValueError(f"{', '.join(names)} needs query tensors, but this lmcache engine has none ({why}); "
+                             f"use a query-free policy (tdutils.policies.policy_names('kv')) or open the engine with "
+                             f"query_window=None or >= {need} against a patched vLLM and LMCache --enable transfer_query")
+        if self.query_window is None or (need is not None and self.query_window >= need):
+            return self.query_window
+        self.query_window = need
+        return need
+
     def query(self, request_id: int) -> torch.Tensor | None:
         """The request's query rows `[L, Tq, Hq*d]` (aligned to the end of its unedited KV), or None after an
         edit or without a query context."""
@@ -686,7 +712,8 @@ class LMCacheEngine:
         """Apply `drop_fn(tensors, tokens) -> (new_kv, new_tokens)` to every request's cached KV.
 
         Per request: retrieve the KV `[2, L, T, D]` (T = the padded prompt; with `align="none"` its
-        chunk-aligned prefix) and the last `query_window` query rows `[L, Tq, Hq*d]`, check rows
+        chunk-aligned prefix) and the last `query_window` query rows `[L, Tq, Hq*d]` (none for a query-free
+        drop function, `needs="kv"`, which so never waits for queries an unpatched vLLM does not send), check rows
         (`check_query_rows`), call the drop function, validate its output (`validate_drop_output`) and
         store it under the request's own edit salt (`edit_salt`). Requests switch to their edited cache only after all of
         them were processed (with `on_error="raise"`, only if none failed).
@@ -714,6 +741,8 @@ class LMCacheEngine:
                              "keys; build it with make_drop_fn(..., rerotate=True)")
         if any(r.edited for r in self.requests):
             raise RuntimeError("this run's caches were already modified; call prefill(prompts) to start a new run")
+        # a query-free policy (needs="kv") never waits for query rows, which an unpatched vLLM never sends
+        reads_query = getattr(getattr(drop_fn, "drop_fn", drop_fn), "needs", None) != "kv"
         mm = self.metrics.modify = ModifyMetrics()
         t0 = time.perf_counter()
         edits, failures = {}, []
@@ -729,7 +758,7 @@ class LMCacheEngine:
             tokens = r.tokens[:rows]
             check_kv(kv, tokens)
             q = None
-            if self.q_ctx is not None and self.query_window != 0:
+            if self.q_ctx is not None and self.query_window != 0 and reads_query:
                 q = self._fetch_query(r, rows)
             self.check_query_rows(kv, q, tokens)
             tensors = {CacheKind.KV: kv}

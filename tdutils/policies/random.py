@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..selection import check_drop_ratio, keep_count, protected_mask
+from .registry import register_policy
 
 
 @dataclass
@@ -20,6 +21,17 @@ class RandomParams:
     def __post_init__(self):  # fail when the drop function is built, not on the first request
         if self.n_sink < 0 or self.window < 0:
             raise ValueError(f"n_sink and window must be >= 0, got n_sink={self.n_sink}, window={self.window}")
+
+
+@dataclass
+class MiddleChunkParams:
+    """Parameters of `middle_chunk_keep`: the chunk size (tokens)."""
+
+    chunk_size: int = 256
+
+    def __post_init__(self):
+        if int(self.chunk_size) != self.chunk_size or self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
 
 
 def random_keep(n: int, drop_ratio: float, *, seed: int = 0, n_sink: int = 4, window: int = 16) -> torch.Tensor:
@@ -76,3 +88,16 @@ def middle_chunk_keep(n: int, drop_ratio: float = 0.5, *, chunk_size: int = 256)
         start = c * chunk_size + lo
         keep[start:start + n_drop] = False
     return torch.nonzero(keep).flatten()
+
+
+register_policy(
+    "random", params=RandomParams, needs="kv", needs_model=False, builtin=True,
+    keep=lambda kv, q, r, *, params, facts: random_keep(kv.shape[2], r, seed=params.seed, n_sink=params.n_sink,
+                                                          window=params.window),
+    summary="first n_sink tokens (attention sinks), last window tokens, a seeded uniform sample of the rest",
+    paper="baseline")
+register_policy(
+    "middle_chunk", params=MiddleChunkParams, needs="kv", needs_model=False, builtin=True,
+    keep=lambda kv, q, r, *, params, facts: middle_chunk_keep(kv.shape[2], r, chunk_size=params.chunk_size),
+    summary="the middle round(chunk_size * r) tokens of every chunk but the first and last are dropped",
+    paper="the LMCache token-dropping examples' 'random' notebook")

@@ -53,8 +53,9 @@ import torch
 
 from ..attention import AttentionSpec, LayerAttention, masked_logits
 from ..selection import keep_count, keep_top_scores, protected_mask
+from .registry import register_policy
 from .snapkv import _check as _snapkv_check
-from .snapkv import _layers, pool_tokens
+from .snapkv import _layers, model_attention, pool_tokens
 
 RKV_METHODS = ("reference", "exact", "tiled", "buffered")
 
@@ -108,6 +109,7 @@ class RKVParams:
         if not _is_number(self.eps) or not self.eps > 0:
             raise ValueError(f"eps must be a number > 0 (it keeps zero-norm keys from dividing by zero), "
                              f"got {self.eps!r}")
+        _method_settings(self.redundancy, self.tiles())  # a bad method or tile fails here, not on the first request
 
     def tiles(self) -> dict:
         """The tile settings that were set (non-None), as keyword arguments of `rkv_redundancy`."""
@@ -540,7 +542,7 @@ class TimedDropFn:
         return self.drop_fn.keep_indices(tensors, tokens)
 
     def __call__(self, tensors, tokens):
-        from ..edit import apply_keep, check_kv, get_kv
+        from ..kvcache import apply_keep, check_kv, get_kv
 
         kv = get_kv(tensors)
         check_kv(kv, tokens)
@@ -583,7 +585,7 @@ def compare_redundancy_methods(tensors, tokens, *, drop_ratio: float, model_conf
     import pandas as pd
 
     from ..attention import scoring_attention
-    from ..edit import apply_keep, get_kv, get_query
+    from ..kvcache import apply_keep, get_kv, get_query
     from ..models import model_facts
     from ..rope import model_rope
 
@@ -614,6 +616,16 @@ def compare_redundancy_methods(tensors, tokens, *, drop_ratio: float, model_conf
     table = pd.DataFrame.from_dict(rows, orient="index")
     table.index.name = "redundancy"
     return table.loc[[m for m in methods if m in rows] + ([] if "exact" in methods else ["exact"])]
+
+
+
+def _keep(kv, q, drop_ratio, *, params: RKVParams, facts, attention=None):
+    return rkv_keep(kv, q, drop_ratio, head_dim=facts.head_dim, attention=attention, **params.score_kwargs())
+
+
+register_policy("rkv", params=RKVParams, needs="window", keep=_keep, builtin=True, setup=model_attention,
+                summary="the window plus the earlier tokens with the highest importance minus redundancy",
+                paper="Cai et al. 2025, R-KV, arXiv:2505.24133")
 
 
 __all__ = ["RKV_METHODS", "RKVParams", "TimedDropFn", "compare_redundancy_methods", "kept_agreement",

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..attention import AttentionSpec, LayerAttention, masked_logits, softmax_with_sinks
 from ..selection import keep_count, keep_top_scores, protected_mask
+from .registry import register_policy
 
 
 @dataclass
@@ -46,29 +47,49 @@ class SnapKVParams:
             raise ValueError(f"gqa_reduce must be 'mean' or 'max', got {self.gqa_reduce!r}")
 
 
-def _check(kv: torch.Tensor, q: torch.Tensor, window: int, head_dim: int, kernel_size: int, pooling: str,
-           gqa_reduce: str) -> torch.Tensor:
+def check_query(kv: torch.Tensor, q: torch.Tensor | None, rows: int, head_dim: int, who: str = "SnapKV",
+                what: str | None = None) -> torch.Tensor:
+    """Validate a request's KV and captured query for a query-aware policy; returns `q` as `[L, Tq, Hq*d]`.
+
+    Args:
+        kv: `[2, L, T, D]`.
+        q: `[L, Tq, Hq*d]` or `[1, L, Tq, Hq*d]` (LMCache's layout), or None.
+        rows: query rows the policy reads (the last `rows` prompt tokens), `Tq >= rows` required.
+        head_dim: `d`.
+        who: the policy's name, for messages.
+        what: what `rows` is called in the message (default: "the observation window").
+
+    Raises:
+        ValueError: no query (with how to capture it), bad shapes, too few rows, head counts that do not
+            divide (GQA).
+    """
     if q is None:
-        raise ValueError("SnapKV needs the query tensor (CacheKind.QUERY): the hf engine captures it at prefill "
-                         "when query_window >= window and discards it after the first modify (it belongs to the "
-                         "unedited prompt; prefill again to edit anew); the lmcache engine needs the vLLM query "
-                         "patch and transfer_query")
+        raise ValueError(f"{who} needs the query tensor (CacheKind.QUERY): the hf engine captures it at prefill "
+                         f"when query_window >= {rows} (None: all prompt tokens) and discards it after the first "
+                         "modify (it belongs to the unedited prompt; prefill again to edit anew); the lmcache engine "
+                         "needs the vLLM query patch and transfer_query")
     if q.dim() == 4 and q.shape[0] == 1:  # LMCache returns [1, L, Tq, Hq*d]
         q = q[0]
     if kv.dim() != 4 or kv.shape[0] != 2:
         raise ValueError(f"kv must have shape [2, L, T, D], got {tuple(kv.shape)}")
     if q.dim() != 3 or q.shape[0] != kv.shape[1]:
         raise ValueError(f"q must have shape [L, Tq, Hq*d] with L = {kv.shape[1]}, got {tuple(q.shape)}")
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    if q.shape[1] < window:
-        raise ValueError(f"the query holds {q.shape[1]} rows but the observation window is {window}; capture at "
-                         f"least `window` final queries (hf engine: query_window >= {window})")
+    if rows < 1:
+        raise ValueError(f"window must be >= 1, got {rows}")
+    if q.shape[1] < rows:
+        raise ValueError(f"the query holds {q.shape[1]} rows but {what or 'the observation window'} is {rows}; capture "
+                         f"at least {rows} final queries (hf engine: query_window >= {rows}, or None for all)")
     if kv.shape[3] % head_dim or q.shape[2] % head_dim:
         raise ValueError(f"head_dim {head_dim} divides neither D={kv.shape[3]} nor Hq*d={q.shape[2]}")
     h, hq = kv.shape[3] // head_dim, q.shape[2] // head_dim
     if hq % h:
         raise ValueError(f"{hq} query heads are not a multiple of {h} KV heads (GQA)")
+    return q
+
+
+def _check(kv: torch.Tensor, q: torch.Tensor, window: int, head_dim: int, kernel_size: int, pooling: str,
+           gqa_reduce: str) -> torch.Tensor:
+    q = check_query(kv, q, window, head_dim, "SnapKV")
     if kernel_size < 1 or kernel_size % 2 == 0:
         raise ValueError(f"kernel_size must be an odd number >= 1 (1 = no pooling), got {kernel_size}")
     if pooling not in ("avg", "max"):
@@ -202,3 +223,22 @@ def snapkv_keep(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, *, head_di
                            gqa_reduce=gqa_reduce, attention=attention)
     full = torch.cat([scores.cpu(), torch.zeros(window)])  # window slots are protected below
     return keep_top_scores(full, k, protected_mask(T, window=window))
+
+
+def model_attention(model_config) -> dict:
+    """`setup` of the query-aware policies: the model's own attention (`tdutils.attention.scoring_attention`:
+    scale, soft-cap, sinks, sliding windows), computed once when the drop function is built."""
+    from ..attention import scoring_attention
+
+    return {"attention": scoring_attention(model_config)}
+
+
+def _keep(kv, q, drop_ratio, *, params: SnapKVParams, facts, attention=None):
+    return snapkv_keep(kv, q, drop_ratio, head_dim=facts.head_dim, window=params.window,
+                       kernel_size=params.kernel_size, pooling=params.pooling, gqa_reduce=params.gqa_reduce,
+                       attention=attention)
+
+
+register_policy("snapkv", params=SnapKVParams, needs="window", keep=_keep, builtin=True, setup=model_attention,
+                summary="the observation window plus the earlier tokens its queries attend to most (pooled vote)",
+                paper="Li et al. 2024, SnapKV, arXiv:2404.14469")

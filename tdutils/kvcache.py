@@ -1,0 +1,107 @@
+"""A request's cache tensors as drop functions see them: `CacheKind`, the accessors of the `tensors`
+mapping, kept-index validation and `apply_keep` (gather the kept tokens, re-rotate their keys).
+
+The bottom layer under `tdutils.edit` (drop functions) and `tdutils.policies` (token selection): it imports
+neither, so policies can use it without an import circle. Layouts as in SPEC §3: KV `[2, L, T, D]` (0 =
+keys after RoPE, 1 = values; `D = H_kv * head_dim`), query `[L, Tq, Hq * head_dim]` aligned to the end of
+the KV.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+
+import torch
+
+try:  # LMCache's own enum when installed, so drop functions run unchanged on the serving path.
+    from lmcache.sdk import LMCacheSDKCacheKind as CacheKind  # type: ignore
+except Exception:  # noqa: BLE001 (lmcache is optional; any import failure means "not usable")
+
+    class CacheKind(str, enum.Enum):
+        """Which tensor of a request a drop function receives (same values as `lmcache.sdk`)."""
+
+        KV = "kv"
+        QUERY = "query"
+
+
+def get_kv(tensors: Mapping) -> torch.Tensor:
+    """The `[2, L, T, D]` KV tensor of `tensors`, keyed by `CacheKind.KV` (or the string "kv")."""
+    for key, value in tensors.items():
+        if key == CacheKind.KV or getattr(key, "value", key) == "kv":
+            return value
+    raise KeyError(f"tensors has no KV entry (keys: {[getattr(k, 'value', k) for k in tensors]}); "
+                   f"pass {{CacheKind.KV: kv}}")
+
+
+def get_query(tensors: Mapping) -> torch.Tensor | None:
+    """The query tensor `[L, Tq, Hq*d]` (a leading batch dim of 1, as LMCache returns, is removed), or None."""
+    for key, value in tensors.items():
+        if key == CacheKind.QUERY or getattr(key, "value", key) == "query":
+            return value[0] if value.dim() == 4 and value.shape[0] == 1 else value
+    return None
+
+
+def check_kv(kv: torch.Tensor, tokens: Sequence[int]) -> None:
+    """Raise TypeError unless `kv` is a tensor, ValueError unless it is `[2, L, T, D]` with `T == len(tokens)`."""
+    if not isinstance(kv, torch.Tensor):
+        raise TypeError(f"KV must be a torch.Tensor of shape [2, L, T, D], got {type(kv).__name__}")
+    if kv.dim() != 4 or kv.shape[0] != 2:
+        raise ValueError(f"KV must have shape [2, L, T, D] (keys and values), got {tuple(kv.shape)}")
+    if kv.shape[2] != len(tokens):
+        raise ValueError(f"KV holds {kv.shape[2]} tokens but {len(tokens)} token ids were given; "
+                         f"they must match")
+
+
+def check_keep(keep: torch.Tensor, n: int) -> torch.Tensor:
+    """Validate kept indices for `n` tokens; returns them as a sorted CPU LongTensor.
+
+    Raises:
+        ValueError: not 1-D integers, empty, out of range, or duplicated.
+    """
+    keep = torch.as_tensor(keep)
+    if keep.dim() != 1 or keep.dtype.is_floating_point or keep.dtype == torch.bool:
+        raise ValueError(f"kept indices must be a 1-D integer tensor, got dtype {keep.dtype}, shape {tuple(keep.shape)}")
+    keep = torch.sort(keep.long().cpu()).values
+    if keep.numel() == 0:
+        raise ValueError("a drop function must keep at least one token")
+    if keep[0] < 0 or keep[-1] >= n:
+        raise ValueError(f"kept indices must lie in [0, {n}), got min {int(keep[0])}, max {int(keep[-1])}")
+    if keep.numel() > 1 and bool((keep[1:] == keep[:-1]).any()):
+        raise ValueError("kept indices contain duplicates")
+    return keep
+
+
+def apply_keep(kv: torch.Tensor, tokens: Sequence[int], keep: torch.Tensor, *, rope_spec=None,
+               rerotate: bool = True) -> tuple[torch.Tensor, list[int]]:
+    """Gather the kept tokens of one request's KV; re-rotate keys to compact positions.
+
+    Args:
+        kv: `[2, L, T, D]` (any float dtype, any device); not modified.
+        tokens: the T token ids.
+        keep: LongTensor [k] of kept indices (validated and sorted here).
+        rope_spec: a `tdutils.rope.RopeSpec`; required when `rerotate=True`.
+        rerotate: move key `i` from position `keep[i]` to position `i` (fp32 arithmetic, one cast).
+
+    Returns:
+        `(new_kv [2, L, k, D], new_tokens list[int] of length k)`: new tensors, input untouched.
+    """
+    check_kv(kv, tokens)
+    n = kv.shape[2]
+    keep = check_keep(keep, n)
+    if keep.numel() == n:  # nothing dropped: return an exact copy (bit for bit)
+        return kv.clone(), [int(t) for t in tokens]
+    two, n_layers, _, dim = kv.shape
+    # [2L, T, D] gather along tokens: several times faster than index_select on dim 2 of the 4-D view
+    new_kv = kv.reshape(two * n_layers, n, dim).index_select(1, keep.to(kv.device)).view(two, n_layers, -1, dim)
+    if rerotate:
+        if rope_spec is None:
+            raise ValueError("rerotate=True needs the model's RoPE spec; pass model_config= to make_drop_fn")
+        from .rope import rerotate_k_cache
+
+        new_positions = torch.arange(keep.numel())
+        new_kv = rerotate_k_cache(new_kv, keep, new_positions, rope_spec)
+    return new_kv, [int(tokens[i]) for i in keep.tolist()]
+
+
+__all__ = ["CacheKind", "apply_keep", "check_keep", "check_kv", "get_kv", "get_query"]

@@ -1,0 +1,91 @@
+"""KeyDiff: keep the keys least similar to the mean key.
+
+Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in
+Resource-Constrained Environments", arXiv:2504.15364.
+
+Observation of the paper: keys that point away from the others (low cosine similarity to an anchor, the
+mean key direction) draw attention and are worth keeping; keys close to the anchor are redundant. Definition
+implemented here: per layer and KV head, the anchor `a = mean_t k̂_t` of the unit keys `k̂ = k / ‖k‖`
+(`anchor="normalized"`, as kvpress's `KeyDiffPress`; `anchor="raw"` uses the mean of the keys themselves),
+the score of token `t` is `cos(k_t, a)`; scores averaged over KV heads and layers; keep the `k` tokens with
+the lowest mean cosine (ties to the earlier token). Query-free: KV only (no query capture; on the serving
+path it runs on a stock vLLM) plus the model's `head_dim`.
+
+Departures from the paper: the paper evicts block by block while prefilling, per layer and head; here the
+whole prompt is scored at once after prefill, and one set is kept per request (shared by all layers and
+heads), as the serving path needs. Defaults: `window=0`, `n_sink=0` (kvpress protects no token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..selection import check_protected, keep_count, keep_top_scores, protected_mask
+from .knorm import key_heads
+from .registry import register_policy
+
+ANCHORS = ("normalized", "raw")
+
+
+@dataclass
+class KeyDiffParams:
+    """KeyDiff parameters: protected tokens (`window` last, `n_sink` first) and the anchor kind."""
+
+    window: int = 0
+    n_sink: int = 0
+    anchor: str = "normalized"
+
+    def __post_init__(self):
+        check_protected(self.n_sink, self.window)
+        if self.anchor not in ANCHORS:
+            raise ValueError(f"anchor must be one of {ANCHORS}, got {self.anchor!r}")
+
+
+def keydiff_scores(kv: torch.Tensor, *, head_dim: int, anchor: str = "normalized") -> torch.Tensor:
+    """Mean cosine similarity of every key to its head's anchor (arXiv:2504.15364), over KV heads and layers.
+
+    Args:
+        kv: `[2, L, T, D]`, keys after RoPE, `D = H * head_dim` (any float dtype).
+        head_dim: `d`.
+        anchor: `"normalized"` (mean of unit keys) or `"raw"` (mean key).
+
+    Returns:
+        fp32 `[T]` (lower = keep). A zero key has similarity 0.
+
+    Raises:
+        ValueError: bad shapes or an unknown anchor.
+    """
+    if anchor not in ANCHORS:
+        raise ValueError(f"anchor must be one of {ANCHORS}, got {anchor!r}")
+    L = kv.shape[1]
+    total = torch.zeros(kv.shape[2], dtype=torch.float32, device=kv.device)
+    for layer in range(L):
+        k = key_heads(kv, layer, head_dim)  # [H, T, d]
+        unit = F.normalize(k, dim=-1)
+        a = (unit if anchor == "normalized" else k).mean(dim=1, keepdim=True)  # [H, 1, d]
+        total += (unit * F.normalize(a, dim=-1)).sum(dim=-1).mean(dim=0)  # cosine, mean over heads
+    return total / L
+
+
+def keydiff_keep(kv: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int = 0, n_sink: int = 0,
+                 anchor: str = "normalized") -> torch.Tensor:
+    """Kept indices: the protected tokens plus the keys least similar to the anchor, `keep_count(T, r)` in all.
+
+    Returns LongTensor [k], sorted ascending.
+    """
+    T = kv.shape[2]
+    scores = -keydiff_scores(kv, head_dim=head_dim, anchor=anchor).cpu()
+    return keep_top_scores(scores, keep_count(T, drop_ratio), protected_mask(T, n_sink=n_sink, window=window))
+
+
+register_policy(
+    "keydiff", params=KeyDiffParams, needs="kv", builtin=True,
+    keep=lambda kv, q, r, *, params, facts: keydiff_keep(kv, r, head_dim=facts.head_dim, window=params.window,
+                                                           n_sink=params.n_sink, anchor=params.anchor),
+    summary="the keys least similar (cosine) to the mean key direction",
+    paper="Park et al. 2025, KeyDiff, arXiv:2504.15364")
+
+__all__ = ["ANCHORS", "KeyDiffParams", "keydiff_keep", "keydiff_scores"]

@@ -1,0 +1,87 @@
+"""KNorm: keep the keys with the lowest L2 norm.
+
+Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", arXiv:2406.11430.
+
+Observation of the paper: a low key norm goes with a high attention score, so the keys with the smallest
+L2 norm are the ones worth keeping. Definition implemented here: per layer and KV head the norm
+`‖k_t‖₂` of every cached key (keys are stored after RoPE, which rotates channel pairs and so leaves the
+norm unchanged); averaged over KV heads and layers into one score per token; keep the `k` tokens with the
+lowest mean norm (ties to the earlier token). Query-free: it needs the KV cache only (no query capture; on
+the serving path it runs on a stock vLLM) and the model's `head_dim` to split heads.
+
+Departure from the paper: the paper (and kvpress's `KnormPress`) keeps a separate set per layer and head;
+here one set per request, shared by all layers and heads, as the serving path (one token list per request)
+needs. Defaults: `window=0`, `n_sink=0` (the paper and kvpress protect no token); a `window` protects the
+question at the end of the prompt, `n_sink` the first tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..selection import check_protected, keep_count, keep_top_scores, protected_mask
+from .registry import register_policy
+
+
+@dataclass
+class KNormParams:
+    """KNorm parameters: protected most recent tokens (`window`) and first tokens (`n_sink`)."""
+
+    window: int = 0
+    n_sink: int = 0
+
+    def __post_init__(self):
+        check_protected(self.n_sink, self.window)
+
+
+def key_heads(kv: torch.Tensor, layer: int, head_dim: int) -> torch.Tensor:
+    """Keys of one layer split into KV heads: fp32 `[H, T, d]` from `kv [2, L, T, H*d]`.
+
+    Raises:
+        ValueError: `kv` not `[2, L, T, D]`, or `head_dim` not dividing `D`.
+    """
+    if kv.dim() != 4 or kv.shape[0] != 2:
+        raise ValueError(f"kv must have shape [2, L, T, D], got {tuple(kv.shape)}")
+    if head_dim < 1 or kv.shape[3] % head_dim:
+        raise ValueError(f"head_dim {head_dim} does not divide D={kv.shape[3]}")
+    T = kv.shape[2]
+    return kv[0, layer].float().view(T, -1, head_dim).transpose(0, 1)
+
+
+def knorm_scores(kv: torch.Tensor, *, head_dim: int) -> torch.Tensor:
+    """Mean key L2 norm of every token (arXiv:2406.11430), over KV heads and layers.
+
+    Args:
+        kv: `[2, L, T, D]`, keys after RoPE, `D = H * head_dim` (any float dtype).
+        head_dim: `d`.
+
+    Returns:
+        fp32 `[T]` mean norms (lower = keep).
+    """
+    L = kv.shape[1]
+    total = torch.zeros(kv.shape[2], dtype=torch.float32, device=kv.device)
+    for layer in range(L):
+        total += key_heads(kv, layer, head_dim).norm(dim=-1).mean(dim=0)
+    return total / L
+
+
+def knorm_keep(kv: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int = 0, n_sink: int = 0) -> torch.Tensor:
+    """Kept indices: the protected tokens plus the lowest-norm keys, `keep_count(T, drop_ratio)` in all.
+
+    Returns LongTensor [k], sorted ascending.
+    """
+    T = kv.shape[2]
+    scores = -knorm_scores(kv, head_dim=head_dim).cpu()
+    return keep_top_scores(scores, keep_count(T, drop_ratio), protected_mask(T, n_sink=n_sink, window=window))
+
+
+register_policy(
+    "knorm", params=KNormParams, needs="kv", builtin=True,
+    keep=lambda kv, q, r, *, params, facts: knorm_keep(kv, r, head_dim=facts.head_dim, window=params.window,
+                                                         n_sink=params.n_sink),
+    summary="the keys with the lowest L2 norm (mean over KV heads and layers)",
+    paper="Devoto et al. 2024, KNorm, arXiv:2406.11430")
+
+__all__ = ["KNormParams", "key_heads", "knorm_keep", "knorm_scores"]

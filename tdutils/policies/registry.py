@@ -1,0 +1,212 @@
+"""The policy registry: every token-selection policy is reachable by name through it.
+
+A policy declares its name, a parameters dataclass (fields with defaults; validated in `__post_init__`),
+what it needs from the engine, and a `keep` function. `tdutils.make_drop_fn(name, ...)`, the command line
+(`python -m tdutils run --policy NAME`), `tdutils.evaluate.passkey_eval`, `tdutils.sweep` and the
+notebooks look policies up here, so a policy is one file that nothing else in the package has to know
+about. A user's own policy registers the same way (from a notebook cell, say) and is then picked up by
+`make_drop_fn`, `compare()` and `passkey_eval` without touching tdutils::
+
+    from dataclasses import dataclass
+    import torch
+    import tdutils
+    from tdutils.selection import keep_count, keep_top_scores, protected_mask
+
+    @dataclass
+    class ValueNormParams:
+        window: int = 16          # most recent tokens, always kept
+
+    def value_norm_keep(kv, q, drop_ratio, *, params, facts):
+        # kv [2, L, T, D]; q None (needs="kv"); returns sorted LongTensor [k]
+        T = kv.shape[2]
+        scores = kv[1].float().norm(dim=-1).mean(dim=0)          # [T]: value norm, mean over layers
+        return keep_top_scores(scores, keep_count(T, drop_ratio), protected_mask(T, window=params.window))
+
+    tdutils.policies.register_policy("value_norm", params=ValueNormParams, needs="kv",
+                                     keep=value_norm_keep, summary="largest value norms")
+    fn = tdutils.make_drop_fn("value_norm", drop_ratio=0.5, model_config=eng.config, window=32)
+
+What a policy needs (`needs`) decides what the engines capture at prefill:
+
+- `"kv"`: the KV cache only. Nothing is captured; on the serving path (`lmcache` engine) such policies run
+  on a stock vLLM, without the query-export patch and without LMCache's `transfer_query`.
+- `"window"`: the queries of the last `w` prompt tokens, `[L, w, Hq*d]` (`w` from `query_rows(params)`,
+  by default `params.window`): SnapKV, R-KV, TOVA (`w = 1`).
+- `"all"`: the queries of every prompt token, `[L, T, Hq*d]` (H2O). Memory: `L * T * Hq * head_dim`
+  elements per request in the model dtype, as much as the keys of a model without GQA and `g` times the
+  keys with GQA groups of `g` (Qwen3-8B, bf16: 36 * 32 * 128 * 2 B = 288 KiB per token, 4.5 GiB for a
+  16k-token prompt), held until the request is edited.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+NEEDS = ("kv", "window", "all")
+
+# keep(kv [2, L, T, D], q [L, Tq, Hq*d] | None, drop_ratio, *, params, facts) -> sorted LongTensor [k]
+KeepFn = Callable[..., object]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A registered policy.
+
+    Attributes:
+        name: the name `make_drop_fn`, `--policy` and `passkey_eval` use.
+        params: a dataclass type; its fields (all with defaults) are the policy's parameters.
+        needs: `"kv"`, `"window"` or `"all"` (see the module docstring).
+        keep: `keep(kv, q, drop_ratio, *, params, facts) -> LongTensor [k]` of kept token indices, sorted
+            ascending. `kv` is `[2, L, T, D]`; `q` is the captured query `[L, Tq, Hq*d]` (None when
+            `needs="kv"` or when none was captured); `params` an instance of `params`; `facts` the model's
+            `tdutils.models.ModelFacts` (head_dim, head counts), None when no model config was given.
+        summary: one line for tables and `--help`.
+        paper: the paper the policy implements, with its arXiv id ("" for baselines).
+        needs_model: `keep` reads `facts` (head_dim, head counts); `make_drop_fn` then requires `model_config`.
+        query_rows: for `needs="window"`, `query_rows(params) -> w` query rows needed (default `params.window`).
+        setup: optional `setup(model_config) -> dict` of extra keyword arguments for `keep`, computed once when
+            the drop function is built (per-model values such as the model's attention arithmetic), not per
+            request.
+        builtin: registered by tdutils itself (replacing it needs `replace=True`).
+    """
+
+    name: str
+    params: type
+    needs: str
+    keep: KeepFn
+    summary: str = ""
+    paper: str = ""
+    needs_model: bool = True
+    query_rows: Callable | None = None
+    setup: Callable | None = None
+    builtin: bool = False
+
+    def make_params(self, **values):
+        """An instance of `params` from keyword values; ValueError on an unknown name (or a bad value,
+        raised by the dataclass's own checks)."""
+        known = {f.name for f in dataclasses.fields(self.params)}
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"unknown parameters for policy {self.name!r}: {sorted(unknown)}; known: {sorted(known)}")
+        return self.params(**values)
+
+    def defaults(self) -> dict:
+        """The parameters' default values, `{name: value}`."""
+        return {f.name: f.default for f in dataclasses.fields(self.params)}
+
+    def rows(self, params) -> int | None:
+        """Query rows this policy needs with `params`: 0 (none), `w` (the last `w` prompt tokens) or None (all)."""
+        if self.needs == "kv":
+            return 0
+        if self.needs == "all":
+            return None
+        return int(self.query_rows(params) if self.query_rows is not None else params.window)
+
+
+_REGISTRY: dict[str, Policy] = {}
+
+
+def register_policy(name: str, *, params: type, needs: str, keep: KeepFn, summary: str = "", paper: str = "",
+                    needs_model: bool = True, query_rows: Callable | None = None, setup: Callable | None = None,
+                    replace: bool = False, builtin: bool = False) -> Policy:
+    """Make a policy reachable by name everywhere (`make_drop_fn`, `--policy`, `passkey_eval`, notebooks).
+
+    Args:
+        name: the policy's name (letters, digits, `_`, `-`).
+        params: a dataclass type whose fields, all with defaults, are the policy's parameters; validate
+            values in its `__post_init__` so a bad value fails when the drop function is built.
+        needs: `"kv"` (KV only), `"window"` (the last `w` prompt queries) or `"all"` (every prompt query).
+        keep: `keep(kv, q, drop_ratio, *, params, facts) -> LongTensor [k]` (see `Policy`).
+        summary, paper: one-line description and source.
+        needs_model: `keep` reads the model facts (then `make_drop_fn` requires `model_config`).
+        query_rows: for `needs="window"`, `query_rows(params) -> w` (default: `params.window`).
+        setup: `setup(model_config) -> dict` of extra keyword arguments for `keep`, computed once per drop
+            function (requires `model_config`).
+        replace: allow replacing a policy tdutils itself registers. A user's own policy may be registered
+            again under its name (re-running a notebook cell) without it.
+        builtin: for tdutils' own policies.
+
+    Returns:
+        The registered `Policy`.
+
+    Raises:
+        ValueError: a bad name or `needs`, a parameter without a default, or a built-in name without
+            `replace=True`.
+        TypeError: `params` not a dataclass type, or `keep` not callable.
+    """
+    if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_-" for c in name):
+        raise ValueError(f"policy name must be a non-empty string of letters, digits, '_' or '-', got {name!r}")
+    if needs not in NEEDS:
+        raise ValueError(f"needs must be one of {NEEDS} (KV only, the last window's queries, all prompt queries), "
+                         f"got {needs!r}")
+    if not (isinstance(params, type) and dataclasses.is_dataclass(params)):
+        raise TypeError(f"params must be a dataclass type (its fields are the policy's parameters), got {params!r}")
+    missing = [f.name for f in dataclasses.fields(params)
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"every parameter of policy {name!r} needs a default; {missing} have none")
+    if setup is not None and not callable(setup):
+        raise TypeError(f"setup must be callable as setup(model_config) -> dict, got {setup!r}")
+    if not callable(keep):
+        raise TypeError(f"keep must be callable as keep(kv, q, drop_ratio, *, params, facts), got {keep!r}")
+    if needs == "window" and query_rows is None and "window" not in {f.name for f in dataclasses.fields(params)}:
+        raise ValueError(f"policy {name!r} needs window queries: give its params a 'window' field or pass query_rows=")
+    old = _REGISTRY.get(name)
+    if old is not None and old.builtin and not replace:
+        raise ValueError(f"policy {name!r} is built into tdutils; pass replace=True to replace it, or choose another name")
+    policy = Policy(name, params, needs, keep, summary, paper, needs_model, query_rows, setup, builtin)
+    _REGISTRY[name] = policy
+    return policy
+
+
+def unregister_policy(name: str) -> None:
+    """Remove a user-registered policy. Raises ValueError for an unknown or built-in name."""
+    policy = get_policy(name)
+    if policy.builtin:
+        raise ValueError(f"policy {name!r} is built into tdutils and cannot be removed")
+    del _REGISTRY[name]
+
+
+def get_policy(name: str) -> Policy:
+    """The registered policy `name`. Raises ValueError naming the known policies when there is none."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown policy {name!r}; choose one of {policy_names()}, register your own with "
+                         f"tdutils.policies.register_policy, or pass a selection function") from None
+
+
+def policy_names(needs: str | None = None) -> list[str]:
+    """Registered policy names in registration order, optionally only those with the given `needs`."""
+    return [p.name for p in _REGISTRY.values() if needs is None or p.needs == needs]
+
+
+def query_window_for(*drop_fns, default: int | None = 64) -> int | None:
+    """The query rows an engine must capture at prefill for these drop functions.
+
+    Args:
+        drop_fns: `DropFn`s from `make_drop_fn` (they carry `query_rows`), or None entries (the baseline).
+            Wrappers with a `drop_fn` attribute are looked through; anything else (a bare ModifyFn) counts as
+            needing `default` rows.
+        default: rows for drop functions that do not say what they need.
+
+    Returns:
+        0 when none needs queries (query-free policies: nothing is captured), None when one needs every
+        prompt token's query (H2O), else the largest window.
+    """
+    rows = 0
+    for fn in drop_fns:
+        if fn is None:
+            continue
+        fn = getattr(fn, "drop_fn", fn)  # wrappers such as rkv.TimedDropFn
+        need = getattr(fn, "query_rows", default) if getattr(fn, "needs", None) is not None else default
+        if need is None:
+            return None
+        rows = max(rows, int(need))
+    return rows
+
+
+__all__ = ["NEEDS", "Policy", "get_policy", "policy_names", "query_window_for", "register_policy",
+           "unregister_policy"]

@@ -1,0 +1,87 @@
+"""TOVA: keep the tokens the last query attends to most, averaged over heads.
+
+Oren et al., "Transformers are Multi-State RNNs" (Token Omission Via Attention), arXiv:2401.06104.
+
+Definition in the paper: when the cache is full, drop the token with the lowest attention score of the
+current (last) query, averaged over the attention heads of the layer. Implemented here once, at the end of
+prefill: the attention of the last prompt query over all keys, computed by the same helper as SnapKV
+(`snapkv.window_attention`, so the model's attention arithmetic is shared), averaged over all query heads
+and then over layers into one score per token; keep the `k` best (ties to the earlier token). It equals
+SnapKV with window 1, no pooling and the mean over each GQA group (tested).
+
+Needs the query of the last prompt token (`needs="window"`, one row) and the model's head counts.
+Departures from the paper: the paper evicts one token per decode step and keeps a separate set per layer;
+here the tokens are chosen once, and one set is kept per request (shared by all layers and heads), as the
+serving path needs. Defaults: `window=1` (the last token, whose query scores, is always kept, as in
+kvpress's `TOVAPress`), `n_sink=0`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import AttentionSpec
+from ..selection import check_protected, keep_count, keep_top_scores, protected_mask
+from .registry import register_policy
+from .snapkv import _layers, check_query, model_attention, window_attention
+
+
+@dataclass
+class TOVAParams:
+    """TOVA parameters: protected most recent tokens (`window`) and first tokens (`n_sink`)."""
+
+    window: int = 1
+    n_sink: int = 0
+
+    def __post_init__(self):
+        check_protected(self.n_sink, self.window)
+
+
+def tova_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, attention: AttentionSpec | None = None
+                ) -> torch.Tensor:
+    """Attention of the last prompt query to every token, mean over query heads and layers (arXiv:2401.06104).
+
+    Args:
+        kv: `[2, L, T, D]`, keys after RoPE, `D = H * head_dim`.
+        q: `[L, Tq, Hq * head_dim]` (or `[1, L, Tq, Hq*d]`), rows aligned to the end of the KV, `Tq >= 1`;
+            only the last row is read.
+        head_dim: `d`.
+        attention: the model's `AttentionSpec` (scale, soft-cap, sinks, sliding window per layer); None =
+            plain softmax attention with scale `head_dim ** -0.5`.
+
+    Returns:
+        fp32 `[T]`, summing to 1 (less with learned sinks) (higher = keep).
+
+    Raises:
+        ValueError: missing query or bad shapes.
+    """
+    q = check_query(kv, q, 1, head_dim, "TOVA")
+    L, h = kv.shape[1], kv.shape[3] // head_dim
+    layers = _layers(attention, L)
+    total = torch.zeros(kv.shape[2], dtype=torch.float32, device=kv.device)
+    for layer in range(L):
+        total += window_attention(kv[0, layer], q[layer, -1:], h, layers[layer])[:, 0].mean(dim=0)  # [Hq,1,T] -> [T]
+    return total / L
+
+
+def tova_keep(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int = 1,
+              n_sink: int = 0, attention: AttentionSpec | None = None) -> torch.Tensor:
+    """Kept indices: the protected tokens plus the best-scored ones, `keep_count(T, drop_ratio)` in all.
+
+    Returns LongTensor [k], sorted ascending.
+    """
+    T = kv.shape[2]
+    scores = tova_scores(kv, q, head_dim=head_dim, attention=attention).cpu()
+    return keep_top_scores(scores, keep_count(T, drop_ratio), protected_mask(T, n_sink=n_sink, window=window))
+
+
+register_policy(
+    "tova", params=TOVAParams, needs="window", query_rows=lambda params: 1, builtin=True, setup=model_attention,
+    keep=lambda kv, q, r, *, params, facts, attention=None: tova_keep(
+        kv, q, r, head_dim=facts.head_dim, window=params.window, n_sink=params.n_sink, attention=attention),
+    summary="the tokens the last prompt query attends to most (mean over heads and layers)",
+    paper="Oren et al. 2024, TOVA, arXiv:2401.06104")
+
+__all__ = ["TOVAParams", "tova_keep", "tova_scores"]
