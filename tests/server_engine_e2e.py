@@ -4,7 +4,7 @@ Runs with the servers' Python (it has lmcache's SDK, which tdutils' own venv mus
 PYTHONPATH; tests/test_servers.py starts it and checks the report. Flow: open the engine, prefill two
 bundled prompts (LMCache stores their KV under the run's prefill salt), retrieve one request's KV, drop half
 of every request's tokens with the `random` policy (no queries needed, so vLLM needs no patch) and store
-the result under the run's edit salt, then decode from the edited caches.
+the result under each request's own edit salt, then decode from the edited caches.
 """
 
 import argparse
