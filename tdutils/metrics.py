@@ -1,4 +1,10 @@
-"""Phase metrics (prefill, modify, decode) -> dicts, JSON and pandas tables; plot helpers.
+"""Phase metrics (prefill, modify, decode) -> dicts, JSON and pandas tables; speed-up caveats; plot helpers.
+
+A configuration measured several times (`tdutils.compare(..., repeats=N)`: baseline and every drop function
+alternated) gives one table row of medians with the spread: `phase_table` pairs repeat `i` of every run with
+repeat `i` of the baseline, so each ratio compares runs measured back to back. `speedup_notes` says when a ratio
+does not measure what dropping buys, and which case it is: the machine was busy (repeats disagree by more than
+`SPREAD_THRESHOLD`), no larger batch, slower despite a larger batch, above the capacity limit.
 
 Units: seconds for times, tokens per second for throughputs, tokens for sizes. TTFT (time to first
 token) is measured per request from the start of the prefill phase; TPOT (time per output token) per
