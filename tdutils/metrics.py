@@ -125,8 +125,8 @@ SPREAD_THRESHOLD = 0.2
 `(max − min) / median` of the per-repeat ratios. Each repeat runs the baseline and the dropped configuration back
 to back, so load that hits both alike cancels in their ratio; repeats that disagree by more than this mean the
 load changed within a repeat, and the median is a guess. For scale: on a quiet 2-core machine the README's three
-repeats of `python -m tdutils run` gave 1.98–2.13× (SnapKV) and 1.82–1.97× (random), spreads of 7–8%; while
-other jobs ran, repeats of the same command ranged over more than 10×."""
+repeats of `python -m tdutils run` gave 1.98–2.13× (SnapKV) and 1.82–1.97× (random), spreads of 7–8%; with a
+dozen other processes on the same 2 cores, `run --num-requests 8 --max-tokens 16` gave 2.39×, 9.12× and 19.72×."""
 
 CAPACITY_TOLERANCE = 0.05
 """How far (as a fraction) a ratio may exceed the capacity limit before it is flagged: dropping may make each
