@@ -125,7 +125,7 @@ def plot_speedup(table, ax=None, title: str = "Decode speed-up at a fixed KV bud
         yerr = [g.decode_speedup - g.decode_speedup_min, g.decode_speedup_max - g.decode_speedup] if spread else None
         ax.errorbar(g.drop_ratio, g.decode_speedup, yerr=yerr, marker="o", capsize=3, label=label)
     rs = sorted(set(rows.drop_ratio))
-    ax.plot(rs, [1 / (1 - r) for r in rs], "k--", lw=1, label="capacity limit 1/(1-r)")
+    ax.plot(rs, [1 / (1 - r) for r in rs], "k--", lw=1, marker="_", ms=14, label="capacity limit 1/(1-r)")
     flagged = {run for run, _, _ in speedup_caveats(table)} if "baseline" in table.index else set()
     if flagged:
         f = rows.loc[[c for c in rows.index if c in flagged]]
