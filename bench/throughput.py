@@ -9,8 +9,10 @@ tokens, 53% of an undropped one at T=1024, max_tokens=64) fits 8 times, so the b
 limit. At exactly 4 undropped requests the decode tokens, which dropping does not shrink, cap it at 7 (4352
 tokens / 576 = 7.6), and 16 requests then decode in waves of 7 + 7 + 2. Each repeat runs the baseline
 and every configuration back to back, so machine noise hits them alike; ratios are taken per repeat.
-Prints decode tok/s (median, min, max), peak batch, modify seconds, the ratio to baseline and to the
-capacity limit 1/(1-r), and the end-to-end ratio (prefill + modify + decode). Exits 1 if any run decoded a
+Prints decode tok/s (median, min, max), peak batch, modify seconds, the ratio to baseline (median, min, max) and
+to the capacity limit 1/(1-r), and the end-to-end ratio (prefill + modify + decode), then a note for every ratio
+that does not measure what dropping buys (`tdutils.metrics.speedup_notes`: machine busy, no larger batch, slower
+despite a larger batch, above the capacity limit). Exits 1 if any run decoded a
 different number of tokens than requested.
 """
 
@@ -31,12 +33,14 @@ from tdutils.cli_args import OneLineParser, positive_int
 from tdutils.data import load_prompts
 from tdutils.engines.base import DEFAULT_FULL_REQUESTS
 from tdutils.evaluate import check_output_path, check_plot_path
+from tdutils.metrics import speedup_notes
 from tdutils.sweep import SweepConfig, throughput_sweep
 
 POLICIES = tuple(tdutils.policies.policy_names())  # every registered policy
 DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
 TABLE_COLUMNS = ("decode_tok_s_median", "decode_tok_s_min", "decode_tok_s_max", "peak_batch", "modify_s",
-                 "modify_of_base_decode", "decode_speedup", "capacity_limit", "of_limit", "e2e_speedup")
+                 "modify_of_base_decode", "decode_speedup", "decode_speedup_min", "decode_speedup_max", "capacity_limit",
+                 "of_limit", "e2e_speedup")
 
 
 def _full_requests(text: str) -> float:
@@ -118,7 +122,8 @@ def format_table(table) -> str:
     decode time with 3 decimals, speed-ups and limits with 2."""
     fmt = {c: "{:.0f}".format for c in ("decode_tok_s_median", "decode_tok_s_min", "decode_tok_s_max", "peak_batch")}
     fmt["modify_s"] = fmt["modify_of_base_decode"] = "{:.3f}".format
-    fmt.update({c: "{:.2f}".format for c in ("decode_speedup", "capacity_limit", "of_limit", "e2e_speedup")})
+    fmt.update({c: "{:.2f}".format for c in ("decode_speedup", "decode_speedup_min", "decode_speedup_max",
+                                              "capacity_limit", "of_limit", "e2e_speedup")})
     return table[list(TABLE_COLUMNS)].to_string(formatters=fmt)
 
 
@@ -154,7 +159,8 @@ def main(argv=None) -> int:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
     print(format_table(table))
-    for line in batch_notes(table, len(ids), eng.kv_budget_tokens, max(map(len, ids)), args.max_tokens):
+    for line in batch_notes(table, len(ids), eng.kv_budget_tokens, max(map(len, ids)), args.max_tokens) + \
+            speedup_notes(table):
         print(f"note: {line}")
     if args.plot:
         import matplotlib

@@ -1,7 +1,9 @@
 """Command line: `python -m tdutils run --policy snapkv --drop-ratio 0.5`.
 
-`run` runs the baseline and the dropped configuration on the same prompts, alternately (`--repeats`
-times), prints the phase table (medians over repeats) with the decode-throughput ratio, and writes JSON.
+`run` runs the baseline and the dropped configuration on the same prompts, alternately (`--repeats`, default 3,
+times), prints the phase table (medians over repeats) with the decode-throughput ratio (median of the per-repeat
+ratios, min-max), a note when that ratio does not measure what dropping buys (`tdutils.metrics.speedup_notes`:
+busy machine, no larger batch, slower despite a larger batch, above the capacity limit), and writes JSON.
 Other subcommands live next to their code (see `SUBCOMMANDS`).
 """
 
@@ -10,7 +12,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import statistics
 import sys
 
 from .cli_args import OneLineParser, positive_int
@@ -115,8 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--positions", choices=("compact", "original"), default="compact",
                      help="compact: re-rotate kept keys to 0..k-1 and decode at k (default, as vLLM+LMCache); "
                           "original: keep rotations and decode at T")
-    run.add_argument("--repeats", type=positive_int, default=1,
-                     help="baseline and dropped run alternately this many times; the table shows medians")
+    run.add_argument("--repeats", type=positive_int, default=3,
+                     help="run the baseline and the dropped configuration alternately this many times; the table "
+                          "shows medians, the ratio is the median of the per-repeat ratios with its min-max, and a "
+                          "note says when the repeats disagree (a busy machine); 1 for a quick look (default: 3)")
     run.add_argument("--window", type=_count, default=None,
                      help="the most recent prompt tokens, always kept (the observation window of snapkv and rkv, "
                           "whose queries vote) (default: the policy's own: 64 snapkv, 16 rkv and random, 1 tova, "
@@ -150,9 +153,9 @@ def cmd_run(args) -> int:
 
     from . import make_drop_fn, open_engine
     from .data import load_prompts
-    from .engines.base import default_kv_budget, run_once
+    from .engines.base import compare, default_kv_budget
     from .evaluate import check_output_path
-    from .metrics import ratio_caveats
+    from .metrics import repeat_ratios, speedup_line, speedup_notes
 
     out = check_output_path(args.json_path, "--json", example="runs/run.json")  # before any work
     from .policies import get_policy
@@ -209,32 +212,21 @@ def cmd_run(args) -> int:
           f"prompt tokens={sum(map(len, prompt_ids))} max_tokens={args.max_tokens} "
           f"kv_budget_tokens={engine.kv_budget_tokens} positions={args.positions}", flush=True)
 
-    # Untimed warm-up of both configurations: the first forward passes of a process (allocator, kernels,
-    # thread pools) can be many times slower and would otherwise count against the baseline.
-    run_once(engine, prompt_ids[:4], name="warm-up", max_tokens=min(4, args.max_tokens))
-    run_once(engine, prompt_ids[:4], name="warm-up", drop_fn=drop_fn, max_tokens=min(4, args.max_tokens))
-    runs, speedups, texts = [], [], {}
-    for rep in range(args.repeats):  # A B A B ...: both configurations see the same machine noise
-        base = run_once(engine, prompt_ids, name="baseline", max_tokens=args.max_tokens)
-        dropped = run_once(engine, prompt_ids, name=name, drop_fn=drop_fn, max_tokens=args.max_tokens)
-        runs += [base.metrics.to_dict(), dropped.metrics.to_dict()]
-        texts = {"baseline": base.texts, name: dropped.texts}  # greedy decoding: the same every repeat
-        speedups.append(dropped.metrics.decode.tokens_per_s / base.metrics.decode.tokens_per_s)
-        if args.repeats > 1:
-            print(f"repeat {rep + 1}/{args.repeats}: decode speedup {speedups[-1]:.2f}x", flush=True)
-
-    table = pd.DataFrame([r["summary"] for r in runs]).groupby("run", sort=False).median(numeric_only=True)
-    med = statistics.median(speedups)
-    # the median of per-repeat ratios (each against its own repeat's baseline), as in the last line
-    table["decode_speedup"] = [1.0, med]
+    # A B A B ...: both configurations see the same machine noise, each ratio is taken within one repeat; an
+    # untimed warm-up of both comes first (a process's first forward passes can be many times slower).
+    results, table = compare(engine, prompt_ids, {name: drop_fn}, max_tokens=args.max_tokens, repeats=args.repeats,
+                             progress=(lambda line: print(line, flush=True)) if args.repeats > 1 else None)
+    runs = [m.to_dict() for pair in zip(results["baseline"].repeats, results[name].repeats) for m in pair]
+    texts = {run_name: res.texts for run_name, res in results.items()}  # greedy decoding: the same every repeat
+    speedups = repeat_ratios(results["baseline"], results[name])
+    med = float(table.loc[name, "decode_speedup"])
     cols = ["requests", "prompt_tokens", "kv_tokens_after", "kept_fraction", "prefill_s", "modify_s", "decode_tokens", "decode_s",
-            "decode_tok_s", "tpot_mean_s", "peak_batch", "kv_budget_tokens", "end_to_end_s", "decode_speedup"]
+            "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max", "tpot_mean_s", "peak_batch", "kv_budget_tokens",
+            "end_to_end_s", "decode_speedup", "decode_speedup_min", "decode_speedup_max", "capacity_limit"]
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", _fmt):
         print(table[cols].T.to_string())
-    print(f"\ndecode throughput ratio ({name} / baseline): {med:.2f}x"
-          + (f" (median of {len(speedups)}; min {min(speedups):.2f}x, max {max(speedups):.2f}x)" if len(speedups) > 1 else ""))
-    for line in ratio_caveats(int(table.loc["baseline", "peak_batch"]), int(table.loc[name, "peak_batch"]), med,
-                               args.drop_ratio):
+    print(f"\n{speedup_line(table, name)}")
+    for line in speedup_notes(table):
         print(f"note: {line}")
     accuracy = {}
     if all(r.answer is not None for r in rows):

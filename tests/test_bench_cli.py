@@ -64,17 +64,19 @@ def test_throughput_table_prints_plain_numbers():
     table = pd.DataFrame([
         {"config": "baseline", "decode_tok_s_median": 3061.7, "decode_tok_s_min": 2990.2, "decode_tok_s_max": 3101.9,
          "peak_batch": 4, "modify_s": 0.0, "modify_of_base_decode": 0.0, "decode_speedup": 1.0,
+         "decode_speedup_min": 1.0, "decode_speedup_max": 1.0,
          "capacity_limit": 1.0, "of_limit": 1.0, "e2e_speedup": 1.0},
         {"config": "snapkv@0.5", "decode_tok_s_median": 6123.4, "decode_tok_s_min": 6001.0, "decode_tok_s_max": 6200.5,
          "peak_batch": 8, "modify_s": 0.0412, "modify_of_base_decode": 0.0661, "decode_speedup": 2.0003,
+         "decode_speedup_min": 1.9612, "decode_speedup_max": 2.0551,
          "capacity_limit": 2.0, "of_limit": 1.00015, "e2e_speedup": 1.456},
     ]).set_index("config")
     text = bench.format_table(table)
     assert "e+" not in text
     assert text.splitlines()[-2].split() == ["baseline", "3062", "2990", "3102", "4", "0.000", "0.000", "1.00", "1.00",
-                                             "1.00", "1.00"]
+                                             "1.00", "1.00", "1.00", "1.00"]
     assert text.splitlines()[-1].split() == ["snapkv@0.5", "6123", "6001", "6200", "8", "0.041", "0.066", "2.00",
-                                             "2.00", "1.00", "1.46"]
+                                             "1.96", "2.06", "2.00", "1.00", "1.46"]
     table["kept_fraction"] = [1.0, 0.5]
     assert bench.batch_notes(table, 16, 4624, 1024, 64) == []  # 8 of 16 requests: the budget capped the batch
     assert bench.batch_notes(table, 8, 4624, 1024, 64) == []  # all 8 ran together, but 9 x 576 > 4624

@@ -30,6 +30,12 @@ def test_main_job_prints_ratio_and_writes_json(tmp_path):
     # default budget: 4.25 undropped requests of 1024 tokens + 4 decode tokens; 8 x (512 + 4) fit in it
     assert rows["baseline"]["kv_budget_tokens"] == 4369  # ceil(4.25 x 1028)
     assert rows["baseline"]["peak_batch"] == 4 and rows["random@0.5"]["peak_batch"] == 8
+    # three alternated repeats by default: A B A B A B, the ratio the median of the per-repeat ratios with its min-max
+    assert [r["name"] for r in report["runs"]] == ["baseline", "random@0.5"] * 3
+    ratios = report["decode_speedups"]
+    assert len(ratios) == 3 and report["decode_speedup_median"] == sorted(ratios)[1]
+    assert (f"decode throughput ratio (random@0.5 / baseline): {sorted(ratios)[1]:.2f}x (median of 3 repeats; "
+            f"min {min(ratios):.2f}x, max {max(ratios):.2f}x)") in p.stdout, p.stdout
 
 
 @pytest.mark.parametrize("args,msg", [

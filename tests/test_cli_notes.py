@@ -11,16 +11,42 @@ from tdutils.metrics import ratio_caveats, speedup_notes
 
 def test_no_caveat_when_the_batch_grows_as_expected():
     assert ratio_caveats(4, 8, 1.95, 0.5) == []
-    assert ratio_caveats(4, 8, 2.3, 0.5) == []  # cheaper steps may beat the batch ratio a little
+    assert ratio_caveats(4, 8, 2.08, 0.5) == []  # cheaper steps may beat the batch ratio by a hair (5%)
+    assert ratio_caveats(4, 8, 1.95, 0.5, ratio_min=1.85, ratio_max=2.0, repeats=3) == []  # 8% spread
 
 
 def test_equal_batches_and_impossible_ratios_are_flagged():
     (note,) = ratio_caveats(4, 4, 14.7, 0.5)[:1]
-    assert note.startswith("both runs decoded at most 4 requests at a time, so dropping bought no larger batch")
+    assert note.startswith("no larger batch: both runs decoded at most 4 requests at a time, so dropping bought no "
+                           "larger batch"), note
     notes = ratio_caveats(1, 1, 1.92, 0.5)
-    assert len(notes) == 1 and "at most 1 requests" in notes[0]
+    assert len(notes) == 1 and "at most 1 requests" in notes[0], notes
     (note,) = ratio_caveats(4, 8, 6.5, 0.5)
-    assert note.startswith("the ratio is above what the batch sizes (4 -> 8) and the capacity limit 1/(1-r) = 2.00")
+    assert note.startswith("above the capacity limit: 6.50x exceeds the capacity limit 1/(1-r) = 2.00x:"), note
+
+
+def test_a_ratio_above_the_capacity_limit_is_flagged():
+    """Issue 16: one run printed 2.42x against a 2.0x limit with no note."""
+    (note,) = ratio_caveats(4, 8, 2.42, 0.5)
+    assert note.startswith("above the capacity limit: 2.42x exceeds the capacity limit 1/(1-r) = 2.00x"), note
+    # a batch that grew more than 1/(1-r) (budget rounding) raises the bar to the batch growth
+    assert ratio_caveats(1, 3, 2.9, 0.5) == []
+    (note,) = ratio_caveats(1, 3, 3.5, 0.5)
+    assert "and the batch growth 1 -> 3" in note, note
+
+
+def test_a_slower_run_with_a_larger_batch_is_flagged():
+    (note,) = ratio_caveats(4, 8, 0.93, 0.5)
+    assert note.startswith("slower despite a larger batch: the batch grew (4 -> 8 requests at a time) yet decoding "
+                           "was slower (0.93x)"), note
+
+
+def test_a_wide_spread_says_the_machine_was_busy():
+    notes = ratio_caveats(4, 8, 1.9, 0.5, ratio_min=1.2, ratio_max=2.0, repeats=3)
+    assert notes == ["machine busy: the 3 repeats gave ratios from 1.20x to 2.00x, a spread of 42% of the median "
+                     "1.90x (more than 20%): the machine was busy; rerun or raise repeats"], notes
+    # one repeat has no spread to judge
+    assert ratio_caveats(4, 8, 1.9, 0.5, ratio_min=1.2, ratio_max=2.0, repeats=1) == []
 
 
 def test_run_past_the_models_positions_is_refused():
@@ -99,7 +125,11 @@ def test_speedup_notes_read_a_phase_table():
                           {"run": "random@0.5", "peak_batch": 8, "decode_speedup": 1.97, "kept_fraction": 0.5}]
                          ).set_index("run")
     (note,) = speedup_notes(table)
-    assert note.startswith("snapkv@0.5: both runs decoded at most 4 requests at a time")
+    assert note.startswith("snapkv@0.5: no larger batch: both runs decoded at most 4 requests at a time"), note
+    spread = table.assign(repeats=3, decode_speedup_min=[1.0, 1.1, 1.5], decode_speedup_max=[1.0, 1.15, 2.0],
+                          capacity_limit=[1.0, 2.0, 2.0])
+    notes = speedup_notes(spread)
+    assert [n.split(": ")[:2] for n in notes] == [["snapkv@0.5", "no larger batch"], ["random@0.5", "machine busy"]], notes
 
 
 def test_a_broken_model_folder_fails_before_the_dataset_loads(tmp_path):

@@ -299,7 +299,8 @@ def test_a_sweep_at_drop_ratio_one_plots(tiny, sample_ids, agg):
     assert table.loc["random@1", "capacity_limit"] == float("inf") and table.loc["random@1", "of_limit"] == 0.0
     ax = plot_speedup(table)
     lines = {line.get_label(): line for line in ax.get_lines()}
-    assert list(lines["random"].get_xdata()) == [0.5, 1.0]
+    bars = {c.get_label(): c for c in ax.containers}  # the policy's points are an errorbar (median, min-max)
+    assert list(bars["random"].lines[0].get_xdata()) == [0.5, 1.0]
     assert list(lines["capacity limit 1/(1-r)"].get_xdata()) == [0.5]  # finite points only
     assert list(lines["capacity limit 1/(1-r)"].get_ydata()) == [2.0]
     assert list(lines["r = 1: no capacity limit"].get_xdata()) == [1.0, 1.0]

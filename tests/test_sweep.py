@@ -31,21 +31,30 @@ def test_sweep_alternates_configs_and_reports_capacity(tiny, sample_ids):
     import matplotlib
 
     matplotlib.use("Agg")
+    assert table.loc["random@0.5", "repeats"] == 2
+    ratios = [m["decode_tok_s"] / b["decode_tok_s"] for m, b in zip(mine, base)]
+    assert (row["decode_speedup_min"], row["decode_speedup_max"]) == (min(ratios), max(ratios))
     ax = sweep.plot_speedup(table)
-    labels = [line.get_label() for line in ax.get_lines()]
-    assert labels[:2] == ["random", "capacity limit 1/(1-r)"]
-    assert list(ax.get_lines()[0].get_ydata()) == [row["decode_speedup"]]
+    _, labels = ax.get_legend_handles_labels()
+    assert set(labels) >= {"random", "capacity limit 1/(1-r)"}, labels
+    (points,) = ax.containers  # one errorbar per policy: the median point and its min-max bar
+    assert points.get_label() == "random"
+    assert list(points.lines[0].get_ydata()) == [row["decode_speedup"]]
+    (bar,) = points.lines[2]
+    assert bar.get_segments()[0][:, 1].tolist() == pytest.approx([min(ratios), max(ratios)])
 
 
 def test_sweep_fails_when_a_run_loses_tokens(tiny, sample_ids, monkeypatch):
-    real = sweep.run_once
+    from tdutils.engines import base
+
+    real = base.run_once
 
     def lossy(*a, **kw):
         res = real(*a, **kw)
         res.metrics.decode.output_tokens -= 1
         return res
 
-    monkeypatch.setattr(sweep, "run_once", lossy)
+    monkeypatch.setattr(base, "run_once", lossy)
     eng = _engine(tiny, None)
     with pytest.raises(RuntimeError, match="decoded 7 tokens, expected 8"):
         throughput_sweep(eng, [sample_ids[1]] * 2, [], max_tokens=4, repeats=1, progress=None)
