@@ -6,15 +6,20 @@ import tdutils.__main__ as cli
 from tdutils.cli_args import UsageError, is_usage_error, report_error
 
 
-@pytest.mark.parametrize("exc", [UsageError("--window 9 is too long; give a smaller --window"),
-                                 ValueError("bad value"), FileNotFoundError("no such file"),
-                                 ConnectionError("vLLM is down")])
-def test_bad_input_is_one_line_with_status_2(monkeypatch, capsys, exc):
+def _main_failing_with(exc, monkeypatch) -> int:
+    """Exit status of `python -m tdutils run` when the subcommand raises `exc`."""
     def fail(args):
         raise exc
 
     monkeypatch.setattr(cli, "cmd_run", fail)
-    assert cli.main(["run"]) == 2
+    return cli.main(["run"])
+
+
+@pytest.mark.parametrize("exc", [UsageError("--window 9 is too long; give a smaller --window"),
+                                 ValueError("bad value"), FileNotFoundError("no such file"),
+                                 ConnectionError("vLLM is down")])
+def test_bad_input_is_one_line_with_status_2(monkeypatch, capsys, exc):
+    assert _main_failing_with(exc, monkeypatch) == 2
     err = capsys.readouterr().err
     assert err == f"tdutils: error: {exc}\n", err
 
@@ -22,11 +27,7 @@ def test_bad_input_is_one_line_with_status_2(monkeypatch, capsys, exc):
 @pytest.mark.parametrize("exc", [TypeError("unsupported operand"), RuntimeError("shape mismatch"),
                                  AssertionError("invariant broken"), KeyError("peak_batch"), IndexError("list index")])
 def test_a_bug_shows_its_traceback_and_asks_for_a_report(monkeypatch, capsys, exc):
-    def fail(args):
-        raise exc
-
-    monkeypatch.setattr(cli, "cmd_run", fail)
-    assert cli.main(["run"]) == 1
+    assert _main_failing_with(exc, monkeypatch) == 1
     err = capsys.readouterr().err
     lines = err.splitlines()
     assert lines[0] == "Traceback (most recent call last):", err
