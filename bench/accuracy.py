@@ -3,6 +3,7 @@
     python bench/accuracy.py                                   # n=200 per cell, 512/1024/2048 tokens
     python bench/accuracy.py --n 50 --context-lengths 512      # quicker
     python bench/accuracy.py --policies full random snapkv rkv # R-KV too
+    python bench/accuracy.py --summary docs/results/accuracy.json   # the README table of a stored run
 
 A thin script over `tdutils.evaluate` (the same code as `python -m tdutils eval`): prints the table
 (exact match of the five passkey digits, 95% Wilson interval, modify seconds), writes it as JSON and the
@@ -23,7 +24,26 @@ import sys
 
 import torch
 
-from tdutils.evaluate import HELDOUT_SEED, add_arguments, run
+from tdutils.evaluate import FULL, HELDOUT_SEED, add_arguments, run
+
+NAMES = {"random": "random", "snapkv": "SnapKV", "rkv": "R-KV", "middle_chunk": "middle-chunk"}
+
+
+def readme_summary(report: dict) -> str:
+    """The README's accuracy table (markdown), written from a stored `--json` report: one row per context length,
+    the full cache, then each policy's accuracy (%) at its drop ratios > 0."""
+    rows = report["rows"]
+    lengths = sorted({r["context_tokens"] for r in rows})
+    policies = [p for p in dict.fromkeys(r["policy"] for r in rows) if p != FULL]
+    ratios = {p: sorted({r["drop_ratio"] for r in rows if r["policy"] == p and r["drop_ratio"] > 0}) for p in policies}
+    acc = {(r["policy"], r["drop_ratio"], r["context_tokens"]): 100 * r["accuracy"] for r in rows}
+    head = ["tokens", "full"] + [f"{NAMES.get(p, p)} {' / '.join(f'{x:g}' for x in ratios[p])}" for p in policies]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n in lengths:
+        cells = [str(n), f"{acc[FULL, 0.0, n]:.1f}%"]
+        cells += [" / ".join(f"{acc[p, x, n]:.1f}" for x in ratios[p]) for p in policies]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -31,7 +51,14 @@ def main(argv=None) -> int:
     add_arguments(ap)
     ap.set_defaults(json_path="runs/accuracy.json", plot="runs/accuracy.png", seed=HELDOUT_SEED)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    ap.add_argument("--summary", metavar="PATH", help="print the README table of a stored --json file and exit")
     args = ap.parse_args(argv)
+    if args.summary:
+        import json
+
+        with open(args.summary) as f:
+            print(readme_summary(json.load(f)))
+        return 0
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
     if args.threads:
