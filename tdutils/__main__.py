@@ -2,7 +2,9 @@
 
 `run` runs the baseline and the dropped configuration on the same prompts, alternately (`--repeats`
 times), prints the phase table (medians over repeats) with the decode-throughput ratio, and writes JSON.
-Other subcommands live next to their code (see `SUBCOMMANDS`).
+Other subcommands live next to their code (see `SUBCOMMANDS`). Bad input is reported in one line with exit
+status 2; anything else is a bug and shows its traceback and a request to report it, exit status 1
+(`tdutils.cli_args.report_error`).
 """
 
 from __future__ import annotations
