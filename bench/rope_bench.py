@@ -169,8 +169,8 @@ def time_variants(kv, old, new, spec, repeats: int, device: str) -> tuple[dict[s
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    for variant in VARIANTS:
-        rerotate_k_cache(kv, old, new, spec, compute_dtype=VARIANTS[variant])  # warm-up
+    for compute in VARIANTS.values():
+        rerotate_k_cache(kv, old, new, spec, compute_dtype=compute)  # warm-up
     times = {variant: [] for variant in VARIANTS}
     names = list(VARIANTS)
     orders = []

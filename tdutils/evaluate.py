@@ -19,15 +19,16 @@ name goes to `tdutils.make_drop_fn` as it is, so every policy it knows (`random`
 runs. Ratio 0 runs the policy's drop function too (it must return the cache unchanged, SPEC §5), so its
 row should equal the full cache's: a cheap check of that contract.
 
-Seeds (dataset seeds of `make_passkey_dataset`; each gives its own prompts):
+Seeds (dataset seeds of `make_passkey_dataset`; each gives its own prompts), by use:
 
-| seed | used for |
-|---|---|
-| >= `TRAIN_SEED_BASE` (10_000_000) | training streams of `tools/train_tiny_model.py` (`TRAIN_SEED_BASE + --seed`) |
-| `DEV_SEED` (0) | development: the training script's final report, on which the fine-tune was chosen; the default here, in `python -m tdutils eval` and in `notebooks/compare_policies.ipynb` |
-| 1-9 | unit tests (`tests/test_accuracy.py` regression: 1) |
-| 1234 | the bundled sample (`tools/make_tiny_model.py`) |
-| `HELDOUT_SEED` (5_000_000) | the published accuracy table only (`bench/accuracy.py`'s default): no training, selection or tuning step has seen it; the training script refuses it as `--eval-seed` |
+- `TRAIN_SEED_BASE` (10_000_000) and above: training streams of `tools/train_tiny_model.py`
+  (`TRAIN_SEED_BASE + --seed`);
+- `DEV_SEED` (0): development. The training script's final report uses it, so the fine-tune was chosen on it;
+  it is the default here, in `python -m tdutils eval` and in `notebooks/compare_policies.ipynb`;
+- 1-9: unit tests (the regression of `tests/test_accuracy.py` uses 1); 1234: the bundled sample
+  (`tools/make_tiny_model.py`);
+- `HELDOUT_SEED` (5_000_000): the published accuracy table only (`bench/accuracy.py`'s default). No training,
+  selection or tuning step has seen it, and the training script refuses it as `--eval-seed`.
 
 The bundled model is refused a training seed. The random policy draws its kept set from its own `seed`
 (default 0): all prompts of one length share it, while the needle's depth varies per prompt.
