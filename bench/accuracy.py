@@ -13,8 +13,8 @@ defaults to `tdutils.evaluate.HELDOUT_SEED` (5_000_000), which no training, sele
 
 Targets (issue 8, n >= 200 per cell): full cache >= 98% at 512, 1024 and 2048 tokens; SnapKV and R-KV at
 drop ratio 0.5 >= 97%; at 0.75, report what they reach. Runtime: 467 s at n=200 with the policies full,
-random, snapkv and rkv on 2 shared CPU cores (README, "Passkey accuracy of the bundled model"), most of it
-prefilling the 2048-token prompts.
+random, snapkv and rkv on 2 quiet CPU cores, 3355 s on the same 2 cores shared with six other jobs (README,
+"Passkey accuracy of the bundled model"), most of it prefilling the 2048-token prompts.
 """
 
 from __future__ import annotations
