@@ -53,14 +53,15 @@ def test_published_accuracy_is_on_the_held_out_seed():
     assert f"the held-out seed of the published table (default: {HELDOUT_SEED})" in _flat(p.stdout), p.stdout
 
 
-def test_training_script_refuses_to_report_on_the_held_out_seed(capsys):
+def test_training_script_refuses_to_report_on_the_held_out_seed(capsys, tmp_path):
     spec = importlib.util.spec_from_file_location("train_tiny_model", ROOT / "tools" / "train_tiny_model.py")
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
     from tdutils.evaluate import HELDOUT_SEED
 
     with pytest.raises(SystemExit) as exit_info:
-        train.main(["--eval-seed", str(HELDOUT_SEED), "--out", "/nonexistent"])
+        # were the seed accepted, these options would finish at once (no training step, one report prompt) with 0
+        train.main(["--eval-seed", str(HELDOUT_SEED), "--max-minutes", "0", "--eval-n", "1", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and f"--eval-seed {HELDOUT_SEED} is the held-out seed" in err, err
 
