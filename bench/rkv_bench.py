@@ -11,20 +11,27 @@ head (real keys share a large per-head component: most rows find a near-duplicat
 Queries are N(0, 1). Kept-set agreement of `buffered` with `exact` is reported at `--drop-ratio` (0.5), for
 the full R-KV score and for the redundancy alone.
 
-Method: every (distribution, n, variant) runs in a fresh subprocess, so no variant's high-water mark can hide
-another's. The child builds its inputs, warms up on a 64-token input (kernel code pages, OpenMP threads), then
-- time: median of --repeats calls with the default allocator settings (CUDA synchronised);
-- CPU memory: one more call after switching glibc malloc to `M_MMAP_THRESHOLD = 128 KiB` (mallopt) and
+Method, for every (distribution, n):
+- time: one fresh subprocess builds the inputs once, warms every variant up on a 64-token input (kernel code
+  pages, OpenMP threads) and then runs the variants alternated inside each of --repeats rounds (A B C …, then
+  … C B A, so no variant always runs first or last), with the default allocator settings (CUDA synchronised).
+  Each variant's time is the median of its rounds, and each ratio (speed-up over `reference`, time over
+  SnapKV scoring) is the median of the per-round ratios, so machine load that changes between rounds moves
+  numerator and denominator together;
+- memory: every variant in a fresh subprocess of its own, so no variant's high-water mark can hide another's.
+  On the CPU the child warms up, switches glibc malloc to `M_MMAP_THRESHOLD = 128 KiB` (mallopt) and
   `malloc_trim(0)`, so that every tensor of 128 KiB or more is its own mapping, unmapped when freed, and RSS
-  follows live tensors instead of glibc's heap (which keeps freed chunks resident and reuses them invisibly).
-  The child resets its peak RSS (VmHWM, by writing 5 to /proc/self/clear_refs), reads its RSS, makes the call
-  and reads VmHWM: extra = VmHWM − RSS before (the returned tensors included). The switch comes after the
-  timed calls because mmap-per-tensor makes the many small temporaries of the block scans page-fault on every
-  allocation (10x slower `exact` here): it measures memory, not speed. RSS also moves with non-tensor memory
-  (code pages, allocator slack: a few MiB of noise), so for n <= --profile-max-n the child also replays the
-  torch profiler's allocation events of one more call (`tdutils.policies.rkv.peak_memory`): the peak of live
-  tensor bytes, an independent figure;
-- CUDA memory: `torch.cuda.max_memory_allocated()` during one call minus what was allocated before.
+  follows live tensors instead of glibc's heap (which keeps freed chunks resident and reuses them invisibly);
+  it resets its peak RSS (VmHWM, by writing 5 to /proc/self/clear_refs), reads its RSS, makes one call and
+  reads VmHWM: extra = VmHWM − RSS before (the returned tensors included). Memory is measured apart from the
+  timing because mmap-per-tensor makes the many small temporaries of the block scans page-fault on every
+  allocation (10x slower `exact` here). RSS also moves with non-tensor memory (code pages, allocator slack: a
+  few MiB of noise), so for n <= --profile-max-n the child also replays the torch profiler's allocation
+  events of one more call (`tdutils.policies.rkv.peak_memory`): the peak of live tensor bytes, an independent
+  figure. CUDA: `torch.cuda.max_memory_allocated()` during one call minus what was allocated before.
+
+`--json docs/results/rkv_bench.json` stores every time, memory figure and ratio; the README's R-KV figures are
+`readme_summary` of that file (`tests/test_bench_results.py` checks they match).
 
 On a CPU shared with other busy processes, use `--threads 1`: with more OpenMP threads than free cores every
 parallel region can stall on a descheduled thread, which hits the methods made of many small operations
@@ -32,6 +39,7 @@ parallel region can stall on a descheduled thread, which hits the methods made o
 
     python bench/rkv_bench.py                                   # full size, CPU or CUDA
     python bench/rkv_bench.py --sizes 1024 4096 --repeats 1 --json out.json
+    python bench/rkv_bench.py --summary docs/results/rkv_bench.json   # the README lines of a stored run
 """
 
 from __future__ import annotations
@@ -120,40 +128,62 @@ def _mmap_every_tensor() -> bool:
         return False
 
 
-def run_child(args) -> dict:
-    """One variant at one size in this (fresh) process: times of --repeats calls, then memory of one more."""
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _warm_up(kind: str, variants, args, device: str) -> None:
+    """One call of each variant on a 64-token input: thread pools, kernel code pages, allocator."""
+    wk, wkv, wq = make_inputs(kind, 64, args, device)
+    for variant in variants:
+        variant_fn(variant, wk, wkv, wq, args.head_dim)()
+
+
+def run_time_child(args) -> dict:
+    """Every variant at one size in this (fresh) process, alternated inside each round (A B C, then C B A, ...).
+
+    Returns `{"kind", "n", "device", "threads", "order": [[variants of round 0], ...], "times_s": {variant:
+    [seconds per round]}}`; saves the first round's `exact` and `buffered` redundancies for `agreement`.
+    """
+    kind, n = args.time_child[0], int(args.time_child[1])
+    variants, device = list(args.variants), args.device
+    _warm_up(kind, variants, args, device)
+    keys, kv, q = make_inputs(kind, n, args, device)
+    fns = {v: variant_fn(v, keys, kv, q, args.head_dim) for v in variants}
+    times = {v: [] for v in variants}
+    order = []
+    for i in range(args.repeats):
+        round_order = variants if i % 2 == 0 else variants[::-1]
+        order.append(list(round_order))
+        for variant in round_order:
+            _sync(device)
+            t0 = time.perf_counter()
+            result = fns[variant]()
+            _sync(device)
+            times[variant].append(time.perf_counter() - t0)
+            if i == 0 and args.save_dir and variant in ("exact", "buffered"):
+                torch.save(result.cpu(), os.path.join(args.save_dir, f"{kind}_{n}_{variant}.pt"))
+            del result
+    return {"kind": kind, "n": n, "device": device, "threads": torch.get_num_threads(), "order": order,
+            "times_s": times}
+
+
+def run_memory_child(args) -> dict:
+    """One variant at one size in this (fresh) process: peak extra memory of one call (and the profiler's peak)."""
     kind, n, variant = args.child
     n = int(n)
     device = args.device
-    cuda = device.startswith("cuda")
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
-    # warm-up on a tiny input: thread pools, kernel code pages, allocator
-    wk, wkv, wq = make_inputs(kind, 64, args, device)
-    variant_fn(variant, wk, wkv, wq, args.head_dim)()
-    del wk, wkv, wq
+    _warm_up(kind, [variant], args, device)
     keys, kv, q = make_inputs(kind, n, args, device)
     fn = variant_fn(variant, keys, kv, q, args.head_dim)
-    sync()
+    _sync(device)
     out = {"kind": kind, "n": n, "variant": variant, "device": device, "threads": torch.get_num_threads()}
-    times = []
-    for i in range(args.repeats):
-        sync()
-        t0 = time.perf_counter()
-        result = fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-        if i == 0 and args.save_dir and variant in ("exact", "buffered"):
-            torch.save(result.cpu(), os.path.join(args.save_dir, f"{kind}_{n}_{variant}.pt"))
-        del result
-    if cuda:
+    if device.startswith("cuda"):
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         result = fn()
-        sync()
+        _sync(device)
         out["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - before
         out["memory_method"] = "torch.cuda.max_memory_allocated - allocated before"
     else:
@@ -167,25 +197,34 @@ def run_child(args) -> dict:
                                 if hwm_ok else "unavailable (no /proc/self/clear_refs)")
         out["memory_method"] += ", mallopt(M_MMAP_THRESHOLD=128 KiB)" if mmap_ok else ", default malloc"
     del result
-    out["times_s"] = times
-    out["median_s"] = statistics.median(times)
-    if not cuda and n <= args.profile_max_n:
+    if not device.startswith("cuda") and n <= args.profile_max_n:
         _, alloc = peak_memory(fn)
         out["alloc_peak_bytes"] = alloc  # torch profiler: peak live tensor bytes of one more call
     return out
 
 
-def spawn_child(kind: str, n: int, variant: str, args, save_dir: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--_child", kind, str(n), variant, "--heads", str(args.heads),
-           "--head-dim", str(args.head_dim), "--query-heads", str(args.query_heads), "--repeats", str(args.repeats),
-           "--seed", str(args.seed), "--device", args.device, "--profile-max-n", str(args.profile_max_n),
-           "--_save-dir", save_dir]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    res = subprocess.run(cmd, check=False, capture_output=True, text=True)
+def _common_args(args) -> list[str]:
+    cmd = ["--heads", str(args.heads), "--head-dim", str(args.head_dim), "--query-heads", str(args.query_heads),
+           "--repeats", str(args.repeats), "--seed", str(args.seed), "--device", args.device,
+           "--profile-max-n", str(args.profile_max_n)]
+    return cmd + (["--threads", str(args.threads)] if args.threads else [])
+
+
+def _run(cmd: list[str], what: str) -> dict:
+    res = subprocess.run([sys.executable, os.path.abspath(__file__), *cmd], check=False, capture_output=True,
+                         text=True)
     if res.returncode != 0:
-        raise RuntimeError(f"child {kind} n={n} {variant} failed:\n{res.stderr[-3000:]}")
+        raise RuntimeError(f"child {what} failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def spawn_time_child(kind: str, n: int, args, save_dir: str) -> dict:
+    return _run(["--_time-child", kind, str(n), "--variants", *args.variants, "--_save-dir", save_dir,
+                 *_common_args(args)], f"timing {kind} n={n}")
+
+
+def spawn_memory_child(kind: str, n: int, variant: str, args) -> dict:
+    return _run(["--_child", kind, str(n), variant, *_common_args(args)], f"memory {kind} n={n} {variant}")
 
 
 # ----------------------------------------------------------------------------------------------- agreement
@@ -227,44 +266,77 @@ def main(argv=None) -> int:
                    help="CPU: also measure the profiler's tensor peak for n up to this (one extra call)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON ('-' for stdout)")
+    p.add_argument("--summary", metavar="PATH", help="print the README lines of a stored --json file and exit")
     p.add_argument("--_child", dest="child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--_time-child", dest="time_child", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--_save-dir", dest="save_dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.summary:
+        with open(args.summary) as f:
+            print(readme_summary(json.load(f)))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.query_heads % args.heads:
         p.error("--query-heads must be a multiple of --heads")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
 
-    if args.child:  # internal: one measurement in a fresh process
-        print(json.dumps(run_child(args)))
+    if args.child:  # internal: one memory measurement in a fresh process
+        print(json.dumps(run_memory_child(args)))
+        return 0
+    if args.time_child:  # internal: every variant timed, alternated, in a fresh process
+        print(json.dumps(run_time_child(args)))
         return 0
 
     print(f"R-KV redundancy bench: H={args.heads} d={args.head_dim} Hq={args.query_heads} one layer, "
-          f"device={args.device}, repeats={args.repeats}, torch {torch.__version__}", flush=True)
-    results = {"config": {k: v for k, v in vars(args).items() if k not in ("child", "save_dir", "json")},
-               "torch": torch.__version__, "runs": [], "summary": []}
+          f"device={args.device}, repeats={args.repeats} (variants alternated), torch {torch.__version__}", flush=True)
+    results = {"config": {k: v for k, v in vars(args).items()
+                          if k not in ("child", "time_child", "save_dir", "json", "summary")},
+               "torch": torch.__version__, "machine": machine(), "runs": [], "summary": []}
+    t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as save_dir:
         for kind in args.kinds:
             for n in args.sizes:
+                # memory children first, while the timing child's memory is not around
+                memory = {v: spawn_memory_child(kind, n, v, args) for v in args.variants}
+                timing = spawn_time_child(kind, n, args, save_dir)
                 runs = {}
                 for variant in args.variants:
-                    r = spawn_child(kind, n, variant, args, save_dir)
+                    times = timing["times_s"][variant]
+                    r = {**memory[variant], "times_s": times, "median_s": statistics.median(times),
+                         "order": timing["order"]}
                     runs[variant] = r
                     results["runs"].append(r)
-                    mem = r["peak_extra_bytes"]
-                    alloc = r.get("alloc_peak_bytes")
+                    mem, alloc = r["peak_extra_bytes"], r.get("alloc_peak_bytes")
                     print(f"{kind:9} n={n:6} {variant:17} {r['median_s']:9.3f} s  peak extra "
                           f"{(mem or 0) / MiB:9.1f} MiB" + (f" (tensors {alloc / MiB:.1f} MiB)" if alloc else ""),
                           flush=True)
                 results["summary"].append(summarize(kind, n, runs, agreement(kind, n, args, save_dir)))
+    results["seconds"] = time.perf_counter() - t_start
     print_summary(results["summary"])
     if args.json:
         write_json(results, args.json)
+        print(f"wrote {args.json}; README lines:\n{readme_summary(results)}")
     return 0
 
 
+def machine() -> dict:
+    """What the figures were measured on."""
+    import platform
+
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version()}
+
+
+def _round_ratio(num: list[float], den: list[float]) -> float:
+    """Median of the per-round ratios num[i] / den[i] (both measured in the same round)."""
+    return statistics.median(a / b for a, b in zip(num, den))
+
+
 def summarize(kind: str, n: int, runs: dict, agree: dict | None) -> dict:
-    """Ratios to reference (time: reference / method, memory: method / reference) and to SnapKV."""
+    """Ratios to reference (time: reference / method, memory: method / reference) and to SnapKV; time ratios
+    are medians of per-round ratios (the variants alternate inside each round)."""
     s = {"kind": kind, "n": n, "agreement": agree}
     ref, snap = runs.get("reference"), runs.get("snapkv")
     for name, r in runs.items():
@@ -272,13 +344,41 @@ def summarize(kind: str, n: int, runs: dict, agree: dict | None) -> dict:
         if r.get("alloc_peak_bytes") is not None:
             row["alloc_peak_mib"] = r["alloc_peak_bytes"] / MiB
         if ref:
-            row["speedup_vs_reference"] = ref["median_s"] / r["median_s"]
+            row["speedup_vs_reference"] = _round_ratio(ref["times_s"], r["times_s"])
             if ref["peak_extra_bytes"]:
                 row["memory_vs_reference"] = (r["peak_extra_bytes"] or 0) / ref["peak_extra_bytes"]
         if snap:
-            row["time_vs_snapkv"] = r["median_s"] / snap["median_s"]
+            row["time_vs_snapkv"] = _round_ratio(r["times_s"], snap["times_s"])
         s[name] = row
     return s
+
+
+def readme_summary(results: dict) -> str:
+    """The README's R-KV figures, written from a stored run (largest n; `realistic` keys, then `random`)."""
+    summary = results["summary"]
+    n = max(s["n"] for s in summary)
+    at = {s["kind"]: s for s in summary if s["n"] == n}
+    cfg = results["config"]
+    lines = []
+    real = at.get("realistic")
+    if real and all(m in real for m in (*METHODS, "snapkv", "rkv_scores_exact")):
+        ref, ex, ti, bu = (real[m] for m in METHODS)
+        a = real["agreement"]
+        lines.append(
+            f"n={n}, {cfg['repeats']} rounds, realistic keys: `reference` {ref['median_s']:.3g} s / "
+            f"{ref['peak_extra_mib']:.0f} MiB extra; `exact` {ex['median_s']:.3g} s / {ex['peak_extra_mib']:.1f} MiB "
+            f"({ex['speedup_vs_reference']:.0f}x faster, {ex['memory_vs_reference']:.1%} of the memory); `tiled` "
+            f"{ti['median_s']:.3g} s / {ti['peak_extra_mib']:.0f} MiB; `buffered` {bu['median_s']:.3g} s / "
+            f"{bu['peak_extra_mib']:.1f} MiB"
+            + (f" with {a['buffered_vs_exact_rkv']:.1%} kept-set agreement with `exact` at drop {a['drop_ratio']:g}"
+               if a else "")
+            + f"; R-KV scoring with `exact` {real['rkv_scores_exact']['median_s']:.3g} s against SnapKV scoring "
+            f"{real['snapkv']['median_s']:.3g} s ({real['rkv_scores_exact']['time_vs_snapkv']:.2f}x).")
+    rand = at.get("random")
+    if rand and "exact" in rand and "reference" in rand:
+        lines.append(f"On random keys (no near-duplicates) `exact` scans every column: {rand['exact']['median_s']:.3g} s, "
+                     f"{rand['exact']['speedup_vs_reference']:.1f}x faster than `reference`.")
+    return "\n".join(lines)
 
 
 def print_summary(summary: list[dict]) -> None:

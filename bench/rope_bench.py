@@ -1,7 +1,10 @@
 """Time and peak memory of `tdutils.rope.rerotate_k_cache`: fp32 arithmetic vs cache-dtype (bf16) arithmetic.
 
 Default cache: [2, 36, 8192, 1024] bf16 (Qwen3-8B: 36 layers, 8 KV heads x 128), keys moved from sorted
-positions in [0, 2T) to 0..T-1, as after a 50% drop. Both variants run side by side in one invocation.
+positions in [0, 2T) to 0..T-1, as after a 50% drop. Both variants run side by side in one invocation: after one
+warm-up call each, every repeat times both, alternating which goes first (fp32 bf16, bf16 fp32, ...), and the
+time ratio is the median of the per-repeat ratios. Extra memory does not depend on the layer count (the code
+works one layer at a time), so `--layers 8` measures the same memory as 36 layers in less time.
 
 Memory ("extra" = beyond the input cache and the returned cache, which any non-mutating re-rotation needs):
 - CUDA: torch.cuda.max_memory_allocated() during one call, minus what was allocated before, minus the output.
@@ -18,6 +21,10 @@ Memory ("extra" = beyond the input cache and the returned cache, which any non-m
 
     python bench/rope_bench.py                          # full size
     python bench/rope_bench.py --layers 8 --tokens 4096 --repeats 3 --json out.json
+    python bench/rope_bench.py --summary docs/results/rope_bench.json   # the README lines of a stored run
+
+`--json docs/results/rope_bench.json` stores the run; the README's RoPE figures are `readme_summary` of that
+file (`tests/test_bench_results.py` checks they match).
 """
 
 from __future__ import annotations
@@ -151,21 +158,33 @@ def measure_memory_here(args, variant: str) -> dict:
     return {"measured_extra_bytes": max(0, peak - before - out_bytes), "memory_method": method}
 
 
-def time_variant(kv, old, new, spec, variant: str, repeats: int, device: str) -> list[float]:
+def time_variants(kv, old, new, spec, repeats: int, device: str) -> tuple[dict[str, list[float]], list[list[str]]]:
+    """Seconds per call of every variant, alternated inside each repeat (fp32 bf16, then bf16 fp32, ...).
+
+    One warm-up call per variant first (allocator, kernels). Returns `({variant: [seconds per repeat]},
+    [order of each repeat])`: the i-th times of two variants come from the same repeat, so their ratio is
+    measured side by side.
+    """
     def sync():
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    rerotate_k_cache(kv, old, new, spec, compute_dtype=VARIANTS[variant])  # warm-up (allocator, kernels)
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        out = rerotate_k_cache(kv, old, new, spec, compute_dtype=VARIANTS[variant])
-        sync()
-        times.append(time.perf_counter() - t0)
-        del out
-    return times
+    for compute in VARIANTS.values():
+        rerotate_k_cache(kv, old, new, spec, compute_dtype=compute)  # warm-up
+    times = {variant: [] for variant in VARIANTS}
+    names = list(VARIANTS)
+    orders = []
+    for i in range(repeats):
+        order = names if i % 2 == 0 else names[::-1]
+        orders.append(list(order))
+        for variant in order:
+            sync()
+            t0 = time.perf_counter()
+            out = rerotate_k_cache(kv, old, new, spec, compute_dtype=VARIANTS[variant])
+            sync()
+            times[variant].append(time.perf_counter() - t0)
+            del out
+    return times, orders
 
 
 def child_memory(args, variant: str) -> dict:
@@ -213,8 +232,15 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' for stdout)")
+    p.add_argument("--summary", metavar="PATH", help="print the README lines of a stored --json file and exit")
     p.add_argument("--_memory-child", dest="memory_child", choices=list(VARIANTS), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.summary:
+        with open(args.summary) as f:
+            print(readme_summary(json.load(f)))
+        return 0
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.dim % args.head_dim:
         p.error("--dim must be a multiple of --head-dim")
     if args.threads:
@@ -237,9 +263,10 @@ def main(argv=None) -> int:
           f"threads={torch.get_num_threads()} repeats={args.repeats}")
 
     results = {"shape": shape, "dtype": str(kv.dtype), "device": args.device, "threads": torch.get_num_threads(),
-               "repeats": args.repeats, "torch": torch.__version__, "variants": {}}
+               "repeats": args.repeats, "torch": torch.__version__, "machine": machine(), "variants": {}}
+    all_times, results["order"] = time_variants(kv, old, new, spec, args.repeats, args.device)
     for variant, compute in VARIANTS.items():
-        times = time_variant(kv, old, new, spec, variant, args.repeats, args.device)
+        times = all_times[variant]
         results["variants"][variant] = {"times_s": times, "median_s": statistics.median(times), "min_s": min(times),
                                         **analytic_extra_bytes(args.layers, args.tokens, args.dim, spec, compute),
                                         **cpu_memory.get(variant, {})}
@@ -254,7 +281,9 @@ def main(argv=None) -> int:
     results["accuracy_layer0_vs_fp64"] = accuracy_layer0(kv, old, new, spec)
 
     fp32, bf16 = results["variants"]["fp32"], results["variants"]["bf16"]
-    results["time_ratio_fp32_over_bf16"] = fp32["median_s"] / bf16["median_s"]
+    per_repeat = [a / b for a, b in zip(fp32["times_s"], bf16["times_s"])]  # same repeat: side by side
+    results["time_ratio_fp32_over_bf16_per_repeat"] = per_repeat
+    results["time_ratio_fp32_over_bf16"] = statistics.median(per_repeat)
     results["time_ratio_fp32_over_bf16_min"] = fp32["min_s"] / bf16["min_s"]
     one_layer = fp32["one_layer_keys_fp32_bytes"]
     print(f"{'variant':8} {'median s':>9} {'min s':>8} {'GB/s':>6} {'extra MiB (measured)':>21} "
@@ -265,13 +294,38 @@ def main(argv=None) -> int:
         print(f"{name:8} {r['median_s']:9.3f} {r['min_s']:8.3f} {gbs:6.2f} "
               f"{r['measured_extra_bytes'] / MiB:21.1f} {r['extra_bytes'] / MiB:21.1f} "
               f"{acc['max_abs_err']:8.4f} {acc['mean_abs_err']:9.5f}")
-    print(f"time ratio fp32 / bf16 arithmetic: {results['time_ratio_fp32_over_bf16']:.2f}x (medians), "
-          f"{results['time_ratio_fp32_over_bf16_min']:.2f}x (best runs)")
+    print(f"time ratio fp32 / bf16 arithmetic: {results['time_ratio_fp32_over_bf16']:.2f}x (median of the per-repeat "
+          f"ratios, variants alternated), {results['time_ratio_fp32_over_bf16_min']:.2f}x (best runs)")
     print(f"bound (one layer's keys in fp32): {one_layer / MiB:.1f} MiB; output cache {cache_bytes / MiB:.0f} MiB "
           f"(not counted); memory: {fp32['memory_method']}")
     if args.json:
         write_json(results, args.json)
+        if args.json != "-":
+            print(f"wrote {args.json}; README lines:\n{readme_summary(results)}")
     return 0
+
+
+def machine() -> dict:
+    """What the figures were measured on."""
+    import platform
+
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version()}
+
+
+def readme_summary(results: dict) -> str:
+    """The README's RoPE figures, written from a stored run (`--json`)."""
+    fp32, bf16 = results["variants"]["fp32"], results["variants"]["bf16"]
+    acc = results["accuracy_layer0_vs_fp64"]
+    shape = "x".join(map(str, results["shape"]))
+    return (f"[{shape}] {results['dtype'].removeprefix('torch.')} cache, {results['threads']} thread(s), "
+            f"{results['repeats']} repeats alternating the variants: fp32 arithmetic {fp32['median_s']:.3g} s median "
+            f"with {fp32['measured_extra_bytes'] / MiB:.1f} MiB extra memory "
+            f"({fp32['measured_extra_bytes'] / fp32['one_layer_keys_fp32_bytes']:.1%} of one layer's keys in fp32; "
+            f"analytic {fp32['extra_bytes'] / MiB:.1f} MiB), bf16 arithmetic {bf16['median_s']:.3g} s "
+            f"(fp32 / bf16 time {results['time_ratio_fp32_over_bf16']:.2f}x, median of per-repeat ratios) with larger "
+            f"errors against fp64 (max {acc['bf16']['max_abs_err']:.4f} vs {acc['fp32']['max_abs_err']:.4f}, "
+            f"mean {acc['bf16']['mean_abs_err']:.5f} vs {acc['fp32']['mean_abs_err']:.5f}).")
 
 
 if __name__ == "__main__":

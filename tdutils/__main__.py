@@ -5,6 +5,8 @@ times), prints the phase table (medians over repeats) with the decode-throughput
 ratios, min-max), a note when that ratio does not measure what dropping buys (`tdutils.metrics.speedup_notes`:
 busy machine, no larger batch, slower despite a larger batch, above the capacity limit), and writes JSON.
 Other subcommands live next to their code (see `SUBCOMMANDS`).
+Bad input is reported in one line with exit status 2; anything else is a bug and shows its traceback
+and a request to report it, exit status 1 (`tdutils.cli_args.report_error`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import importlib
 import json
 import sys
 
-from .cli_args import OneLineParser, positive_int
+from .cli_args import OneLineParser, UsageError, positive_int, report_error
 
 # Command-line options that reach a policy's parameters (when the policy has a parameter of that name).
 POLICY_OPTIONS = {"window": "--window", "n_sink": "--n-sink", "kernel_size": "--kernel-size", "pooling": "--pooling",
@@ -195,15 +197,15 @@ def cmd_run(args) -> int:
         engine.kv_budget_tokens = args.kv_budget_tokens
     need = max(map(len, prompt_ids)) + args.max_tokens
     if engine.kv_budget_tokens < need:  # the baseline cannot drop: say so before any work
-        raise ValueError(f"--kv-budget-tokens {engine.kv_budget_tokens} cannot hold one undropped request of the "
+        raise UsageError(f"--kv-budget-tokens {engine.kv_budget_tokens} cannot hold one undropped request of the "
                          f"baseline ({need} tokens = longest prompt + --max-tokens); give at least {need}")
     max_pos = getattr(engine.config, "max_position_embeddings", None)
     if max_pos and max(map(len, prompt_ids)) + args.max_tokens > max_pos:  # the baseline decodes at T..T+m-1
-        raise ValueError(f"the longest prompt ({max(map(len, prompt_ids))} tokens) plus --max-tokens {args.max_tokens} "
+        raise UsageError(f"the longest prompt ({max(map(len, prompt_ids))} tokens) plus --max-tokens {args.max_tokens} "
                          f"exceeds the model's {max_pos} positions (max_position_embeddings); lower --max-tokens")
     shortest = min(map(len, prompt_ids))
     if window is not None and window >= shortest:  # the window is always kept: nothing would be dropped
-        raise ValueError(f"--window {window} is not shorter than the shortest prompt ({shortest} tokens); "
+        raise UsageError(f"--window {window} is not shorter than the shortest prompt ({shortest} tokens); "
                          f"the {args.policy} window is always kept, so nothing would be dropped: give a smaller --window")
     drop_fn = make_drop_fn(args.policy, drop_ratio=args.drop_ratio, model_config=engine.config,
                            rerotate=args.positions == "compact", **params)
@@ -247,14 +249,13 @@ def cmd_run(args) -> int:
 
 
 def main(argv=None) -> int:
+    """Parse `argv`, run the subcommand and return its exit status: bad input in one line with status 2,
+    anything else (a bug) with its traceback and a line asking for a report, status 1 (`cli_args.report_error`)."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, OSError, ConnectionError, NotImplementedError, RuntimeError, AssertionError) as exc:
-        # RuntimeError covers DropFunctionError and torch's bad-device errors; AssertionError torch's "not
-        # compiled with CUDA"
-        print(f"tdutils: error: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # noqa: BLE001 - every error is reported, bugs with their traceback
+        return report_error(exc)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,73 @@
-"""Argument types and the parser shared by the command line (`python -m tdutils`) and the `bench/` scripts.
+"""Argument types, the parser and the error report shared by the command line (`python -m tdutils`) and the
+`bench/` scripts.
 
-A bad option is reported in one line that names the option and what it expects, with exit status 2.
+A bad option is reported in one line that names the option and what it expects, with exit status 2. So is bad
+input found later (`UsageError`, and the library's documented bad-input errors: `ValueError`, `OSError`,
+`ConnectionError`, a server's refusal); anything else is a bug, reported with its traceback, a line asking for
+a report, and exit status 1 (`report_error`).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+import traceback
+
+
+class UsageError(ValueError):
+    """Bad input the user can fix (an option's value, a file, a model, a server's address), found after parsing.
+
+    The message says what was wrong and what to do; the command line prints it in one line with exit status 2.
+    A subclass of ValueError, the type the library raises for bad input, so callers catching ValueError keep
+    working.
+    """
+
+
+def is_usage_error(exc: BaseException) -> bool:
+    """Whether `exc` is bad input or an unusable environment (one line) rather than a bug (traceback).
+
+    True for `UsageError` and the types the library documents for bad input: `ValueError` (bad values, files
+    that do not parse), `OSError` (missing or unwritable files), `ConnectionError` (a server that is down) and
+    `tdutils.completion.CompletionError` (a server that refused or failed a request). False for everything else,
+    e.g. `TypeError`, `RuntimeError`, `AssertionError`, `KeyError`, `IndexError`: those mean tdutils itself
+    went wrong.
+    """
+    if isinstance(exc, (ValueError, OSError, ConnectionError)):
+        return True
+    from .completion import CompletionError
+
+    return isinstance(exc, CompletionError)
+
+
+def report_error(exc: BaseException, prog: str = "tdutils") -> int:
+    """Print `exc` for the command line and return the exit status.
+
+    Bad input (`is_usage_error`): `"{prog}: error: {exc}"` in one line on stderr, status 2. Anything else: the
+    traceback, then one line saying this is a bug in tdutils and asking for a report (with the repository's
+    issue tracker when the installed metadata names it), status 1.
+    """
+    if is_usage_error(exc):
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    traceback.print_exception(exc, file=sys.stderr)
+    print(f"{prog}: internal error ({type(exc).__name__}): this is a bug in tdutils, not a problem with your input; "
+          f"please report it with the command you ran and the traceback above{_issue_tracker()}", file=sys.stderr)
+    return 1
+
+
+def _issue_tracker() -> str:
+    """' at https://.../issues' from the installed package's `Repository` URL, or '' when unknown."""
+    try:
+        from importlib.metadata import PackageNotFoundError, metadata
+
+        urls = metadata("tdutils").get_all("Project-URL") or []
+    except (ImportError, PackageNotFoundError):
+        return ""
+    for entry in urls:
+        label, _, url = entry.partition(",")
+        if label.strip().lower() == "repository" and url.strip():
+            return f" at {url.strip().rstrip('/')}/issues"
+    return ""
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -605,9 +605,9 @@ def rerotate_keys(
 
 def _token_chunk(t: int, heads: int, rotary_dim: int) -> int:
     """Tokens per chunk so that one fp32 temporary holds at most min(16 MiB, max(256 KiB, a quarter of one
-    layer's rotated keys)). _rotate_into keeps about two such temporaries alive (the fp32 copy of the rotary
-    channels, then the two rotated halves), so the working set stays under half of one layer's keys in
-    fp32, or 512 KiB for a small cache — the bound rerotate_k_cache promises."""
+    layer's rotated keys)). _rotate_into keeps at most two such temporaries alive (the fp32 copy of the rotary
+    channels, then the two rotated halves), so the chunk working set is at most half of one layer's keys in
+    fp32 (or 512 KiB for a small cache); the cos/sin tables come on top (see rerotate_k_cache)."""
     per_token = heads * rotary_dim
     budget = min(_CHUNK_ELEMS, max(_CHUNK_FLOOR, (t * per_token) // 4))
     return max(1, budget // per_token)
@@ -677,11 +677,16 @@ def rerotate_k_cache(
 
     Returns:
         A new tensor like ``kv`` (the input is never modified): keys re-rotated (fp32 arithmetic, one
-        cast), values bit-identical. Works layer by layer and in token chunks: beyond the returned
-        tensor it holds the cos/sin tables (``2 * T * rotary_dim/2`` fp32) and about two fp32 chunk
-        temporaries of at most ``min(4 Mi, max(64 Ki, T*H*rotary_dim/4))`` elements each, i.e. less than one
-        layer's keys in fp32 for any cache with ``H >= 2`` (or 512 KiB for a small one;
-        ``bench/rope_bench.py`` measures it).
+        cast), values bit-identical.
+
+    Memory: works layer by layer and in token chunks. Beyond the returned tensor it holds at most the larger of
+    (a) building the cos/sin tables: at most 24 bytes per table element (``T * rotary_dim/2`` elements: fp64
+    angle differences, their fp64 cos/sin, the fp32 results), and (b) the two fp32 tables (8 bytes per element)
+    plus two fp32 chunk temporaries of at most ``min(4 Mi, max(64 Ki, T*H*rotary_dim/4))`` elements each. In
+    units of one layer's keys in fp32 (``4*T*H*head_dim`` bytes) with ``rotary_dim = head_dim``, that is at most
+    ``max(3/H, 1/2 + 1/H)``, ``H`` = KV heads: 62.5% for ``H = 8`` (Qwen3-8B), 1.5 layers for ``H = 2``;
+    a small cache may reach 512 KiB of chunk temporaries instead. ``tests/test_rope.py`` checks it against
+    the profiler's allocations; ``bench/rope_bench.py`` measures it on a large cache (README, "Benchmarks").
 
     Raises:
         ValueError: ``kv`` not ``[2, L, T, D]``, ``D % head_dim != 0``, positions not of length ``T``,

@@ -1,0 +1,103 @@
+"""Published figures come from stored runs: the README's accuracy table, R-KV and RoPE figures equal what the
+bench scripts write from `docs/results/*.json`, and those runs alternated their variants inside each repeat."""
+
+import argparse
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _bench(name):
+    sys.path.insert(0, str(ROOT / "bench"))  # the scripts import bench/_report.py as a sibling
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return mod
+
+
+def _flat(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+@pytest.mark.parametrize("script, stored", [("accuracy", "accuracy.json"), ("rkv_bench", "rkv_bench.json"),
+                                            ("rope_bench", "rope_bench.json")])
+def test_readme_figures_are_the_stored_runs(script, stored):
+    report = json.loads((ROOT / "docs" / "results" / stored).read_text())
+    expected = _bench(script).readme_summary(report)
+    assert expected and _flat(expected) in _flat(README), (
+        f"README.md does not show the figures of docs/results/{stored}; `python bench/{script}.py --summary "
+        f"docs/results/{stored}` prints them:\n{expected}")
+
+
+def test_published_accuracy_is_on_the_held_out_seed():
+    from tdutils.evaluate import DEV_SEED, HELDOUT_SEED, TRAIN_SEED_BASE
+
+    meta = json.loads((ROOT / "docs" / "results" / "accuracy.json").read_text())["meta"]
+    assert meta["seed"] == HELDOUT_SEED != DEV_SEED and HELDOUT_SEED < TRAIN_SEED_BASE, meta
+    assert f"held-out evaluation seed {HELDOUT_SEED}" in _flat(README)
+    import subprocess
+
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "accuracy.py"), "--help"], check=False,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert f"the held-out seed of the published table (default: {HELDOUT_SEED})" in _flat(p.stdout), p.stdout
+
+
+def test_training_script_refuses_to_report_on_the_held_out_seed(capsys, tmp_path):
+    spec = importlib.util.spec_from_file_location("train_tiny_model", ROOT / "tools" / "train_tiny_model.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    from tdutils.evaluate import HELDOUT_SEED
+
+    with pytest.raises(SystemExit) as exit_info:
+        # were the seed accepted, these options would finish at once (no training step, one report prompt) with 0
+        train.main(["--eval-seed", str(HELDOUT_SEED), "--max-minutes", "0", "--eval-n", "1", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"--eval-seed {HELDOUT_SEED} is the held-out seed" in err, err
+
+
+def _alternates(orders, names):
+    return orders[0] == list(names) and all(o == (list(names) if i % 2 == 0 else list(names)[::-1])
+                                            for i, o in enumerate(orders))
+
+
+def test_stored_bench_runs_alternated_their_variants():
+    rope = json.loads((ROOT / "docs" / "results" / "rope_bench.json").read_text())
+    assert len(rope["order"]) == rope["repeats"] >= 3 and _alternates(rope["order"], ["fp32", "bf16"]), rope["order"]
+    rkv = json.loads((ROOT / "docs" / "results" / "rkv_bench.json").read_text())
+    variants = rkv["config"]["variants"]
+    for run in rkv["runs"]:
+        assert len(run["order"]) == rkv["config"]["repeats"] == len(run["times_s"]) >= 3, run
+        assert _alternates(run["order"], variants), run["order"]
+
+
+def test_rope_bench_times_both_variants_in_every_repeat():
+    rope = _bench("rope_bench")
+    spec = rope.make_spec(64, 1e4)
+    kv = rope.make_cache(1, 32, 128, "cpu")
+    old, new = rope.make_positions(32, "cpu")
+    times, orders = rope.time_variants(kv, old, new, spec, 3, "cpu")
+    assert orders == [["fp32", "bf16"], ["bf16", "fp32"], ["fp32", "bf16"]]
+    assert {k: len(v) for k, v in times.items()} == {"fp32": 3, "bf16": 3} and all(t > 0 for v in times.values() for t in v)
+
+
+def test_rkv_bench_times_every_variant_in_every_round(tmp_path):
+    rkv = _bench("rkv_bench")
+    args = argparse.Namespace(time_child=["realistic", "96"], variants=["reference", "exact", "snapkv"], device="cpu",
+                              repeats=2, heads=2, head_dim=16, query_heads=4, seed=0, save_dir=str(tmp_path))
+    torch.manual_seed(0)
+    out = rkv.run_time_child(args)
+    assert out["order"] == [["reference", "exact", "snapkv"], ["snapkv", "exact", "reference"]]
+    assert {k: len(v) for k, v in out["times_s"].items()} == {"reference": 2, "exact": 2, "snapkv": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["realistic_96_exact.pt"]  # kept for the agreement
