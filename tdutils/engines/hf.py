@@ -31,6 +31,7 @@ from ..metrics import DecodeMetrics, ModifyMetrics, RunMetrics
 from ..models import load_model, model_facts
 from .base import ModifyReport, RequestOutput, check_engine_settings, tokenize_prompts
 from .capture import QueryRecorder, capture_implementation, recording
+from .kvstore import SlotKVStore, plan_slots
 
 POSITIONS = ("compact", "original")
 
@@ -363,29 +364,33 @@ class HFEngine:
             r.output_ids, r.token_times, r.finish_reason = [], [], "length"
             r.logits = [] if keep_logits else None
 
+        store = self._new_store([need[r.request_id] for r in self.requests], budget)
+        dm.kv_storage_tokens, dm.kv_storage_bytes = store.slots * store.width, store.bytes
+        n_slots = store.slots
+        next_ids = torch.zeros(n_slots, dtype=torch.long, device=self.device)  # per slot: token fed next step
+        next_pos = torch.zeros(n_slots, dtype=torch.long, device=self.device)  # and its position
         waiting = deque(self.requests)
-        running: list[_Request] = []
-        state = None  # batched cache, mask, next inputs of `running`
+        running: dict[int, _Request] = {}  # slot -> request
         bar = self._bar(sum(limit.values()), "decode")
         t0 = time.perf_counter()
         while waiting or running:
-            admitted = []
-            reserved = sum(need[r.request_id] for r in running)
-            while waiting and (budget is None or reserved + need[waiting[0].request_id] <= budget) and (
-                    self.max_batch_size is None or len(running) + len(admitted) < self.max_batch_size):
+            reserved = sum(need[r.request_id] for r in running.values())
+            while waiting and store.free_slots and (budget is None or reserved + need[waiting[0].request_id] <= budget) and (
+                    self.max_batch_size is None or len(running) < self.max_batch_size):
                 r = waiting.popleft()
-                admitted.append(r)
+                slot = self._admit(store, r)
+                running[slot] = r
+                next_ids[slot], next_pos[slot] = r.tokens[-1], r.refeed_pos
                 reserved += need[r.request_id]
-            if admitted:
-                state = self._build_batch(running, state, admitted)
-                running = running + admitted
             dm.peak_batch_size = max(dm.peak_batch_size, len(running))
             dm.kv_peak_reserved_tokens = max(dm.kv_peak_reserved_tokens, reserved)
 
-            cache, mask, next_ids, next_pos, lens = state
-            mask = torch.cat([mask, torch.ones(len(running), 1, dtype=mask.dtype, device=mask.device)], dim=1)
-            out = self._forward(next_ids[:, None], mask, next_pos[:, None], cache)
-            logits = out.logits[:, -1, :]  # [B, vocab]
+            rows = store.rows
+            store.begin_step(next_pos[:rows])
+            out = self._forward(next_ids[:rows, None], self._decode_masks(store, next_pos[:rows]),
+                                next_pos[:rows, None], store.cache())
+            store.end_step()
+            logits = out.logits[:, -1, :]  # [rows, vocab]; idle rows (free slots) are ignored
             if logits.dtype in (torch.float16, torch.bfloat16):
                 logits = logits.float()  # sampling and keep_logits in at least fp32
             if temperature > 0:
@@ -395,26 +400,22 @@ class HFEngine:
                 new_ids = logits.argmax(dim=-1).cpu()
             now = time.perf_counter() - t0
             dm.steps += 1
-            done = []
-            for b, r in enumerate(running):
-                tok = int(new_ids[b])
+            bar.update(len(running))
+            for slot, r in list(running.items()):
+                tok = int(new_ids[slot])
                 r.output_ids.append(tok)
                 r.token_times.append(now)
                 if keep_logits:
-                    r.logits.append(logits[b].cpu())
+                    r.logits.append(logits[slot].cpu())
                 if len(r.output_ids) >= limit[r.request_id]:
-                    done.append(b)
+                    del running[slot]
+                    store.release(slot)
                 elif not ignore_eos and eos is not None and tok == eos:
                     r.finish_reason = "stop"
-                    done.append(b)
-            bar.update(len(running))
-            lens = lens + 1
-            next_pos = next_pos + 1
-            state = (cache, mask, new_ids.to(self.device), next_pos, lens)
-            if done:
-                keep_rows = [b for b in range(len(running)) if b not in set(done)]
-                running = [running[b] for b in keep_rows]
-                state = self._select_rows(state, keep_rows) if running else None
+                    del running[slot]
+                    store.release(slot)
+            next_ids[:rows] = new_ids.to(self.device)
+            next_pos[:rows] += 1
         dm.seconds = time.perf_counter() - t0
         bar.close()
 
@@ -439,57 +440,57 @@ class HFEngine:
         kv = kv.view(2, L, T, h, d).transpose(2, 3)  # [2, L, H_kv, T, d]
         return kv[0], kv[1]
 
-    def _build_batch(self, running: list[_Request], state, admitted: list[_Request]):
-        """Left-padded batch cache for `running` (taken from `state`) plus newly `admitted` requests.
+    def _new_store(self, needs: list[int], budget: int | None) -> SlotKVStore:
+        """Preallocated decode storage for requests needing `needs` KV tokens (see `engines.kvstore`)."""
+        plan = plan_slots(needs, budget, self.max_batch_size)
+        windows = self._layer_windows()
+        return SlotKVStore(num_layers=self.facts.num_layers, num_kv_heads=self.facts.num_kv_heads,
+                           head_dim=self.facts.head_dim, slots=plan.slots, width=plan.width, dtype=self.model.dtype,
+                           device=self.device, track_positions=any(w is not None for w in windows.values()))
 
-        A new request contributes its cache minus the last entry; that last token is fed again at
-        `refeed_pos` so the first generated token is computed over the (edited) cache.
+    def _admit(self, store: SlotKVStore, r: _Request) -> int:
+        """Copy a request's cache minus its last entry into a free slot (that entry's token is fed again at
+        `refeed_pos`, so the first generated token is computed over the edited cache); returns the slot."""
+        check_kv(r.kv, r.tokens)
+        k, v = self._row_kv(r.kv)
+        positions = None
+        if store.positions is not None:
+            n = r.kv.shape[2]
+            if getattr(r, "positions", None) is not None:
+                positions = torch.as_tensor(r.positions[:-1])
+            elif n == len(r.prompt_ids) or self.positions == "compact":
+                positions = torch.arange(n - 1)
+            else:
+                raise NotImplementedError("sliding-window layers with positions='original' after an edit need the "
+                                          "kept positions of each request; use positions='compact'")
+        return store.admit(k[:, :, :-1, :], v[:, :, :-1, :], positions)
+
+    def _layer_windows(self) -> dict[str, int | None]:
+        """Sliding window (tokens) of each layer type the model has; None for full attention.
+
+        Raises:
+            NotImplementedError: a layer type other than full / sliding attention (chunked, linear, ...).
         """
-        rows_k, rows_v, lens, next_ids, next_pos = [], [], [], [], []
-        if running:
-            cache, mask, ids, pos, rlens = state
-            width = mask.shape[1]
-            for b in range(len(running)):
-                n = int(rlens[b])
-                rows_k.append(torch.stack([lay.keys[b, :, width - n:, :] for lay in cache.layers]))  # [L, H, n, d]
-                rows_v.append(torch.stack([lay.values[b, :, width - n:, :] for lay in cache.layers]))
-                lens.append(n)
-            next_ids.extend(ids.tolist())
-            next_pos.extend(pos.tolist())
-        for r in admitted:
-            check_kv(r.kv, r.tokens)
-            k, v = self._row_kv(r.kv)
-            rows_k.append(k[:, :, :-1, :])
-            rows_v.append(v[:, :, :-1, :])
-            lens.append(r.kv.shape[2] - 1)
-            next_ids.append(r.tokens[-1])
-            next_pos.append(r.refeed_pos)
-        B, width = len(rows_k), max(lens)
-        L, H, _, d = rows_k[0].shape
-        dtype = rows_k[0].dtype
-        keys = torch.zeros(L, B, H, width, d, dtype=dtype, device=self.device)  # zeros in padding: masked anyway
-        values = torch.zeros_like(keys)
-        mask = torch.zeros(B, width, dtype=torch.long, device=self.device)
-        for b, (k, v, n) in enumerate(zip(rows_k, rows_v, lens)):
-            if n:
-                keys[:, b, :, width - n:, :] = k
-                values[:, b, :, width - n:, :] = v
-                mask[b, width - n:] = 1
-        cache = self._new_cache()
-        for layer in range(L):
-            cache.update(keys[layer], values[layer], layer)
-        return (cache, mask, torch.tensor(next_ids, device=self.device), torch.tensor(next_pos, device=self.device),
-                torch.tensor(lens))
+        cfg = self.model.config
+        types = getattr(cfg, "layer_types", None)
+        if not types:  # Mistral-style configs: every layer slides when `sliding_window` is set
+            window = getattr(cfg, "sliding_window", None)
+            return {"sliding_attention" if window else "full_attention": window}
+        out = {}
+        for t in set(types):
+            if t == "full_attention":
+                out[t] = None
+            elif t == "sliding_attention":
+                out[t] = cfg.sliding_window
+            else:
+                raise NotImplementedError(f"the hf engine's decode does not support {t!r} layers "
+                                          f"({type(self.model).__name__})")
+        return out
 
-    def _select_rows(self, state, rows: list[int]):
-        """Keep only batch rows `rows` of the running state (finished requests leave the batch)."""
-        cache, mask, ids, pos, lens = state
-        idx = torch.tensor(rows, device=self.device)
-        mask, lens = mask[idx], lens[torch.tensor(rows)]
-        # Trim leading columns that are padding for every remaining row.
-        width = int(lens.max())
-        trim = mask.shape[1] - width
-        new = self._new_cache()
-        for i, lay in enumerate(cache.layers):
-            new.update(lay.keys[idx, :, trim:, :], lay.values[idx, :, trim:, :], i)
-        return new, mask[:, trim:], ids[idx], pos[idx], lens
+    def _decode_masks(self, store: SlotKVStore, query_positions: torch.Tensor):
+        """Prepared 4D masks of one decode step (`[rows, 1, 1, cols]`, bool for sdpa, additive for eager): one
+        tensor when every layer has the same kind, else a dict by layer type (what the model's forward takes)."""
+        additive = self.model.dtype if "eager" in self.model.config._attn_implementation else None
+        masks = {t: store.attention_mask(window=w, query_positions=query_positions, additive_dtype=additive)
+                 for t, w in self._layer_windows().items()}
+        return next(iter(masks.values())) if len(masks) == 1 else masks
