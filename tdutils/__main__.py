@@ -115,7 +115,11 @@ def cmd_run(args) -> int:
         from .data import DEMO_DATASET, MC_SAMPLE_NAME, SAMPLE_NAME
         from .models import TINY_MODEL_NAME
 
-        args.dataset = SAMPLE_NAME if args.model == TINY_MODEL_NAME else DEMO_DATASET
+        from .models import parse_random_name
+
+        # the bundled sample for the bundled model and for random (throughput-only) models: no download
+        local = args.model == TINY_MODEL_NAME or parse_random_name(args.model) is not None
+        args.dataset = SAMPLE_NAME if local else DEMO_DATASET
         if args.dataset == DEMO_DATASET:
             try:
                 rows = load_prompts(args.dataset, num_requests=args.num_requests)

@@ -57,7 +57,7 @@ def random_model(arch: str = "qwen3-0.6b", *, num_layers: int | None = None, dty
         num_layers: decoder layers (default the architecture's own, 28 or 36); fewer keep CPU runs short while
             every layer keeps its real size.
         dtype: weights (and so KV cache) dtype, default float32.
-        device: default CUDA when available, else CPU.
+        device: default CUDA when available, else CPU; `"meta"` builds the shapes only (no memory, no init).
         seed: seeds the weight initialisation (same seed, same weights).
 
     Returns:
@@ -85,6 +85,11 @@ def random_model(arch: str = "qwen3-0.6b", *, num_layers: int | None = None, dty
     torch_dtype = _torch_dtype(dtype)
     if torch_dtype == "auto":
         torch_dtype = torch.float32
+    if device.type == "meta":  # shapes only, nothing allocated or initialised
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation="sdpa")
+        model.name_or_path = f"{RANDOM_PREFIX}{key}:{shape['num_hidden_layers']}L"
+        return model.eval(), _id_tokenizer(vocab)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation="sdpa")
