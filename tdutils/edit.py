@@ -209,12 +209,18 @@ class DropFn:
         return check_keep(self.select(tensors, tokens), kv.shape[2])
 
     def __call__(self, tensors: Mapping, tokens: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+        new_kv, new_tokens, _ = self.edit(tensors, tokens)
+        return new_kv, new_tokens
+
+    def edit(self, tensors: Mapping, tokens: Sequence[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """`__call__` plus the sorted kept indices `LongTensor[k]` (engines that need kept positions use it)."""
         kv = get_kv(tensors)
         check_kv(kv, tokens)
         if self.drop_ratio == 0.0:  # SPEC §5: ratio 0 returns the input unchanged, bit for bit
-            return kv.clone(), [int(t) for t in tokens]
-        keep = self.select(tensors, tokens)
-        return apply_keep(kv, tokens, keep, rope_spec=self.rope_spec, rerotate=self.rerotate)
+            return kv.clone(), [int(t) for t in tokens], torch.arange(kv.shape[2])
+        keep = check_keep(self.select(tensors, tokens), kv.shape[2])
+        new_kv, new_tokens = apply_keep(kv, tokens, keep, rope_spec=self.rope_spec, rerotate=self.rerotate)
+        return new_kv, new_tokens, keep
 
 
 _POLICIES = ("random", "middle_chunk", "snapkv", "rkv")
@@ -234,7 +240,12 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float = 0.5, model_confi
             `select(tensors, tokens) -> LongTensor` of kept indices (it may read `CacheKind.KV` and
             `CacheKind.QUERY`); `drop_ratio` is then passed to it as a keyword if it accepts one.
         drop_ratio: fraction of tokens to remove, in [0, 1].
-        model_config: the model's transformers config; needed for RoPE re-rotation.
+        model_config: the model's transformers config, or the loaded model; needed for RoPE re-rotation and
+            by the query-aware policies (head counts, and the model's attention: scale, soft-cap, sinks,
+            sliding windows — `tdutils.attention`). With a loaded model, or the config of a model the hf
+            engine has open (`engine.config`), RoPE frequencies and learned sinks are read from the live
+            model (`tdutils.rope.model_rope`); a bare config gives them from its definition, and a model
+            with learned sinks (gpt-oss) then fails for snapkv/rkv (their values live in the weights).
         rerotate: re-rotate kept keys to compact positions (True: what vLLM + LMCache decode with).
 
     Returns:
@@ -250,9 +261,9 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float = 0.5, model_confi
         if model_config is None:
             raise ValueError("rerotate=True needs model_config (the model's transformers config) to re-rotate "
                              "keys; pass model_config=model.config, or rerotate=False with positions='original'")
-        from .rope import RopeSpec
+        from .rope import model_rope
 
-        rope_spec = RopeSpec.from_config(model_config)
+        rope_spec = model_rope(model_config)
 
     if callable(policy):
         user_select = policy
@@ -295,6 +306,7 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float = 0.5, model_confi
             return middle_chunk_keep(len(tokens), r, chunk_size=chunk_size)
 
     elif policy == "snapkv":
+        from .attention import scoring_attention
         from .models import model_facts
         from .policies.snapkv import SnapKVParams, snapkv_keep
 
@@ -302,12 +314,15 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float = 0.5, model_confi
             raise ValueError("policy 'snapkv' needs model_config (head_dim and head counts of the model)")
         p = _params(SnapKVParams, params, policy)
         head_dim = model_facts(model_config).head_dim
+        attention = scoring_attention(model_config)
 
         def select(tensors, tokens):
             return snapkv_keep(get_kv(tensors), get_query(tensors), r, head_dim=head_dim, window=p.window,
-                               kernel_size=p.kernel_size, pooling=p.pooling, gqa_reduce=p.gqa_reduce)
+                               kernel_size=p.kernel_size, pooling=p.pooling, gqa_reduce=p.gqa_reduce,
+                               attention=attention)
 
     elif policy == "rkv":
+        from .attention import scoring_attention
         from .models import model_facts
         from .policies.rkv import RKVParams, _method_settings, rkv_keep
 
@@ -317,9 +332,11 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float = 0.5, model_confi
         _method_settings(p.redundancy, p.tiles())  # a bad method or tile fails here, not on the first request
         rkv_kwargs = p.score_kwargs()
         head_dim = model_facts(model_config).head_dim
+        attention = scoring_attention(model_config)
 
         def select(tensors, tokens):
-            return rkv_keep(get_kv(tensors), get_query(tensors), r, head_dim=head_dim, **rkv_kwargs)
+            return rkv_keep(get_kv(tensors), get_query(tensors), r, head_dim=head_dim, attention=attention,
+                            **rkv_kwargs)
 
     else:
         raise ValueError(f"unknown policy {policy!r}; choose one of {list(_POLICIES)} or pass a selection function")

@@ -367,7 +367,32 @@ class ModelFacts:
 
 
 def model_facts(config, dtype: torch.dtype = torch.float32) -> ModelFacts:
-    """Read layer/head counts from a transformers config (`head_dim` may be absent or None)."""
+    """Layer and head counts of a model, as its attention computes them.
+
+    Args:
+        config: a loaded model, or a transformers config. Head counts and `head_dim` come from the shapes of
+            the query and key its attention functions receive (`tdutils.attention.AttentionSpec`: a 2-token
+            forward of the model, or of the config's model built on the `meta` device), so an architecture
+            that ignores a config field (GPT-NeoX is multi-head whatever `num_key_value_heads` says) is
+            counted right. Objects that are not transformers configs (mappings, namespaces), and configs
+            whose model cannot be built, are read from the fields `num_attention_heads`,
+            `num_key_value_heads`, `head_dim` (may be absent or None) and `num_hidden_layers`.
+        dtype: the KV dtype.
+    """
+    from transformers import PreTrainedConfig
+
+    if isinstance(config, torch.nn.Module) or isinstance(config, PreTrainedConfig):
+        from .attention import attention_spec
+
+        try:
+            spec = attention_spec(config)
+        except ValueError:
+            spec = None
+        if spec is not None and spec.layers[0].num_kv_heads is not None:
+            first = spec.layers[0]
+            return ModelFacts(num_layers=len(spec.layers), num_query_heads=first.num_query_heads,
+                              num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, kv_dtype=dtype)
+        config = getattr(config, "config", config)
     n_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     return ModelFacts(

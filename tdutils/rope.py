@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SUPPORTED_ROPE_TYPES", "RopeSpec", "apply_rope", "rerotate_k_cache", "rerotate_keys"]
+__all__ = ["SUPPORTED_ROPE_TYPES", "RopeSpec", "apply_rope", "model_rope", "rerotate_k_cache", "rerotate_keys"]
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 _LAYOUTS = ("neox", "gptj")
@@ -598,6 +598,50 @@ def _token_chunk(t: int, heads: int, rotary_dim: int) -> int:
     return max(1, budget // per_token)
 
 
+def model_rope(model_or_config: Any) -> RopeSpec | tuple[RopeSpec, ...]:
+    """The RoPE a model rotates with: one `RopeSpec`, or one per layer when layer types rotate differently
+    (Gemma 3: `rope_local_base_freq` on sliding layers).
+
+    Args:
+        model_or_config: a loaded transformers model, the config of a model the hf engine has open
+            (`tdutils.attention.register_live_model`), or a config.
+
+    With a loaded model, `inv_freq` and `attention_scaling` are read from its rotary module (`inv_freq`, or
+    `{layer_type}_inv_freq` for per-layer-type rotations): the frequencies the cached keys were actually
+    rotated with — after `model.half()` or `.to(torch.bfloat16)` they are rounded, and exact frequencies
+    would miss that rounding. `dynamic` and `longrope` frequencies change with the sequence length at run
+    time; they are taken from the config (see `RopeSpec.from_config`). Raises as `RopeSpec.from_config`.
+    """
+    import dataclasses
+
+    from .attention import live_model
+
+    model = live_model(model_or_config)
+    config = model.config if model is not None else model_or_config
+    params = _first(config, "rope_parameters", "rope_scaling")
+    types = _get(config, "layer_types")
+    per_type = isinstance(params, Mapping) and _is_nested(params) and types
+    specs = ([RopeSpec.from_config(config, layer_type=t) for t in types] if per_type
+             else [RopeSpec.from_config(config)])
+    if model is not None:
+        rotary = [m for m in model.modules() if any(n.endswith("inv_freq") and not n.endswith("original_inv_freq")
+                                                    for n, _ in m.named_buffers(recurse=False))]
+        if len(rotary) == 1:
+            mod = rotary[0]
+            live = []
+            for spec, t in zip(specs, types if per_type else [None] * len(specs)):
+                name = f"{t}_inv_freq" if t else "inv_freq"
+                inv = getattr(mod, name, None)
+                if inv is None or spec.rope_type in ("dynamic", "longrope") or inv.numel() != spec.rotary_dim // 2:
+                    live.append(spec)
+                    continue
+                scale = getattr(mod, f"{t}_attention_scaling" if t else "attention_scaling", spec.attention_scaling)
+                live.append(dataclasses.replace(spec, inv_freq=inv.detach().float().cpu(),
+                                                attention_scaling=float(scale)))
+            specs = live
+    return tuple(specs) if per_type else specs[0]
+
+
 def rerotate_k_cache(
     kv: torch.Tensor,
     old_positions: Any,
@@ -612,7 +656,8 @@ def rerotate_k_cache(
         kv: ``[2, L, T, D]``: index 0 keys (post-RoPE), 1 values; ``L`` layers, ``T`` tokens,
             ``D = H_kv * head_dim``; any float dtype, any device.
         old_positions, new_positions: integer tensors ``[T]`` (e.g. ``keep`` and ``arange(k)``).
-        spec_or_config: a :class:`RopeSpec`, or a model config passed to :meth:`RopeSpec.from_config`.
+        spec_or_config: a :class:`RopeSpec`, a sequence of ``L`` of them (one per layer, e.g. from
+            :func:`model_rope` for Gemma 3), or a model config passed to :meth:`RopeSpec.from_config`.
         compute_dtype: arithmetic dtype; default fp32 (see :func:`rerotate_keys`).
 
     Returns:
@@ -628,6 +673,15 @@ def rerotate_k_cache(
             positions outside a ``dynamic``/``longrope`` spec's range.
         TypeError: ``kv`` not floating, positions not integers.
     """
+    if isinstance(spec_or_config, (list, tuple)):
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or len(spec_or_config) != kv.shape[1]:
+            raise ValueError(f"{len(spec_or_config)} per-layer RoPE specs for a kv of shape "
+                             f"{list(getattr(kv, 'shape', []))}: give one RopeSpec per layer [2, L, T, D]")
+        out = torch.empty_like(kv, memory_format=torch.contiguous_format)
+        for layer, spec in enumerate(spec_or_config):
+            out[:, layer:layer + 1] = rerotate_k_cache(kv[:, layer:layer + 1], old_positions, new_positions, spec,
+                                                       compute_dtype=compute_dtype)
+        return out
     spec = spec_or_config if isinstance(spec_or_config, RopeSpec) else RopeSpec.from_config(spec_or_config)
     spec._validate()
     if not isinstance(kv, torch.Tensor) or not kv.is_floating_point():

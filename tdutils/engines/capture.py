@@ -1,6 +1,7 @@
 """Query capture for the embedded engine: a registered transformers attention function that records
-each layer's final query states (after `q_norm` where the model has one, after RoPE) and then runs the
-model's usual attention.
+each layer's final query states (after `q_norm` where the model has one, after RoPE) and the arguments
+the model called its attention with (`scaling`, `softcap`, `sliding_window`, learned sinks: see
+`tdutils.attention`), and then runs the model's usual attention.
 
 transformers 5 dispatches attention by name (`config._attn_implementation`) through
 `AttentionInterface`, and builds masks through a *separate* registry, `AttentionMaskInterface`: a name
@@ -18,17 +19,44 @@ import torch
 _PREFIX = "tdutils_capture_"
 
 
-class QueryRecorder:
+class AttentionRecorder:
+    """Collects, per layer, the attention arguments of one forward pass (`attention[l]`, a `LayerAttention`)."""
+
+    def __init__(self):
+        self.attention: dict = {}
+
+    def record(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> None:
+        from ..attention import LayerAttention
+
+        self.attention[layer_idx] = LayerAttention.from_call(kwargs, query, key)
+
+    def spec(self, num_layers: int):
+        """The recorded `AttentionSpec`; ValueError when a layer's attention did not run through the hook."""
+        from ..attention import AttentionSpec
+
+        missing = [i for i in range(num_layers) if i not in self.attention]
+        if missing:
+            raise ValueError(f"layers {missing} did not call a transformers attention function (custom attention "
+                             f"code): their scale, window and sinks cannot be read")
+        return AttentionSpec(tuple(self.attention[i] for i in range(num_layers)))
+
+
+class QueryRecorder(AttentionRecorder):
     """Collects the last `window` query rows of every layer during one forward pass.
 
-    `layers[l]` is `[B, Hq, Tq, d]` (a copy); `window=None` keeps all rows.
+    `layers[l]` is `[B, Hq, Tq, d]` (a copy); `window=None` keeps all rows. `attention[l]` as
+    `AttentionRecorder`.
     """
 
     def __init__(self, window: int | None):
+        super().__init__()
         self.window = window
         self.layers: dict[int, torch.Tensor] = {}
 
-    def record(self, layer_idx: int, query: torch.Tensor) -> None:
+    def record(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> None:
+        super().record(layer_idx, query, key, kwargs)
+        if self.window == 0:
+            return
         # query: [B, Hq, q_len, d]; with left padding the real tokens end at the right edge of every row,
         # so the last `window` columns are the last `window` tokens of each request.
         q = query if self.window is None else query[:, :, -self.window:, :]
@@ -58,7 +86,7 @@ class recording:
 def _wrap(base: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
         if _active is not None:
-            _active.record(module.layer_idx, query)
+            _active.record(module.layer_idx, query, key, kwargs)
         if base == "eager":
             # each modeling file defines its own eager attention (GQA repeat, softcapping, ...)
             fn = sys.modules[type(module).__module__].eager_attention_forward

@@ -1,10 +1,14 @@
 """The embedded `hf` engine: in-process Hugging Face transformers prefill, modify and batched decode.
 
 Per request the engine keeps its KV cache as one `[2, L, T, D]` tensor (SPEC §3). Decoding runs many
-requests of different lengths in one batch: caches are left-padded to a common length, an attention
-mask hides the padding, and every row gets its own `position_ids`. Requests join the running batch
-only while the sum over the batch of (cache length + tokens still to generate) fits `kv_budget_tokens`
-— so a smaller cache per request means a bigger batch, which is the point of token dropping.
+requests of different lengths in one batch: decode storage is preallocated once per `decode` call from
+the budget (`engines.kvstore.SlotKVStore`: per layer `[slots, H_kv, width, d]`), a request is copied
+into a free slot when it is admitted, each step writes every row's new key/value in place, a prepared
+attention mask hides each row's unused columns, and every row gets its own `position_ids`; a finished
+request frees its slot without moving the others. Requests join the running batch only while the sum
+over the batch of (cache length + tokens still to generate) fits `kv_budget_tokens` — so a smaller cache
+per request means a bigger batch, which is the point of token dropping. Prefill still uses a
+`DynamicCache` (one pass per prefill batch).
 
 Decode regenerates from the edited cache, as vLLM does after LMCache returns a modified prefix: the
 last cached entry is removed and the last kept prompt token is fed again at its position, so every
@@ -13,6 +17,20 @@ generated token (the first one included) attends to the edited cache only.
 Positions (SPEC §3): `"compact"` (default) — the drop function re-rotates kept keys to positions
 0..k-1 and decoding continues at k; `"original"` — keys keep their rotation and decoding continues at
 T, the prompt length (the dropped positions simply become holes).
+
+Sliding-window layers (Mistral, Phi-3, Qwen2 `use_sliding_window`, Gemma 2/3, gpt-oss) keep the *whole*
+prompt in the engine's cache, like full layers, so one request is still one `[2, L, T, D]` tensor and a
+drop function sees every layer's keys for every token (transformers' `DynamicCache(config=...)` would keep
+only the last `sliding_window` tokens of those layers). The window is applied by the attention mask, by
+*position*: a query at position `p` sees a cached key at position `j` when `p - W < j <= p` (transformers'
+definition). So dropping means the same thing in every layer — the token is gone — and:
+- `"original"`: positions are the prompt positions, so a sliding layer sees exactly the kept tokens of
+  the window the model itself would see: the full cache with the dropped positions masked out, everything
+  else (windows, soft-capping, sinks, scaling) as the model computes it — for every family;
+- `"compact"`: positions are renumbered 0..k-1, so a sliding layer's window covers the last `W` *kept*
+  tokens (what a serving engine that stores the compacted cache, e.g. vLLM + LMCache, computes).
+`"original"` with a sliding-window model needs the kept positions: drop functions from
+`tdutils.make_drop_fn` report them; any other ModifyFn is refused there (use `"compact"`).
 """
 
 from __future__ import annotations
@@ -26,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..attention import AttentionSpec, register_live_model
 from ..edit import CacheKind, DropFunctionError, check_kv, validate_drop_output
 from ..metrics import DecodeMetrics, ModifyMetrics, RunMetrics
 from ..models import load_model, model_facts
@@ -43,6 +62,7 @@ class _Request:
     kv: torch.Tensor  # [2, L, T, D]
     tokens: list[int]  # the T token ids the cache holds
     refeed_pos: int  # position of the last cached token, fed again at decode start
+    positions: torch.Tensor | None = None  # [T] position of each cache row; None = 0..T-1
     query: torch.Tensor | None = None  # [L, Tq, Hq*d], last Tq prompt tokens; None after an edit
     ttft_s: float = float("nan")
     # decode state
@@ -98,15 +118,20 @@ class HFEngine:
         self.query_window = query_window
         if query_window != 0:
             self.model.set_attn_implementation(capture_implementation(self.model.config._attn_implementation))
-        self.facts = model_facts(self.model.config, self.model.dtype)
+        # transformers renamed `past_key_values` to `cache` during 5.x; support both spellings.
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self.facts = model_facts(self.model, self.model.dtype)
+        self.attention = self._check_supported()
+        register_live_model(self.model)  # make_drop_fn(model_config=engine.config) reads sinks and RoPE from it
+        windows = self.attention.sliding_windows
+        # per mask key (a layer type, or None when one mask serves every layer): its sliding window
+        self._mask_windows = _mask_windows(self.model.config, windows) if any(windows) else None
         self.kv_budget_tokens = kv_budget_tokens
         self.max_batch_size = max_batch_size
         self.prefill_batch_size = prefill_batch_size
         self.positions = positions
         self.progress = progress
-        self.eos_token_id = self.tokenizer.eos_token_id  # decode stops on it unless ignore_eos
-        # transformers renamed `past_key_values` to `cache` during 5.x; support both spellings.
-        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self.eos_token_ids = _eos_ids(self.tokenizer, self.model)  # decode stops on any unless ignore_eos
         self.requests: list[_Request] = []
         self.metrics = RunMetrics("run")
 
@@ -115,6 +140,16 @@ class HFEngine:
     def config(self):
         return self.model.config
 
+    @property
+    def eos_token_id(self) -> int | None:
+        """One EOS id (the tokenizer's when it is among `eos_token_ids`); setting it makes it the only one."""
+        tok = self.tokenizer.eos_token_id
+        return tok if tok in self.eos_token_ids else min(self.eos_token_ids, default=None)
+
+    @eos_token_id.setter
+    def eos_token_id(self, value: int | None) -> None:
+        self.eos_token_ids = frozenset() if value is None else frozenset({int(value)})
+
     def tokenize(self, prompts) -> list[list[int]]:
         """Token ids of each prompt: a string, a `PromptRow`/dict with `prompt`, or a list of ids."""
         return tokenize_prompts(self.tokenizer, prompts, self.model.config.vocab_size)
@@ -122,7 +157,33 @@ class HFEngine:
     def _new_cache(self):
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.model.config)
+        # no config: every layer keeps every token (sliding windows are applied by the masks, see module doc)
+        return DynamicCache()
+
+    def _check_supported(self) -> AttentionSpec:
+        """The model's `AttentionSpec`, or ValueError naming the family and why the engine cannot serve it."""
+        config = self.model.config
+        family = getattr(config, "model_type", type(self.model).__name__)
+        other = sorted({t for t in getattr(config, "layer_types", None) or () if t not in _LAYER_TYPES})
+        if other:
+            raise ValueError(f"{family}: layers of type {other} are not supported by the hf engine (only full and "
+                             f"sliding-window attention keep one [2, L, T, D] KV per request)")
+        try:
+            spec = AttentionSpec.from_model(self.model)
+            cache = self._new_cache()
+            with torch.inference_mode():
+                self._forward(torch.tensor([[1, 2]], device=self.device), None, None, cache)
+        except Exception as exc:  # noqa: BLE001 (any failure here means: this family does not fit the engine)
+            raise ValueError(f"{family}: the hf engine cannot run this model ({exc.__class__.__name__}: "
+                             f"{str(exc).splitlines()[0][:160]})") from exc
+        layers = getattr(cache, "layers", [])
+        shapes = {(tuple(lay.keys.shape), tuple(lay.values.shape)) for lay in layers}
+        want = (1, self.facts.num_kv_heads, 2, self.facts.head_dim)
+        if len(layers) != self.facts.num_layers or shapes != {(want, want)}:
+            raise ValueError(f"{family}: its cache is not one key and one value of [heads={self.facts.num_kv_heads}, "
+                             f"head_dim={self.facts.head_dim}] per layer and token (got {len(layers)} layers of "
+                             f"{sorted(shapes)[:2]}), so it has no [2, L, T, D] KV per request")
+        return spec
 
     def _forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep=1):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -172,6 +233,8 @@ class HFEngine:
             with recording(recorder):
                 self._forward(input_ids.to(self.device), mask.to(self.device), position_ids.to(self.device), cache)
             now = time.perf_counter() - t0
+            if recorder.attention:  # what the attention functions were called with (scale, window, sinks ...)
+                self.attention = recorder.spec(len(cache.layers))
             for b, x in enumerate(batch):
                 pad = width - len(x)
                 # cache layer keys/values: [B, H_kv, width, d] -> this row's [L, T, H_kv*d]
@@ -212,8 +275,10 @@ class HFEngine:
     @torch.inference_mode()
     def check_query(self, request_id: int, rows: int = 8) -> float:
         """Validate a request's captured queries against its keys: recompute the attention of its last
-        `rows` prompt tokens from the captured `q` and `kv` (`softmax(q·kᵀ/sqrt(d))`, causal) and compare
-        with the model's own attention probabilities (eager attention, `output_attentions=True`).
+        `rows` prompt tokens from the captured `q` and `kv` with the scoring helper the query-aware policies
+        use (`policies.snapkv.window_attention` with the scale, soft-cap, sinks and sliding window the model's
+        attention was called with at prefill, `self.attention`) and compare with the model's own attention
+        probabilities (eager attention, `output_attentions=True`).
 
         Returns:
             The largest absolute difference over layers, heads and rows (≈1e-7 in fp32 when the capture is
@@ -237,7 +302,8 @@ class HFEngine:
             self.model.set_attn_implementation(impl)
         worst = 0.0
         for layer, a in enumerate(att):
-            mine = window_attention(req.kv[0, layer], req.query[layer, -rows:], self.facts.num_kv_heads)
+            mine = window_attention(req.kv[0, layer], req.query[layer, -rows:], self.facts.num_kv_heads,
+                                    self.attention.layers[layer])
             worst = max(worst, float((mine - a[0, :, -rows:, :].float()).abs().max()))
         return worst
 
@@ -276,6 +342,10 @@ class HFEngine:
         if rerotate is not None and rerotate != (positions == "compact"):
             raise ValueError(f"positions={positions!r} needs a drop function with rerotate={positions == 'compact'}, "
                              f"got rerotate={rerotate}; build it with make_drop_fn(..., rerotate={positions == 'compact'})")
+        edit = getattr(drop_fn, "edit", None)  # DropFn.edit also returns the kept indices
+        if positions == "original" and self._mask_windows and edit is None:
+            raise ValueError("positions='original' on a sliding-window model needs the kept positions, which only "
+                             "drop functions from tdutils.make_drop_fn report; use one of those, or positions='compact'")
         mm = self.metrics.modify = ModifyMetrics()
         t0 = time.perf_counter()
         edits, failures = {}, []
@@ -283,9 +353,17 @@ class HFEngine:
             try:
                 # a copy: a drop function that edits its input in place and then fails must not touch the cache
                 tensors = {kind: t.clone() for kind, t in self.tensors(req.request_id).items()}
-                result = drop_fn(tensors, list(req.tokens))
-                edits[req.request_id] = validate_drop_output(req.kv, req.tokens, result,
-                                                             vocab_size=self.model.config.vocab_size)
+                keep = None
+                if edit is not None:
+                    *result, keep = edit(tensors, list(req.tokens))
+                else:
+                    result = drop_fn(tensors, list(req.tokens))
+                new_kv, new_tokens = validate_drop_output(req.kv, req.tokens, result,
+                                                          vocab_size=self.model.config.vocab_size)
+                if keep is not None:
+                    old = req.positions if req.positions is not None else torch.arange(req.kv.shape[2])
+                    keep = old[keep.cpu()]  # positions of the kept rows (a second edit indexes the first's rows)
+                edits[req.request_id] = new_kv, new_tokens, keep
             except Exception as exc:  # noqa: BLE001 (any failure of user code is reported below, never swallowed)
                 failures.append((req.request_id, f"{exc.__class__.__name__}: {exc}"))
         mm.seconds = time.perf_counter() - t0
@@ -298,11 +376,15 @@ class HFEngine:
                                     f"no cache was changed:\n{lines}")
         for req in self.requests:
             if req.request_id in edits:
-                new_kv, new_tokens = edits[req.request_id]
+                new_kv, new_tokens, kept_pos = edits[req.request_id]
                 req.kv, req.tokens = new_kv, new_tokens
                 req.query = None  # the captured rows belonged to the unedited prompt
-                # compact: the last kept token sits at k-1; original: the prompt's last position T-1.
-                req.refeed_pos = len(new_tokens) - 1 if positions == "compact" else len(req.prompt_ids) - 1
+                # compact: the last kept token sits at k-1; original: its prompt position (T-1 when kept).
+                if positions == "compact":
+                    req.positions, req.refeed_pos = None, len(new_tokens) - 1
+                else:
+                    req.positions = kept_pos
+                    req.refeed_pos = int(kept_pos[-1]) if kept_pos is not None else len(req.prompt_ids) - 1
         mm.edited, mm.failed = len(edits), len(failures)
         mm.tokens_after = sum(r.kv.shape[2] for r in self.requests)
         if failures:
@@ -321,8 +403,10 @@ class HFEngine:
 
         Args:
             max_tokens: tokens to generate per request (>= 1): one int for all, or one per request.
-            temperature: 0 = greedy; > 0 samples from softmax(logits / temperature) with `seed`.
-            ignore_eos: keep generating after an EOS token (fixed output lengths, for benchmarks).
+            temperature: 0 = greedy; > 0 samples from softmax(logits / temperature), each request from its own
+                generator seeded with `request_seed(seed, request_id)`, so its tokens do not depend on the batch.
+            ignore_eos: keep generating after an EOS token (fixed output lengths, for benchmarks); EOS is any of
+                `eos_token_ids`: the tokenizer's EOS and every id in the model's `generation_config.eos_token_id`.
             keep_logits: store each step's logits `[vocab]` (fp32, or the model dtype when wider) in the outputs.
 
         Raises:
@@ -358,17 +442,19 @@ class HFEngine:
                 warnings.warn(f"decoding feeds position {last}, beyond the model's max_position_embeddings "
                               f"{max_pos}: outputs there are extrapolation; lower max_tokens", stacklevel=2)
         dm = self.metrics.decode = DecodeMetrics(kv_budget_tokens=budget)
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        eos = self.eos_token_id
+        # one generator per request, seeded from (seed, request_id): a request samples the same tokens whatever
+        # batch it decodes in (vLLM's per-request seed semantics)
+        gens = {r.request_id: torch.Generator(device="cpu").manual_seed(request_seed(seed, r.request_id))
+                for r in self.requests}
+        eos = self.eos_token_ids
         for r in self.requests:
             r.output_ids, r.token_times, r.finish_reason = [], [], "length"
             r.logits = [] if keep_logits else None
 
         store = self._new_store([need[r.request_id] for r in self.requests], budget)
         dm.kv_storage_tokens, dm.kv_storage_bytes = store.slots * store.width, store.bytes
-        n_slots = store.slots
-        next_ids = torch.zeros(n_slots, dtype=torch.long, device=self.device)  # per slot: token fed next step
-        next_pos = torch.zeros(n_slots, dtype=torch.long, device=self.device)  # and its position
+        next_ids = torch.zeros(store.slots, dtype=torch.long, device=self.device)  # per slot: token fed next step
+        next_pos = torch.zeros(store.slots, dtype=torch.long, device=self.device)  # and its position
         waiting = deque(self.requests)
         running: dict[int, _Request] = {}  # slot -> request
         bar = self._bar(sum(limit.values()), "decode")
@@ -395,7 +481,9 @@ class HFEngine:
                 logits = logits.float()  # sampling and keep_logits in at least fp32
             if temperature > 0:
                 probs = torch.softmax(logits / temperature, dim=-1).cpu()
-                new_ids = torch.multinomial(probs, 1, generator=gen).flatten()
+                new_ids = torch.zeros(rows, dtype=torch.long)
+                for slot, r in running.items():
+                    new_ids[slot] = torch.multinomial(probs[slot], 1, generator=gens[r.request_id])[0]
             else:
                 new_ids = logits.argmax(dim=-1).cpu()
             now = time.perf_counter() - t0
@@ -410,7 +498,7 @@ class HFEngine:
                 if len(r.output_ids) >= limit[r.request_id]:
                     del running[slot]
                     store.release(slot)
-                elif not ignore_eos and eos is not None and tok == eos:
+                elif not ignore_eos and tok in eos:
                     r.finish_reason = "stop"
                     del running[slot]
                     store.release(slot)
@@ -441,12 +529,12 @@ class HFEngine:
         return kv[0], kv[1]
 
     def _new_store(self, needs: list[int], budget: int | None) -> SlotKVStore:
-        """Preallocated decode storage for requests needing `needs` KV tokens (see `engines.kvstore`)."""
+        """Preallocated decode storage for requests needing `needs` KV tokens (see `engines.kvstore`); it tracks
+        each entry's position when sliding-window layers need masks by position."""
         plan = plan_slots(needs, budget, self.max_batch_size)
-        windows = self._layer_windows()
         return SlotKVStore(num_layers=self.facts.num_layers, num_kv_heads=self.facts.num_kv_heads,
                            head_dim=self.facts.head_dim, slots=plan.slots, width=plan.width, dtype=self.model.dtype,
-                           device=self.device, track_positions=any(w is not None for w in windows.values()))
+                           device=self.device, track_positions=self._mask_windows is not None)
 
     def _admit(self, store: SlotKVStore, r: _Request) -> int:
         """Copy a request's cache minus its last entry into a free slot (that entry's token is fed again at
@@ -456,41 +544,59 @@ class HFEngine:
         positions = None
         if store.positions is not None:
             n = r.kv.shape[2]
-            if getattr(r, "positions", None) is not None:
-                positions = torch.as_tensor(r.positions[:-1])
-            elif n == len(r.prompt_ids) or self.positions == "compact":
-                positions = torch.arange(n - 1)
-            else:
-                raise NotImplementedError("sliding-window layers with positions='original' after an edit need the "
-                                          "kept positions of each request; use positions='compact'")
+            positions = r.positions[:-1] if r.positions is not None else torch.arange(n - 1)
         return store.admit(k[:, :, :-1, :], v[:, :, :-1, :], positions)
 
-    def _layer_windows(self) -> dict[str, int | None]:
-        """Sliding window (tokens) of each layer type the model has; None for full attention.
-
-        Raises:
-            NotImplementedError: a layer type other than full / sliding attention (chunked, linear, ...).
-        """
-        cfg = self.model.config
-        types = getattr(cfg, "layer_types", None)
-        if not types:  # Mistral-style configs: every layer slides when `sliding_window` is set
-            window = getattr(cfg, "sliding_window", None)
-            return {"sliding_attention" if window else "full_attention": window}
-        out = {}
-        for t in set(types):
-            if t == "full_attention":
-                out[t] = None
-            elif t == "sliding_attention":
-                out[t] = cfg.sliding_window
-            else:
-                raise NotImplementedError(f"the hf engine's decode does not support {t!r} layers "
-                                          f"({type(self.model).__name__})")
-        return out
-
     def _decode_masks(self, store: SlotKVStore, query_positions: torch.Tensor):
-        """Prepared 4D masks of one decode step (`[rows, 1, 1, cols]`, bool for sdpa, additive for eager): one
-        tensor when every layer has the same kind, else a dict by layer type (what the model's forward takes)."""
-        additive = self.model.dtype if "eager" in self.model.config._attn_implementation else None
-        masks = {t: store.attention_mask(window=w, query_positions=query_positions, additive_dtype=additive)
-                 for t, w in self._layer_windows().items()}
-        return next(iter(masks.values())) if len(masks) == 1 else masks
+        """Prepared 4D masks of one decode step, `[rows, 1, 1, cols]`: boolean for sdpa, additive for eager and
+        for sliding-window models (by position, module docstring); one tensor when every layer has the same
+        window, else a dict by layer type (what hybrid models' forward looks masks up by)."""
+        if self._mask_windows is None:
+            additive = self.model.dtype if "eager" in self.model.config._attn_implementation else None
+            return store.attention_mask(additive_dtype=additive)
+        masks = {key: store.attention_mask(window=w, query_positions=query_positions, additive_dtype=self.model.dtype)
+                 for key, w in self._mask_windows.items()}
+        return masks[None] if None in masks else masks
+
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _mask_windows(config, windows: list[int | None]) -> dict:
+    """Decode masks a sliding-window model needs: `{None: W}` when every layer has the same window, else
+    `{layer_type: window}` from `config.layer_types` (the keys transformers' hybrid models look masks up by).
+
+    Raises:
+        ValueError: layers of one type with different windows, or different windows without `layer_types`.
+    """
+    if len(set(windows)) == 1:
+        return {None: windows[0]}
+    types = getattr(config, "layer_types", None)
+    by_type: dict = {}
+    for i, window in enumerate(windows):
+        t = types[i] if types and i < len(types) else None
+        if t is None or by_type.setdefault(t, window) != window:
+            raise ValueError(f"{getattr(config, 'model_type', '?')}: sliding windows {windows} per layer do not follow "
+                             f"its layer_types {types}; the hf engine cannot build its masks")
+    return by_type
+
+
+def request_seed(seed: int, request_id: int) -> int:
+    """The seed of one request's sampling generator: the first 4 bytes of BLAKE2b(`"seed:request_id"`), as an
+    unsigned int (torch's CPU generator uses 32 bits of a seed): distinct streams per request and per seed,
+    independent of the batch the request decodes in."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(f"{int(seed)}:{int(request_id)}".encode(), digest_size=4).digest(), "little")
+
+
+def _eos_ids(tokenizer, model) -> frozenset[int]:
+    """EOS ids: the tokenizer's `eos_token_id` united with `generation_config.eos_token_id` (an int or a list;
+    Llama-3-Instruct's `<|eot_id|>`, Gemma 3's `[1, 106]`), as `model.generate` and vLLM stop on."""
+    ids = set()
+    gen = getattr(model, "generation_config", None)
+    for value in (tokenizer.eos_token_id, getattr(gen, "eos_token_id", None)):
+        if value is None:
+            continue
+        ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    return frozenset(ids)

@@ -3,8 +3,9 @@
 Cai et al., "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models", arXiv:2505.24133
 (code: github.com/Zefan-Cai/R-KV). SPEC §5 "R-KV" is the definition implemented here.
 
-Importance `I` (per layer, per KV head): logits `q·k / sqrt(d)` of the last `w` queries against the
-`n - w` earlier keys; the `g = Hq / H` query heads of a GQA group are reduced by **max of the logits**
+Importance `I` (per layer, per KV head): the model's logits (`q·k / sqrt(d)` for most families; its own
+scale, soft-capping and sliding window as recorded in `tdutils.attention.AttentionSpec`) of the last `w`
+queries against the `n - w` earlier keys; the `g = Hq / H` query heads of a GQA group are reduced by **max of the logits**
 (as R-KV's `compute_attention_scores`); softmax over the `n - w` earlier keys only (fp32); mean over the
 `w` window rows; max-pool along tokens (`kernel_size=7`, stride 1, same padding).
 
@@ -50,9 +51,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention import AttentionSpec, LayerAttention, masked_logits
 from ..selection import keep_count, keep_top_scores, protected_mask
 from .snapkv import _check as _snapkv_check
-from .snapkv import pool_tokens
+from .snapkv import _layers, pool_tokens
 
 RKV_METHODS = ("reference", "exact", "tiled", "buffered")
 
@@ -331,7 +333,8 @@ def rkv_redundancy(keys: torch.Tensor, *, method: str = "exact", threshold: floa
 
 
 # --------------------------------------------------------------------------------------------- importance
-def rkv_importance(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, kernel_size: int = 7) -> torch.Tensor:
+def rkv_importance(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, kernel_size: int = 7,
+                   layer: LayerAttention | None = None) -> torch.Tensor:
     """R-KV importance of the tokens before the window, for one layer.
 
     Args:
@@ -339,6 +342,9 @@ def rkv_importance(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, kernel_siz
         q: `[w, Hq*d]` the last `w` queries (row `i` is token `T - w + i`); `T > w`.
         n_kv_heads: `H`; query head `h` reads KV head `h // (Hq / H)`.
         kernel_size: odd max-pool kernel along tokens (1 = none).
+        layer: the model's `LayerAttention`: its scale and soft-cap make the logits, keys outside a query's
+            sliding window get `-inf` (a row that sees none of the earlier keys contributes zeros), and a
+            learned sink logit per query head joins the GQA max and the softmax denominator. None = `d ** -0.5`.
 
     Returns:
         fp32 `[H, T - w]`: softmax over the `T - w` earlier keys of the GQA-max logits, mean over the `w`
@@ -352,16 +358,23 @@ def rkv_importance(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, kernel_siz
     # [H, g*w, d]: query head h*g+j reads KV head h; one batched matmul per KV head, so the keys are never
     # expanded to the g query heads (a broadcast matmul would copy them g times)
     qh = q.float().view(w, n_kv_heads, g, d).permute(1, 2, 0, 3).reshape(n_kv_heads, g * w, d)
-    logits = (qh @ kh.transpose(1, 2) / d**0.5).view(n_kv_heads, g, w, n)  # [H, g, w, n]
-    logits = logits.amax(dim=1)  # [H, w, n]: GQA group reduced by max of the logits, before the softmax
-    probs = torch.softmax(logits, dim=-1)  # over the n - w earlier keys only (no window keys)
+    if layer is None:
+        logits = (qh @ kh.transpose(1, 2) / d**0.5).view(n_kv_heads, g, w, n)  # [H, g, w, n]
+    else:
+        pos = torch.arange(T, device=k.device)
+        logits = masked_logits((qh @ kh.transpose(1, 2)).view(n_kv_heads, g, w, n), layer, pos[n:], pos[:n])
+        if layer.sinks is not None:  # one more column: the sink logit of each query head
+            sinks = layer.sinks.to(logits.device).view(n_kv_heads, g, 1, 1).expand(n_kv_heads, g, w, 1)
+            logits = torch.cat([logits, sinks], dim=-1)
+    logits = logits.amax(dim=1)  # [H, w, n(+1)]: GQA group reduced by max of the logits, before the softmax
+    probs = torch.softmax(logits, dim=-1)[..., :n].nan_to_num_(0.0)  # over the n - w earlier keys (+ sink) only
     return pool_tokens(probs.mean(dim=1), kernel_size, "max")  # [H, n]
 
 
 # --------------------------------------------------------------------------------------------- scores
 def rkv_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, window: int = 16, kernel_size: int = 7,
                mix_lambda: float = 0.25, threshold: float = 0.5, redundancy: str = "exact", eps: float = 1e-8,
-               **tiles) -> torch.Tensor:
+               attention: AttentionSpec | None = None, **tiles) -> torch.Tensor:
     """R-KV score of every token before the observation window (arXiv:2505.24133; SPEC §5).
 
     `Z = λ·I − (1 − λ)·R[:, :T−w]` per layer and KV head, averaged over heads, summed over layers.
@@ -374,6 +387,8 @@ def rkv_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, window: int 
         kernel_size: odd max-pool kernel for the importance (1 = none).
         mix_lambda: `λ`, in [0, 1].
         threshold, eps, redundancy, **tiles: passed to `rkv_redundancy` (method and its tile settings).
+        attention: the model's `AttentionSpec` for the importance (see `rkv_importance`); None = plain
+            attention with scale `head_dim ** -0.5`.
 
     Returns:
         fp32 `[T - w]` scores on the KV's device (higher = keep); empty when `T <= w`.
@@ -396,10 +411,11 @@ def rkv_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, window: int 
     if n <= 0:
         return torch.zeros(0, dtype=torch.float32, device=kv.device)
     h = kv.shape[3] // head_dim
+    layers = _layers(attention, L)
     total = torch.zeros(n, dtype=torch.float32, device=kv.device)
     for layer in range(L):
         k = kv[0, layer]  # [T, H*d]
-        imp = rkv_importance(k, q[layer, -window:], h, kernel_size)  # [H, n]
+        imp = rkv_importance(k, q[layer, -window:], h, kernel_size, layers[layer])  # [H, n]
         red = rkv_redundancy(k.view(T, h, head_dim).transpose(0, 1), method=redundancy, threshold=threshold,
                              eps=eps, **tiles)  # [H, T]: redundancy among all T keys, window included
         z = mix_lambda * imp - (1.0 - mix_lambda) * red[:, :n]
@@ -409,7 +425,7 @@ def rkv_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, window: int 
 
 def rkv_keep(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int = 16,
              kernel_size: int = 7, mix_lambda: float = 0.25, threshold: float = 0.5, redundancy: str = "exact",
-             eps: float = 1e-8, **tiles) -> torch.Tensor:
+             eps: float = 1e-8, attention: AttentionSpec | None = None, **tiles) -> torch.Tensor:
     """Kept indices: the whole window plus the `keep_count(T, drop_ratio) − w` best-scored earlier tokens.
 
     Returns `arange(T)` when `T <= w` (nothing can be dropped). LongTensor [k] (CPU), sorted; ties go to
@@ -420,7 +436,7 @@ def rkv_keep(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, *, head_dim: 
     if T <= window:
         return torch.arange(T)
     scores = rkv_scores(kv, q, head_dim=head_dim, window=window, kernel_size=kernel_size, mix_lambda=mix_lambda,
-                        threshold=threshold, redundancy=redundancy, eps=eps, **tiles)
+                        threshold=threshold, redundancy=redundancy, eps=eps, attention=attention, **tiles)
     full = torch.cat([scores.cpu(), torch.zeros(window)])  # window slots are protected below
     return keep_top_scores(full, k, protected_mask(T, window=window))
 
@@ -566,14 +582,16 @@ def compare_redundancy_methods(tensors, tokens, *, drop_ratio: float, model_conf
     """
     import pandas as pd
 
+    from ..attention import scoring_attention
     from ..edit import apply_keep, get_kv, get_query
     from ..models import model_facts
-    from ..rope import RopeSpec
+    from ..rope import model_rope
 
     method_tiles = method_tiles or {}
     kv, q = get_kv(tensors), get_query(tensors)
     head_dim = model_facts(model_config).head_dim
-    spec = RopeSpec.from_config(model_config)
+    spec = model_rope(model_config)
+    attention = scoring_attention(model_config)
     order = ["exact"] + [m for m in methods if m != "exact"]
     rows, base = {}, None
     for method in order:
@@ -581,7 +599,7 @@ def compare_redundancy_methods(tensors, tokens, *, drop_ratio: float, model_conf
         dev = torch.device(p.device) if p.device is not None else kv.device
 
         def score(p=p):
-            return rkv_keep(kv, q, drop_ratio, head_dim=head_dim, **p.score_kwargs())
+            return rkv_keep(kv, q, drop_ratio, head_dim=head_dim, attention=attention, **p.score_kwargs())
 
         keep, score_s = timed(score, device=dev, repeats=repeats)
         _, peak = peak_memory(score, device=dev)

@@ -2,8 +2,11 @@
 
 Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv:2404.14469.
 
-Per layer: logits of the last `w` queries against all `n` keys, `q·k / sqrt(d)`, causal inside the
-window; softmax over the keys in fp32; the *vote* of each earlier token is its attention summed over the
+Per layer: logits of the last `w` queries against all `n` keys, causal inside the window; softmax over
+the keys in fp32 — computed as the model computes them (`tdutils.attention.AttentionSpec`): its scale
+(`q·k / sqrt(d)` for most families; Granite's `attention_multiplier`, Gemma's `query_pre_attn_scalar`),
+logit soft-capping (Gemma 2), learned sinks in the denominator (gpt-oss) and sliding window (a window
+query at position `p` votes only for keys at positions `> p - W`); the *vote* of each earlier token is its attention summed over the
 `w` window rows. The `g = Hq / H` query heads of a GQA group share one KV head (query head `h` reads KV
 head `h // g`), so their votes are reduced per group (`mean`, or `max`). Votes are pooled along tokens
 (`avg` or `max`, stride 1, same padding) so that neighbours of a voted token survive with it, then
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..attention import AttentionSpec, LayerAttention, masked_logits, softmax_with_sinks
 from ..selection import keep_count, keep_top_scores, protected_mask
 
 
@@ -74,16 +78,19 @@ def _check(kv: torch.Tensor, q: torch.Tensor, window: int, head_dim: int, kernel
     return q
 
 
-def window_attention(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
-    """Attention probabilities of the window queries over all keys of one layer, causal inside the window.
+def window_logits(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, layer: LayerAttention | None = None
+                  ) -> torch.Tensor:
+    """The model's attention logits of the window queries over all keys of one layer, masked to `-inf` where
+    the model's attention hides a key (causal inside the window; outside a sliding window).
 
     Args:
-        k: `[T, H*d]` keys (any float dtype).
+        k: `[T, H*d]` keys (any float dtype), key `j` at position `j` (an unedited cache).
         q: `[w, Hq*d]` the last `w` queries (row `i` is token `T - w + i`).
         n_kv_heads: `H`; query head `h` reads KV head `h // (Hq / H)`.
+        layer: the layer's `LayerAttention` (scale, soft-cap, sliding window); None = scale `d ** -0.5` only.
 
     Returns:
-        fp32 `[Hq, w, T]`, each row summing to 1.
+        fp32 `[Hq, w, T]`.
     """
     T, w = k.shape[0], q.shape[0]
     if w > T:
@@ -92,14 +99,38 @@ def window_attention(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int) -> torch
     hq = q.shape[1] // d
     g = hq // n_kv_heads
     kh = k.float().view(T, n_kv_heads, d).transpose(0, 1)  # [H, T, d]
-    qh = q.float().view(w, hq, d).transpose(0, 1) / d**0.5  # [Hq, w, d], scaled here: w*d values, not w*T
+    qh = q.float().view(w, hq, d).transpose(0, 1)  # [Hq, w, d]
     # query head h reads KV head h // g: group the query heads instead of copying the keys g times
-    logits = (qh.reshape(n_kv_heads, g * w, d) @ kh.transpose(1, 2)).view(hq, w, T)  # [Hq, w, T]
-    # causal inside the window: row i (token T - w + i) sees keys 0 .. T - w + i, so only the last w
-    # columns need a mask (strictly upper triangle of the [w, w] block); masking in place saves a copy
-    future = torch.ones(w, w, dtype=torch.bool, device=k.device).triu_(1)  # [w, w]
-    logits[:, :, T - w:].masked_fill_(future, float("-inf"))
-    return torch.softmax(logits, dim=-1)
+    qk = (qh.reshape(n_kv_heads, g * w, d) @ kh.transpose(1, 2)).view(hq, w, T)  # [Hq, w, T]
+    if layer is None:
+        layer = LayerAttention(d ** -0.5)
+    pos = torch.arange(T, device=k.device)
+    return masked_logits(qk, layer, pos[T - w:], pos)
+
+
+def window_attention(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, layer: LayerAttention | None = None
+                     ) -> torch.Tensor:
+    """Attention probabilities of the window queries over all keys of one layer, as the model computes them.
+
+    Args:
+        k, q, n_kv_heads, layer: as `window_logits`.
+
+    Returns:
+        fp32 `[Hq, w, T]`: each row sums to 1, or to less when the layer has learned sinks (their share of
+        the softmax is dropped, as the model drops it).
+    """
+    logits = window_logits(k, q, n_kv_heads, layer)
+    return softmax_with_sinks(logits, None if layer is None else layer.sinks)
+
+
+def _layers(attention: AttentionSpec | None, num_layers: int) -> list:
+    """Per-layer `LayerAttention` (None entries = plain attention); checks the layer count and sink values."""
+    if attention is None:
+        return [None] * num_layers
+    if len(attention.layers) != num_layers:
+        raise ValueError(f"the attention spec has {len(attention.layers)} layers but the KV has {num_layers}")
+    attention.check_sinks()
+    return list(attention.layers)
 
 
 def pool_tokens(x: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
@@ -117,7 +148,8 @@ def pool_tokens(x: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor
 
 
 def snapkv_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, window: int = 64, kernel_size: int = 5,
-                  pooling: str = "avg", gqa_reduce: str = "mean") -> torch.Tensor:
+                  pooling: str = "avg", gqa_reduce: str = "mean", attention: AttentionSpec | None = None
+                  ) -> torch.Tensor:
     """SnapKV score of every token before the observation window (arXiv:2404.14469).
 
     Args:
@@ -128,14 +160,18 @@ def snapkv_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, window: i
         kernel_size: odd pooling kernel along tokens (1 = no pooling).
         pooling: `"avg"` or `"max"`.
         gqa_reduce: how the `g` query heads of a KV group combine their votes, `"mean"` or `"max"`.
+        attention: the model's `AttentionSpec` (scale, soft-cap, sinks, sliding window per layer); None =
+            plain softmax attention with scale `head_dim ** -0.5` in every layer.
 
     Returns:
         fp32 `[T - w]` scores (higher = keep); empty when `T <= w`.
 
     Raises:
-        ValueError: missing query, bad shapes, `Tq < window`, even kernel, unknown pooling / reduction.
+        ValueError: missing query, bad shapes, `Tq < window`, even kernel, unknown pooling / reduction, an
+            `attention` spec of another layer count or with unknown sink values.
     """
     q = _check(kv, q, window, head_dim, kernel_size, pooling, gqa_reduce)
+    layers = _layers(attention, kv.shape[1])
     L, T = kv.shape[1], kv.shape[2]
     n = T - window
     if n <= 0:
@@ -143,7 +179,7 @@ def snapkv_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, window: i
     h = kv.shape[3] // head_dim
     total = torch.zeros(n, dtype=torch.float32, device=kv.device)
     for layer in range(L):  # one layer at a time: the [Hq, w, T] probabilities are the big temporary
-        probs = window_attention(kv[0, layer], q[layer, -window:], h)  # [Hq, w, T]
+        probs = window_attention(kv[0, layer], q[layer, -window:], h, layers[layer])  # [Hq, w, T]
         vote = probs[:, :, :n].sum(dim=1)  # [Hq, n]
         vote = vote.view(h, -1, n)  # [H, g, n]
         vote = vote.mean(dim=1) if gqa_reduce == "mean" else vote.amax(dim=1)  # [H, n]
@@ -152,7 +188,8 @@ def snapkv_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, window: i
 
 
 def snapkv_keep(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int = 64,
-                kernel_size: int = 5, pooling: str = "avg", gqa_reduce: str = "mean") -> torch.Tensor:
+                kernel_size: int = 5, pooling: str = "avg", gqa_reduce: str = "mean",
+                attention: AttentionSpec | None = None) -> torch.Tensor:
     """Kept indices: the whole window plus the `keep_count(T, drop_ratio) - w` best-scored earlier tokens.
 
     Returns `arange(T)` when `T <= w` (nothing can be dropped). LongTensor [k], sorted.
@@ -162,6 +199,6 @@ def snapkv_keep(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, *, head_di
     if T <= window:  # the whole prompt is the observation window
         return torch.arange(T)
     scores = snapkv_scores(kv, q, head_dim=head_dim, window=window, kernel_size=kernel_size, pooling=pooling,
-                           gqa_reduce=gqa_reduce)
+                           gqa_reduce=gqa_reduce, attention=attention)
     full = torch.cat([scores.cpu(), torch.zeros(window)])  # window slots are protected below
     return keep_top_scores(full, k, protected_mask(T, window=window))

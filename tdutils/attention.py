@@ -1,0 +1,221 @@
+"""The model's own attention, per layer: scale, logit soft-capping, learned sinks and sliding window.
+
+Query-aware scores (SnapKV, R-KV's importance, `HFEngine.check_query`) recompute attention from captured
+queries and cached keys. They must compute what the model computes, and families differ: Granite scales
+logits by `attention_multiplier`, Gemma 2/3 by `query_pre_attn_scalar ** -0.5`, Gemma 2 soft-caps logits
+(`c * tanh(x / c)`), gpt-oss adds one learned *sink* logit per query head to the softmax denominator,
+and sliding-window layers (Mistral, Phi-3, Qwen2 `use_sliding_window`, Gemma 2/3, gpt-oss) let a query at
+position `p` see only keys at positions `> p - W`.
+
+No family formula is written down here. `AttentionSpec` records, per layer, the arguments the model's
+attention function is *called with* (`scaling`, `softcap`, `sliding_window`, `s_aux`/`sinks`): the
+embedded engine records them at every prefill through its capture hook (`tdutils.engines.capture`);
+`AttentionSpec.from_model` runs a 2-token forward of a loaded model under the same hook; and
+`AttentionSpec.from_config` runs that forward on the `meta` device (no weights, no memory), which gives
+everything but the *values* of learned sinks (those need the weights: pass the loaded model).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+SINK_KWARGS = ("s_aux", "sinks")  # names under which transformers' attention modules pass learned sinks
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer turns `q·k` into attention probabilities.
+
+    Fields:
+        scaling: logits are `q·k * scaling` (`head_dim ** -0.5` for most families).
+        softcap: when set, logits become `softcap * tanh(logits / softcap)` (Gemma 2).
+        sliding_window: when set, a query at position `p` sees keys at positions `> p - sliding_window`
+            (transformers' definition: the query itself and the `sliding_window - 1` tokens before it).
+        sinks: fp32 `[Hq]` learned sink logit per query head (gpt-oss): one extra softmax column that
+            takes probability mass and is then dropped, so a row sums to less than 1.
+        has_sinks: the layer adds sinks; True with `sinks=None` when only the config was seen.
+    """
+
+    scaling: float
+    softcap: float | None = None
+    sliding_window: int | None = None
+    sinks: torch.Tensor | None = None
+    has_sinks: bool = False
+    num_query_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+
+    @classmethod
+    def from_call(cls, kwargs: dict, query: torch.Tensor | None = None, key: torch.Tensor | None = None
+                  ) -> LayerAttention:
+        """From the keyword arguments an attention function received (`scaling=`, `softcap=`, ...) and the
+        shapes of its `query [B, Hq, T, d]` and `key [B, H, T, d]` (head counts as the model computes them)."""
+        sinks = next((kwargs[k] for k in SINK_KWARGS if kwargs.get(k) is not None), None)
+        values = None
+        if sinks is not None and sinks.device.type != "meta":
+            values = sinks.detach().float().flatten().cpu().clone()
+        window = kwargs.get("sliding_window")
+        softcap = kwargs.get("softcap")
+        return cls(scaling=float(kwargs["scaling"]), softcap=float(softcap) if softcap else None,
+                   sliding_window=int(window) if window else None, sinks=values, has_sinks=sinks is not None,
+                   num_query_heads=None if query is None else int(query.shape[1]),
+                   num_kv_heads=None if key is None else int(key.shape[1]),
+                   head_dim=None if key is None else int(key.shape[-1]))
+
+    def logits(self, qk: torch.Tensor) -> torch.Tensor:
+        """Scaled (and soft-capped) logits from raw fp32 dot products `q·k` (any shape; a new tensor)."""
+        x = qk * self.scaling
+        if self.softcap is not None:
+            x = torch.tanh(x / self.softcap) * self.softcap
+        return x
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """`LayerAttention` of every layer of one model (`layers[l]` for layer `l`)."""
+
+    layers: tuple[LayerAttention, ...]
+
+    @classmethod
+    def standard(cls, num_layers: int, head_dim: int) -> AttentionSpec:
+        """Plain softmax attention with scale `head_dim ** -0.5`, no window, cap or sinks (Llama, Qwen3 ...)."""
+        return cls(tuple(LayerAttention(head_dim ** -0.5) for _ in range(num_layers)))
+
+    @property
+    def sliding_windows(self) -> list[int | None]:
+        """Per layer: its sliding window, or None for full attention."""
+        return [layer.sliding_window for layer in self.layers]
+
+    def check_sinks(self) -> None:
+        """Raise ValueError when a layer adds learned sinks whose values are unknown (spec from a config)."""
+        if any(layer.has_sinks and layer.sinks is None for layer in self.layers):
+            raise ValueError("this model adds learned attention sinks to its softmax and their values live in the "
+                             "weights: pass the loaded model (model_config=engine.model, or the config of a model "
+                             "the hf engine has open) instead of a bare config")
+
+    @classmethod
+    def from_model(cls, model) -> AttentionSpec:
+        """Record the attention arguments of a loaded transformers causal LM with a 2-token forward."""
+        return _probe(model, model.device)
+
+    @classmethod
+    def from_config(cls, config) -> AttentionSpec:
+        """The same from a config alone: the model is built on the `meta` device (no weights) and probed.
+
+        Learned sinks come back with `has_sinks=True, sinks=None` (see `check_sinks`).
+
+        Raises:
+            ValueError: the model cannot run on the meta device (the message says to pass the loaded model).
+        """
+        key = config.to_json_string(use_diff=False)
+        if key not in _CONFIG_SPECS:
+            from transformers import AutoModelForCausalLM
+
+            try:
+                with torch.device("meta"):
+                    model = AutoModelForCausalLM.from_config(config)
+                if hasattr(model, "set_experts_implementation") and getattr(config, "_experts_implementation", 1):
+                    try:  # mixture-of-experts: the only experts kernel that runs on meta tensors
+                        model.set_experts_implementation("batched_mm")
+                    except (ValueError, AttributeError):
+                        pass
+                _CONFIG_SPECS[key] = _probe(model, "meta")
+            except Exception as exc:  # noqa: BLE001 (any failure becomes one clear message)
+                raise ValueError(f"cannot read the attention of {type(config).__name__} from its config "
+                                 f"({exc.__class__.__name__}: {str(exc).splitlines()[0][:120]}); pass the loaded "
+                                 f"model as model_config") from exc
+        return _CONFIG_SPECS[key]
+
+
+_CONFIG_SPECS: dict[str, AttentionSpec] = {}
+_LIVE: dict[int, weakref.ref] = {}  # id(config) -> the loaded model that owns it (registered by the hf engine)
+
+
+def register_live_model(model) -> None:
+    """Let `attention_spec(model.config)` / `live_model(model.config)` find the loaded `model`."""
+    _LIVE[id(model.config)] = weakref.ref(model)
+
+
+def live_model(model_or_config):
+    """The loaded model behind `model_or_config`: itself when it is an `nn.Module`, the model the hf engine
+    registered for this config object, or None."""
+    if isinstance(model_or_config, torch.nn.Module):
+        return model_or_config
+    ref = _LIVE.get(id(model_or_config))
+    model = ref() if ref is not None else None
+    return model if model is not None and model.config is model_or_config else None
+
+
+def attention_spec(model_or_config) -> AttentionSpec:
+    """`AttentionSpec` of a loaded model (or the config of one the hf engine has open), else of a config."""
+    model = live_model(model_or_config)
+    if model is not None:
+        return AttentionSpec.from_model(model)
+    return AttentionSpec.from_config(model_or_config)
+
+
+def scoring_attention(model_config) -> AttentionSpec | None:
+    """The `AttentionSpec` query-aware policies score with, from what `make_drop_fn(model_config=...)` got.
+
+    Returns None (plain attention, scale `head_dim ** -0.5`) for objects that are neither a transformers
+    config nor a model (mappings, namespaces standing in for a config).
+
+    Raises:
+        ValueError: the model has learned sinks and only a bare config was given (see `check_sinks`), or the
+            config's model cannot be built on the meta device.
+    """
+    from transformers import PreTrainedConfig
+
+    if not isinstance(model_config, (PreTrainedConfig, torch.nn.Module)):
+        return None
+    spec = attention_spec(model_config)
+    spec.check_sinks()
+    return spec
+
+
+def _probe(model, device) -> AttentionSpec:
+    from .engines.capture import AttentionRecorder, capture_implementation, recording
+
+    impl = model.config._attn_implementation
+    recorder = AttentionRecorder()
+    model.set_attn_implementation(capture_implementation(impl))
+    try:
+        with torch.inference_mode(), recording(recorder):
+            model(input_ids=torch.tensor([[1, 2]], device=device))
+    finally:
+        model.set_attn_implementation(impl)
+    return recorder.spec(model.config.num_hidden_layers)
+
+
+def masked_logits(qk: torch.Tensor, layer: LayerAttention, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Model logits with causal and sliding-window masking by position (`-inf` where a key is invisible).
+
+    Args:
+        qk: fp32 `[..., w, T]` raw dot products of `w` queries with `T` keys.
+        layer: the layer's attention.
+        q_pos: `[w]` query positions; k_pos: `[T]` key positions.
+    """
+    x = layer.logits(qk)
+    rel = q_pos[:, None] - k_pos[None, :]  # [w, T]
+    hidden = rel < 0
+    if layer.sliding_window is not None:
+        hidden |= rel >= layer.sliding_window
+    return x.masked_fill_(hidden, float("-inf"))
+
+
+def softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last axis of fp32 `[Hq, w, T]` logits, with one extra sink logit per head
+    (`sinks [Hq]`) in the denominator when given; rows with every key masked give zeros, not NaN."""
+    if sinks is not None:
+        col = sinks.to(logits.device, torch.float32)[:, None, None].expand(*logits.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([logits, col], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(logits, dim=-1)
+    return probs.nan_to_num_(0.0)
+
+
+__all__ = ["AttentionSpec", "LayerAttention", "attention_spec", "live_model", "masked_logits",
+           "register_live_model", "scoring_attention", "softmax_with_sinks"]
