@@ -210,6 +210,24 @@ def measure_point(model, tok, batch: int, tokens: int, steps: int, repeats: int,
     }
 
 
+def profile_point(model, tok, batch: int, tokens: int, steps: int, top: int = 6) -> dict:
+    """Share of CPU time of the top ops (torch profiler, self CPU time) in `steps` steps of each arm."""
+    kv = random_kv(model, tokens)
+    eng = HFEngine(model, tokenizer=tok, kv_budget_tokens=batch * (tokens + steps), query_window=0, progress=False)
+    install_requests(eng, kv, batch)
+    feed = [r.tokens[-1] for r in eng.requests]
+    engine_step(eng, 2), static_step(model, kv, batch, 2, feed)
+    out = {}
+    for arm, fn in (("engine", lambda: engine_step(eng, steps)), ("static", lambda: static_step(model, kv, batch, steps, feed))):
+        with torch.profiler.profile() as prof:
+            fn()
+        ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in ops)
+        out[arm] = {e.key: e.self_cpu_time_total / total for e in ops[:top]}
+        out[arm]["total_cpu_s"] = total / 1e6
+    return out
+
+
 VLLM_SCRIPT = textwrap.dedent("""
     import json, sys, time, statistics
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -282,6 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="SnapKV drop ratios of the throughput sweeps (default 0.5,0.75)")
     ap.add_argument("--vllm-python", default=None, help="a Python with vLLM (e.g. the server tier's venv)")
     ap.add_argument("--vllm-timeout", type=positive_int, default=900, help="seconds per vLLM point")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile a few steps of both arms at the first point (torch profiler, top ops by CPU "
+                         "time): what a step is made of")
+    ap.add_argument("--threads", type=positive_int, default=None,
+                    help="torch CPU threads (default torch's); 1 is steadier on a machine shared with other work")
     ap.add_argument("--json", dest="json_path", default=None)
     return ap
 
@@ -293,6 +316,8 @@ def main(argv=None) -> int:
         ap.error("--steps must be >= 2")
     if args.vllm_python and not Path(args.vllm_python).is_file():
         ap.error(f"--vllm-python {args.vllm_python!r} is not a file; give the python of a venv with vLLM")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model, tok = load_model(args.model, device="cpu", dtype="float32", progress=False)
     f = model_facts(model.config, model.dtype)
@@ -311,6 +336,12 @@ def main(argv=None) -> int:
             Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json_path).write_text(json.dumps(results, indent=1, default=str) + "\n")
 
+    if args.profile and args.points:
+        results["profile"] = profile_point(model, tok, *args.points[0], min(args.steps, 8))
+        for arm, ops in results["profile"].items():
+            log(f"profile {arm} ({args.points[0][0]}x{args.points[0][1]}, {ops['total_cpu_s']:.2f} CPU s): " + ", ".join(
+                f"{name} {share:.0%}" for name, share in ops.items() if name != "total_cpu_s"))
+        save()
     for b, t in args.points:
         results["points"].append(measure_point(model, tok, b, t, args.steps, args.repeats, log))
         save()

@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lmcache-url", default="tcp://localhost:6555", help="lmcache engine: LMCache server (SDK port)")
     run.add_argument("--lmcache-http-url", default="http://localhost:8080", help="lmcache engine: LMCache HTTP API")
     run.add_argument("--model", default="tiny-qwen3",
-                     help="bundled model name, hub id (e.g. Qwen/Qwen3-0.6B) or local folder (default: tiny-qwen3)")
+                     help="bundled model name, hub id (e.g. Qwen/Qwen3-0.6B), local folder, or random:ARCH:NL (a real-shaped "
+                          "random model, e.g. random:qwen3-0.6b:4L, for throughput only) (default: tiny-qwen3)")
     run.add_argument("--dataset", default=None,
                      help="'sample' (bundled passkey prompts, ~1k tokens), 'mc-sample' (bundled English multiple "
                           "choice), a .jsonl/.json/.csv/.parquet file with a 'prompt' column, or a hub dataset id "
