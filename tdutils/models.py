@@ -249,7 +249,8 @@ def load_model(
         dtype: `"auto"` (the checkpoint's dtype; fp32 for the bundled model), `"float32"`, `"float16"`,
             `"bfloat16"` or a `torch.dtype`.
         device: where to put the model; default CUDA when available, else CPU.
-        attn_implementation: transformers attention backend (`"sdpa"`, `"eager"`, ...).
+        attn_implementation: transformers attention backend (`"sdpa"`, `"eager"`, ...); `"sdpa"` falls back to
+            `"eager"` for architectures without an sdpa path (Gemma 2's soft-capping, gpt-oss's sinks).
         progress: False hides transformers' progress bars while loading ("Loading weights", downloads);
             True leaves them as they are (shown unless disabled globally).
 
@@ -273,9 +274,15 @@ def load_model(
     with progress_bars(progress):
         tokenizer = load_tokenizer(name_or_path)
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                str(path), dtype=torch_dtype, attn_implementation=attn_implementation
-            )
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(path), dtype=torch_dtype, attn_implementation=attn_implementation
+                )
+            except ValueError as exc:
+                if attn_implementation != "sdpa" or "does not support an attention implementation" not in str(exc):
+                    raise
+                # Gemma 2 (soft-capping) and gpt-oss (sinks) have no sdpa path: their own eager attention
+                model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation="eager")
         except OSError as exc:
             raise OSError(_offline_hint(name_or_path, exc)) from exc
     model.to(device).eval()

@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 
-from tdutils import make_drop_fn
+from tdutils import CacheKind, make_drop_fn
 from tdutils.engines import open_engine
 from tdutils.selection import keep_count
 
@@ -25,9 +25,18 @@ BUDGET = 60  # KV tokens: one or two requests at a time -> several admission wav
 pytestmark = pytest.mark.filterwarnings("ignore:.*RoPE scaling factor.*")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one thread is fastest (on a shared 2-core machine two threads spin-wait on each other,
+    ~30x slower here); the previous setting is restored for the modules after this one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @functools.lru_cache(maxsize=None)
 def _model(family):
-    torch.set_num_threads(2)
     return family_model(family)
 
 
@@ -105,7 +114,7 @@ def test_compact_rerotation_and_every_policy_at_half(family):
     """Layer-0 keys depend on the token and its position only, so after a compacting edit they must equal
     the layer-0 keys the model computes for the kept tokens fed as a fresh prompt at positions 0..k-1 (the
     frequencies read from the model's rotary module, per layer type for Gemma 3). Then snapkv, rkv and
-    random each edit and decode at drop ratio 0.5."""
+    random each edit and decode at drop ratio 0.5 (random is the compacting edit above)."""
     model = _model(family)
     eng = _engine(family)
     prompts = _prompts(2)
@@ -120,7 +129,7 @@ def test_compact_rerotation_and_every_policy_at_half(family):
     assert len(eng.decode(3)[0].output_ids) == 3
 
     window = 4  # <= every prompt's keep count at 0.5, so each policy keeps exactly keep_count tokens
-    for policy, params in (("snapkv", {"window": window}), ("rkv", {"window": window}), ("random", {"seed": 0, "window": window, "n_sink": 2})):
+    for policy, params in (("snapkv", {"window": window}), ("rkv", {"window": window})):
         eng.prefill(prompts)
         eng.modify(make_drop_fn(policy, drop_ratio=0.5, model_config=eng.config, **params))
         assert [eng.kv(i).shape[2] for i in range(len(prompts))] == [keep_count(n, 0.5) for n in LENS], policy
@@ -196,6 +205,19 @@ def test_rope_frequencies_come_from_the_live_model():
     assert buf.dtype == torch.float16
     torch.testing.assert_close(live.inv_freq, buf.float(), atol=0, rtol=0)
     assert not torch.equal(live.inv_freq, RopeSpec.from_config(model.config).inv_freq)
+    # the keys the model caches carry the rounded frequencies: re-rotating with them lands on the model's own
+    # layer-0 keys (to fp16 rounding); with the exact frequencies of a bare config copy it misses by ~10x more
+    ids = [torch.randint(4, 200, (400,), generator=torch.Generator().manual_seed(0)).tolist()]
+    errors = {}
+    for source in ("live", "config"):
+        eng = open_engine("hf", model=model, tokenizer=_tokenizer(), progress=False, query_window=0)
+        eng.prefill(ids)
+        config = eng.config if source == "live" else copy.deepcopy(eng.config)  # a copy: not the engine's model
+        eng.modify(make_drop_fn("random", drop_ratio=0.5, model_config=config, seed=0, n_sink=2, window=4))
+        fresh = open_engine("hf", model=model, tokenizer=_tokenizer(), progress=False, query_window=0)
+        fresh.prefill([eng.tokens(0)])
+        errors[source] = float((eng.kv(0)[0, 0].float() - fresh.kv(0)[0, 0].float()).abs().max())
+    assert errors["live"] <= 4e-3 and errors["config"] > 5 * errors["live"], errors
     gemma = model_rope(_model("gemma3"))  # one spec per layer: local and global bases
     rot = _model("gemma3").model.rotary_emb
     assert torch.equal(gemma[0].inv_freq, rot.sliding_attention_inv_freq.float())
@@ -239,7 +261,7 @@ def test_eos_ids_are_the_tokenizer_and_generation_config_union(tiny):
 
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny, sample_ids):
     model, tok = tiny
-    prompts = sample_ids + sample_ids[:1]
+    prompts = [ids[:48] for ids in sample_ids + sample_ids[:1]]  # request 3 repeats request 0's prompt
     alone = open_engine("hf", model=model, tokenizer=tok, progress=False)
     alone.prefill(prompts[:1])
     solo = alone.decode(16, temperature=1.5, seed=0)[0].output_ids
@@ -250,3 +272,34 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny, sample_ids):
     assert outs[3].output_ids != solo  # same prompt, another request id: its own random stream
     other = batch.decode(16, temperature=1.5, seed=1)
     assert [o.output_ids for o in other] != [o.output_ids for o in outs]  # the seed matters
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_a_local_folder_of_an_eager_only_family_opens_and_scores(family, tmp_path):
+    """`open_engine("hf", model=DIR)` on an architecture without an sdpa path (soft-capping, sinks) loads it
+    with its eager attention instead of failing, and snapkv scores with the sinks read from the live model."""
+    _model(family).save_pretrained(tmp_path)
+    _tokenizer().save_pretrained(tmp_path)
+    eng = open_engine("hf", model=str(tmp_path), device="cpu", progress=False)
+    assert eng.model.config._attn_implementation.endswith("eager")
+    eng.prefill(_prompts()[:2])
+    assert max(eng.check_query(i) for i in range(2)) <= 1e-5
+    eng.modify(make_drop_fn("snapkv", drop_ratio=0.5, model_config=eng.config, window=4))
+    assert [eng.kv(i).shape[2] for i in range(2)] == [keep_count(n, 0.5) for n in LENS[:2]]
+
+
+def test_original_positions_on_a_sliding_model_need_the_kept_positions():
+    """A plain ModifyFn does not say which positions it kept; on a sliding-window model `"original"` needs
+    them for the window, so it is refused before any cache changes (a DropFn reports them)."""
+    eng = _engine("mistral_sliding", positions="original")
+    eng.prefill(_prompts()[:1])
+    before = eng.kv(0).clone()
+
+    def halve(tensors, tokens):
+        return tensors[CacheKind.KV][:, :, ::2].clone(), list(tokens[::2])
+
+    with pytest.raises(ValueError, match="needs the kept positions"):
+        eng.modify(halve)
+    assert torch.equal(eng.kv(0), before)
+    eng.modify(halve, positions="compact")  # compact positions need nothing more
+    assert eng.kv(0).shape[2] == (LENS[0] + 1) // 2

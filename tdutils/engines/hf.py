@@ -73,7 +73,10 @@ class _Request:
 
 
 class HFEngine:
-    """Embedded engine over a transformers causal LM (Qwen3, Llama, Mistral, ... with a `DynamicCache`).
+    """Embedded engine over a transformers causal LM: any decoder with full and/or sliding-window attention
+    and one key and one value per layer and token (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, gpt-oss, OLMo 2,
+    Granite, GPT-NeoX, Phi ...: README "Supported models"). Any other model fails here with one line naming
+    its family and the reason (`ValueError`).
 
     Args:
         model: a bundled name (`"tiny-qwen3"`), hub id, local folder, or an already loaded model
@@ -116,12 +119,12 @@ class HFEngine:
             self.model, self.tokenizer = model.eval(), tokenizer
         self.device = next(self.model.parameters()).device
         self.query_window = query_window
-        if query_window != 0:
-            self.model.set_attn_implementation(capture_implementation(self.model.config._attn_implementation))
         # transformers renamed `past_key_values` to `cache` during 5.x; support both spellings.
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.facts = model_facts(self.model, self.model.dtype)
-        self.attention = self._check_supported()
+        self.attention = self._check_supported()  # one-line ValueError naming the family (backend included)
+        if query_window != 0:
+            self.model.set_attn_implementation(capture_implementation(self.model.config._attn_implementation))
         register_live_model(self.model)  # make_drop_fn(model_config=engine.config) reads sinks and RoPE from it
         windows = self.attention.sliding_windows
         # per mask key (a layer type, or None when one mask serves every layer): its sliding window
