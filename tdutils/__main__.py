@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lmcache-url", default="tcp://localhost:6555", help="lmcache engine: LMCache server (SDK port)")
     run.add_argument("--lmcache-http-url", default="http://localhost:8080", help="lmcache engine: LMCache HTTP API")
     run.add_argument("--model", default="tiny-qwen3",
-                     help="bundled model name, hub id (e.g. Qwen/Qwen3-0.6B) or local folder (default: tiny-qwen3)")
+                     help="bundled model name, hub id (e.g. Qwen/Qwen3-0.6B), local folder, or random:ARCH:NL (a real-shaped "
+                          "random model, e.g. random:qwen3-0.6b:4L, for throughput only) (default: tiny-qwen3)")
     run.add_argument("--dataset", default=None,
                      help="'sample' (bundled passkey prompts, ~1k tokens), 'mc-sample' (bundled English multiple "
                           "choice), a .jsonl/.json/.csv/.parquet file with a 'prompt' column, or a hub dataset id "
@@ -173,7 +174,11 @@ def cmd_run(args) -> int:
         from .data import DEMO_DATASET, MC_SAMPLE_NAME, SAMPLE_NAME
         from .models import TINY_MODEL_NAME
 
-        args.dataset = SAMPLE_NAME if args.model == TINY_MODEL_NAME else DEMO_DATASET
+        from .models import parse_random_name
+
+        # the bundled sample for the bundled model and for random (throughput-only) models: no download
+        local = args.model == TINY_MODEL_NAME or parse_random_name(args.model) is not None
+        args.dataset = SAMPLE_NAME if local else DEMO_DATASET
         if args.dataset == DEMO_DATASET:
             try:
                 rows = load_prompts(args.dataset, num_requests=args.num_requests)

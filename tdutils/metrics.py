@@ -63,6 +63,8 @@ class DecodeMetrics:
 
     `kv_peak_reserved_tokens` is the largest sum, over the running batch, of each request's cache length
     plus the tokens it still had to generate: the quantity admission keeps under `kv_budget_tokens`.
+    `kv_storage_tokens` / `kv_storage_bytes` are what the hf engine preallocated for the decode batch (slots x
+    width, `tdutils.engines.kvstore`); storage beyond `kv_peak_reserved_tokens` is padding.
     """
 
     output_tokens: int = 0
@@ -72,6 +74,8 @@ class DecodeMetrics:
     kv_budget_tokens: int | None = None
     kv_peak_reserved_tokens: int = 0
     steps: int = 0
+    kv_storage_tokens: int = 0
+    kv_storage_bytes: int = 0
 
     @property
     def tokens_per_s(self) -> float:

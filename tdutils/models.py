@@ -4,7 +4,9 @@
 (2 layers, hidden 128, 4 query heads / 2 KV heads, head_dim 32, tied embeddings) with a word-level
 tokenizer over the words of the bundled filler text, digits 0-9 and the passkey markers. It needs no
 network and exercises the grouped-query-attention (GQA) code paths. Any other name is passed to
-transformers' `from_pretrained` (a hub id such as `Qwen/Qwen3-0.6B`, or a local folder).
+transformers' `from_pretrained` (a hub id such as `Qwen/Qwen3-0.6B`, or a local folder), except names of the
+form `random:ARCH[:NL]` (e.g. `random:qwen3-0.6b:4L`): a real-shaped model with random weights from
+`random_model`, for throughput and memory measurements only (its outputs mean nothing).
 """
 
 from __future__ import annotations
@@ -24,6 +26,113 @@ TINY_MODEL_DIR = ASSETS / TINY_MODEL_NAME
 TINY_SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
 # Passkey markers: never present in the filler text (SPEC §8: a repeated marker stalls the copy task).
 TINY_MARKER_TOKENS = ("pass", "key", "=")
+
+
+RANDOM_PREFIX = "random:"
+RANDOM_VOCAB_SIZE = 151936  # Qwen3's
+
+# Real architectures' shapes (from the published config.json files); random weights, for throughput only.
+RANDOM_ARCHS = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+
+
+def random_model(arch: str = "qwen3-0.6b", *, num_layers: int | None = None, dtype: str | torch.dtype = "float32",
+                 device: str | torch.device | None = None, seed: int = 0):
+    """A model with a real architecture's shapes and random weights, and a tokenizer over its vocabulary.
+
+    For throughput and memory measurements only: a decode step costs the same whatever the weights, so a
+    random Qwen3-0.6B-shaped model times like the real one without a download, but its outputs mean nothing.
+
+    Args:
+        arch: one of `RANDOM_ARCHS` (`"qwen3-0.6b"`, `"qwen3-1.7b"`, `"qwen3-4b"`, `"qwen3-8b"`): hidden size,
+            MLP size, query / KV heads, head_dim 128, vocabulary 151936, RoPE theta 1e6 as published.
+        num_layers: decoder layers (default the architecture's own, 28 or 36); fewer keep CPU runs short while
+            every layer keeps its real size.
+        dtype: weights (and so KV cache) dtype, default float32.
+        device: default CUDA when available, else CPU; `"meta"` builds the shapes only (no memory, no init).
+        seed: seeds the weight initialisation (same seed, same weights).
+
+    Returns:
+        `(model, tokenizer)`, the model in eval mode. The tokenizer maps ids to `<ID>` words so that any id
+        decodes; feed prompts as token ids.
+
+    Raises:
+        ValueError: an unknown `arch` (the message lists the known ones) or `num_layers < 1`.
+    """
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    key = arch.lower()
+    if key not in RANDOM_ARCHS:
+        raise ValueError(f"unknown random architecture {arch!r}; known: {', '.join(RANDOM_ARCHS)}")
+    shape = dict(RANDOM_ARCHS[key])
+    if num_layers is not None:
+        if isinstance(num_layers, bool) or int(num_layers) != num_layers or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+        shape["num_hidden_layers"] = int(num_layers)
+    vocab = RANDOM_VOCAB_SIZE
+    config = Qwen3Config(vocab_size=vocab, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                         bos_token_id=vocab - 3, eos_token_id=vocab - 2, pad_token_id=vocab - 1, **shape)
+    device = check_device(device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch_dtype = _torch_dtype(dtype)
+    if torch_dtype == "auto":
+        torch_dtype = torch.float32
+    if device.type == "meta":  # shapes only, nothing allocated or initialised
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation="sdpa")
+        model.name_or_path = f"{RANDOM_PREFIX}{key}:{shape['num_hidden_layers']}L"
+        return model.eval(), _id_tokenizer(vocab)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation="sdpa")
+    model.name_or_path = f"{RANDOM_PREFIX}{key}:{shape['num_hidden_layers']}L"
+    return model.to(device).eval(), _id_tokenizer(vocab)
+
+
+def _id_tokenizer(vocab_size: int):
+    """A word-level tokenizer whose token `i` is the word `<i>` (ids 0..vocab_size-1; the last three are bos,
+    eos, pad), so any generated id decodes."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<{i}>": i for i in range(vocab_size)}
+    tok = Tokenizer(WordLevel(vocab, unk_token=f"<{vocab_size - 1}>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    n = vocab_size
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=f"<{n - 3}>", eos_token=f"<{n - 2}>",
+                                   pad_token=f"<{n - 1}>", unk_token=f"<{n - 1}>")
+
+
+def parse_random_name(name: str) -> tuple[str, int | None] | None:
+    """`"random:qwen3-0.6b:4L"` -> `("qwen3-0.6b", 4)`; `"random:qwen3-0.6b"` -> `("qwen3-0.6b", None)`;
+    any name without the `random:` prefix -> None.
+
+    Raises:
+        ValueError: a `random:` name whose layer part is not `<N>L` with N >= 1.
+    """
+    if not name.startswith(RANDOM_PREFIX):
+        return None
+    parts = name[len(RANDOM_PREFIX):].split(":")
+    if len(parts) > 2 or not parts[0]:
+        raise ValueError(f"model {name!r}: write random:ARCH or random:ARCH:<N>L, e.g. random:qwen3-0.6b:4L")
+    layers = None
+    if len(parts) == 2:
+        text = parts[1].upper()
+        if not (text.endswith("L") and text[:-1].isdigit() and int(text[:-1]) >= 1):
+            raise ValueError(f"model {name!r}: the layer count must look like 4L (a positive number then L), "
+                             f"got {parts[1]!r}")
+        layers = int(text[:-1])
+    return parts[0], layers
 
 
 def bundled_model_path(name: str) -> Path | None:
@@ -115,6 +224,8 @@ def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
     _check_local(name_or_path, weights=False)
+    if parse_random_name(name_or_path) is not None:
+        return _id_tokenizer(RANDOM_VOCAB_SIZE)
     path = bundled_model_path(name_or_path) or name_or_path
     try:
         return AutoTokenizer.from_pretrained(str(path))
@@ -133,8 +244,8 @@ def load_model(
     """Load a causal LM and its tokenizer; returns `(model, tokenizer)` with the model in eval mode.
 
     Args:
-        name_or_path: `"tiny-qwen3"` (bundled, offline), a Hugging Face hub id (`"Qwen/Qwen3-0.6B"`) or a
-            local folder with `config.json` and weights.
+        name_or_path: `"tiny-qwen3"` (bundled, offline), a Hugging Face hub id (`"Qwen/Qwen3-0.6B"`), a
+            local folder with `config.json` and weights, or `"random:ARCH[:NL]"` (`random_model`, throughput only).
         dtype: `"auto"` (the checkpoint's dtype; fp32 for the bundled model), `"float32"`, `"float16"`,
             `"bfloat16"` or a `torch.dtype`.
         device: where to put the model; default CUDA when available, else CPU.
@@ -152,6 +263,10 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
+    random = parse_random_name(name_or_path)
+    if random is not None:
+        return random_model(random[0], num_layers=random[1], dtype="float32" if dtype == "auto" else dtype,
+                            device=device)
     device = check_device(device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = _torch_dtype(dtype)
     _check_local(name_or_path)
@@ -189,6 +304,11 @@ def _check_local(name: str, *, weights: bool = True) -> None:
     transformers fail later with an unrelated message (e.g. "You need to have sentencepiece or tiktoken
     installed")."""
     if bundled_model_path(name) is not None:
+        return
+    if parse_random_name(name) is not None:  # also checks the spelling of a random: name
+        arch = parse_random_name(name)[0]
+        if arch.lower() not in RANDOM_ARCHS:
+            raise ValueError(f"unknown random architecture {arch!r} in {name!r}; known: {', '.join(RANDOM_ARCHS)}")
         return
     folder = Path(name).expanduser()
     hint = (f"pass a folder with config.json, the weights and the tokenizer (e.g. made by `hf download "

@@ -1,10 +1,14 @@
 """The embedded `hf` engine: in-process Hugging Face transformers prefill, modify and batched decode.
 
 Per request the engine keeps its KV cache as one `[2, L, T, D]` tensor (SPEC §3). Decoding runs many
-requests of different lengths in one batch: caches are left-padded to a common length, an attention
-mask hides the padding, and every row gets its own `position_ids`. Requests join the running batch
-only while the sum over the batch of (cache length + tokens still to generate) fits `kv_budget_tokens`
-— so a smaller cache per request means a bigger batch, which is the point of token dropping.
+requests of different lengths in one batch: decode storage is preallocated once per `decode` call from
+the budget (`engines.kvstore.SlotKVStore`: per layer `[slots, H_kv, width, d]`), a request is copied
+into a free slot when it is admitted, each step writes every row's new key/value in place, a prepared
+attention mask hides each row's unused columns, and every row gets its own `position_ids`; a finished
+request frees its slot without moving the others. Requests join the running batch only while the sum
+over the batch of (cache length + tokens still to generate) fits `kv_budget_tokens` — so a smaller cache
+per request means a bigger batch, which is the point of token dropping. Prefill still uses a
+`DynamicCache` (one pass per prefill batch).
 
 Decode regenerates from the edited cache, as vLLM does after LMCache returns a modified prefix: the
 last cached entry is removed and the last kept prompt token is fed again at its position, so every
@@ -46,6 +50,7 @@ from ..metrics import DecodeMetrics, ModifyMetrics, RunMetrics
 from ..models import load_model, model_facts
 from .base import ModifyReport, RequestOutput, check_engine_settings, tokenize_prompts
 from .capture import QueryRecorder, capture_implementation, recording
+from .kvstore import SlotKVStore, plan_slots
 
 POSITIONS = ("compact", "original")
 
@@ -471,63 +476,59 @@ class HFEngine:
             r.output_ids, r.token_times, r.finish_reason = [], [], "length"
             r.logits = [] if keep_logits else None
 
+        store = self._new_store([need[r.request_id] for r in self.requests], budget)
+        dm.kv_storage_tokens, dm.kv_storage_bytes = store.slots * store.width, store.bytes
+        next_ids = torch.zeros(store.slots, dtype=torch.long, device=self.device)  # per slot: token fed next step
+        next_pos = torch.zeros(store.slots, dtype=torch.long, device=self.device)  # and its position
         waiting = deque(self.requests)
-        running: list[_Request] = []
-        state = None  # batched cache, mask, next inputs of `running`
+        running: dict[int, _Request] = {}  # slot -> request
         bar = self._bar(sum(limit.values()), "decode")
         t0 = time.perf_counter()
         while waiting or running:
-            admitted = []
-            reserved = sum(need[r.request_id] for r in running)
-            while waiting and (budget is None or reserved + need[waiting[0].request_id] <= budget) and (
-                    self.max_batch_size is None or len(running) + len(admitted) < self.max_batch_size):
+            reserved = sum(need[r.request_id] for r in running.values())
+            while waiting and store.free_slots and (budget is None or reserved + need[waiting[0].request_id] <= budget) and (
+                    self.max_batch_size is None or len(running) < self.max_batch_size):
                 r = waiting.popleft()
-                admitted.append(r)
+                slot = self._admit(store, r)
+                running[slot] = r
+                next_ids[slot], next_pos[slot] = r.tokens[-1], r.refeed_pos
                 reserved += need[r.request_id]
-            if admitted:
-                state = self._build_batch(running, state, admitted)
-                running = running + admitted
             dm.peak_batch_size = max(dm.peak_batch_size, len(running))
             dm.kv_peak_reserved_tokens = max(dm.kv_peak_reserved_tokens, reserved)
 
-            cache, mask, next_ids, next_pos, lens, kv_pos = state
-            mask = torch.cat([mask, torch.ones(len(running), 1, dtype=mask.dtype, device=mask.device)], dim=1)
-            attn = mask
-            if kv_pos is not None:  # sliding-window layers: masks by position (module docstring)
-                kv_pos = torch.cat([kv_pos, next_pos[:, None]], dim=1)
-                attn = self._window_masks(kv_pos, next_pos)
-            out = self._forward(next_ids[:, None], attn, next_pos[:, None], cache)
-            logits = out.logits[:, -1, :]  # [B, vocab]
+            rows = store.rows
+            store.begin_step(next_pos[:rows])
+            out = self._forward(next_ids[:rows, None], self._decode_masks(store, next_pos[:rows]),
+                                next_pos[:rows, None], store.cache())
+            store.end_step()
+            logits = out.logits[:, -1, :]  # [rows, vocab]; idle rows (free slots) are ignored
             if logits.dtype in (torch.float16, torch.bfloat16):
                 logits = logits.float()  # sampling and keep_logits in at least fp32
             if temperature > 0:
                 probs = torch.softmax(logits / temperature, dim=-1).cpu()
-                new_ids = torch.stack([torch.multinomial(probs[b], 1, generator=gens[r.request_id])[0]
-                                       for b, r in enumerate(running)])
+                new_ids = torch.zeros(rows, dtype=torch.long)
+                for slot, r in running.items():
+                    new_ids[slot] = torch.multinomial(probs[slot], 1, generator=gens[r.request_id])[0]
             else:
                 new_ids = logits.argmax(dim=-1).cpu()
             now = time.perf_counter() - t0
             dm.steps += 1
-            done = []
-            for b, r in enumerate(running):
-                tok = int(new_ids[b])
+            bar.update(len(running))
+            for slot, r in list(running.items()):
+                tok = int(new_ids[slot])
                 r.output_ids.append(tok)
                 r.token_times.append(now)
                 if keep_logits:
-                    r.logits.append(logits[b].cpu())
+                    r.logits.append(logits[slot].cpu())
                 if len(r.output_ids) >= limit[r.request_id]:
-                    done.append(b)
+                    del running[slot]
+                    store.release(slot)
                 elif not ignore_eos and tok in eos:
                     r.finish_reason = "stop"
-                    done.append(b)
-            bar.update(len(running))
-            lens = lens + 1
-            next_pos = next_pos + 1
-            state = (cache, mask, new_ids.to(self.device), next_pos, lens, kv_pos)
-            if done:
-                keep_rows = [b for b in range(len(running)) if b not in set(done)]
-                running = [running[b] for b in keep_rows]
-                state = self._select_rows(state, keep_rows) if running else None
+                    del running[slot]
+                    store.release(slot)
+            next_ids[:rows] = new_ids.to(self.device)
+            next_pos[:rows] += 1
         dm.seconds = time.perf_counter() - t0
         bar.close()
 
@@ -552,82 +553,35 @@ class HFEngine:
         kv = kv.view(2, L, T, h, d).transpose(2, 3)  # [2, L, H_kv, T, d]
         return kv[0], kv[1]
 
-    def _build_batch(self, running: list[_Request], state, admitted: list[_Request]):
-        """Left-padded batch cache for `running` (taken from `state`) plus newly `admitted` requests.
+    def _new_store(self, needs: list[int], budget: int | None) -> SlotKVStore:
+        """Preallocated decode storage for requests needing `needs` KV tokens (see `engines.kvstore`); it tracks
+        each entry's position when sliding-window layers need masks by position."""
+        plan = plan_slots(needs, budget, self.max_batch_size)
+        return SlotKVStore(num_layers=self.facts.num_layers, num_kv_heads=self.facts.num_kv_heads,
+                           head_dim=self.facts.head_dim, slots=plan.slots, width=plan.width, dtype=self.model.dtype,
+                           device=self.device, track_positions=self._mask_windows is not None)
 
-        A new request contributes its cache minus the last entry; that last token is fed again at
-        `refeed_pos` so the first generated token is computed over the (edited) cache.
-        """
-        rows_k, rows_v, lens, next_ids, next_pos, rows_pos = [], [], [], [], [], []
-        if running:
-            cache, mask, ids, pos, rlens, kv_pos = state
-            width = mask.shape[1]
-            for b in range(len(running)):
-                n = int(rlens[b])
-                rows_k.append(torch.stack([lay.keys[b, :, width - n:, :] for lay in cache.layers]))  # [L, H, n, d]
-                rows_v.append(torch.stack([lay.values[b, :, width - n:, :] for lay in cache.layers]))
-                rows_pos.append(kv_pos[b, width - n:] if kv_pos is not None else None)
-                lens.append(n)
-            next_ids.extend(ids.tolist())
-            next_pos.extend(pos.tolist())
-        for r in admitted:
-            check_kv(r.kv, r.tokens)
-            k, v = self._row_kv(r.kv)
-            rows_k.append(k[:, :, :-1, :])
-            rows_v.append(v[:, :, :-1, :])
-            lens.append(r.kv.shape[2] - 1)
-            rows_pos.append(r.positions[:-1] if r.positions is not None else torch.arange(r.kv.shape[2] - 1))
-            next_ids.append(r.tokens[-1])
-            next_pos.append(r.refeed_pos)
-        B, width = len(rows_k), max(lens)
-        L, H, _, d = rows_k[0].shape
-        dtype = rows_k[0].dtype
-        keys = torch.zeros(L, B, H, width, d, dtype=dtype, device=self.device)  # zeros in padding: masked anyway
-        values = torch.zeros_like(keys)
-        mask = torch.zeros(B, width, dtype=torch.long, device=self.device)
-        # position of every cache column, -1 in padding: only sliding-window models need it (for their masks)
-        kv_pos = torch.full((B, width), -1, dtype=torch.long, device=self.device) if self._mask_windows else None
-        for b, (k, v, n) in enumerate(zip(rows_k, rows_v, lens)):
-            if n:
-                keys[:, b, :, width - n:, :] = k
-                values[:, b, :, width - n:, :] = v
-                mask[b, width - n:] = 1
-                if kv_pos is not None:
-                    kv_pos[b, width - n:] = rows_pos[b].to(self.device)
-        cache = self._new_cache()
-        for layer in range(L):
-            cache.update(keys[layer], values[layer], layer)
-        return (cache, mask, torch.tensor(next_ids, device=self.device), torch.tensor(next_pos, device=self.device),
-                torch.tensor(lens), kv_pos)
+    def _admit(self, store: SlotKVStore, r: _Request) -> int:
+        """Copy a request's cache minus its last entry into a free slot (that entry's token is fed again at
+        `refeed_pos`, so the first generated token is computed over the edited cache); returns the slot."""
+        check_kv(r.kv, r.tokens)
+        k, v = self._row_kv(r.kv)
+        positions = None
+        if store.positions is not None:
+            n = r.kv.shape[2]
+            positions = r.positions[:-1] if r.positions is not None else torch.arange(n - 1)
+        return store.admit(k[:, :, :-1, :], v[:, :, :-1, :], positions)
 
-    def _window_masks(self, kv_pos: torch.Tensor, q_pos: torch.Tensor):
-        """Additive 4D masks `[B, 1, 1, width]` for one decode step of a sliding-window model.
-
-        A column is visible when it holds a token (`kv_pos >= 0`) and, in a layer with window `W`, when
-        `q_pos - kv_pos < W`. Returns one mask (every layer alike) or a dict by layer type (hybrid models).
-        """
-        dtype = self.model.dtype
-        valid = kv_pos >= 0
-        rel = q_pos[:, None] - kv_pos  # [B, width]
-        masks = {}
-        for key, window in self._mask_windows.items():
-            ok = valid if window is None else valid & (rel < window)
-            masks[key] = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(
-                ~ok, torch.finfo(dtype).min)[:, None, None, :]
+    def _decode_masks(self, store: SlotKVStore, query_positions: torch.Tensor):
+        """Prepared 4D masks of one decode step, `[rows, 1, 1, cols]`: boolean for sdpa, additive for eager and
+        for sliding-window models (by position, module docstring); one tensor when every layer has the same
+        window, else a dict by layer type (what hybrid models' forward looks masks up by)."""
+        if self._mask_windows is None:
+            additive = self.model.dtype if "eager" in self.model.config._attn_implementation else None
+            return store.attention_mask(additive_dtype=additive)
+        masks = {key: store.attention_mask(window=w, query_positions=query_positions, additive_dtype=self.model.dtype)
+                 for key, w in self._mask_windows.items()}
         return masks[None] if None in masks else masks
-
-    def _select_rows(self, state, rows: list[int]):
-        """Keep only batch rows `rows` of the running state (finished requests leave the batch)."""
-        cache, mask, ids, pos, lens, kv_pos = state
-        idx = torch.tensor(rows, device=self.device)
-        mask, lens = mask[idx], lens[torch.tensor(rows)]
-        # Trim leading columns that are padding for every remaining row.
-        width = int(lens.max())
-        trim = mask.shape[1] - width
-        new = self._new_cache()
-        for i, lay in enumerate(cache.layers):
-            new.update(lay.keys[idx, :, trim:, :], lay.values[idx, :, trim:, :], i)
-        return new, mask[:, trim:], ids[idx], pos[idx], lens, None if kv_pos is None else kv_pos[idx, trim:]
 
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")

@@ -1,0 +1,291 @@
+"""Preallocated KV storage for the `hf` engine's batched decode: slots written in place.
+
+The engine decodes many requests of different lengths in one batch. Instead of a transformers
+`DynamicCache` (whose `update` concatenates every layer's keys and values at every step, copying the
+whole batch cache, and which must be rebuilt whenever a request joins or leaves), `SlotKVStore` holds,
+per layer, one keys and one values tensor `[S, H_kv, W, d]` allocated once for the decode phase:
+
+- `S` slots (batch rows) and `W` tokens per slot, sized from the KV budget (`plan_slots`);
+- a request is *admitted* into a free slot: its cache is copied once into columns `0..n-1`
+  (left-aligned); nothing else moves;
+- every decode step writes each row's new key/value in place at column `lengths[slot]`
+  (`index_put_`, `S × H_kv × d` elements per layer) and attention reads the view
+  `[:rows, :, :cols]` (no copy), where `rows` is one past the highest occupied slot and `cols` one past
+  the longest row;
+- a finished request is *released*: its slot becomes free for the next admission, no other row is copied.
+  Free slots below the highest occupied one run as idle rows (one dummy token attending to one column)
+  until a waiting request fills them.
+
+Attention stays exact: the engine passes a prepared 4D mask (`attention_masks`) that hides, per row,
+the columns past its length (and, for sliding-window layers, the keys whose *position* lies outside the
+window of the query's position, so a row's window does not depend on where its keys sit in storage).
+Keys keep the rotation they were stored with; a key's column never matters to attention.
+
+Memory: `S × W` tokens per layer for keys and for values. `plan_slots` takes `W` = the largest request
+(cache + tokens to generate − 1, the last generated token is never fed) and `S` = the most requests the
+budget can run at once, so with requests of similar size the storage is the budget; the *padding* (storage
+no request could use) is `S × W − (largest sum of needs the budget admits)`, reported by `padding_tokens`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """Storage shape for one decode phase: `slots` rows of `width` tokens.
+
+    Attributes:
+        slots: S, the most requests that can decode at once under the budget (and the batch cap).
+        width: W, tokens per slot: the largest `cache length + tokens to generate - 1` over the requests.
+        admissible_tokens: the largest sum of needs (`cache + tokens to generate`) of `slots` requests that
+            fits the budget; `slots * width - admissible_tokens` bounds the padding (storage no request uses).
+    """
+
+    slots: int
+    width: int
+    admissible_tokens: int
+
+    @property
+    def storage_tokens(self) -> int:
+        return self.slots * self.width
+
+    @property
+    def padding_tokens(self) -> int:
+        return max(0, self.storage_tokens - self.admissible_tokens)
+
+
+def plan_slots(needs: list[int], budget: int | None, max_batch_size: int | None = None) -> SlotPlan:
+    """Size the storage for requests needing `needs[i]` KV tokens (cache length + tokens to generate).
+
+    `slots` is the largest number of requests whose needs fit `budget` together (taking the smallest needs
+    first, so no admission order can run more at once), capped by `max_batch_size` and the request count;
+    `width` is `max(needs) - 1` (the last generated token is never written).
+
+    Raises:
+        ValueError: no requests, a need < 2, or a request that alone exceeds the budget.
+    """
+    if not needs:
+        raise ValueError("plan_slots needs at least one request")
+    if min(needs) < 2:
+        raise ValueError(f"every request needs >= 2 KV tokens (a cache entry and one token to generate), got {min(needs)}")
+    if budget is not None and max(needs) > budget:
+        raise ValueError(f"a request needs {max(needs)} KV tokens but the budget is {budget}")
+    slots, total = 0, 0
+    for n in sorted(needs):
+        if budget is not None and total + n > budget:
+            break
+        slots, total = slots + 1, total + n
+    if max_batch_size is not None:
+        slots = min(slots, max_batch_size)
+        total = sum(sorted(needs)[:slots])
+    if budget is not None:  # the padding bound uses the largest admissible sum, not the smallest
+        big = sorted(needs, reverse=True)
+        total = max(total, min(budget, sum(big[:slots])))
+    return SlotPlan(slots=slots, width=max(needs) - 1, admissible_tokens=total)
+
+
+class SlotKVStore:
+    """Per-layer keys and values `[S, H_kv, W, d]`, preallocated; rows are slots (see the module docstring).
+
+    Args:
+        num_layers, num_kv_heads, head_dim: the model's KV shape (`L`, `H_kv`, `d`).
+        slots, width: `S` and `W` (e.g. from `plan_slots`).
+        dtype, device: the cache's (the model's) dtype and device.
+        track_positions: keep each stored key's position (`[S, W]` int64), needed only for sliding-window
+            masks.
+
+    Raises:
+        ValueError: `slots` or `width` < 1.
+    """
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, slots: int, width: int,
+                 dtype: torch.dtype, device, track_positions: bool = False):
+        if slots < 1 or width < 1:
+            raise ValueError(f"slots and width must be >= 1, got slots={slots}, width={width}")
+        shape = (slots, num_kv_heads, width, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.slots, self.width, self.device = slots, width, torch.device(device)
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=device)  # tokens stored per slot
+        self.positions = torch.zeros(slots, width, dtype=torch.long, device=device) if track_positions else None
+        self._used = [False] * slots
+        self._rows = 0  # rows the current step runs (one past the highest occupied slot)
+        self._cols = 0  # columns the current step attends over
+
+    # ----------------------------------------------------------------- slots
+    @property
+    def bytes(self) -> int:
+        """Bytes the keys and values tensors hold."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    @property
+    def free_slots(self) -> int:
+        return self._used.count(False)
+
+    @property
+    def rows(self) -> int:
+        """Batch rows a step runs: one past the highest occupied slot (0 when empty)."""
+        return max((i + 1 for i, u in enumerate(self._used) if u), default=0)
+
+    def admit(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None) -> int:
+        """Copy one request's cache into the lowest free slot; returns the slot.
+
+        Args:
+            keys, values: `[L, H_kv, n, d]`, the cache entries the request attends to (n >= 0).
+            positions: `[n]` int64, each entry's position (required when positions are tracked).
+
+        Raises:
+            RuntimeError: no free slot.
+            ValueError: `n >= W` (no column left for the tokens to generate), wrong shapes, or missing positions.
+        """
+        if not self.free_slots:
+            raise RuntimeError(f"all {self.slots} slots are in use; release one before admitting")
+        n = keys.shape[2]
+        want = (len(self.keys), *self.keys[0].shape[1:2], n, self.keys[0].shape[3])
+        if tuple(keys.shape) != want or tuple(values.shape) != want:
+            raise ValueError(f"keys and values must be [L, H_kv, n, d] = {list(want)}, got {list(keys.shape)} and "
+                             f"{list(values.shape)}")
+        if n >= self.width:
+            raise ValueError(f"a cache of {n} entries leaves no column to decode into in slots of width {self.width}")
+        if self.positions is not None and (positions is None or positions.shape != (n,)):
+            raise ValueError(f"this store tracks positions: pass positions of shape [{n}]")
+        slot = self._used.index(False)
+        for layer in range(len(self.keys)):
+            self.keys[layer][slot, :, :n] = keys[layer]
+            self.values[layer][slot, :, :n] = values[layer]
+        if self.positions is not None:
+            self.positions[slot, :n] = positions.to(self.device)
+        self.lengths[slot] = n
+        self._used[slot] = True
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Free `slot` (its request finished); nothing is copied.
+
+        Raises:
+            ValueError: the slot is not in use.
+        """
+        if not (0 <= slot < self.slots and self._used[slot]):
+            raise ValueError(f"slot {slot} is not in use")
+        self._used[slot] = False
+        self.lengths[slot] = 0
+
+    # ----------------------------------------------------------------- one decode step
+    def begin_step(self, query_positions: torch.Tensor | None = None) -> None:
+        """Fix the rows and columns of the next forward pass (call before it, then `end_step` after).
+
+        Each of the `rows` rows writes its new key/value at column `lengths[row]`; idle rows (free slots)
+        write at column 0 of their own slot. `query_positions` `[rows]` is the position each row feeds,
+        stored for sliding-window masks when positions are tracked.
+
+        Raises:
+            ValueError: a row is full (its request generated more tokens than its slot was planned for).
+        """
+        self._rows = rows = self.rows
+        lengths = self.lengths[:rows]
+        longest = int(lengths.max()) if rows else 0
+        if longest >= self.width:
+            raise ValueError(f"a slot is full ({longest} of {self.width} tokens): a request decodes more tokens "
+                             f"than the storage was planned for")
+        self._cols = longest + 1
+        self._row_index = torch.arange(rows, device=self.device)
+        if self.positions is not None and query_positions is not None:
+            self.positions[self._row_index, lengths] = query_positions.to(self.device)
+
+    def end_step(self) -> None:
+        """Count the token every occupied row just wrote (idle rows stay empty)."""
+        used = torch.tensor(self._used[:self._rows], device=self.device)
+        self.lengths[:self._rows] += used.long()
+
+    def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Write one step's `[rows, H_kv, 1, d]` keys and values in place; return the views attention reads,
+        `[rows, H_kv, cols, d]`."""
+        cols = self.lengths[:self._rows]
+        k, v = self.keys[layer], self.values[layer]
+        k[self._row_index, :, cols] = key_states[:, :, 0, :]
+        v[self._row_index, :, cols] = value_states[:, :, 0, :]
+        return k[:self._rows, :, :self._cols], v[:self._rows, :, :self._cols]
+
+    def attention_mask(self, *, window: int | None = None, query_positions: torch.Tensor | None = None,
+                       additive_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The mask of the next step, `[rows, 1, 1, cols]`: True where a row's query may attend.
+
+        Args:
+            window: a sliding window (in positions): keys whose position is `<= query position - window`
+                are hidden too (needs tracked positions and `query_positions` `[rows]`).
+            additive_dtype: return the additive float form instead (0 allowed, the dtype's minimum hidden),
+                what eager attention takes.
+
+        Raises:
+            ValueError: a window without tracked positions or query positions.
+        """
+        rows, cols = self._rows, self._cols
+        col = torch.arange(cols, device=self.device)
+        mask = col[None, :] <= self.lengths[:rows, None]  # stored entries plus the one written this step
+        if window is not None:
+            if self.positions is None or query_positions is None:
+                raise ValueError("a sliding-window mask needs tracked positions and the query positions")
+            mask &= self.positions[:rows, :cols] > (query_positions.to(self.device)[:, None] - window)
+        mask = mask[:, None, None, :]
+        if additive_dtype is not None:
+            return torch.zeros(mask.shape, dtype=additive_dtype, device=self.device).masked_fill_(
+                ~mask, torch.finfo(additive_dtype).min)
+        return mask
+
+    def cache(self):
+        """A transformers `Cache` over this store, to pass as the model's cache for one decode step."""
+        return _slot_cache(self)
+
+
+_CACHE_CLASSES: tuple | None = None
+
+
+def _cache_classes():
+    """`(SlotCache, SlotLayer)`, defined on first use (transformers is imported lazily)."""
+    global _CACHE_CLASSES
+    if _CACHE_CLASSES is None:
+        from transformers.cache_utils import Cache, CacheLayerMixin
+
+        class SlotLayer(CacheLayerMixin):
+            """One layer's view of a `SlotKVStore`: `update` writes in place and returns the attended views."""
+
+            is_sliding = False
+
+            def __init__(self, store: SlotKVStore, layer: int):
+                super().__init__()
+                self.store, self.layer = store, layer
+                self.is_initialized = True
+
+            def lazy_initialization(self, key_states, value_states):  # storage is allocated up front
+                return None
+
+            def update(self, key_states, value_states, *args, **kwargs):
+                if key_states.shape[2] != 1:
+                    raise ValueError(f"the slot store takes one token per row and step, got {key_states.shape[2]}")
+                return self.store.write(self.layer, key_states, value_states)
+
+            def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+                return self.store._cols, 0
+
+            def get_seq_length(self) -> int:
+                return self.store._cols - 1
+
+            def get_max_length(self) -> int:
+                return self.store.width
+
+        class SlotCache(Cache):
+            """A transformers `Cache` whose layers write into a `SlotKVStore`."""
+
+            def __init__(self, store: SlotKVStore):
+                super().__init__(layers=[SlotLayer(store, i) for i in range(len(store.keys))])
+
+        _CACHE_CLASSES = (SlotCache, SlotLayer)
+    return _CACHE_CLASSES
+
+
+def _slot_cache(store: SlotKVStore):
+    return _cache_classes()[0](store)
