@@ -16,7 +16,7 @@ import importlib
 import json
 import sys
 
-from .cli_args import OneLineParser, UsageError, positive_int, report_error
+from .cli_args import OneLineParser, UsageError, count, positive_int, report_error
 
 # Command-line options that reach a policy's parameters (when the policy has a parameter of that name).
 POLICY_OPTIONS = {"window": "--window", "n_sink": "--n-sink", "kernel_size": "--kernel-size", "pooling": "--pooling",
@@ -37,17 +37,6 @@ def _ratio(text: str) -> float:
         return check_drop_ratio(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _count(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
 
 
 def policy_params(args) -> dict:
@@ -123,11 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the baseline and the dropped configuration alternately this many times; the table "
                           "shows medians, the ratio is the median of the per-repeat ratios with its min-max, and a "
                           "note says when the repeats disagree (a busy machine); 1 for a quick look (default: 3)")
-    run.add_argument("--window", type=_count, default=None,
+    run.add_argument("--window", type=count, default=None,
                      help="the most recent prompt tokens, always kept (the observation window of snapkv and rkv, "
                           "whose queries vote) (default: the policy's own: 64 snapkv, 16 rkv and random, 1 tova, "
                           "half the keep count h2o, 0 streaming_llm, knorm, keydiff)")
-    run.add_argument("--n-sink", type=_count, default=None,
+    run.add_argument("--n-sink", type=count, default=None,
                      help="the first prompt tokens, always kept (attention sinks) (default: the policy's own: 4 "
                           "random and streaming_llm, 0 h2o, tova, knorm, keydiff)")
     run.add_argument("--kernel-size", type=positive_int, default=None, help="snapkv / rkv pooling kernel, odd "
@@ -172,9 +161,7 @@ def cmd_run(args) -> int:
     _check_local(args.model, weights=args.engine == "hf")  # a broken local folder fails before the dataset loads
     if args.dataset is None:
         from .data import DEMO_DATASET, MC_SAMPLE_NAME, SAMPLE_NAME
-        from .models import TINY_MODEL_NAME
-
-        from .models import parse_random_name
+        from .models import TINY_MODEL_NAME, parse_random_name
 
         # the bundled sample for the bundled model and for random (throughput-only) models: no download
         local = args.model == TINY_MODEL_NAME or parse_random_name(args.model) is not None

