@@ -18,19 +18,25 @@ def cache(tmp_path, monkeypatch):
     return tmp_path
 
 
+SLEEPER_CMD = f"{sys.executable} -c import time; time.sleep(120)  # tdutils-servertier-test"
+
+
 def _sleeper():
-    """A process in its own session, as the tier starts servers (the command line has a unique marker)."""
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)  # tdutils-servertier-test"],
+    """A process in its own session, as the tier starts servers (the command line has a unique marker); returned
+    once it runs that command (a process just forked still shows its parent's command line and little memory)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)  # tdutils-servertier-test"],
                             start_new_session=True)
+    deadline = time.monotonic() + 60  # a loaded 2-core machine can take a while to start Python
+    while servertier._cmdline(proc.pid).strip() != SLEEPER_CMD or servertier.group_rss_mb(proc.pid) <= 1:
+        assert proc.poll() is None and time.monotonic() < deadline, "the sleeper process did not start"
+        time.sleep(0.05)
+    return proc
 
 
 def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid
-
-
-SLEEPER_CMD = f"{sys.executable} -c import time; time.sleep(120)  # tdutils-servertier-test"
 
 
 def _record(pid, session, cmd=SLEEPER_CMD, shm=(), start_shift=0):
