@@ -403,8 +403,15 @@ def run(args) -> int:
     log = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     from .policies import get_policy
 
-    params = {} if getattr(args, "window", None) is None else {
-        p: {"window": args.window} for p in policies if p != FULL and "window" in get_policy(p).defaults()}
+    window = getattr(args, "window", None)
+    if window is not None and (window < 0 or window >= min(lengths)):
+        # the window is always kept: at or past the prompt length nothing would be dropped, and the table
+        # would show full-cache accuracy under a policy's name (as `run` refuses it)
+        raise ValueError(f"--window {window} must be >= 0 and shorter than the shortest context length "
+                         f"({min(lengths)} tokens): the window is always kept, so nothing would be dropped; give a "
+                         "smaller --window")
+    params = {} if window is None else {
+        p: {"window": window} for p in policies if p != FULL and "window" in get_policy(p).defaults()}
     table = passkey_eval(args.model, policies, ratios, lengths, n=args.n, seed=args.seed,
                          max_tokens=args.max_tokens, log=log, policy_params=params)
     seconds = time.perf_counter() - t0

@@ -67,17 +67,19 @@ def keep_top_scores(scores: torch.Tensor, k: int, protected: torch.Tensor | None
 
     Args:
         scores: [n] float scores (any dtype; ranked in fp32), higher = more worth keeping.
-        k: total keep count; raised to the number of protected tokens when smaller.
+        k: total keep count; raised to the number of protected tokens when smaller, and to 1 when `n >= 1`
+            (a cache must keep a token to decode from: at drop ratio 1 a policy with nothing protected keeps
+            its single best-scored token).
         protected: optional BoolTensor [n]; protected tokens are always kept and win every tie.
 
     Returns:
-        LongTensor [max(k, #protected)] of kept indices, sorted ascending. Ties among unprotected tokens
-        go to the earlier token (stable sort), so the result is deterministic.
+        LongTensor [min(n, max(k, #protected, 1))] of kept indices, sorted ascending. Ties among unprotected
+        tokens go to the earlier token (stable sort), so the result is deterministic.
     """
     n = scores.shape[0]
     if protected is None:
         protected = torch.zeros(n, dtype=torch.bool, device=scores.device)
-    k = min(n, max(int(k), int(protected.sum())))
+    k = min(n, max(int(k), int(protected.sum()), 1))
     s = scores.detach().float().clone()
     s[protected] = float("inf")
     # Stable descending sort: among equal scores the lower index comes first.

@@ -83,3 +83,27 @@ def test_middle_chunk_keep_rejects_bad_args():
         middle_chunk_keep(100, 2.0)
     with pytest.raises(ValueError, match="chunk_size"):
         middle_chunk_keep(100, 0.5, chunk_size=0)
+
+
+def test_drop_ratio_one_keeps_the_best_token_when_nothing_is_protected(tiny):
+    """At r = 1 the keep count is 0; a cache must keep a token to decode from, so a policy with nothing
+    protected (knorm, keydiff, h2o's defaults) keeps its single best-scored token instead of failing."""
+    scores = torch.tensor([0.1, 0.7, 0.3, 0.7])
+    assert keep_top_scores(scores, 0).tolist() == [1]  # the tie between 1 and 3 goes to the earlier token
+    assert keep_top_scores(torch.zeros(0), 0).tolist() == []
+    from tdutils import make_drop_fn
+    from tdutils.kvcache import CacheKind
+
+    model, _ = tiny  # 2 layers, 2 KV heads and 4 query heads of head_dim 32
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 2, 12, 64, generator=gen)  # [2, L, T, D]
+    kv[0, :, 5] *= 0.01  # the smallest key norm in every layer: what KNorm keeps
+    tensors = {CacheKind.KV: kv, CacheKind.QUERY: torch.randn(2, 12, 128, generator=gen)}  # [L, T, Hq*d]
+    for policy in ("knorm", "keydiff", "h2o"):
+        fn = make_drop_fn(policy, drop_ratio=1.0, model_config=model.config, rerotate=False)
+        keep = fn.keep_indices(tensors, list(range(12)))
+        assert keep.numel() == 1, (policy, keep)
+        new_kv, new_tokens = fn(tensors, list(range(12)))
+        assert new_kv.shape == (2, 2, 1, 64) and new_tokens == keep.tolist(), policy
+    assert make_drop_fn("knorm", drop_ratio=1.0, model_config=model.config,
+                        rerotate=False).keep_indices(tensors, list(range(12))).tolist() == [5]
