@@ -40,6 +40,7 @@ import copy
 import json
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -278,7 +279,8 @@ def write_json(table, path: str | Path, *, meta: Mapping | None = None) -> Path:
 
 
 def check_output_path(path: str | Path, option: str = "path", example: str = "runs/eval.json") -> Path:
-    """`path` as a Path after checking a file can be written there; creates nothing.
+    """`path` as a Path after checking a file can be written there; leaves nothing behind (a nameless
+    temporary file tells whether the folder takes files at all).
 
     A missing parent folder is fine when its nearest existing ancestor is a writable folder other than the
     filesystem root (the writer creates the missing folders there); nothing is ever created at the root.
@@ -307,6 +309,12 @@ def check_output_path(path: str | Path, option: str = "path", example: str = "ru
     if ancestor != parent and ancestor.parent == ancestor:
         raise ValueError(f"{where}: the folder {str(parent)!r} does not exist, and missing folders are not created "
                          f"at the filesystem root; create it first or give a path such as {example}")
+    try:  # permission bits do not tell everything (root, read-only or virtual filesystems such as /proc): try it
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{where} is not a writable file path: no file can be created in {str(ancestor)!r} "
+                         f"({exc.strerror or exc}); give a path such as {example}") from None
     return p
 
 

@@ -50,6 +50,8 @@ def test_main_job_prints_ratio_and_writes_json(tmp_path):
     (["run", "--device", "gpu"], ("device 'gpu' is not a torch device name (such as 'cpu', 'cuda', 'cuda:0', 'mps'); "
                                  "use \"cpu\" or omit the device (default: cuda when available, else cpu)")),
     (["eval", "--n", "0"], "--n must be >= 1, got 0"),
+    (["run", "--json", "/proc/tdutils-run.json"], ("--json '/proc/tdutils-run.json' is not a writable file path: no "
+                                                   "file can be created in '/proc'")),
     (["eval", "--context-lengths", "128", "--window", "200", "--n", "2"],
      "--window 200 must be >= 0 and shorter than the shortest context length (128 tokens)"),
     (["eval", "--plot", "acc.xyz"], ("--plot 'acc.xyz' has extension '.xyz', which matplotlib cannot save; use one of "
