@@ -173,6 +173,13 @@ def cmd_run(args) -> int:
                 print(f"note: {DEMO_DATASET} is unreachable; using the bundled {MC_SAMPLE_NAME!r}", flush=True)
                 args.dataset = MC_SAMPLE_NAME
     rows = load_prompts(args.dataset, num_requests=args.num_requests)
+    if all(r.answer is not None for r in rows):  # gold answers that cannot be scored fail now, not after the run
+        from .answers import score_rows
+
+        try:
+            score_rows(rows, [""] * len(rows))
+        except ValueError as exc:
+            raise UsageError(f"dataset {args.dataset!r}: {exc}") from None
     if args.no_progress:
         from transformers.utils import logging as hf_logging
 

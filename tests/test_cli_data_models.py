@@ -279,3 +279,16 @@ def test_eval_output_paths_are_checked_before_any_work(tmp_path):
     assert p.stderr.strip() == (f"tdutils: error: --json '{at_root}': the folder '{at_root.parent}' does not exist, "
                                 f"and missing folders are not created at the filesystem root; create it first or "
                                 f"give a path such as runs/eval.json")
+
+
+def test_gold_answers_that_cannot_be_scored_fail_before_the_run(tmp_path):
+    """Mixed gold answers (a passkey and a letter) are refused before any prefill, with nothing written."""
+    data = tmp_path / "mixed.csv"
+    data.write_text("prompt,answer\nalpha beta,1 2\ngamma delta,B\n", encoding="utf-8")
+    out = tmp_path / "run.json"
+    p = _cli("run", "--dataset", str(data), "--num-requests", "2", "--policy", "knorm", "--repeats", "1",
+             "--json", str(out), "--no-progress")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.strip() == (f"tdutils: error: dataset {str(data)!r}: cannot tell how to score gold answers like "
+                                "['1 2', 'B']: expected digit passkeys or letters A-D"), p.stdout + p.stderr
+    assert "prefill" not in p.stdout and not out.exists(), p.stdout
