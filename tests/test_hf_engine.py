@@ -272,3 +272,15 @@ def test_text_the_tokenizer_cannot_read_warns(tiny):
     with pytest.warns(UserWarning, match=r"\d+% of the prompt tokens are unknown to this tokenizer .* the model cannot "
                                          r"read this text"):
         eng.tokenize(["Quantum chromodynamics describes gluons and quarks."])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, True, "0.5"])
+def test_a_temperature_that_is_not_a_finite_number_is_refused(tiny, sample_ids, bad):
+    """NaN was accepted and silently decoded greedily; every non-finite or non-number temperature is refused."""
+    from tdutils.engines.hf import HFEngine
+
+    model, tok = tiny
+    eng = HFEngine(model, tokenizer=tok, progress=False)
+    eng.prefill([sample_ids[1]])
+    with pytest.raises(ValueError, match=r"temperature must be a finite number >= 0 \(0 = greedy\), got "):
+        eng.decode(2, temperature=bad)

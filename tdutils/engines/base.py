@@ -74,6 +74,20 @@ class RunResult:
         return [o.text for o in self.outputs]
 
 
+def check_temperature(temperature) -> float:
+    """The sampling temperature as a float: a finite number >= 0 (0 = greedy).
+
+    Raises:
+        ValueError: a bool, a non-number, NaN, infinity or a negative value.
+    """
+    import math
+
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    return float(temperature)
+
+
 def check_engine_settings(kv_budget_tokens, max_batch_size, query_window) -> None:
     """Settings every engine shares. Raises ValueError for a non-positive budget or batch cap, or a negative
     query window (None means unlimited / all tokens)."""

@@ -48,7 +48,7 @@ from ..attention import AttentionSpec, register_live_model
 from ..edit import CacheKind, DropFunctionError, check_kv, validate_drop_output
 from ..metrics import DecodeMetrics, ModifyMetrics, RunMetrics
 from ..models import load_model, model_facts
-from .base import ModifyReport, RequestOutput, check_engine_settings, tokenize_prompts
+from .base import ModifyReport, RequestOutput, check_engine_settings, check_temperature, tokenize_prompts
 from .capture import QueryRecorder, capture_implementation, recording
 from .kvstore import SlotKVStore, plan_slots
 
@@ -448,8 +448,7 @@ class HFEngine:
             if isinstance(m, bool) or int(m) != m or m < 1:
                 raise ValueError(f"max_tokens must be a positive integer, got {m!r}")
         limit = {r.request_id: int(m) for r, m in zip(self.requests, per_request)}
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        temperature = check_temperature(temperature)
         budget = self.kv_budget_tokens
         need = {r.request_id: r.kv.shape[2] + limit[r.request_id] for r in self.requests}
         if budget is not None:

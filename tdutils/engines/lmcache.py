@@ -60,7 +60,7 @@ from ..edit import CacheKind, DropFunctionError, check_kv, validate_drop_output
 from ..metrics import DecodeMetrics, ModifyMetrics, RunMetrics
 from ..models import bundled_model_path, model_facts
 from ..textio import read_text
-from .base import ModifyReport, RequestOutput, check_engine_settings, tokenize_prompts
+from .base import ModifyReport, RequestOutput, check_engine_settings, check_temperature, tokenize_prompts
 
 LMCACHE_START_HINT = (
     "start it with `lmcache server --l1-size-gb 40 --eviction-policy LRU --chunk-size 256 --port 6555 "
@@ -814,8 +814,7 @@ class LMCacheEngine:
         self._require_requests("decode()")
         if int(max_tokens) != max_tokens or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        temperature = check_temperature(temperature)
         if keep_logits:
             raise ValueError("keep_logits is not available on the lmcache engine (vLLM streams token ids only)")
         needs = [len(r.tokens) + int(max_tokens) for r in self.requests]
