@@ -13,7 +13,10 @@ import torch
 
 
 def check_drop_ratio(drop_ratio: float) -> float:
-    """Return `drop_ratio` as a float; ValueError unless it is a finite number in [0, 1]."""
+    """Return `drop_ratio` as a float; ValueError unless it is a finite number in [0, 1] (a bool or a string
+    is not a number here, though Python's `float` would take both)."""
+    if isinstance(drop_ratio, (bool, str, bytes)):
+        raise ValueError(f"drop_ratio must be a number in [0, 1], got {drop_ratio!r}")  # noqa: TRY004 (documented ValueError)
     try:
         r = float(drop_ratio)
     except (TypeError, ValueError):

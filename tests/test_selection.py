@@ -107,3 +107,10 @@ def test_drop_ratio_one_keeps_the_best_token_when_nothing_is_protected(tiny):
         assert new_kv.shape == (2, 2, 1, 64) and new_tokens == keep.tolist(), policy
     assert make_drop_fn("knorm", drop_ratio=1.0, model_config=model.config,
                         rerotate=False).keep_indices(tensors, list(range(12))).tolist() == [5]
+
+
+@pytest.mark.parametrize("bad", ["0.5", True, b"0.5", None])
+def test_drop_ratio_must_be_a_number_not_a_string_or_bool(bad):
+    """`float("0.5")` and `float(True)` would pass: both were accepted (True as a drop ratio of 1.0)."""
+    with pytest.raises(ValueError, match=r"drop_ratio must be a number in \[0, 1\], got "):
+        keep_count(10, bad)
