@@ -34,7 +34,11 @@ def _ratio(text: str) -> float:
     from .selection import check_drop_ratio
 
     try:
-        return check_drop_ratio(text)
+        value = float(text)  # the command line's text; check_drop_ratio takes numbers only
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"drop_ratio must be a number in [0, 1], got {text!r}") from None
+    try:
+        return check_drop_ratio(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
