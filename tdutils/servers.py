@@ -296,7 +296,7 @@ def shm_files(shm_dir: Path = SHM_DIR) -> set[Path]:
     return {p for pat in SHM_PATTERNS for p in shm_dir.glob(pat)} if shm_dir.is_dir() else set()
 
 
-def _proc_fields(pid: int | str) -> list[str] | None:
+def proc_stat_fields(pid: int | str) -> list[str] | None:
     """Fields of /proc/PID/stat after "pid (comm)": state ppid pgrp session ...; None when it is gone."""
     try:
         return Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace").rsplit(")", 1)[1].split()
@@ -309,7 +309,7 @@ def _session_pids(leader: int) -> list[int]:
     server and every process it forked, also after the leader itself is gone."""
     pids = []
     for entry in Path("/proc").glob("[0-9]*"):
-        f = _proc_fields(entry.name)
+        f = proc_stat_fields(entry.name)
         if f and f[0] != "Z" and leader in (int(f[2]), int(f[3])):
             pids.append(int(entry.name))
     return pids

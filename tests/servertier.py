@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tdutils.servers import group_alive
+from tdutils.servers import group_alive, proc_stat_fields
 
 VLLM_VERSION = "0.32.0"
 LMCACHE_VERSION = "0.5.6"
@@ -117,14 +117,10 @@ def dir_size(path: Path) -> int:
 def group_rss_mb(pgid: int) -> float:
     """Resident memory (MiB) of every live process in process group `pgid` (from /proc)."""
     total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            # after "pid (comm)": state ppid pgrp ... rss; rss (pages) is the 22nd field from there
-            if int(fields[2]) == pgid:
-                total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, IndexError, ValueError):
-            continue  # the process ended while we read
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = proc_stat_fields(entry.name)  # state ppid pgrp ...; rss (pages) is the 22nd field from there
+        if fields and int(fields[2]) == pgid:
+            total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
     return total / 2**20
 
 
@@ -144,10 +140,8 @@ def _cmdline(pid: int) -> str:
 def start_time(pid: int) -> int | None:
     """When process `pid` started (clock ticks since boot, /proc/PID/stat field 22); None when it is gone.
     Together with the pid it names one process: a reused pid has another start time."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace").rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    fields = proc_stat_fields(pid)
+    return int(fields[19]) if fields else None
 
 
 def reap_stale(log=print) -> list[int]:
