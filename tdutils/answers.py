@@ -395,6 +395,44 @@ def score_passkey(gold: Sequence[str], responses: Sequence[str | None], *, diffi
     return _report("passkey", predictions, ok, difficulty, length, (), ())
 
 
+def parse_task_items(task: str, response: str | None) -> list[str] | None:
+    """Items a response lists for a RULER-style task (`tdutils.data.RULER_TASKS`), in the order written.
+
+    The answer grammar (`tdutils.data`, "RULER-style synthetic tasks") ends at the first `.`: items are separated
+    by `,` (variable tracking: by spaces), each normalised to single spaces. An item of a value task counts
+    only in the shape the gold uses (`d d d d d`, or `key = d d d d d` for `niah_multiquery`); others are kept as
+    written, so they never match. Returns None when the response has no item at all (unparsed).
+    """
+    text = (response or "").split(".", 1)[0]
+    parts = text.split() if task == "variable_tracking" else text.split(",")
+    items = [" ".join(p.split()) for p in parts]
+    items = [i for i in items if i]
+    return items or None
+
+
+def score_task(task: str, values: Sequence[str], response: str | None) -> tuple[bool, float]:
+    """`(exact, partial)` of one response to a RULER-style task (Hsieh et al., arXiv:2404.06654).
+
+    `exact`: the response lists exactly the gold items, each once, in any order (RULER's tasks ask for all
+    values; order is not scored). `partial`: the fraction of gold items the response lists (RULER's
+    `string_match_all` credit), in [0, 1]. `values` are the example's `values` from `make_task_example`.
+
+    Raises:
+        ValueError: no gold items.
+    """
+    gold = [" ".join(str(v).split()) for v in values]
+    if not gold:
+        raise ValueError(f"{task}: an example needs at least one gold value")
+    items = parse_task_items(task, response) or []
+    remaining = list(items)
+    found = 0
+    for g in gold:
+        if g in remaining:
+            remaining.remove(g)
+            found += 1
+    return (found == len(gold) and not remaining), found / len(gold)
+
+
 def score_rows(rows, responses: Sequence[str | None], *, mode: str = "official") -> ScoreReport:
     """Score responses against dataset rows, choosing the scoring their gold answers call for.
 

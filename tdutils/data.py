@@ -329,3 +329,148 @@ def load_mc_sample() -> list[dict]:
     `decoy`, `decoy_depth`, `context_words`, `context_chars`, `source`. See the script for provenance.
     """
     return load_demo_dataset(MC_SAMPLE_NAME)
+
+
+# --- RULER-style synthetic tasks (issue 17) ----------------------------------------------------------------
+#
+# RULER (Hsieh et al., "RULER: What's the Real Context Size of Your Long-Context Language Models?",
+# arXiv:2404.06654) hides several needles in a haystack and asks for one, several or all of their values, or
+# follows a chain of variable assignments. These are word-level versions that fit the bundled tokenizer:
+# every needle is `pass key W = V .` with a key word W taken from `TASK_KEY_WORDS` and a value V of
+# `PASSKEY_DIGITS` digits (variable tracking binds a key to another key instead). Each example is a
+# *context* (filler with the needles at uniformly random depths) and a *question* appended after it:
+#
+# | task               | needles                                  | question                 | answer                      |
+# |--------------------|------------------------------------------|--------------------------|-----------------------------|
+# | `niah_single`      | 1: `pass key W = V .`                    | `pass key W =`           | `V .`                       |
+# | `niah_multikey`    | 4, distinct keys (3 distractors)         | `pass key W =` (one key) | `V .`                       |
+# | `niah_multivalue`  | 4, one key, 4 values                     | `pass key W =`           | `V1 , V2 , V3 , V4 .` (document order) |
+# | `niah_multiquery`  | 4, distinct keys                         | `pass key W1 W2 W3 W4 ?` (all keys, shuffled) | `W1 = V1 , W2 = V2 , ... .` |
+# | `variable_tracking`| chain `pass key X1 = V .`, `pass key X2 = X1 .`, ... (4 hops) | `pass key ? = V :` | `X1 X2 X3 X4 X5 .` |
+#
+# The answer is what greedy decoding must produce; `tdutils.answers.score_ruler` scores it (exact match of all
+# gold values, and partial credit). `mode="aware"` prompts are `context + " " + question` (the question is in
+# the observation window when the cache is edited); `mode="agnostic"` (kvpress' query-agnostic setting) edits
+# the cache of `context` alone and prefills `question` on top of the edited cache (`HFEngine.extend`).
+
+RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking")
+TASK_MODES = ("aware", "agnostic")
+TASK_NEEDLES = 4  # needles of the multi-needle tasks (RULER's defaults: 4 keys / 4 values / 4 queries)
+TASK_HOPS = 4  # variable tracking: assignments after the first (RULER's default num_hops=4)
+# Key words and variable names: content words of the filler. They also occur in the filler, as RULER's keys
+# may; only `key W =` marks a needle, and the filler never holds `pass`, `key`, `=`, `?` or `:`.
+TASK_KEY_WORDS = (
+    "town", "river", "baker", "shop", "sun", "hills", "stone", "road", "bread", "weather", "boats", "sea",
+    "spring", "fields", "farmers", "corn", "beans", "children", "grass", "water", "school", "church",
+    "teacher", "market", "square", "carts", "apples", "fish", "cheese", "wood", "smoke", "miller", "wheel",
+    "house", "summer", "families", "baskets", "trees", "lunch", "pond", "evening", "lamps", "workers",
+    "streets", "autumn", "wind", "rain", "leaves", "branches", "roofs", "blacksmith", "tools", "farm",
+    "weaver", "cloth", "shepherd", "sheep", "winter", "fire", "stories", "songs", "travelers", "inn",
+    "meal", "city", "birds", "bridge", "snow", "ice", "woman", "books", "paper", "visitors", "room",
+    "doctor", "bag", "cards", "gardens", "animals", "friends",
+)
+
+
+def _words(text: str) -> list[str]:
+    """Words and punctuation of `text`, as the bundled word-level tokenizer splits them."""
+    return re.findall(r"\w+|[^\w\s]", text)
+
+
+def _value(rng: random.Random) -> str:
+    return " ".join(str(rng.randrange(10)) for _ in range(PASSKEY_DIGITS))
+
+
+def _haystack(n_words: int, rng: random.Random) -> list[str]:
+    """`n_words` consecutive words of the filler, starting at a random sentence."""
+    sentences = filler_sentences()
+    i = rng.randrange(len(sentences))
+    words: list[str] = []
+    while len(words) < n_words:
+        words.extend(_words(sentences[i % len(sentences)]))
+        i += 1
+    return words[:n_words]
+
+
+def _task_parts(task: str, rng: random.Random) -> tuple[list[str], str, str, list[str]]:
+    """`(needles in document order, question, answer text, gold values)` of one example of `task`."""
+    if task in ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery"):
+        n = 1 if task == "niah_single" else TASK_NEEDLES
+        keys = rng.sample(TASK_KEY_WORDS, 1 if task == "niah_multivalue" else n) * (n if task == "niah_multivalue" else 1)
+        values = [_value(rng) for _ in range(n)]
+        needles = [f"pass key {k} = {v} ." for k, v in zip(keys, values)]
+        if task == "niah_multivalue":
+            return needles, f"pass key {keys[0]} =", " , ".join(values) + " .", values
+        if task == "niah_multiquery":
+            order = rng.sample(range(n), n)
+            question = "pass key " + " ".join(keys[i] for i in order) + " ?"
+            gold = [f"{keys[i]} = {values[i]}" for i in order]
+            return needles, question, " , ".join(gold) + " .", gold
+        asked = rng.randrange(n)
+        return needles, f"pass key {keys[asked]} =", values[asked] + " .", [values[asked]]
+    if task == "variable_tracking":
+        names = rng.sample(TASK_KEY_WORDS, TASK_HOPS + 1)
+        value = _value(rng)
+        needles = [f"pass key {names[0]} = {value} ."] + [f"pass key {b} = {a} ." for a, b in zip(names, names[1:])]
+        return needles, f"pass key ? = {value} :", " ".join(names) + " .", names
+    raise ValueError(f"unknown task {task!r}; choose one of {', '.join(RULER_TASKS)}")
+
+
+def make_task_example(task: str, context_tokens: int, *, tokenizer, rng: random.Random) -> dict:
+    """One RULER-style example (see the table above) of exactly `context_tokens` prompt tokens.
+
+    Needles sit at uniformly random word positions of the filler, in the order the task lists them (a
+    variable-tracking chain reads forwards, as in RULER). The prompt (`context + " " + question`) has exactly
+    `context_tokens` tokens with the bundled word-level tokenizer (never more with another one).
+
+    Args:
+        task: one of `RULER_TASKS`.
+        context_tokens: prompt length in tokens, context and question together.
+        tokenizer: a Hugging Face tokenizer (counts tokens; the bundled one splits words, punctuation and
+            single digits).
+        rng: the random stream (the example is a function of its state).
+
+    Returns:
+        dict with `task`, `prompt`, `context`, `question`, `answer` (the text greedy decoding should produce),
+        `values` (gold items: values, `key = value` pairs or variable names, as `score_ruler` reads them),
+        `depths` (needle starts as fractions of the filler) and `context_tokens` (the prompt's token count).
+
+    Raises:
+        ValueError: an unknown task, or `context_tokens` too short to hold the needles and the question.
+    """
+    needles, question, answer, values = _task_parts(task, rng)
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    budget = context_tokens - count(" ".join(needles + [question]))
+    if budget < len(needles):
+        raise ValueError(f"context_tokens={context_tokens} is too short for a {task} prompt "
+                         f"(needs more than {context_tokens - budget + len(needles)} tokens)")
+    words = _haystack(budget, rng)
+    cuts = sorted(rng.randrange(budget + 1) for _ in needles)
+    pieces: list[str] = []
+    prev = 0
+    for cut, needle in zip(cuts, needles):
+        pieces += words[prev:cut] + [needle]
+        prev = cut
+    context = " ".join(pieces + words[prev:])
+    prompt = context + " " + question
+    return {"task": task, "prompt": prompt, "context": context, "question": question, "answer": answer,
+            "values": values, "depths": [c / max(1, budget) for c in cuts], "context_tokens": count(prompt)}
+
+
+def make_task_dataset(task: str, n: int, context_tokens: int, *, tokenizer, seed: int) -> list[dict]:
+    """`n` examples of `task` (`make_task_example`) of `context_tokens` tokens each, reproducible from `seed`.
+
+    Each (task, seed) pair is its own stream: `random.Random(f"{task}:{seed}")`. Use seeds disjoint from those
+    a model was trained on when evaluating it (`tdutils.evaluate`, "Seeds").
+
+    Raises:
+        ValueError: an unknown task, `n < 1`, or a context too short for the task.
+    """
+    if task not in RULER_TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(RULER_TASKS)}")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    rng = random.Random(f"{task}:{seed}")
+    return [make_task_example(task, context_tokens, tokenizer=tokenizer, rng=rng) for _ in range(n)]
