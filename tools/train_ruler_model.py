@@ -50,8 +50,10 @@ from pathlib import Path
 import torch
 
 TRAIN_SEED_BASE = 10_000_000
-BATCH = {256: 16, 512: 8, 1024: 4, 2048: 2, 4096: 1}
-PHASES = ((0.20, (256, 512)), (0.45, (256, 512, 1024, 2048)), (1.01, (512, 1024, 2048, 4096, 4096)))
+BATCH = {128: 32, 256: 16, 512: 8, 1024: 4, 2048: 2, 4096: 1}
+# (end of phase as a fraction of the time budget, lengths drawn, dropped-cache augmentation on)
+PHASES = ((0.30, (128, 256), False), (0.50, (256, 512, 1024), False),
+          (1.01, (512, 1024, 2048, 4096, 4096), True))
 AUG_MIN_LENGTH = 512
 AUG_DROP_RATIOS = (0.25, 0.5, 0.75, 0.9)
 REPORT_LENGTHS = (1024, 2048, 4096)
@@ -182,6 +184,28 @@ def exact_match(model, tokenizer, task: str, length: int, *, n: int, seed: int, 
     return correct / n
 
 
+def grow_from_passkey_model(model, folder: Path) -> None:
+    """Initialise `model` (4 layers) from the 2-layer passkey model so that it computes the same function.
+
+    Embeddings, final norm and layers 0-1 are copied; the added layers keep their random attention and MLP
+    weights but start with zero output projections (`o_proj`, `down_proj`), so they add nothing to the
+    residual stream until training grows them (depth up-scaling with identity-initialised blocks). The
+    passkey model has already formed the copy (induction) circuits every task here needs; measured from a
+    random initialisation, 800 steps over 20 minutes left every task at 0% exact match.
+    """
+    from safetensors.torch import load_file
+
+    state = load_file(folder / "model.safetensors")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected:
+        raise SystemExit(f"passkey weights do not fit the grown model: unexpected {unexpected}")
+    model.tie_weights()
+    with torch.no_grad():
+        for layer in model.model.layers[2:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+
+
 def save(model, tokenizer_dir: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "tmp-save"
@@ -206,6 +230,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tasks", default=None, help="comma-separated subset of RULER_TASKS (default: all)")
     ap.add_argument("--init-from", type=Path, default=None, help="model folder to continue from")
+    ap.add_argument("--scratch", action="store_true",
+                    help="random initial weights instead of growing the passkey model tiny-qwen3")
     ap.add_argument("--eval-n", type=int, default=100)
     ap.add_argument("--out", type=Path, default=None, help="default: tdutils/assets/tiny-qwen3-ruler")
     args = ap.parse_args(argv)
@@ -231,6 +257,8 @@ def main(argv=None) -> int:
             setattr(config, key, value)
         config.layer_types = ["full_attention"] * ARCH["num_hidden_layers"]
         model = Qwen3ForCausalLM(config)
+        if not args.scratch:
+            grow_from_passkey_model(model, TINY_MODEL_DIR)
     model.config._attn_implementation = "sdpa"
     model.train()
     import inspect
@@ -254,11 +282,16 @@ def main(argv=None) -> int:
     next_save = 60 * args.save_every
     step = 0
     stats: dict[tuple[str, int, str], list[float]] = {}
+    full_acc: dict[str, list[float]] = {}
     while (elapsed := time.perf_counter() - t0) < budget:
         frac = elapsed / budget
-        lengths = next(ls for end, ls in PHASES if frac < end)
+        lengths, aug = next((ls, a) for end, ls, a in PHASES if frac < end)
         length = rng.choice(lengths)
-        task = rng.choice(tasks)
+        # Tasks the model has not learned yet are drawn more often (weight 0.1 + error rate of the last 20
+        # full-cache batches): measured with uniform draws, single-needle retrieval reached 100% in 10 min
+        # while the multi-needle tasks stayed near chance.
+        err = {t: 1 - sum(full_acc.get(t, [0.0])[-20:]) / len(full_acc.get(t, [0.0])[-20:]) for t in tasks}
+        task = rng.choices(tasks, weights=[0.1 + err[t] for t in tasks])[0]
         lr = args.lr * min(1.0, (step + 1) / args.warmup_steps)
         lr *= args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
         for g in opt.param_groups:
@@ -266,7 +299,7 @@ def main(argv=None) -> int:
         prompt, answer, ctx = make_batch(task, length, BATCH[length], tokenizer=tokenizer, rng=rng)
         n_out = answer.shape[1]
         kind = "full"
-        if length >= AUG_MIN_LENGTH and rng.random() < args.drop_aug:
+        if aug and length >= AUG_MIN_LENGTH and rng.random() < args.drop_aug:
             kind = rng.choice(("aware", "agnostic"))
             mask = needle_mask(prompt, ctx, pass_id, dot_id)
             first = mask.float().argmax(1)  # [B] first needle token
@@ -289,8 +322,10 @@ def main(argv=None) -> int:
         step += 1
         acc = float((logits.argmax(-1) == answer).all(-1).float().mean())
         stats.setdefault((task, length, kind), []).append(acc)
+        if kind == "full":
+            full_acc.setdefault(task, []).append(acc)
         if step % 100 == 0:
-            summary = " ".join(f"{t[:6]}/{n}/{k[:3]}={sum(v[-20:]) / len(v[-20:]):.2f}"
+            summary = " ".join(f"{t.replace('niah_', '').replace('variable_tracking', 'vt')}/{n}/{k[:3]}={sum(v[-20:]) / len(v[-20:]):.2f}"
                                for (t, n, k), v in sorted(stats.items()) if n == length or k == "full" and n >= 1024)
             print(f"step {step} {elapsed / 60:5.1f} min lr {lr:.1e} loss {float(loss):.3f} | {summary}", flush=True)
         if elapsed > next_save:
