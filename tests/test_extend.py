@@ -219,3 +219,33 @@ def test_extend_takes_text_without_special_tokens(tiny):
     eng.extend([" pass key =", [5, 6]])
     assert eng.tokens(0) == tok("the town pass key =", add_special_tokens=False)["input_ids"]
     assert eng.tokens(1)[-2:] == [5, 6]
+
+
+def test_lmcache_engine_extend_decodes_like_the_hf_engine(tiny, sample_ids):
+    """With chunk size 1 the serving stand-in loads every cached row and prefills the rest, as the hf engine's
+    extend does: greedy outputs of prefill(context) -> modify -> extend(question) -> decode agree."""
+    from test_lmcache_engine import engine as lmcache_engine
+
+    model, tok = tiny
+    ctx = [x[:n] for x, n in zip(sample_ids, (120, 75, 150))]
+    ext = [x[-m:] for x, m in zip(sample_ids, (6, 1, 9))]
+    hf = _engine(model, tok)
+    fns = [None, make_drop_fn("random", drop_ratio=0.5, model_config=model.config, seed=3),
+           make_drop_fn("snapkv", drop_ratio=0.5, model_config=model.config, window=16)]
+    with lmcache_engine(tiny, 1) as eng:
+        for fn in fns:
+            outs = []
+            for e in (hf, eng):
+                if fn is not None:
+                    e.capture_for(fn)
+                e.prefill(ctx)
+                if fn is not None:
+                    e.modify(fn)
+                cached = [len(e.tokens(i)) for i in range(len(ctx))]
+                e.extend(ext)
+                if e is eng:  # LMCache still holds the cached tokens only; the extension is prefilled at decode
+                    assert [len(e.tokens(i)) for i in range(len(ctx))] == cached
+                outs.append([o.output_ids for o in e.decode(5)])
+            assert outs[0] == outs[1], getattr(fn, "name", "full cache")
+        with pytest.raises(ValueError, match="2 extensions for 3 requests"):
+            eng.extend(ext[:2])
