@@ -14,7 +14,8 @@ from tdutils import CacheKind, DropFunctionError, make_drop_fn
 from tdutils.engines.hf import HFEngine
 
 from families import family_model
-from test_families import _one_thread  # noqa: F401  (tiny models run fastest on one thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread (tiny models, shared cores)
 
 FAMILIES = ("llama", "mistral_sliding", "gemma2")  # plain, sliding window, hybrid + soft-capping
 LENS = (40, 25, 33)  # context lengths (longer than the families' 16-token sliding window)
