@@ -1,15 +1,23 @@
-"""Passkey accuracy benchmark of issue 8: policies x drop ratios x context lengths on the bundled model.
+"""Accuracy benchmarks: passkey (issue 8) and RULER-style tasks in query-aware / query-agnostic mode (issue 17).
 
-    python bench/accuracy.py                                   # n=200 per cell, 512/1024/2048 tokens
+    python bench/accuracy.py                                   # passkey: n=200 per cell, 512/1024/2048 tokens
     python bench/accuracy.py --n 50 --context-lengths 512      # quicker
     python bench/accuracy.py --policies full random snapkv rkv # R-KV too
     python bench/accuracy.py --policies full all --drop-ratios 0.5 --context-lengths 1024   # every policy
     python bench/accuracy.py --policies knorm keydiff --window 64   # protect the last 64 tokens (the question)
     python bench/accuracy.py --summary docs/results/accuracy.json   # the README table of a stored run
+    python bench/accuracy.py --tasks all --mode both --json runs/ruler.json --plot runs/ruler.png
+                                                               # RULER leaderboard: 5 tasks x 2 modes, n=200,
+                                                               # 1024/2048/4096 tokens, drop 0.25/0.5/0.75/0.9
+    python bench/accuracy.py --tasks niah_multikey --mode agnostic --n 50 --context-lengths 1024   # quicker
+    python bench/accuracy.py --summary runs/ruler.json        # its per-task README table (markdown)
 
 A thin script over `tdutils.evaluate` (the same code as `python -m tdutils eval`): prints the table
-(exact match of the five passkey digits, 95% Wilson interval, modify seconds), writes it as JSON and the
-accuracy-vs-drop-ratio plot as PNG (defaults `runs/accuracy.json`, `runs/accuracy.png`). Its dataset seed
+(exact match, 95% Wilson interval, modify seconds; RULER tasks also partial credit and the per-task markdown
+table), writes it as JSON and a plot as PNG (defaults `runs/accuracy.json`, `runs/accuracy.png`): passkey
+accuracy vs drop ratio per length, or the RULER leaderboard (mean exact match over tasks vs drop ratio, one
+panel per mode). `--tasks passkey` (default) runs the passkey benchmark on `tiny-qwen3`; `--tasks all` or task
+names run `tdutils.evaluate.task_eval` on `tiny-qwen3-ruler` with `--mode aware|agnostic|both` (default both). Its dataset seed
 defaults to `tdutils.evaluate.HELDOUT_SEED` (5_000_000), which no training, selection or test step uses
 (`tdutils.evaluate`, "Seeds"); `python -m tdutils eval` defaults to the development seed 0 instead.
 
@@ -26,15 +34,20 @@ import sys
 
 import torch
 
-from tdutils.evaluate import FULL, HELDOUT_SEED, add_arguments, run
+from tdutils.evaluate import FULL, HELDOUT_SEED, add_arguments, run, task_markdown
 
 NAMES = {"random": "random", "snapkv": "SnapKV", "rkv": "R-KV", "middle_chunk": "middle-chunk"}
 
 
 def readme_summary(report: dict) -> str:
-    """The README's accuracy table (markdown), written from a stored `--json` report: one row per context length,
-    the full cache, then each policy's accuracy (%) at its drop ratios > 0."""
+    """The README's accuracy table (markdown), written from a stored `--json` report. Passkey: one row per context
+    length, the full cache, then each policy's accuracy (%) at its drop ratios > 0. RULER tasks (rows with a
+    `task`): `tdutils.evaluate.task_markdown`, one row per mode and policy, one column per task."""
     rows = report["rows"]
+    if rows and "task" in rows[0]:
+        import pandas as pd
+
+        return task_markdown(pd.DataFrame(rows))
     lengths = sorted({r["context_tokens"] for r in rows})
     policies = [p for p in dict.fromkeys(r["policy"] for r in rows) if p != FULL]
     ratios = {p: sorted({r["drop_ratio"] for r in rows if r["policy"] == p and r["drop_ratio"] > 0}) for p in policies}

@@ -25,7 +25,8 @@ POLICY_OPTIONS = {"window": "--window", "n_sink": "--n-sink", "kernel_size": "--
 # Subcommands defined in other modules: name -> (module, help). Each module provides
 # `add_arguments(parser)` and `run(args) -> int` (exit status).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "eval": ("tdutils.evaluate", "passkey-retrieval accuracy of policies x drop ratios x context lengths"),
+    "eval": ("tdutils.evaluate", "accuracy of policies x drop ratios x context lengths: passkey, or RULER-style tasks "
+                                 "in query-aware / query-agnostic mode"),
     "doctor": ("tdutils.doctor", "check a vLLM + LMCache serving setup end to end and print what to fix"),
 }
 
@@ -165,10 +166,10 @@ def cmd_run(args) -> int:
     _check_local(args.model, weights=args.engine == "hf")  # a broken local folder fails before the dataset loads
     if args.dataset is None:
         from .data import DEMO_DATASET, MC_SAMPLE_NAME, SAMPLE_NAME
-        from .models import TINY_MODEL_NAME, parse_random_name
+        from .models import bundled_model_path, parse_random_name
 
         # the bundled sample for the bundled model and for random (throughput-only) models: no download
-        local = args.model == TINY_MODEL_NAME or parse_random_name(args.model) is not None
+        local = bundled_model_path(args.model) is not None or parse_random_name(args.model) is not None
         args.dataset = SAMPLE_NAME if local else DEMO_DATASET
         if args.dataset == DEMO_DATASET:
             try:

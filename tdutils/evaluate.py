@@ -1,4 +1,5 @@
-"""Passkey-retrieval accuracy of token-dropping policies: the CPU accuracy benchmark (issue 8).
+"""Accuracy of token-dropping policies on CPU: passkey retrieval (issue 8) and RULER-style tasks in query-aware and
+query-agnostic modes (issue 17).
 
 Passkey retrieval (Mohtashami & Jaggi, "Landmark Attention: Random-Access Infinite Context Length for
 Transformers", arXiv:2305.16300): a long filler context hides one needle `pass key = d d d d d .` at a
@@ -19,18 +20,33 @@ name goes to `tdutils.make_drop_fn` as it is, so every policy it knows (`random`
 runs. Ratio 0 runs the policy's drop function too (it must return the cache unchanged, SPEC §5), so its
 row should equal the full cache's: a cheap check of that contract.
 
-Seeds (dataset seeds of `make_passkey_dataset`; each gives its own prompts), by use:
+RULER-style tasks (`task_eval`; Hsieh et al., "RULER", arXiv:2404.06654, the suite behind NVIDIA kvpress'
+leaderboard): single, multi-key, multi-value and multi-query needles and variable tracking
+(`tdutils.data.RULER_TASKS`), scored by exact match of every gold item with partial credit beside it
+(`tdutils.answers.score_task`), on the bundled model `tiny-qwen3-ruler` (`tools/train_ruler_model.py`). Each
+task runs in two modes: `aware` (prefill(prompt) -> modify -> decode: the question is in the observation window
+when the cache is edited) and `agnostic` (prefill(context) -> modify -> extend(question) -> decode: the cache is
+edited before the question exists, as when a stored context serves many questions). `leaderboard`,
+`plot_leaderboard` and `task_markdown` summarise a table: mean exact match over tasks per policy and drop
+ratio, one panel per mode, and the README's per-task table. Both benchmarks share `build_cells` / `run_cells`
+(prefill each chunk once, restore the prefilled caches per cell, one modify per policy x ratio, greedy decode).
+
+Command line (`python -m tdutils eval`, `bench/accuracy.py`): `--tasks passkey` (default, the issue-8
+benchmark with its model and defaults, unchanged) or `--tasks all` / task names (defaults
+`DEFAULT_TASK_POLICIES`, drop ratios 0.25 / 0.5 / 0.75 / 0.9, lengths 1024 / 2048 / 4096, `--mode both`).
+
+Seeds (dataset seeds of `make_passkey_dataset` and `make_task_dataset`; each gives its own prompts), by use:
 
 - `TRAIN_SEED_BASE` (10_000_000) and above: training streams of `tools/train_tiny_model.py`
   (`TRAIN_SEED_BASE + --seed`);
 - `DEV_SEED` (0): development. The training script's final report uses it, so the fine-tune was chosen on it;
   it is the default here, in `python -m tdutils eval` and in `notebooks/compare_policies.ipynb`;
-- 1-9: unit tests (the regression of `tests/test_accuracy.py` uses 1); 1234: the bundled sample
+- 1-9: unit tests (the regressions of `tests/test_accuracy.py` use 1); 1234: the bundled sample
   (`tools/make_tiny_model.py`);
 - `HELDOUT_SEED` (5_000_000): the published accuracy table only (`bench/accuracy.py`'s default). No training,
   selection or tuning step has seen it, and the training script refuses it as `--eval-seed`.
 
-The bundled model is refused a training seed. The random policy draws its kept set from its own `seed`
+Bundled models are refused a training seed (`tools/train_ruler_model.py` also draws from `TRAIN_SEED_BASE + seed`). The random policy draws its kept set from its own `seed`
 (default 0): all prompts of one length share it, while the needle's depth varies per prompt.
 """
 
@@ -45,6 +61,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
+from .data import RULER_TASKS, TASK_MODES
+from .models import RULER_MODEL_NAME as RULER_MODEL
+from .models import TINY_MODEL_NAME as TINY_MODEL
+
 TRAIN_SEED_BASE = 10_000_000  # training streams of tools/train_tiny_model.py start here
 DEV_SEED = 0  # development: the training script reports on it, so the fine-tune was chosen on it
 HELDOUT_SEED = 5_000_000  # published accuracy table only; never used by training, selection or tests
@@ -55,6 +75,14 @@ DEFAULT_DROP_RATIOS = (0.0, 0.25, 0.5, 0.75)
 DEFAULT_CONTEXT_LENGTHS = (512, 1024, 2048)
 COLUMNS = ("policy", "drop_ratio", "context_tokens", "n", "correct", "accuracy", "ci_low", "ci_high", "modify_s",
            "kept_tokens")
+# RULER-style tasks (issue 17): the model trained on them, and the leaderboard defaults.
+TASKS, MODES = RULER_TASKS, TASK_MODES
+PASSKEY = "passkey"  # command line: the passkey benchmark above, with its own model and defaults
+DEFAULT_TASK_POLICIES = ("full", "random", "streaming_llm", "knorm", "snapkv", "rkv")
+DEFAULT_TASK_DROP_RATIOS = (0.25, 0.5, 0.75, 0.9)
+DEFAULT_TASK_CONTEXT_LENGTHS = (1024, 2048, 4096)
+TASK_COLUMNS = ("task", "mode", "policy", "drop_ratio", "context_length", "n", "correct", "accuracy", "ci_low",
+                "ci_high", "partial", "kept_tokens", "modify_s", "max_tokens")
 
 
 def wilson_interval(correct: int, n: int) -> tuple[float, float]:
@@ -70,7 +98,7 @@ def wilson_interval(correct: int, n: int) -> tuple[float, float]:
 
 
 def passkey_eval(
-    model="tiny-qwen3",
+    model=TINY_MODEL,
     policies: Sequence[str] = DEFAULT_POLICIES,
     drop_ratios: Sequence[float] = DEFAULT_DROP_RATIOS,
     context_lengths: Sequence[int] = DEFAULT_CONTEXT_LENGTHS,
@@ -122,7 +150,6 @@ def passkey_eval(
 
     from .answers import score_passkey
     from .data import make_passkey_dataset
-    from .edit import make_drop_fn
     from .selection import check_drop_ratio
 
     policies, lengths = list(policies), [int(x) for x in context_lengths]
@@ -133,54 +160,20 @@ def passkey_eval(
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     params = {k: dict(v) for k, v in (policy_params or {}).items()}
-    if engine is None:
-        from .engines.hf import HFEngine
-
-        if model == "tiny-qwen3" and seed >= TRAIN_SEED_BASE:
-            raise ValueError(f"seed {seed} is a training stream of the bundled model (>= {TRAIN_SEED_BASE}); "
-                             f"evaluate with a seed below it")
-        # query capture starts off; capture_for below widens it to what the policies need
-        engine = HFEngine(model, device=device, dtype=dtype, kv_budget_tokens=None, prefill_batch_size=8,
-                          query_window=0, progress=False)  # no bars, the model load's included
-    elif getattr(engine, "model_name", None) == "tiny-qwen3" and seed >= TRAIN_SEED_BASE:
-        raise ValueError(f"seed {seed} is a training stream of the bundled model (>= {TRAIN_SEED_BASE})")
+    engine = _open_engine(engine, model, seed, device=device, dtype=dtype)
 
     max_pos = getattr(engine.config, "max_position_embeddings", None)
     if max_pos and max(lengths) + max_tokens > max_pos:
         raise ValueError(f"context length {max(lengths)} + max_tokens {max_tokens} exceeds the model's {max_pos} "
                          f"positions (max_position_embeddings); use shorter context lengths")
-    # Every (policy, ratio) cell and its drop function, built before any work so a bad name fails fast.
-    cells: list[tuple[str, float, object]] = []
-    for policy in policies:
-        if policy == FULL:
-            cells.append((FULL, 0.0, None))
-            continue
-        for r in ratios:
-            cells.append((policy, r, make_drop_fn(policy, drop_ratio=r, model_config=engine.config,
-                                                  **params.get(policy, {}))))
-    if hasattr(engine, "capture_for"):  # capture the queries the policies read: none, a window, or all (H2O)
-        engine.capture_for(*(fn for _, _, fn in cells))
+    cells = build_cells(engine, policies, ratios, params)
 
     rows = []
     for length in lengths:
         data = make_passkey_dataset(n, length, tokenizer=engine.tokenizer, seed=seed)
         gold = [d["answer"] for d in data]
-        texts = {(p, r): [] for p, r, _ in cells}
-        modify_s = {(p, r): 0.0 for p, r, _ in cells}
-        kept = {(p, r): 0 for p, r, _ in cells}
         t_len = time.perf_counter()
-        for start in range(0, n, batch_size):
-            chunk = data[start:start + batch_size]
-            engine.prefill(chunk)
-            saved = _snapshot(engine)
-            for policy, r, fn in cells:
-                _restore(engine, saved, chunk)
-                if fn is not None:
-                    engine.modify(fn)
-                    modify_s[policy, r] += engine.metrics.modify.seconds
-                outs = engine.decode(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-                texts[policy, r] += [o.text for o in outs]
-                kept[policy, r] += sum(o.cached_tokens for o in outs)
+        texts, modify_s, kept = run_cells(engine, data, cells, max_tokens=max_tokens, batch_size=batch_size)
         for policy, r, _ in cells:
             report = score_passkey(gold, texts[policy, r])
             low, high = wilson_interval(report.correct, n)
@@ -195,6 +188,233 @@ def passkey_eval(
         if log is not None:
             log(f"{length:>6} tokens done in {time.perf_counter() - t_len:.1f} s")
     return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def task_eval(
+    model=RULER_MODEL,
+    tasks: Sequence[str] = TASKS,
+    modes: Sequence[str] = MODES,
+    policies: Sequence[str] = DEFAULT_TASK_POLICIES,
+    drop_ratios: Sequence[float] = DEFAULT_TASK_DROP_RATIOS,
+    context_lengths: Sequence[int] = DEFAULT_TASK_CONTEXT_LENGTHS,
+    *,
+    n: int = 200,
+    seed: int = DEV_SEED,
+    max_tokens: int | None = None,
+    policy_params: Mapping[str, Mapping] | None = None,
+    engine=None,
+    batch_size: int = 25,
+    device=None,
+    dtype="auto",
+    log: Callable[[str], None] | None = None,
+    responses: dict | None = None,
+):
+    """Exact match on the RULER-style tasks (Hsieh et al., "RULER", arXiv:2404.06654; `tdutils.data`) for every
+    (task, mode, context length, policy, drop ratio) cell — the query-aware and query-agnostic leaderboard.
+
+    Per context length and task, `make_task_dataset(task, n, length, seed=seed)` gives `n` examples, the same for
+    every mode, policy and ratio. Modes:
+    - `"aware"`: prefill(prompt) -> modify -> decode: the question ends the prompt, so it sits in the observation
+      window when the cache is edited;
+    - `"agnostic"`: prefill(context) -> modify -> extend(question) -> decode: the cache is edited before the
+      question exists (a stored context reused for many questions, LMCache's case; kvpress' query-agnostic
+      setting). The question's tokens are the aware prompt's tokens after the context's, so both modes read the
+      same token sequence; the full cache is prefill(context) -> extend(question) -> decode.
+    Each chunk of `batch_size` examples is prefilled once per mode (`run_cells`); responses are decoded greedily
+    (EOS ignored) and scored with `tdutils.answers.score_task`.
+
+    Args:
+        model: bundled name (default `"tiny-qwen3-ruler"`), hub id or local folder; ignored when `engine` is given.
+        tasks: names from `tdutils.data.RULER_TASKS` (default all five).
+        modes: `"aware"` and/or `"agnostic"` (`tdutils.data.TASK_MODES`).
+        policies: `"full"` and/or registered policy names (`tdutils.policies.policy_names()`).
+        drop_ratios: fractions dropped, each in [0, 1]; `"full"` ignores them (one row at 0).
+        context_lengths: prompt lengths in tokens, context and question together (exact with the bundled
+            tokenizer).
+        n: examples per (task, length).
+        seed: dataset seed; below `TRAIN_SEED_BASE` for a bundled model (module docstring, "Seeds").
+        max_tokens: greedy decode tokens per request; None (default): per task, the longest gold answer of its
+            examples plus 2 tokens (room to show an extra item, which exact match counts as wrong).
+        policy_params: extra `make_drop_fn` keywords per policy, e.g. `{"snapkv": {"window": 32}}`.
+        engine: an `HFEngine` (or any engine with `extend`) to reuse; else one is opened for `model`.
+        batch_size: examples prefilled and decoded together (a 4096-token request of the bundled model holds an
+            8 MiB fp32 cache).
+        device, dtype: for the engine opened here.
+        log: called with one progress line per finished (task, mode, length) group of cells.
+        responses: when a dict is given, filled with `{(task, mode, policy, ratio, length): [decoded texts]}`.
+
+    Returns:
+        pandas DataFrame, one row per cell, ordered length -> task -> mode -> policy -> ratio, with columns
+        `TASK_COLUMNS`: `task`, `mode`, `policy`, `drop_ratio`, `context_length`, `n`, `correct`, `accuracy`
+        (exact-match fraction), `ci_low`, `ci_high` (95% Wilson interval of `accuracy`), `partial` (mean fraction
+        of gold items listed, RULER's partial credit), `kept_tokens` (mean KV tokens per request at decode:
+        after the edit, the question included), `modify_s` (seconds in `modify` for the cell's n requests; 0 for
+        the full cache), `max_tokens`.
+
+    Raises:
+        ValueError: no tasks / modes / policies / ratios / lengths, an unknown task or mode, a ratio outside
+            [0, 1], `n < 1`, an unknown policy or parameter, a training seed with a bundled model, a context
+            length too short for a task or too long for the model, or the agnostic mode on an engine without
+            `extend`.
+    """
+    import pandas as pd
+
+    from .answers import score_task
+    from .data import make_task_dataset
+    from .selection import check_drop_ratio
+
+    tasks, modes, policies = list(tasks), list(modes), list(policies)
+    lengths = [int(x) for x in context_lengths]
+    ratios = [check_drop_ratio(r) for r in drop_ratios]
+    if not (tasks and modes and policies and ratios and lengths):
+        raise ValueError("task_eval needs at least one task, mode, policy, drop ratio and context length")
+    bad = [t for t in tasks if t not in RULER_TASKS]
+    if bad:
+        raise ValueError(f"unknown task(s) {bad}; choose from {', '.join(RULER_TASKS)}")
+    bad = [m for m in modes if m not in TASK_MODES]
+    if bad:
+        raise ValueError(f"unknown mode(s) {bad}; choose from {', '.join(TASK_MODES)}")
+    for name, value in (("n", n), ("batch_size", batch_size), ("max_tokens", 1 if max_tokens is None else max_tokens)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    engine = _open_engine(engine, model, seed, device=device, dtype=dtype)
+    if "agnostic" in modes and not callable(getattr(engine, "extend", None)):
+        raise ValueError(f"the query-agnostic mode needs an engine with extend(); {type(engine).__name__} has none "
+                         f"(use modes=('aware',))")
+    params = {k: dict(v) for k, v in (policy_params or {}).items()}
+    cells = build_cells(engine, policies, ratios, params)
+    tok = engine.tokenizer
+
+    def ids(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    rows = []
+    for length in lengths:
+        for task in tasks:
+            data = make_task_dataset(task, n, length, tokenizer=tok, seed=seed)
+            answer_tokens = max(len(ids(d["answer"])) for d in data)
+            decode_tokens = answer_tokens + 2 if max_tokens is None else int(max_tokens)
+            max_pos = getattr(engine.config, "max_position_embeddings", None)
+            if max_pos and length + decode_tokens > max_pos:
+                raise ValueError(f"context length {length} + {decode_tokens} decode tokens exceeds the model's "
+                                 f"{max_pos} positions (max_position_embeddings); use shorter context lengths")
+            for mode in modes:
+                t0 = time.perf_counter()
+                if mode == "aware":
+                    prompts, extensions = [d["prompt"] for d in data], None
+                else:
+                    prompts, extensions = zip(*(split_question(tok, d) for d in data))
+                texts, modify_s, kept = run_cells(engine, prompts, cells, max_tokens=decode_tokens,
+                                                  batch_size=batch_size, extensions=extensions)
+                for policy, r, _ in cells:
+                    scores = [score_task(task, d["values"], t) for d, t in zip(data, texts[policy, r])]
+                    correct = sum(exact for exact, _ in scores)
+                    low, high = wilson_interval(correct, n)
+                    rows.append({"task": task, "mode": mode, "policy": policy, "drop_ratio": r, "context_length": length,
+                                 "n": n, "correct": correct, "accuracy": correct / n, "ci_low": low, "ci_high": high,
+                                 "partial": sum(p for _, p in scores) / n, "kept_tokens": kept[policy, r] / n,
+                                 "modify_s": modify_s[policy, r], "max_tokens": decode_tokens})
+                    if responses is not None:
+                        responses[task, mode, policy, r, length] = list(texts[policy, r])
+                if log is not None:
+                    summary = ", ".join(f"{p}@{r:g} {100 * row['accuracy']:.0f}%" for (p, r, _), row in
+                                        zip(cells, rows[-len(cells):]))
+                    log(f"{length:>6} tokens {task:>17} {mode:>8}: {summary} ({time.perf_counter() - t0:.1f} s)")
+    return pd.DataFrame(rows, columns=list(TASK_COLUMNS))
+
+
+def split_question(tokenizer, example: Mapping) -> tuple[list[int], list[int]]:
+    """`(context ids, question ids)` of a task example for the query-agnostic flow, such that together they are
+    exactly the token ids of the aware prompt `example["prompt"]` (= context + " " + question).
+
+    The context's own ids are used when they are a prefix of the prompt's (always with the bundled word-level
+    tokenizer); otherwise the prompt is cut after as many tokens as the context has, so both modes still read
+    the same sequence.
+
+    Raises:
+        ValueError: the context is not shorter than the prompt.
+    """
+    prompt = tokenizer(example["prompt"])["input_ids"]
+    context = tokenizer(example["context"])["input_ids"]
+    if len(context) >= len(prompt):
+        raise ValueError(f"the context ({len(context)} tokens) is not shorter than the prompt ({len(prompt)}); "
+                         f"a task example needs a question after its context")
+    cut = len(context)
+    return prompt[:cut], prompt[cut:]
+
+
+def _open_engine(engine, model, seed: int, *, device=None, dtype="auto"):
+    """`engine`, or an `HFEngine` opened for `model` (no progress bars, query capture off until `build_cells`
+    widens it); refuses a training seed with a bundled model."""
+    from .models import bundled_model_path
+
+    name = model if engine is None else getattr(engine, "model_name", None)
+    if isinstance(name, str) and bundled_model_path(name) is not None and seed >= TRAIN_SEED_BASE:
+        raise ValueError(f"seed {seed} is a training stream of the bundled model {name!r} (>= {TRAIN_SEED_BASE}); "
+                         f"evaluate with a seed below it")
+    if engine is not None:
+        return engine
+    from .engines.hf import HFEngine
+
+    return HFEngine(model, device=device, dtype=dtype, kv_budget_tokens=None, prefill_batch_size=8,
+                    query_window=0, progress=False)
+
+
+def build_cells(engine, policies: Sequence[str], ratios: Sequence[float], params: Mapping[str, Mapping]) -> list:
+    """Every `(policy, drop ratio, drop function)` cell (`"full"`: one cell at ratio 0 with no function), built
+    before any work so that a bad name or parameter fails fast; widens the engine's query capture to what the
+    policies read (none, a window, or all queries for H2O)."""
+    from .edit import make_drop_fn
+
+    cells: list[tuple[str, float, object]] = []
+    for policy in policies:
+        if policy == FULL:
+            cells.append((FULL, 0.0, None))
+            continue
+        for r in ratios:
+            cells.append((policy, r, make_drop_fn(policy, drop_ratio=r, model_config=engine.config,
+                                                  **params.get(policy, {}))))
+    if hasattr(engine, "capture_for"):
+        engine.capture_for(*(fn for _, _, fn in cells))
+    return cells
+
+
+def run_cells(engine, prompts: Sequence, cells: Sequence[tuple], *, max_tokens: int, batch_size: int,
+              extensions: Sequence | None = None) -> tuple[dict, dict, dict]:
+    """Greedy responses of every cell on the same prompts: each chunk of `batch_size` prompts is prefilled once,
+    then per cell the prefilled caches are restored, edited with the cell's drop function (`modify`; none for
+    the full cache), extended with `extensions` when given (`extend`, the query-agnostic flow: the edit never
+    saw them) and decoded (`max_tokens` tokens, greedy, EOS ignored).
+
+    Args:
+        engine: an open engine (`HFEngine` restores its prefilled state per cell; others prefill again).
+        prompts: what `prefill` takes (strings, dicts with `prompt`, token-id lists).
+        cells: `(policy, ratio, drop_fn or None)` from `build_cells`.
+        extensions: None, or one extension (text or token ids) per prompt.
+
+    Returns:
+        `(texts, modify_s, kept)`, dicts keyed by `(policy, ratio)`: decoded texts in prompt order, seconds in
+        `modify` summed over chunks, and KV tokens per request at decode summed over requests (cache after the
+        edit, extension included).
+    """
+    texts = {(p, r): [] for p, r, _ in cells}
+    modify_s = {(p, r): 0.0 for p, r, _ in cells}
+    kept = {(p, r): 0 for p, r, _ in cells}
+    for start in range(0, len(prompts), batch_size):
+        chunk = list(prompts[start:start + batch_size])
+        engine.prefill(chunk)
+        saved = _snapshot(engine)
+        for policy, r, fn in cells:
+            _restore(engine, saved, chunk)
+            if fn is not None:
+                engine.modify(fn)
+                modify_s[policy, r] += engine.metrics.modify.seconds
+            if extensions is not None:
+                engine.extend(list(extensions[start:start + batch_size]))
+            outs = engine.decode(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            texts[policy, r] += [o.text for o in outs]
+            kept[policy, r] += sum(o.cached_tokens for o in outs)
+    return texts, modify_s, kept
 
 
 def _snapshot(engine):
@@ -257,6 +477,106 @@ def plot_accuracy(table, path: str | Path | None = None, *, title: str = "Passke
     axes[0][0].set_ylabel("exact match (%)")
     axes[0][-1].legend(loc="lower left", fontsize=8)
     fig.suptitle(title)
+    fig.tight_layout()
+    if path is not None:
+        path = check_plot_path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def format_task_table(table) -> str:
+    """A `task_eval` table as text: one row per cell, exact match and its 95% interval in percent, partial credit."""
+    t = table.copy()
+    t["accuracy"] = (100 * t["accuracy"]).map("{:.1f}%".format)
+    t["95% CI"] = [f"{100 * lo:.1f}-{100 * hi:.1f}" for lo, hi in zip(table["ci_low"], table["ci_high"])]
+    t["partial"] = (100 * t["partial"]).map("{:.1f}%".format)
+    t["modify_s"] = t["modify_s"].map("{:.3f}".format)
+    t["kept_tokens"] = t["kept_tokens"].map("{:.0f}".format)
+    cols = ["context_length", "task", "mode", "policy", "drop_ratio", "n", "correct", "accuracy", "95% CI", "partial",
+            "modify_s", "kept_tokens"]
+    return t[cols].to_string(index=False)
+
+
+def leaderboard(table):
+    """Average exact match over tasks and context lengths per (mode, policy, drop ratio) of a `task_eval` table:
+    a DataFrame with `mode`, `policy`, `drop_ratio`, `accuracy` (mean of the cells' exact-match fractions, each
+    task weighing the same), `partial`, `cells` (how many cells were averaged) and `n` (examples in all)."""
+    g = table.groupby(["mode", "policy", "drop_ratio"], sort=False)
+    return g.agg(accuracy=("accuracy", "mean"), partial=("partial", "mean"), cells=("accuracy", "size"),
+                 n=("n", "sum")).reset_index()
+
+
+def task_markdown(table, *, context_length: int | None = None) -> str:
+    """The README's per-task table (markdown) of a `task_eval` table (or the `rows` of its JSON report, as a
+    DataFrame): one row per (mode, policy), one column per task plus the average; a cell lists the exact match
+    (%) at each drop ratio, `a / b / c` in ascending ratio order (the full cache: one figure). Cells of several
+    context lengths are pooled (correct answers over examples) unless `context_length` picks one.
+
+    Raises:
+        ValueError: `context_length` is not in the table.
+    """
+    t = table
+    if context_length is not None:
+        t = t[t["context_length"] == context_length]
+        if t.empty:
+            raise ValueError(f"no rows at context length {context_length}; the table has "
+                             f"{sorted(table['context_length'].unique())}")
+    tasks = list(dict.fromkeys(t["task"]))
+    pooled = t.groupby(["mode", "policy", "drop_ratio", "task"], sort=False)[["correct", "n"]].sum()
+    lengths = "/".join(str(x) for x in sorted(t["context_length"].unique()))
+    head = ["mode", "policy", "drop ratios", *tasks, "average"]
+    lines = [f"Exact match (%), {lengths} tokens, n = {int(t['n'].iloc[0])} per task and length",
+             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (mode, policy), g in t.groupby(["mode", "policy"], sort=False):
+        ratios = sorted(g["drop_ratio"].unique())
+        cells = []
+        for task in [*tasks, None]:
+            values = []
+            for r in ratios:
+                if task is None:
+                    values.append(sum(100 * pooled.loc[(mode, policy, r, x), "correct"] / pooled.loc[(mode, policy, r, x), "n"]
+                                      for x in tasks) / len(tasks))
+                else:
+                    row = pooled.loc[(mode, policy, r, task)]
+                    values.append(100 * row["correct"] / row["n"])
+            cells.append(" / ".join(f"{v:.1f}" for v in values))
+        lines.append("| " + " | ".join([mode, policy, " / ".join(f"{r:g}" for r in ratios), *cells]) + " |")
+    return "\n".join(lines)
+
+
+def plot_leaderboard(table, path: str | Path | None = None, *, title: str = "RULER-style tasks: average exact match"):
+    """Leaderboard figure of a `task_eval` table: average exact match (%) over tasks (and context lengths) vs drop
+    ratio, one line per policy, one panel per mode (`aware`, `agnostic`); the full cache as a dashed line.
+
+    Returns the matplotlib Figure; saves it to `path` (PNG, SVG, ... by suffix) when given.
+    """
+    import matplotlib.pyplot as plt
+
+    board = leaderboard(table)
+    modes = list(dict.fromkeys(board["mode"]))
+    fig, axes = plt.subplots(1, len(modes), figsize=(4.6 * len(modes), 3.6), sharey=True, squeeze=False)
+    ratios = sorted(board.loc[board["policy"] != FULL, "drop_ratio"].unique())
+    x_lo, x_hi = (min(ratios), max(ratios)) if len(ratios) > 1 else (0.0, 1.0)
+    lengths = ", ".join(str(x) for x in sorted(table["context_length"].unique()))
+    colors = {p: f"C{i}" for i, p in enumerate(x for x in dict.fromkeys(board["policy"]) if x != FULL)}
+    for ax, mode in zip(axes[0], modes):
+        sub = board[board["mode"] == mode]
+        for policy, g in sub.groupby("policy", sort=False):
+            g = g.sort_values("drop_ratio")
+            if policy == FULL:
+                ax.axhline(100 * float(g["accuracy"].iloc[0]), color="black", ls="--", lw=1, label="full cache")
+                continue
+            ax.plot(g["drop_ratio"], 100 * g["accuracy"], marker="o", color=colors[policy], label=policy)
+        ax.set_title(f"query-{mode}")
+        ax.set_xlabel("drop ratio")
+        ax.set_xlim(x_lo - 0.03, x_hi + 0.03)
+        ax.set_ylim(-3, 103)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("exact match, mean over tasks (%)")
+    axes[0][-1].legend(loc="best", fontsize=8)
+    tasks = table["task"].nunique()
+    fig.suptitle(f"{title} ({tasks} tasks; {lengths} tokens; n={int(table['n'].iloc[0])} per cell)", fontsize=10)
     fig.tight_layout()
     if path is not None:
         path = check_plot_path(path)
@@ -350,27 +670,72 @@ def _split(values: Iterable[str], cast, what: str) -> list:
 
 
 def add_arguments(parser) -> None:
-    """Options of `python -m tdutils eval` (added to an argparse parser)."""
-    parser.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES),
+    """Options of `python -m tdutils eval` (added to an argparse parser). Options left unset take the defaults of
+    the suite `--tasks` picks: `passkey` (the default; `passkey_eval`, model tiny-qwen3) or RULER-style tasks
+    (`task_eval`, model tiny-qwen3-ruler)."""
+    parser.add_argument("--tasks", nargs="+", default=[PASSKEY],
+                        help=f"'{PASSKEY}' (default: the passkey benchmark of the tiny-qwen3 model), or RULER-style "
+                             f"tasks {', '.join(TASKS)}, or 'all' for those five (model tiny-qwen3-ruler)")
+    parser.add_argument("--mode", choices=("aware", "agnostic", "both"), default=None,
+                        help="RULER tasks: 'aware' (question in the prompt when the cache is edited), 'agnostic' (cache "
+                             "edited on the context alone, question prefilled after the edit) or 'both' (default); "
+                             "passkey: aware only")
+    parser.add_argument("--policies", nargs="+", default=None,
                         help="'full' (no dropping) and/or registered policy names, space- or comma-separated; "
-                             "'all' for every registered policy (default: full random snapkv)")
-    parser.add_argument("--drop-ratios", nargs="+", default=[str(r) for r in DEFAULT_DROP_RATIOS],
-                        help="fractions dropped, each in [0, 1] (default: 0 0.25 0.5 0.75)")
-    parser.add_argument("--context-lengths", nargs="+", default=[str(x) for x in DEFAULT_CONTEXT_LENGTHS],
-                        help="prompt lengths in tokens (default: 512 1024 2048)")
+                             f"'all' for every registered policy (default: passkey {' '.join(DEFAULT_POLICIES)}; "
+                             f"RULER tasks {' '.join(DEFAULT_TASK_POLICIES)})")
+    parser.add_argument("--drop-ratios", nargs="+", default=None,
+                        help="fractions dropped, each in [0, 1] (default: passkey "
+                             f"{' '.join(map(str, DEFAULT_DROP_RATIOS))}; RULER tasks "
+                             f"{' '.join(map(str, DEFAULT_TASK_DROP_RATIOS))})")
+    parser.add_argument("--context-lengths", nargs="+", default=None,
+                        help="prompt lengths in tokens (default: passkey "
+                             f"{' '.join(map(str, DEFAULT_CONTEXT_LENGTHS))}; RULER tasks "
+                             f"{' '.join(map(str, DEFAULT_TASK_CONTEXT_LENGTHS))})")
     parser.add_argument("--window", type=int, default=None,
                         help="most recent tokens always kept, for every policy with a window parameter "
                              "(default: each policy's own)")
-    parser.add_argument("--n", type=int, default=200, help="prompts per context length (default: 200)")
+    parser.add_argument("--n", type=int, default=200, help="prompts per context length and task (default: 200)")
     parser.add_argument("--seed", type=int, default=DEV_SEED,
                         help=f"dataset seed, below {TRAIN_SEED_BASE} (training streams); {DEV_SEED} is the development "
                              f"seed, {HELDOUT_SEED} the held-out seed of the published table (default: %(default)s)")
-    parser.add_argument("--model", default="tiny-qwen3", help="bundled model, hub id or local folder (default: tiny-qwen3)")
-    parser.add_argument("--max-tokens", type=int, default=10, help="greedy decode tokens per request (default: 10)")
+    parser.add_argument("--model", default=None,
+                        help="bundled model, hub id or local folder (default: passkey tiny-qwen3; RULER tasks "
+                             f"{RULER_MODEL})")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="greedy decode tokens per request (default: passkey 10; RULER tasks the longest answer "
+                             "of each task plus 2)")
     parser.add_argument("--json", dest="json_path", default="runs/eval.json",
                         help="where to write the table as JSON (default: runs/eval.json)")
-    parser.add_argument("--plot", default=None, help="also save the accuracy plot to this path (PNG, SVG, ...)")
+    parser.add_argument("--plot", default=None,
+                        help="also save a plot to this path (PNG, SVG, ...): passkey accuracy per length, or the RULER "
+                             "leaderboard (mean exact match over tasks vs drop ratio, one panel per mode)")
     parser.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
+
+
+def parse_tasks(values: Iterable[str]) -> list[str]:
+    """`--tasks` values as a list: `'all'` expands to the five RULER tasks; `passkey` must stand alone.
+
+    Raises:
+        ValueError: an unknown task, or `passkey` mixed with RULER tasks (they use different models).
+    """
+    import argparse
+
+    try:
+        tasks = _split(values, str, "task")
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(str(exc)) from None
+    tasks = list(dict.fromkeys(t for x in tasks for t in (TASKS if x == ALL else (x,))))
+    unknown = [t for t in tasks if t not in (PASSKEY, *TASKS)]
+    if unknown:
+        raise ValueError(f"--tasks: unknown {', '.join(map(repr, unknown))}; choose {PASSKEY!r}, {ALL!r} or from "
+                         f"{', '.join(TASKS)}")
+    if PASSKEY in tasks and len(tasks) > 1:
+        raise ValueError(f"--tasks: {PASSKEY!r} runs alone (its model, tiny-qwen3, is not trained on the RULER tasks); "
+                         f"run it and the RULER tasks as two commands")
+    if not tasks:
+        raise ValueError("--tasks needs at least one task")
+    return tasks
 
 
 def run(args) -> int:
@@ -381,12 +746,26 @@ def run(args) -> int:
     import argparse
     import sys
 
+    tasks = parse_tasks(getattr(args, "tasks", None) or [PASSKEY])
+    passkey = tasks == [PASSKEY]
+    mode = getattr(args, "mode", None)
+    if passkey and mode not in (None, "aware"):
+        raise ValueError(f"--mode {mode}: the passkey benchmark runs in aware mode only; use RULER tasks "
+                         f"(--tasks all) for the query-agnostic mode")
+    modes = list(MODES) if mode in (None, "both") else [mode]
+
+    def pick(value, passkey_default, task_default):
+        return value if value is not None else [str(x) for x in (passkey_default if passkey else task_default)]
+
     try:
-        policies = _split(args.policies, str, "policy")
-        ratios = _split(args.drop_ratios, float, "drop ratio")
-        lengths = _split(args.context_lengths, int, "context length")
+        policies = _split(pick(args.policies, DEFAULT_POLICIES, DEFAULT_TASK_POLICIES), str, "policy")
+        ratios = _split(pick(args.drop_ratios, DEFAULT_DROP_RATIOS, DEFAULT_TASK_DROP_RATIOS), float, "drop ratio")
+        lengths = _split(pick(args.context_lengths, DEFAULT_CONTEXT_LENGTHS, DEFAULT_TASK_CONTEXT_LENGTHS), int,
+                         "context length")
     except argparse.ArgumentTypeError as exc:
         raise ValueError(str(exc)) from None
+    model = args.model or (TINY_MODEL if passkey else RULER_MODEL)
+    max_tokens = args.max_tokens if args.max_tokens is not None else (10 if passkey else None)
     # Everything that can be checked without the model, before any work.
     from .policies import policy_names
 
@@ -395,7 +774,7 @@ def run(args) -> int:
     unknown = [p for p in policies if p not in (FULL, *policy_names())]
     if unknown:
         raise ValueError(f"--policies: unknown {', '.join(map(repr, unknown))}; choose from {[FULL, *policy_names()]} or {ALL!r}")
-    for option, value in (("--n", args.n), ("--max-tokens", args.max_tokens)):
+    for option, value in (("--n", args.n), ("--max-tokens", 1 if max_tokens is None else max_tokens)):
         if value < 1:
             raise ValueError(f"{option} must be >= 1, got {value}")
     if not policies or not ratios or not lengths:
@@ -420,26 +799,41 @@ def run(args) -> int:
                          "smaller --window")
     params = {} if window is None else {
         p: {"window": window} for p in policies if p != FULL and "window" in get_policy(p).defaults()}
-    table = passkey_eval(args.model, policies, ratios, lengths, n=args.n, seed=args.seed,
-                         max_tokens=args.max_tokens, log=log, policy_params=params)
+    meta = {"model": model, "tasks": tasks, "modes": ["aware"] if passkey else modes, "policies": policies,
+            "drop_ratios": ratios, "context_lengths": lengths, "n": args.n, "seed": args.seed, "max_tokens": max_tokens,
+            "policy_params": params}
+    if passkey:
+        table = passkey_eval(model, policies, ratios, lengths, n=args.n, seed=args.seed, max_tokens=max_tokens,
+                             log=log, policy_params=params)
+        print(format_table(table))
+        meta["metric"] = "exact match of the 5 passkey digits (tdutils.answers.score_passkey), 95% Wilson interval"
+        what = f"passkey exact match, model={model}, n={args.n} per length"
+    else:
+        table = task_eval(model, tasks, modes, policies, ratios, lengths, n=args.n, seed=args.seed,
+                          max_tokens=max_tokens, log=log, policy_params=params)
+        print(format_task_table(table))
+        print()
+        print(task_markdown(table))
+        meta["metric"] = ("exact match of every gold item (tdutils.answers.score_task), 95% Wilson interval; "
+                          "partial = mean fraction of gold items listed")
+        what = f"RULER-style exact match, model={model}, n={args.n} per task and length"
     seconds = time.perf_counter() - t0
-    print(format_table(table))
-    print(f"\npasskey exact match, model={args.model}, n={args.n} per length, seed={args.seed}, "
-          f"{seconds:.0f} s")
-    meta = {"model": args.model, "policies": policies, "drop_ratios": ratios, "context_lengths": lengths,
-            "n": args.n, "seed": args.seed, "max_tokens": args.max_tokens, "seconds": seconds, "policy_params": params,
-            "metric": "exact match of the 5 passkey digits (tdutils.answers.score_passkey), 95% Wilson interval"}
+    meta["seconds"] = seconds
+    print(f"\n{what}, seed={args.seed}, {seconds:.0f} s")
     if args.json_path:
         print(f"wrote {write_json(table, args.json_path, meta=meta)}")
     if args.plot:
         import matplotlib
 
         matplotlib.use("Agg")  # a command line needs no display
-        plot_accuracy(table, args.plot)
+        (plot_accuracy if passkey else plot_leaderboard)(table, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
 
-__all__ = ["COLUMNS", "DEFAULT_CONTEXT_LENGTHS", "DEFAULT_DROP_RATIOS", "DEFAULT_POLICIES", "DEV_SEED", "FULL",
-           "HELDOUT_SEED", "TRAIN_SEED_BASE", "add_arguments", "check_output_path", "check_plot_path", "format_table", "passkey_eval", "plot_accuracy", "run",
+__all__ = ["COLUMNS", "DEFAULT_CONTEXT_LENGTHS", "DEFAULT_DROP_RATIOS", "DEFAULT_POLICIES", "DEFAULT_TASK_CONTEXT_LENGTHS",
+           "DEFAULT_TASK_DROP_RATIOS", "DEFAULT_TASK_POLICIES", "DEV_SEED", "FULL", "HELDOUT_SEED", "MODES", "PASSKEY",
+           "RULER_MODEL", "TASKS", "TASK_COLUMNS", "TRAIN_SEED_BASE", "add_arguments", "build_cells", "check_output_path",
+           "check_plot_path", "format_table", "format_task_table", "leaderboard", "parse_tasks", "passkey_eval",
+           "plot_accuracy", "plot_leaderboard", "run", "run_cells", "split_question", "task_eval", "task_markdown",
            "wilson_interval", "write_json"]

@@ -3,7 +3,9 @@
 `load_model("tiny-qwen3")` loads the model shipped inside this package: a Qwen3-architecture causal LM
 (2 layers, hidden 128, 4 query heads / 2 KV heads, head_dim 32, tied embeddings) with a word-level
 tokenizer over the words of the bundled filler text, digits 0-9 and the passkey markers. It needs no
-network and exercises the grouped-query-attention (GQA) code paths. Any other name is passed to
+network and exercises the grouped-query-attention (GQA) code paths. `load_model("tiny-qwen3-ruler")` loads
+the second bundled model, 4 layers with the same tokenizer, trained on the RULER-style tasks of
+`tdutils.data` (`tools/train_ruler_model.py`; `tdutils.evaluate.task_eval` evaluates it). Any other name is passed to
 transformers' `from_pretrained` (a hub id such as `Qwen/Qwen3-0.6B`, or a local folder), except names of the
 form `random:ARCH[:NL]` (e.g. `random:qwen3-0.6b:4L`): a real-shaped model with random weights from
 `random_model`, for throughput and memory measurements only (its outputs mean nothing).
@@ -21,6 +23,11 @@ import torch
 ASSETS = Path(__file__).parent / "assets"
 TINY_MODEL_NAME = "tiny-qwen3"
 TINY_MODEL_DIR = ASSETS / TINY_MODEL_NAME
+# The RULER-task model (issue 17): 4 layers, the tokenizer of tiny-qwen3; trained by tools/train_ruler_model.py.
+RULER_MODEL_NAME = "tiny-qwen3-ruler"
+RULER_MODEL_DIR = ASSETS / RULER_MODEL_NAME
+BUNDLED_MODELS = {TINY_MODEL_NAME: TINY_MODEL_DIR, RULER_MODEL_NAME: RULER_MODEL_DIR}
+BUNDLED_TRAINERS = {TINY_MODEL_NAME: "tools/train_tiny_model.py", RULER_MODEL_NAME: "tools/train_ruler_model.py"}
 
 # Special tokens of the bundled word-level tokenizer, in vocabulary order (ids 0..3).
 TINY_SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
@@ -136,8 +143,8 @@ def parse_random_name(name: str) -> tuple[str, int | None] | None:
 
 
 def bundled_model_path(name: str) -> Path | None:
-    """Folder of a model bundled with tdutils (`"tiny-qwen3"`), or None for any other name."""
-    return TINY_MODEL_DIR if name == TINY_MODEL_NAME else None
+    """Folder of a model bundled with tdutils (`"tiny-qwen3"`, `"tiny-qwen3-ruler"`), or None for any other name."""
+    return BUNDLED_MODELS.get(name) if isinstance(name, str) else None
 
 
 def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
@@ -303,7 +310,11 @@ def _check_local(name: str, *, weights: bool = True) -> None:
     config.json, tokenizer files (and weights, when `weights`): say what is missing instead of letting
     transformers fail later with an unrelated message (e.g. "You need to have sentencepiece or tiktoken
     installed")."""
-    if bundled_model_path(name) is not None:
+    bundled = bundled_model_path(name)
+    if bundled is not None:
+        if not (bundled / "config.json").is_file():
+            raise FileNotFoundError(f"the bundled model {name!r} is missing from {bundled} (this checkout has no "
+                                    f"weights for it); train it with `python {BUNDLED_TRAINERS[name]}`")
         return
     if parse_random_name(name) is not None:  # also checks the spelling of a random: name
         arch = parse_random_name(name)[0]
@@ -319,10 +330,11 @@ def _check_local(name: str, *, weights: bool = True) -> None:
             raise FileNotFoundError(f"model folder {name!r} {what}; {hint}")
         import difflib
 
-        if "/" not in name and difflib.get_close_matches(name, [TINY_MODEL_NAME], n=1, cutoff=0.8):
-            # a near miss of the bundled name: say so now rather than after a minute of hub retries
-            raise FileNotFoundError(f"model {name!r} is neither a local folder nor the bundled model: did you mean "
-                                    f"{TINY_MODEL_NAME!r}?")
+        close = difflib.get_close_matches(name, list(BUNDLED_MODELS), n=1, cutoff=0.8) if "/" not in name else []
+        if close:
+            # a near miss of a bundled name: say so now rather than after a minute of hub retries
+            raise FileNotFoundError(f"model {name!r} is neither a local folder nor a bundled model: did you mean "
+                                    f"{close[0]!r}?")
         return  # a hub id
     missing = []
     if not (folder / "config.json").is_file():

@@ -2,7 +2,11 @@
 
 Every engine offers the same three phases (SPEC §1): `prefill(prompts)` computes each request's KV
 cache, `modify(drop_fn)` edits every request's cache with a drop function, `decode(max_tokens)`
-generates from the edited caches in batches under a KV budget. `run_once` chains them and `compare`
+generates from the edited caches in batches under a KV budget. A fourth, optional step serves the
+query-agnostic flow (SPEC §3): `extend(prompts)`, after `prefill` (and usually `modify`), appends one text or
+token-id list to each request and prefills it on top of the (edited) cache at the next positions, so
+`decode` continues after it: `prefill(context) -> modify(drop_fn) -> extend(question) -> decode`; its input
+is checked by `tokenize_extensions`. `run_once` chains them and `compare`
 runs a baseline and one or more drop functions on the same prompts, alternately (`repeats` rounds of
 baseline, fn1, fn2, ...) so that load from other work on the machine hits every configuration alike; the
 ratios are taken per repeat, against the baseline of the same repeat.
@@ -99,6 +103,26 @@ def check_engine_settings(kv_budget_tokens, max_batch_size, query_window) -> Non
         raise ValueError(f"query_window must be >= 0 or None (all tokens), got {query_window}")
 
 
+def _item_ids(tokenizer, p, i: int, what: str, vocab_size: int | None, special_tokens: bool) -> tuple[list[int], bool]:
+    """Token ids of one prompt or extension (a string or a list of ids) and whether they came from text; the
+    type, emptiness and vocabulary checks of `tokenize_prompts` / `tokenize_extensions` (errors name `what i`)."""
+    if isinstance(p, str):
+        ids, text = tokenizer(p, add_special_tokens=special_tokens)["input_ids"], True
+    elif isinstance(p, list | tuple) or hasattr(p, "tolist"):
+        ids, text = [int(t) for t in (p.tolist() if hasattr(p, "tolist") else p)], False
+    else:
+        raise TypeError(f"{what} {i} must be a string or a list of token ids, got {type(p).__name__}")
+    if not ids:
+        raise ValueError(f"{what} {i} is empty" + (": extend() needs at least one token per request"
+                                                     if what == "extension" else ""))
+    if vocab_size is not None:
+        bad = check_token_ids(ids, vocab_size)
+        if bad is not None:
+            raise ValueError(f"{what} {i}: token id {ids[bad]} at position {bad} is outside the model's "
+                             f"vocabulary [0, {vocab_size}); token ids must come from this model's tokenizer")
+    return ids, text
+
+
 def tokenize_prompts(tokenizer, prompts, vocab_size: int | None = None) -> list[list[int]]:
     """Token ids of each prompt: a string, a `PromptRow`/dict with `prompt`, or a list of token ids.
 
@@ -115,31 +139,39 @@ def tokenize_prompts(tokenizer, prompts, vocab_size: int | None = None) -> list[
     if not prompts:
         raise ValueError("no prompts: pass a non-empty list of prompts")
     out, unknown, from_text = [], 0, 0
+    unk = getattr(tokenizer, "unk_token_id", None)
     for i, p in enumerate(prompts):
         if hasattr(p, "prompt") or isinstance(p, dict):
             p = p.prompt if hasattr(p, "prompt") else p["prompt"]
-        if isinstance(p, str):
-            ids = tokenizer(p)["input_ids"]
-            unk = getattr(tokenizer, "unk_token_id", None)
+        ids, text = _item_ids(tokenizer, p, i, "prompt", vocab_size, True)
+        if text:
             unknown += sum(t == unk for t in ids) if unk is not None else 0
             from_text += len(ids)
-        elif isinstance(p, list | tuple) or hasattr(p, "tolist"):
-            ids = [int(t) for t in (p.tolist() if hasattr(p, "tolist") else p)]
-        else:
-            raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
-        if not ids:
-            raise ValueError(f"prompt {i} is empty")
-        if vocab_size is not None:
-            bad = check_token_ids(ids, vocab_size)
-            if bad is not None:
-                raise ValueError(f"prompt {i}: token id {ids[bad]} at position {bad} is outside the model's "
-                                 f"vocabulary [0, {vocab_size}); token ids must come from this model's tokenizer")
         out.append(ids)
     if from_text and unknown > 0.1 * from_text:  # e.g. English text for the bundled tiny model's vocabulary
         warnings.warn(f"{unknown / from_text:.0%} of the prompt tokens are unknown to this tokenizer "
                       f"({getattr(tokenizer, 'unk_token', None)!r}): the model cannot read this text, so its answers "
                       "mean nothing (the bundled tiny-qwen3 reads only its passkey data, dataset 'sample')", stacklevel=3)
     return out
+
+
+def tokenize_extensions(tokenizer, extensions, num_requests: int, vocab_size: int | None = None) -> list[list[int]]:
+    """Token ids of the text each request's `extend` appends: one string or token-id list per request, in request
+    order. Strings are tokenized without special tokens (no BOS in the middle of a request), so
+    `context ids + tokenize(" " + question)` is the prompt a tokenizer that splits at spaces gives for
+    `context + " " + question`.
+
+    Raises:
+        TypeError: a single string instead of a list, or an item of another type.
+        ValueError: not exactly `num_requests` items, an empty item, or a token id outside `[0, vocab_size)`.
+    """
+    if isinstance(extensions, str):
+        raise TypeError("extend() takes one extension per request; wrap a single text as [text]")
+    extensions = list(extensions)
+    if len(extensions) != num_requests:
+        raise ValueError(f"extend() got {len(extensions)} extensions for {num_requests} requests; pass exactly one "
+                         f"text or token-id list per request, in request order")
+    return [_item_ids(tokenizer, p, i, "extension", vocab_size, False)[0] for i, p in enumerate(extensions)]
 
 
 DEFAULT_FULL_REQUESTS = 4.25  # the default KV budget, in undropped requests

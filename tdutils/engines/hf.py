@@ -14,6 +14,12 @@ Decode regenerates from the edited cache, as vLLM does after LMCache returns a m
 last cached entry is removed and the last kept prompt token is fed again at its position, so every
 generated token (the first one included) attends to the edited cache only.
 
+Query-agnostic flow (SPEC §3): `extend(texts)` appends one text or token-id list per request after `prefill`
+(and usually `modify`) and prefills it on top of the current cache at the next positions (`refeed_pos + 1`, ...:
+`k, k+1, ...` after a compacting edit), in padded batches with masks built by position as in decode; the
+request's cache, tokens and captured queries grow by the extension, so `decode` (or a second `modify`) continues
+after it.
+
 Positions (SPEC §3): `"compact"` (default) — the drop function re-rotates kept keys to positions
 0..k-1 and decoding continues at k; `"original"` — keys keep their rotation and decoding continues at
 T, the prompt length (the dropped positions simply become holes).
@@ -48,7 +54,8 @@ from ..attention import AttentionSpec, register_live_model
 from ..edit import CacheKind, DropFunctionError, check_kv, validate_drop_output
 from ..metrics import DecodeMetrics, ModifyMetrics, RunMetrics
 from ..models import load_model, model_facts
-from .base import ModifyReport, RequestOutput, check_engine_settings, check_temperature, tokenize_prompts
+from .base import (ModifyReport, RequestOutput, check_engine_settings, check_temperature, tokenize_extensions,
+                   tokenize_prompts)
 from .capture import QueryRecorder, capture_implementation, recording
 from .kvstore import SlotKVStore, plan_slots
 
@@ -63,7 +70,8 @@ class _Request:
     tokens: list[int]  # the T token ids the cache holds
     refeed_pos: int  # position of the last cached token, fed again at decode start
     positions: torch.Tensor | None = None  # [T] position of each cache row; None = 0..T-1
-    query: torch.Tensor | None = None  # [L, Tq, Hq*d], last Tq prompt tokens; None after an edit
+    query: torch.Tensor | None = None  # [L, Tq, Hq*d], last Tq cached tokens; None after an edit (until extend)
+    edited: bool = False  # modify changed this cache (the prompt's own forward no longer describes it)
     ttft_s: float = float("nan")
     # decode state
     output_ids: list[int] = field(default_factory=list)
@@ -310,13 +318,15 @@ class HFEngine:
             right; a mixed-up row gives differences of order 0.1–1).
 
         Raises:
-            RuntimeError: the request has no captured query (query_window=0, or after modify).
+            RuntimeError: the request has no captured query (query_window=0), or its cache was edited (`modify`:
+                the model's forward over the prompt no longer describes it).
         """
         from ..policies.snapkv import window_attention
 
         req = self.requests[request_id]
-        if req.query is None:
-            raise RuntimeError(f"request {request_id} has no captured query (query_window=0, or it was edited)")
+        if req.query is None or req.edited:
+            raise RuntimeError(f"request {request_id} has no captured query of its unedited prompt (query_window=0, "
+                               f"or it was edited)")
         rows = min(rows, req.query.shape[1])
         impl = self.model.config._attn_implementation
         self.model.set_attn_implementation(capture_implementation("eager"))  # only eager returns probabilities
@@ -402,7 +412,7 @@ class HFEngine:
         for req in self.requests:
             if req.request_id in edits:
                 new_kv, new_tokens, kept_pos = edits[req.request_id]
-                req.kv, req.tokens = new_kv, new_tokens
+                req.kv, req.tokens, req.edited = new_kv, new_tokens, True
                 req.query = None  # the captured rows belonged to the unedited prompt
                 # compact: the last kept token sits at k-1; original: its prompt position (T-1 when kept).
                 if positions == "compact":
@@ -417,6 +427,147 @@ class HFEngine:
                           stacklevel=2)
         return ModifyReport(edited=len(edits), failures=failures)
 
+    @torch.inference_mode()
+    def extend(self, prompts) -> list[torch.Tensor]:
+        """Append tokens to every request and prefill them on top of its current (possibly edited) cache.
+
+        The query-agnostic flow (SPEC §3; kvpress' "query-agnostic" setting): `prefill(context)`,
+        `modify(drop_fn)` while the question is unknown, then `extend(questions)` and `decode`. Each extension
+        is prefilled at the positions that follow the cache: `refeed_pos + 1, ...` — after a compacting edit
+        (`positions="compact"`) that is `k, k+1, ...` for a cache of `k` kept tokens, on an unedited cache
+        `T, T+1, ...`, with `positions="original"` the position after the last kept token. Its tokens attend to
+        every cached row (sliding-window layers: to the rows whose positions lie in the window, as in `decode`)
+        and causally to each other. So for a request never modified, `prefill(A) + extend(B)` holds the cache of
+        `prefill(A + B)` and decodes the same tokens.
+
+        Afterwards the request's cache holds `T + m` rows `[2, L, T + m, D]` and its tokens and prompt end with
+        the extension; `decode` refeeds its last token. Query capture continues: the captured query `[L, Tq,
+        Hq*d]` ends with the extension's query rows (the last `query_window` rows of the unedited prompt's
+        queries followed by the extension's on an unedited request; only the extension's rows after an edit,
+        computed over the edited cache). A second `modify` after `extend` therefore edits the extended cache;
+        a query-aware policy whose window needs more rows than were captured refuses with its own error and
+        the cache is left as it was.
+
+        Requests are extended in batches of `prefill_batch_size` (caches and extensions padded, padding masked).
+
+        Args:
+            prompts: one string (tokenized without special tokens, so pass `" " + question` to continue a
+                text) or token-id list per request, in request order; each at least one token.
+
+        Returns:
+            Each request's KV `[2, L, T + m, D]` (model dtype and device).
+
+        Raises:
+            RuntimeError: called before `prefill`.
+            TypeError / ValueError: not one extension per request, an empty extension, a token id outside the
+                vocabulary, or a request whose cache plus extension leaves no KV token to decode into under
+                `kv_budget_tokens` (the message gives the numbers). Nothing is changed when any check fails.
+        """
+        if not self.requests:
+            raise RuntimeError("extend() needs prefilled requests; call prefill(prompts) first")
+        ext = tokenize_extensions(self.tokenizer, prompts, len(self.requests), self.model.config.vocab_size)
+        budget = self.kv_budget_tokens
+        if budget is not None:
+            for r, x in zip(self.requests, ext):
+                if r.kv.shape[2] + len(x) + 1 > budget:
+                    raise ValueError(f"request {r.request_id} would hold {r.kv.shape[2] + len(x)} KV tokens "
+                                     f"({r.kv.shape[2]} cached + {len(x)} extension) and needs at least one more to "
+                                     f"decode, but kv_budget_tokens is {budget}; raise kv_budget_tokens, shorten the "
+                                     f"extension, or drop more tokens")
+        max_pos = getattr(self.model.config, "max_position_embeddings", None)
+        last = max(r.refeed_pos + len(x) for r, x in zip(self.requests, ext))
+        if max_pos and last >= max_pos:
+            warnings.warn(f"extend() feeds position {last}, beyond the model's max_position_embeddings {max_pos}: "
+                          f"positions past it are extrapolation", stacklevel=2)
+        updates = []
+        for start in range(0, len(self.requests), self.prefill_batch_size):
+            updates += self._extend_batch(self.requests[start:start + self.prefill_batch_size],
+                                          ext[start:start + self.prefill_batch_size])
+        for r, x, (kv, query) in zip(self.requests, ext, updates):  # every forward succeeded: commit
+            first = r.refeed_pos + 1
+            if r.positions is not None:
+                r.positions = torch.cat([r.positions, torch.arange(first, first + len(x))])
+            r.kv, r.query = kv, query
+            r.tokens, r.prompt_ids = r.tokens + x, r.prompt_ids + x  # new lists: snapshots of a request stay valid
+            r.refeed_pos = first + len(x) - 1
+        return [r.kv for r in self.requests]
+
+    def _extend_batch(self, reqs: list[_Request], ext: list[list[int]]) -> list[tuple]:
+        """One padded forward of `ext` over the caches of `reqs`; returns each request's new `(kv, query)`.
+
+        Layout per row `b` (cache width `C = max T_b`, extension width `M = max m_b`): `[pad, cache_b, pad,
+        ext_b]`, the padding masked out; masks are built by position (the slot store's rule), so sliding windows
+        apply as in `decode`.
+        """
+        B, L = len(reqs), self.facts.num_layers
+        lens, ms = [r.kv.shape[2] for r in reqs], [len(x) for x in ext]
+        C, M = max(lens), max(ms)
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        keys = torch.zeros((L, B, self.facts.num_kv_heads, C, self.facts.head_dim), dtype=self.model.dtype,
+                           device=self.device)
+        values = torch.zeros_like(keys)
+        key_pos = torch.zeros((B, C + M), dtype=torch.long)  # position of every key column
+        key_ok = torch.zeros((B, C + M), dtype=torch.bool)  # False on padding
+        input_ids = torch.full((B, M), pad_id, dtype=torch.long)
+        query_pos = torch.zeros((B, M), dtype=torch.long)
+        for b, (r, x) in enumerate(zip(reqs, ext)):
+            T, m, first = lens[b], ms[b], r.refeed_pos + 1
+            k, v = self._row_kv(r.kv)  # [L, H_kv, T, d]
+            keys[:, b, :, C - T:], values[:, b, :, C - T:] = k, v
+            key_pos[b, C - T:C] = r.positions if r.positions is not None else torch.arange(T)
+            key_ok[b, C - T:C] = True
+            new_pos = torch.arange(first, first + m)
+            input_ids[b, M - m:] = torch.tensor(x)
+            query_pos[b] = first  # padding rows: any position (their outputs are discarded)
+            query_pos[b, M - m:] = new_pos
+            key_pos[b, C + M - m:], key_ok[b, C + M - m:] = new_pos, True
+        cache = self._new_cache()
+        for layer in range(L):
+            cache.update(keys[layer], values[layer], layer)
+        del keys, values
+        # [B, M, C + M]: a real key at a position <= the query's (causal by position, as the slot store masks)
+        allowed = key_ok[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
+        rows = torch.arange(M)
+        padded_query = rows[None, :] < (M - torch.tensor(ms))[:, None]  # [B, M]
+
+        def mask(window):
+            a = allowed if window is None else allowed & (key_pos[:, None, :] > query_pos[:, :, None] - window)
+            a = a.clone()
+            a[:, rows, C + rows] |= padded_query  # a padding query sees itself only (no all-masked row)
+            a = a[:, None].to(self.device)  # [B, 1, M, C + M]
+            if additive is None:
+                return a
+            return torch.zeros(a.shape, dtype=additive, device=self.device).masked_fill_(~a, torch.finfo(additive).min)
+
+        if self._mask_windows is None:
+            additive = self.model.dtype if "eager" in self.model.config._attn_implementation else None
+            masks = mask(None)
+        else:
+            additive = self.model.dtype
+            masks = {key: mask(w) for key, w in self._mask_windows.items()}
+            masks = masks[None] if None in masks else masks
+        recorder = QueryRecorder(self.query_window)
+        with recording(recorder):
+            self._forward(input_ids.to(self.device), masks, query_pos.to(self.device), cache)
+        out = []
+        for b, r in enumerate(reqs):
+            m = ms[b]
+            # cache layer [B, H_kv, C + M, d] -> this row's new [L, m, H_kv*d]
+            k = torch.stack([lay.keys[b, :, C + M - m:, :].transpose(0, 1).reshape(m, -1) for lay in cache.layers])
+            v = torch.stack([lay.values[b, :, C + M - m:, :].transpose(0, 1).reshape(m, -1) for lay in cache.layers])
+            kv = torch.cat([r.kv, torch.stack([k, v])], dim=2)  # [2, L, T + m, D]
+            query = None
+            if self.query_window != 0:
+                # recorded [B, Hq, <= window, d] -> this row's last extension rows [L, t, Hq*d]
+                t = min(m, recorder.layers[0].shape[2])
+                query = torch.stack([recorder.layers[i][b, :, -t:, :].transpose(0, 1).reshape(t, -1)
+                                     for i in range(L)])
+                if r.query is not None:  # rows aligned to the end of the cache: earlier rows, then these
+                    query = torch.cat([r.query, query], dim=1)
+                if self.query_window is not None:
+                    query = query[:, -self.query_window:]
+            out.append((kv, query))
+        return out
     @torch.inference_mode()
     def decode(self, max_tokens: int | Sequence[int] = 64, *, temperature: float = 0.0, ignore_eos: bool = True, seed: int = 0,
                keep_logits: bool = False) -> list[RequestOutput]:

@@ -798,6 +798,47 @@ class LMCacheEngine:
                           stacklevel=2)
         return ModifyReport(edited=len(edits), failures=failures)
 
+    def extend(self, prompts) -> list[int]:
+        """Append tokens to every request (the query-agnostic flow, SPEC §3: prefill(context) -> modify ->
+        extend(question) -> decode).
+
+        Nothing is sent now: each request's decode prompt becomes its cached tokens (the kept tokens after an
+        edit) followed by the extension, under the same cache salt, so at `decode` vLLM loads the (edited) cached
+        chunks from LMCache and prefills the extension on top of them at the next compact positions — the KV the
+        `hf` engine's `extend` computes. `tokens(i)` keeps returning what LMCache holds (without the extension).
+        A `modify` after `extend` and before `decode` would look for chunks LMCache does not hold yet (vLLM
+        stores the extension's KV when `decode` prefills it): decode first.
+
+        Args:
+            prompts: one string (tokenized without special tokens: pass `" " + question`) or token-id list per
+                request, in request order; each at least one token.
+
+        Returns:
+            Each request's decode prompt length (cached tokens + extension).
+
+        Raises:
+            RuntimeError: called before `prefill`.
+            TypeError / ValueError: not one extension per request, an empty extension, a prompt that reaches
+                vLLM's max_model_len, or one that leaves no KV token to decode into under `kv_budget_tokens`.
+                Nothing is changed when any check fails.
+        """
+        from .base import tokenize_extensions
+
+        self._require_requests("extend()")
+        ext = tokenize_extensions(self.tokenizer, prompts, len(self.requests))
+        for r, x in zip(self.requests, ext):
+            n = len(r.tokens) + len(x)
+            if self.max_model_len and n >= self.max_model_len:
+                raise ValueError(f"request {r.request_id} would be {n} tokens ({len(r.tokens)} + {len(x)} extension) "
+                                 f"but vLLM's max_model_len is {self.max_model_len}; shorten the extension or drop more")
+            if self.kv_budget_tokens is not None and n + 1 > self.kv_budget_tokens:
+                raise ValueError(f"request {r.request_id} would hold {n} KV tokens ({len(r.tokens)} cached + {len(x)} "
+                                 f"extension) and needs at least one more to decode, but kv_budget_tokens is "
+                                 f"{self.kv_budget_tokens}; raise kv_budget_tokens, shorten the extension, or drop more")
+        for r, x in zip(self.requests, ext):
+            r.tokens = r.tokens + x  # a new list: the cached prefix r.tokens[:r.cached] is unchanged
+        return [len(r.tokens) for r in self.requests]
+
     def decode(self, max_tokens: int = 64, *, temperature: float = 0.0, ignore_eos: bool = True, seed: int = 0,
                keep_logits: bool = False) -> list[RequestOutput]:
         """Decode `max_tokens` per request on vLLM from the (edited) caches; one `RequestOutput` per request.

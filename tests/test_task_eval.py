@@ -1,0 +1,153 @@
+"""The RULER-style task benchmark's machinery (`tdutils.evaluate.task_eval`, its summaries and command line).
+
+These tests check the flow and the bookkeeping with the bundled passkey model (same tokenizer; it is not trained
+on the tasks, so its answers are wrong, but the same token sequence must still give the same answer): the
+query-agnostic full cache (prefill(context) -> extend(question)) answers exactly as the query-aware one
+(prefill(prompt)), a ratio-0 edit exactly as the full cache, and the tables are computed from the rows they
+summarise. The accuracy regression on the trained model lives in `tests/test_accuracy.py`.
+"""
+
+import argparse
+import json
+
+import pandas as pd
+import pytest
+
+from tdutils.data import RULER_TASKS, make_task_dataset
+from tdutils.evaluate import (TASK_COLUMNS, add_arguments, leaderboard, run, split_question, task_eval,
+                              task_markdown)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread (tiny models, shared cores)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    from tdutils.engines.hf import HFEngine
+
+    model, tok = tiny
+    return HFEngine(model, tokenizer=tok, progress=False, prefill_batch_size=4, query_window=0)
+
+
+@pytest.fixture(scope="module")
+def small(engine):
+    responses = {}
+    table = task_eval(tasks=("niah_single", "niah_multiquery"), policies=("full", "snapkv", "random"),
+                      drop_ratios=(0.0, 0.5), context_lengths=(160,), n=6, seed=2, engine=engine, batch_size=4,
+                      responses=responses)
+    return table, responses
+
+
+@pytest.mark.parametrize("task", RULER_TASKS)
+def test_split_question_gives_the_aware_prompts_tokens(tiny, task):
+    _, tok = tiny
+    for ex in make_task_dataset(task, 3, 200, tokenizer=tok, seed=4):
+        context, question = split_question(tok, ex)
+        assert context + question == tok(ex["prompt"])["input_ids"]
+        assert context == tok(ex["context"])["input_ids"]
+        assert question == tok(" " + ex["question"], add_special_tokens=False)["input_ids"]
+
+
+def test_rows_columns_and_bookkeeping(small):
+    table, _ = small
+    assert tuple(table.columns) == TASK_COLUMNS
+    # length -> task -> mode -> policy -> ratio; "full" is one row at ratio 0
+    cells = [("full", 0.0), ("snapkv", 0.0), ("snapkv", 0.5), ("random", 0.0), ("random", 0.5)]
+    expect = [(t, m, p, r) for t in ("niah_single", "niah_multiquery") for m in ("aware", "agnostic") for p, r in cells]
+    assert list(zip(table["task"], table["mode"], table["policy"], table["drop_ratio"])) == expect
+    assert (table["n"] == 6).all() and (table["context_length"] == 160).all()
+    assert (table["correct"] == (table["accuracy"] * 6).round()).all()
+    # (answers.wilson_interval's ends are off by ~1e-16 at 0 and n correct)
+    assert ((table["ci_low"] <= table["accuracy"] + 1e-12) & (table["accuracy"] <= table["ci_high"] + 1e-12)).all()
+    assert ((0 <= table["partial"]) & (table["partial"] <= 1) & (table["partial"] >= table["accuracy"])).all()
+    aware = table[(table["mode"] == "aware")]
+    assert list(aware["kept_tokens"]) == [160, 160, 80, 160, 80] * 2  # keep_count(160, 0.5) = 80
+    agnostic = table[(table["mode"] == "agnostic") & (table["drop_ratio"] == 0.5)]
+    assert (agnostic["kept_tokens"] > 80).all()  # the context's kept tokens plus the question
+    assert (table.loc[table["policy"] == "full", "modify_s"] == 0).all()
+    # the longest gold answer + 2: "V ." is 6 tokens; four "key = V" items are 4 * 7 + 3 commas + "." = 32
+    assert set(table.loc[table["task"] == "niah_single", "max_tokens"]) == {8}
+    assert set(table.loc[table["task"] == "niah_multiquery", "max_tokens"]) == {34}
+
+
+def test_agnostic_full_cache_answers_as_aware_and_ratio_zero_as_full(small):
+    """prefill(context) + extend(question) holds the prompt's cache, so greedy answers are identical; a ratio-0
+    edit returns the cache unchanged (SPEC §5), in both modes."""
+    _, responses = small
+    for task in ("niah_single", "niah_multiquery"):
+        full = responses[task, "aware", "full", 0.0, 160]
+        assert responses[task, "agnostic", "full", 0.0, 160] == full
+        for mode in ("aware", "agnostic"):
+            for policy in ("snapkv", "random"):
+                assert responses[task, mode, policy, 0.0, 160] == full
+
+
+def test_leaderboard_and_markdown_are_computed_from_the_rows():
+    rows = []
+    for task, correct in (("niah_single", (10, 8, 2)), ("variable_tracking", (6, 4, 0))):
+        for (policy, ratio), c in zip((("full", 0.0), ("snapkv", 0.5), ("snapkv", 0.9)), correct):
+            rows.append({"task": task, "mode": "aware", "policy": policy, "drop_ratio": ratio, "context_length": 1024,
+                         "n": 10, "correct": c, "accuracy": c / 10, "partial": c / 10})
+    table = pd.DataFrame(rows)
+    board = leaderboard(table)
+    got = {(p, r): a for p, r, a in zip(board["policy"], board["drop_ratio"], board["accuracy"])}
+    assert got == pytest.approx({("full", 0.0): 0.8, ("snapkv", 0.5): 0.6, ("snapkv", 0.9): 0.1})
+    md = task_markdown(table).splitlines()
+    assert md[0] == "Exact match (%), 1024 tokens, n = 10 per task and length"
+    assert md[2] == "| mode | policy | drop ratios | niah_single | variable_tracking | average |"
+    assert md[4] == "| aware | full | 0 | 100.0 | 60.0 | 80.0 |"
+    assert md[5] == "| aware | snapkv | 0.5 / 0.9 | 80.0 / 20.0 | 40.0 / 0.0 | 60.0 / 10.0 |"
+    with pytest.raises(ValueError, match="no rows at context length 2048"):
+        task_markdown(table, context_length=2048)
+
+
+def _args(argv):
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    return ap.parse_args(argv)
+
+
+def test_cli_runs_the_tasks_and_writes_json_and_the_leaderboard_plot(tmp_path, capsys):
+    out, png = tmp_path / "eval.json", tmp_path / "board.png"
+    args = _args(["--tasks", "niah_single,variable_tracking", "--model", "tiny-qwen3", "--policies", "full", "random",
+                  "--drop-ratios", "0.5", "--context-lengths", "128", "--n", "3", "--seed", "2", "--json", str(out),
+                  "--plot", str(png), "--quiet"])
+    assert run(args) == 0
+    printed = capsys.readouterr().out
+    assert "| mode | policy | drop ratios | niah_single | variable_tracking | average |" in printed, printed
+    report = json.loads(out.read_text())
+    assert report["meta"]["tasks"] == ["niah_single", "variable_tracking"]
+    assert report["meta"]["modes"] == ["aware", "agnostic"]  # --mode defaults to both
+    keys = {"task", "mode", "policy", "drop_ratio", "context_length", "n", "accuracy", "ci_low", "ci_high", "partial"}
+    assert all(keys <= set(r) for r in report["rows"]), report["rows"][0]
+    assert len(report["rows"]) == 2 * 2 * 2  # tasks x modes x (full, random@0.5)
+    assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tasks", "passkey", "--mode", "agnostic"], "aware mode only"),
+    (["--tasks", "passkey", "niah_single"], "runs alone"),
+    (["--tasks", "niah_everything"], "unknown 'niah_everything'"),
+    (["--tasks", "all", "--policies", "nope"], "unknown 'nope'"),
+])
+def test_cli_refuses_bad_task_options_before_running(argv, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        run(_args([*argv, "--json", str(tmp_path / "x.json")]))
+
+
+def test_task_eval_refuses_bad_input(engine):
+    with pytest.raises(ValueError, match="unknown task"):
+        task_eval(tasks=("niah_none",), engine=engine, n=1)
+    with pytest.raises(ValueError, match="unknown mode"):
+        task_eval(modes=("sideways",), engine=engine, n=1)
+    with pytest.raises(ValueError, match="training stream"):
+        task_eval(seed=10_000_000, n=1)
+
+
+def test_bench_summary_of_a_stored_task_run_is_the_per_task_table(small):
+    """`python bench/accuracy.py --summary RUN.json` prints `task_markdown` of the stored rows (what the README's
+    per-task table is written from)."""
+    from test_bench_results import _bench
+
+    table, _ = small
+    report = json.loads(table.to_json(orient="records"))
+    assert _bench("accuracy").readme_summary({"rows": report}) == task_markdown(table)
