@@ -298,11 +298,13 @@ def find_vllm(vllm_dir: str | os.PathLike | None = None, python: str | None = No
     return VllmInstall(pkg, read_version(pkg))
 
 
-def find_lmcache(near: VllmInstall | None = None, python: str | None = None) -> VllmInstall | None:
-    """LMCache next to `near` (the same site-packages), else in `python`'s environment, else in this one;
-    None when it is not installed there. Never imports it."""
+def find_lmcache(near: VllmInstall | str | os.PathLike | None = None, python: str | None = None) -> VllmInstall | None:
+    """LMCache next to `near` (vLLM's install, or its package / site-packages folder: the same site-packages),
+    else in `python`'s environment, else in this one; None when it is not installed there. Never imports it."""
     if near is not None:
-        pkg = near.root / "lmcache"
+        root = near.root if isinstance(near, VllmInstall) else Path(near)
+        root = root.parent if root.name == "vllm" else root
+        pkg = root / "lmcache"
     elif python is not None:
         code = ("import importlib.util as u; s = u.find_spec('lmcache'); "
                 "print(s.submodule_search_locations[0] if s else '')")
@@ -470,7 +472,7 @@ def main(argv=None) -> int:
             vllm = find_vllm(args.vllm_dir, args.python)
             installs.append(vllm)
         if args.target in ("all", "lmcache"):
-            lmc = find_lmcache(vllm, args.python if vllm is None else None)
+            lmc = find_lmcache(vllm or args.vllm_dir, args.python if vllm is None else None)
             if lmc is not None:
                 installs.append(lmc)
             elif args.target == "lmcache":
