@@ -344,22 +344,13 @@ def _vllm_loads(log: Path, tokens: int) -> int:
                for line in log.read_text(errors="replace").splitlines())
 
 
-def _claims(nb_path: Path) -> dict:
-    """The `claims: {...}` line a notebook printed."""
-    nb = json.loads(nb_path.read_text())
-    for cell in nb["cells"]:
-        for o in cell.get("outputs", []):
-            for line in "".join(o.get("text", "")).splitlines():
-                if line.startswith("claims: "):
-                    return json.loads(line.removeprefix("claims: "))
-    pytest.fail(f"no claims line in {nb_path}")
-
-
 def test_snapkv_notebook_on_the_lmcache_engine(servers, tmp_path, monkeypatch):
     """notebooks/snapkv_token_dropping.ipynb under papermill with engine="lmcache" against these servers; its
     kernel is the servers' Python (it has lmcache's SDK) with tdutils on PYTHONPATH. Its claims (accuracy per
     run, needle tokens kept) equal the same notebook's on the hf engine."""
     import papermill as pm
+
+    from tdutils.claims import read as read_claims
 
     spec = tmp_path / "kernels" / "tdutils-servers"
     spec.mkdir(parents=True)
@@ -381,7 +372,7 @@ def test_snapkv_notebook_on_the_lmcache_engine(servers, tmp_path, monkeypatch):
         except pm.PapermillExecutionError as exc:
             _fail(f"{exc.ename}: {exc.evalue}\n{''.join(exc.traceback)}", f"the notebook on engine {engine}", servers)
         assert "snapkv@0.5:" in out.read_text(), out.read_text()[-3000:]
-        claims[engine] = _claims(out)
+        claims[engine] = read_claims(out)
     servertier.FIGURES["snapkv notebook claims"] = claims
     assert claims["lmcache"] == claims["hf"], claims
     assert claims["lmcache"]["accuracy"]["snapkv@0.5"] == claims["lmcache"]["accuracy"]["baseline"] == 1.0, claims
