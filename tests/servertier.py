@@ -283,7 +283,13 @@ class Servers:
             str(self.model_dir), port=self.vllm_port, lmcache_port=self.lmcache_port if self.connector else None,
             python=str(venv_python(self.venv)), dtype=self.dtype, max_model_len=self.max_model_len,
             transfer_intermediate_tensors=True, lmcache_driven=True,
-            extra_args=["--served-model-name", self.model_name, "--host", "127.0.0.1"])
+            # A 30 s heartbeat: on the loaded 2-core machine LMCache missed the default 10 s ping once and vLLM
+            # then failed the requests' KV loads (LMCache's server reaps a worker after 120 s, > 3 x 30 s).
+            connector_config={"lmcache.mp.heartbeat_interval": 30},
+            # One prefill step holds every prompt of a test (4 x 1024 tokens and more): a prompt split over
+            # steps by chunked prefill gets no query rows captured.
+            extra_args=["--served-model-name", self.model_name, "--host", "127.0.0.1",
+                        "--max-num-batched-tokens", "16384"])
         if not self.token_ids_flag:  # the doctor test's misconfigured vLLM
             cmd.remove("--return-tokens-as-token-ids")
         return cmd
