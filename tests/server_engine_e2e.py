@@ -8,7 +8,8 @@ patch their queries, under the run's prefill salt), retrieve each request's KV a
 drop half of every request's tokens with SnapKV, store the result under each request's own edit salt, then
 let vLLM decode greedily from the edited caches. The same padded prompts go through the `hf` engine in
 float32 (prefill, SnapKV, compact positions, greedy decode); the report carries both engines' kept indices
-and output ids and the largest differences of the tensors SnapKV read.
+and output ids and the largest differences of the tensors SnapKV read. Then the same for R-KV (key
+redundancy + window attention), under `"rkv"`.
 """
 
 import argparse
@@ -44,6 +45,13 @@ def main() -> int:
         report = eng.modify(fn)
         kept_lm = [eng.tokens(i) for i in range(len(padded))]
         outs = eng.decode(max_tokens=args.max_tokens)
+        rkv = tdutils.make_drop_fn("rkv", drop_ratio=0.5, model_config=eng.config)
+        eng.capture_for(rkv)
+        eng.prefill(ids)
+        rkv_keep_lm = [rkv.keep_indices(eng.tensors(i), padded[i]).tolist() for i in range(len(padded))]
+        eng.modify(rkv)
+        rkv_kept_lm = [eng.tokens(i) for i in range(len(padded))]
+        rkv_out = [o.output_ids for o in eng.decode(max_tokens=args.max_tokens)]
         rep = {"engine_kv_format": eng.engine_kv_format, "block_size": eng.block_size,
                "fused_arrangement": eng.fused_arrangement, "chunk_size": eng.chunk_size,
                "prompt_lengths": [len(x) for x in ids], "padded_lengths": lengths,
@@ -77,6 +85,14 @@ def main() -> int:
     ref.modify(fn)
     rep["kept_equal"] = [ref.tokens(i) == kept_lm[i] for i in range(len(padded))]
     rep["output_ids_hf"] = [o.output_ids for o in ref.decode(max_tokens=args.max_tokens)]
+
+    ref.capture_for(rkv)
+    ref.prefill(padded)
+    keep_hf = [rkv.keep_indices(ref.tensors(i), padded[i]).tolist() for i in range(len(padded))]
+    ref.modify(rkv)
+    rep["rkv"] = {"keep_lmcache": rkv_keep_lm, "keep_hf": keep_hf,
+                  "kept_equal": [ref.tokens(i) == rkv_kept_lm[i] for i in range(len(padded))],
+                  "output_ids": rkv_out, "output_ids_hf": [o.output_ids for o in ref.decode(max_tokens=args.max_tokens)]}
     print(json.dumps(rep))
     return 0
 

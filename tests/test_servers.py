@@ -301,7 +301,7 @@ def test_the_layout_patch_fixes_the_upstream_error(servers):
 def test_lmcache_engine_end_to_end(servers):
     """prefill -> retrieve KV and queries through the SDK -> SnapKV drops half -> store under each request's
     edit salt -> vLLM decodes; the hf engine on the same padded prompts keeps the same tokens and decodes the
-    same greedy tokens (float32 on both sides)."""
+    same greedy tokens (float32 on both sides). Then R-KV the same way."""
     log = servers.workdir / "lmcache-main.log"
     loads_before = _vllm_loads(log, 512)
     proc = _in_server_venv(servers, ["tests/server_engine_e2e.py", "--vllm-url", servers.vllm_url, "--lmcache-url",
@@ -314,7 +314,8 @@ def test_lmcache_engine_end_to_end(servers):
     servertier.FIGURES["lmcache engine vs hf"] = (
         f"kept equal {rep['kept_equal']}, outputs {rep['output_ids']} vs {rep['output_ids_hf']}, max |diff| KV "
         f"{rep['max_abs_diff_kv']:.2e}, queries {rep['max_abs_diff_query']:.2e}, SnapKV scores "
-        f"{rep['max_abs_diff_snapkv_scores']:.2e}")
+        f"{rep['max_abs_diff_snapkv_scores']:.2e}; R-KV kept equal {rep['rkv']['kept_equal']}, outputs "
+        f"{rep['rkv']['output_ids']} vs {rep['rkv']['output_ids_hf']}")
     assert (rep["engine_kv_format"], rep["block_size"], rep["fused_arrangement"]) == ("NL_X_NB_NH_BS_CS", 128, "kt_v"), out
     c = rep["chunk_size"]
     assert all(n % c == 0 and 0 <= n - x < c for n, x in zip(rep["padded_lengths"], rep["prompt_lengths"])), out
@@ -332,6 +333,10 @@ def test_lmcache_engine_end_to_end(servers):
     assert rep["max_abs_diff_snapkv_scores"] < 1e-5, out
     assert rep["keep_lmcache"] == rep["keep_hf"] and rep["kept_equal"] == [True, True], out
     assert rep["output_ids"] == rep["output_ids_hf"], out
+    # R-KV (window attention + key redundancy) through the same path: same kept tokens, same greedy output.
+    rkv = rep["rkv"]
+    assert rkv["keep_lmcache"] == rkv["keep_hf"] and rkv["kept_equal"] == [True, True], out
+    assert rkv["output_ids"] == rkv["output_ids_hf"] and [len(x) for x in rkv["output_ids"]] == [8, 8], out
     # vLLM decoded from the edited caches: LMCache served it the 512 kept tokens of each request.
     loads = _vllm_loads(log, 512) - loads_before
     assert loads >= 2, f"LMCache log shows {loads} loads of 512 tokens into vLLM:\n{servers.log_tails()}"
