@@ -309,7 +309,8 @@ class LMCacheEngine:
                  pad_token_id: int | None = None, kv_budget_tokens: int | None = None,
                  max_batch_size: int | None = None, check_rows: int = 4, clear_cache: bool = True,
                  timeout: float = 120.0, http_timeout: float = 10.0, retrieve_timeout: float = 60.0,
-                 fused_arrangement: str = "auto", positions: str = "compact", dtype="auto", device=None, progress: bool = True, sdk=None):
+                 fused_arrangement: str = "auto", positions: str = "compact", dtype="auto", device=None,
+                 progress: bool = True, sdk=None):
         if align not in ALIGN:
             raise ValueError(f"align must be one of {ALIGN}, got {align!r}")
         if fused_arrangement not in FUSED_ARRANGEMENTS:
