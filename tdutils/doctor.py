@@ -1,10 +1,11 @@
 """`python -m tdutils doctor`: check a vLLM + LMCache serving setup end to end and print what to fix.
 
 Checks, in order (each with a finite timeout): the LMCache server answers `/healthcheck` and `/config`
-(chunk size); vLLM answers `/v1/models` and serves the model; vLLM's version (`/version`) lies in the
-range the query-export patch was tested on; the patch state of a vLLM visible from here (`--vllm-dir`,
-`--vllm-python`, or this environment); LMCache has the model's KV layout registered (vLLM runs with the
-LMCache MP connector) and, for policies that need queries, a query registration; a one-token completion
+(chunk size); vLLM answers `/v1/models` and serves the model; which query-export patch fits vLLM's
+version (`/version`; `tdutils.patches.PATCHES`); the patch state of a vLLM visible from here (`--vllm-dir`,
+`--vllm-python`, or this environment) and of the LMCache installed next to it (fused K/V layout patch);
+LMCache has the model's KV layout registered (vLLM runs with the LMCache MP connector), in a form its SDK
+can read, and, for policies that need queries, a query registration; a one-token completion
 streams token ids (`--return-tokens-as-token-ids`) whose count matches the reported usage.
 Exit status 0 when nothing failed (warnings allowed), 1 otherwise.
 """
@@ -124,37 +125,69 @@ def _vllm_version(rep: Report, url: str, timeout: float) -> None:
         rep.add(WARN, f"vLLM's /version is unavailable ({exc})")
         return
     try:
-        check_version(str(version))
+        spec = check_version(str(version))
     except PatchError:
-        rep.add(WARN, f"vLLM {version} is outside the range the query-export patch was tested on ({SUPPORTED_TEXT})",
-                "pip install vllm==0.25.1 in vLLM's environment (policies without queries are unaffected)",
+        rep.add(WARN, f"vLLM {version} is outside the ranges the query-export patches were written for "
+                      f"({SUPPORTED_TEXT})",
+                "install one of those vLLM versions in vLLM's environment (policies without queries are unaffected)",
                 queries=True)
         return
-    rep.add(OK, f"vLLM version {version} (patch tested on {SUPPORTED_TEXT})")
+    rep.add(OK, f"vLLM version {version} (query-export patch that fits it: {spec.name})")
 
 
 def _patch_state(rep: Report, vllm_dir: str | None, python: str | None) -> None:
-    from .patches import SUPPORTED_TEXT, PatchError, find_vllm, status
+    from .patches import SUPPORTED_TEXT, PatchError, find_vllm, fitting_patch, load_patch, patch_for, status
 
     try:
         install = find_vllm(vllm_dir, python, options=("--vllm-python", "--vllm-dir"))
-        state = status(install).state
+        spec = patch_for("vllm", install.version)
+        state = status(install, load_patch(spec or fitting_patch(install))).state
     except (PatchError, OSError) as exc:
         rep.add(WARN, f"patch state unknown: {exc}",
                 "run `python -m tdutils.patches check` in vLLM's environment, or pass --vllm-python / --vllm-dir",
                 queries=True)
         return
+    _lmcache_patch_state(rep, install)
     if state == "applied":
-        rep.add(OK, f"vLLM {install.version} at {install.package_dir} is patched to export query tensors")
+        rep.add(OK, f"vLLM {install.version} at {install.package_dir} is patched to export query tensors"
+                    + (f" ({spec.name})" if spec else ""))
     elif state == "conflict":  # `apply` refuses such a vLLM: say what does help
         rep.add(FAIL, f"vLLM {install.version} at {install.package_dir}: the query-export patch does not fit this "
-                      f"vLLM (its code differs from the versions the patch was written for, {SUPPORTED_TEXT})",
-                f"install vLLM {SUPPORTED_TEXT} in vLLM's environment (pip install vllm==0.25.1), or run "
+                      f"vLLM (its code differs from the versions the patches were written for, {SUPPORTED_TEXT})",
+                f"install a vLLM one of them fits in vLLM's environment (e.g. pip install vllm==0.33.0), or run "
                 f"policies without queries ({', '.join(_query_free())}) and pass --no-queries", queries=True)
     else:
-        rep.add(FAIL, f"vLLM {install.version} at {install.package_dir}: query-export patch {state}",
+        rep.add(FAIL, f"vLLM {install.version} at {install.package_dir}: query-export patch {state}"
+                      + (f" ({spec.name})" if spec else ""),
                 "python -m tdutils.patches apply" + (f" --python {python}" if python else "")
                 + (f" --vllm-dir {vllm_dir}" if vllm_dir else "") + ", then restart vLLM", queries=True)
+
+
+def _lmcache_patch_state(rep: Report, vllm: object) -> None:
+    """The LMCache layout patch next to vLLM (the servers' environment): reported when LMCache is there."""
+    from .patches import PatchError, find_lmcache, patch_for, status
+
+    try:
+        install = find_lmcache(vllm)
+        if install is None:
+            return
+        spec = patch_for("lmcache", install.version)
+        if spec is None:
+            rep.add(WARN, f"LMCache {install.version} at {install.package_dir}: no fused K/V layout patch was written "
+                          f"for this version; vLLM's CPU backend needs it (GPU backends do not)")
+            return
+        state = status(install).state
+    except (PatchError, OSError) as exc:
+        rep.add(WARN, f"LMCache patch state unknown: {exc}")
+        return
+    if state == "applied":
+        rep.add(OK, f"LMCache {install.version} at {install.package_dir} is patched to read fused K/V layouts "
+                    f"({spec.name})")
+    else:
+        rep.add(WARN, f"LMCache {install.version} at {install.package_dir}: fused K/V layout patch {spec.name} "
+                      f"{state}; vLLM's CPU backend needs it (GPU backends do not)",
+                "python -m tdutils.patches apply --target lmcache --python PY-OF-THAT-ENVIRONMENT, then restart "
+                "the LMCache server")
 
 
 def _registration(rep: Report, status: dict, model: str, root: str | None, queries: bool) -> None:
@@ -206,24 +239,42 @@ def _policies(rep: Report, no_queries: bool) -> None:
 
 
 def _layout_readable(rep: Report, entry: dict, model: str) -> None:
-    """FAIL when LMCache publishes a KV layout its own SDK cannot read.
+    """Whether LMCache's SDK can read the KV layout vLLM registered.
 
     LMCache's SDK (0.5.6) reads each kernel group's `engine_kv_concrete_shape`, e.g. `"2 x [16384, 2, 128,
-    32]"`, by splitting it at `[`. For vLLM's CPU backend (fused K/V, engine KV format `NL_X_NB_NH_BS_CS`)
-    the server publishes `"Unknown (EngineKVFormat.NL_X_NB_NH_BS_CS)"` instead, and the SDK's connect fails
-    with "failed to decode KV cache layout" (tests/repro_lmcache_cpu_fused_layout.py).
+    32]"`, by splitting it at `[`. For vLLM's CPU backend (fused K/V, engine KV format `NL_X_NB_NH_BS_CS`) an
+    unpatched LMCache server publishes `"Unknown (EngineKVFormat.NL_X_NB_NH_BS_CS)"` instead, and the SDK's
+    connect fails with "failed to decode KV cache layout" (tests/repro_lmcache_cpu_fused_layout.py): FAIL,
+    the fix is tdutils' LMCache patch. A published fused layout is OK (the lmcache engine re-shapes its
+    blocks, `tdutils.engines.kvlayout`), with a warning when it is not float32 (the only dtype whose CPU
+    packing was measured, SPEC §6).
     """
+    from .engines.kvlayout import FUSED_FORMATS
+
     groups = (entry.get("kv_cache_layout") or {}).get("kernel_groups") or []
     bad = [g for g in groups if "[" not in str(g.get("engine_kv_concrete_shape", "["))]
-    if not bad:
+    if bad:
+        g = bad[0]
+        rep.add(FAIL, f"LMCache cannot describe the KV layout vLLM registered for {model!r}: engine KV format "
+                      f"{g.get('engine_kv_format')} ({g.get('attention_backend')}), concrete shape "
+                      f"{g.get('engine_kv_concrete_shape')!r}; LMCache's SDK cannot connect to it, so the lmcache "
+                      f"engine cannot edit this cache",
+                "lmcache 0.5.6 needs tdutils' patch for the fused K/V layout of vLLM's CPU backend: python -m "
+                "tdutils.patches apply --target lmcache --python PY-OF-THE-SERVERS-ENVIRONMENT, then restart LMCache "
+                "and vLLM")
         return
-    g = bad[0]
-    rep.add(FAIL, f"LMCache cannot describe the KV layout vLLM registered for {model!r}: engine KV format "
-                  f"{g.get('engine_kv_format')} ({g.get('attention_backend')}), concrete shape "
-                  f"{g.get('engine_kv_concrete_shape')!r}; LMCache's SDK cannot connect to it, so the lmcache "
-                  f"engine cannot edit this cache",
-            "run vLLM on a GPU (README, 'On a GPU'); lmcache 0.5.6 cannot read the fused K/V layout of vLLM's "
-            "CPU backend (NL_X_NB_NH_BS_CS)")
+    fused = [g for g in groups if g.get("engine_kv_format") in FUSED_FORMATS]
+    if not fused:
+        return
+    g = fused[0]
+    line = (f"LMCache describes the fused K/V layout vLLM registered for {model!r}: {g.get('engine_kv_format')}, "
+            f"{g.get('engine_kv_concrete_shape')}, {g.get('dtype')}; the lmcache engine re-shapes its blocks "
+            f"(K transposed then V per block and head, as vLLM's CPU backend writes them)")
+    if str(g.get("dtype")) in ("torch.float32", "float32"):
+        rep.add(OK, line)
+    else:
+        rep.add(WARN, line + f"; measured in float32 only, vLLM-CPU packs {g.get('dtype')} blocks differently",
+                "serve with --dtype float32 on the CPU")
 
 
 def _token_ids(rep: Report, url: str, model: str, timeout: float) -> None:

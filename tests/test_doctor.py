@@ -18,7 +18,7 @@ def _doctor(*argv):
     return args.func(args, out=out), out.getvalue()
 
 
-def _routes(*, as_text=False, registered=True, queries=True, version="0.25.1"):
+def _routes(*, as_text=False, registered=True, queries=True, version="0.25.1", groups=None):
     """Stand-in routes of vLLM (OpenAI server) and the LMCache server's HTTP API on one port."""
     def completions(h, body):
         h.start_sse()
@@ -27,7 +27,7 @@ def _routes(*, as_text=False, registered=True, queries=True, version="0.25.1"):
         h.write_line(usage_chunk(len(body["prompt"]), 2))
         h.write_line("data: [DONE]")
 
-    meta = {"7": {"model_name": MODEL, "world_size": 1, "kv_cache_layout": {"num_layers": 28}}}
+    meta = {"7": {"model_name": MODEL, "world_size": 1, "kv_cache_layout": {"num_layers": 28, "kernel_groups": groups or []}}}
     qmeta = {"8": {"model_name": MODEL + "##query", "world_size": 1, "q_ring_layout": {}}}
     return {
         ("GET", "/healthcheck"): lambda h, b: h.send_json(200, {"status": "healthy"}),
@@ -127,3 +127,40 @@ def test_fix_lines_name_doctors_own_options(monkeypatch):
     assert (f"[warn] patch state unknown: vLLM is not installed in this Python environment ({sys.executable}); "
             f"point at it with --vllm-python /path/to/vllm-venv/bin/python or --vllm-dir "
             f"/path/to/site-packages/vllm") in out
+
+
+def _fused_group(shape, dtype="torch.float32"):
+    return {"engine_kv_format": "NL_X_NB_NH_BS_CS", "attention_backend": "vLLM non-MLA blocks-first, fused K/V (HND)",
+            "engine_kv_concrete_shape": shape, "tokens_per_block": 128, "dtype": dtype}
+
+
+def test_vllm_cpu_fused_layout_unpatched_patched_and_bfloat16():
+    """vLLM's CPU backend (fused K/V): a stock lmcache 0.5.6 publishes no concrete shape (its SDK cannot
+    connect: FAIL, fixed by tdutils' LMCache patch); once published, float32 is readable (the lmcache engine
+    re-shapes the blocks), bfloat16 is flagged (its CPU packing was not measured)."""
+    cases = (("Unknown (EngineKVFormat.NL_X_NB_NH_BS_CS)", "torch.float32", 1),
+             ("28 x [8192, 8, 128, 256]", "torch.float32", 0), ("28 x [8192, 8, 128, 256]", "torch.bfloat16", 0))
+    for shape, dtype, rc_expected in cases:
+        with serve(_routes(version="0.32.0", groups=[_fused_group(shape, dtype)])) as (url, _):
+            rc, out = _doctor("--vllm-url", url, "--lmcache-http-url", url, "--no-queries")
+        lines = out.splitlines()
+        assert rc == rc_expected, out
+        assert ("[  ok] vLLM version 0.32.0 (query-export patch that fits it: vllm-0.32-export-intermediate-tensors.diff)"
+                in lines), out
+        if shape.startswith("Unknown"):
+            assert (f"[FAIL] LMCache cannot describe the KV layout vLLM registered for '{MODEL}': engine KV format "
+                    f"NL_X_NB_NH_BS_CS (vLLM non-MLA blocks-first, fused K/V (HND)), concrete shape '{shape}'; "
+                    f"LMCache's SDK cannot connect to it, so the lmcache engine cannot edit this cache") in lines, out
+            assert ("       fix: lmcache 0.5.6 needs tdutils' patch for the fused K/V layout of vLLM's CPU backend: "
+                    "python -m tdutils.patches apply --target lmcache --python PY-OF-THE-SERVERS-ENVIRONMENT, then "
+                    "restart LMCache and vLLM") in lines, out
+            continue
+        line = (f"LMCache describes the fused K/V layout vLLM registered for '{MODEL}': NL_X_NB_NH_BS_CS, {shape}, "
+                f"{dtype}; the lmcache engine re-shapes its blocks (K transposed then V per block and head, as vLLM's "
+                f"CPU backend writes them)")
+        if dtype == "torch.float32":
+            assert f"[  ok] {line}" in lines, out
+        else:
+            assert (f"[warn] {line}; measured in float32 only, vLLM-CPU packs torch.bfloat16 blocks differently"
+                    in lines), out
+            assert "       fix: serve with --dtype float32 on the CPU" in lines, out

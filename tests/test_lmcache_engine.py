@@ -23,6 +23,7 @@ import tdutils
 from tdutils import CacheKind, DropFunctionError, make_drop_fn
 from tdutils.engines.capture import QueryRecorder, capture_implementation, recording
 from tdutils.engines.hf import HFEngine
+from tdutils.engines.kvlayout import fused_to_kv, kv_to_fused
 from tdutils.engines.lmcache import LMCacheEngine, QueryCheckError, ServerError
 from tdutils.models import TINY_MODEL_DIR
 
@@ -146,12 +147,15 @@ class Serving:
     """
 
     def __init__(self, tiny, chunk_size: int, *, shift_queries: bool = False, registered: bool = True,
-                 export_queries: bool = True):
+                 export_queries: bool = True, fused: str | None = None, block_size: int = 4):
         self.model, self.tok = tiny
         self.model.set_attn_implementation(capture_implementation(self.model.config._attn_implementation))
         self.backend = Backend(chunk_size)
         self.shift_queries, self.registered = shift_queries, registered
         self.export_queries = export_queries  # False: a stock vLLM without the query-export patch
+        # A fused K/V cache (vLLM's CPU backend): LMCache holds block rows `[1, L, T, H*2d]`, packed as `fused`
+        # says ("kt_v": vLLM-CPU; "k_v": K|V per token; "scrambled": neither), with `block_size` tokens a block.
+        self.fused, self.block_size = fused, block_size
         self.lock = threading.Lock()
         self.clears = 0
         self.completions = []  # (prompt, salt, loaded tokens)
@@ -166,6 +170,9 @@ class Serving:
         L = m.config.num_hidden_layers
         H, d = m.config.num_key_value_heads, m.config.head_dim
         hit = self.backend.get(MODEL, salt, prompt)
+        if hit is not None and self.fused:
+            hit = fused_to_kv(hit, block_size=self.block_size, num_kv_heads=H, head_dim=d,
+                              arrangement="k_v" if self.fused == "k_v" else "kt_v")
         n = 0 if hit is None else min(hit.shape[2], len(prompt) - 1)
         self.completions.append((list(prompt), salt, n))
         cache = DynamicCache(config=m.config)
@@ -182,7 +189,7 @@ class Serving:
         T = len(prompt)
         k = torch.stack([lay.keys[0].transpose(0, 1).reshape(T, -1) for lay in cache.layers])
         v = torch.stack([lay.values[0].transpose(0, 1).reshape(T, -1) for lay in cache.layers])
-        self.backend.put(MODEL, salt, prompt, torch.stack([k, v]))
+        self.backend.put(MODEL, salt, prompt, self._engine_layout(torch.stack([k, v])))
         first = -(-n // c)  # query chunks computed whole in this pass
         q = torch.stack([rec.layers[i][0].transpose(0, 1).reshape(T - n, -1) for i in range(L)])[None]
         if self.shift_queries:  # fault injection: every row one token late (mixed-up rows)
@@ -199,6 +206,16 @@ class Serving:
                      **{self.cache_kw: cache})
             logits, pos = step.logits[0, -1], pos + 1
         return out_ids
+
+    def _engine_layout(self, kv):
+        """`[2, L, T, D]` -> what LMCache holds for this engine (unchanged, or fused block rows of whole chunks)."""
+        if not self.fused:
+            return kv
+        c = self.backend.chunk_size
+        m = self.model.config
+        rows = kv_to_fused(kv[:, :, :kv.shape[2] // c * c], block_size=self.block_size, num_kv_heads=m.num_key_value_heads,
+                           head_dim=m.head_dim, arrangement="k_v" if self.fused == "k_v" else "kt_v")
+        return rows.flip(-1) if self.fused == "scrambled" else rows
 
     def routes(self):
         from standins import chunk, usage_chunk
@@ -220,7 +237,11 @@ class Serving:
             self.clears += 1
             h.send_json(200, {"status": "ok", "cleared": {"tier": "l1"}})
 
-        meta = {"1": {"model_name": MODEL, "world_size": 1, "kv_cache_layout": {"num_layers": 2}}}
+        layout = {"num_layers": 2}
+        if self.fused:
+            layout["kernel_groups"] = [{"engine_kv_format": "NL_X_NB_NH_BS_CS", "tokens_per_block": self.block_size,
+                                        "dtype": "torch.float32", "engine_kv_concrete_shape": "2 x [64, 2, 4, 64]"}]
+        meta = {"1": {"model_name": MODEL, "world_size": 1, "kv_cache_layout": layout}}
         return {
             ("GET", "/v1/models"): models_route(MODEL, 4096, root=str(TINY_MODEL_DIR)),
             ("POST", "/v1/completions"): completions,
@@ -486,3 +507,42 @@ def test_edited_requests_sharing_leading_kept_chunks_each_get_their_own_kv(tiny,
         eng.decode(max_tokens=2)
         loaded = sorted((salt, n) for _, salt, n in eng.serving.completions[2:])  # streams run concurrently
         assert loaded == [(eng.edit_salt(0), 47), (eng.edit_salt(1), 47)]  # all but the last token from its own KV
+
+
+@pytest.mark.parametrize("packing", ["kt_v", "k_v"])
+def test_a_fused_kv_cache_is_reshaped_both_ways(tiny, sample_ids, packing):
+    """vLLM's CPU backend: LMCache holds block rows `[1, L, T, H*2d]`. The engine hands drop functions the
+    per-token KV (equal to the hf engine's), finds the packing from layer-0 keys, stores edited KV back as
+    block rows, and vLLM decodes from it as from any cache (same outputs as the hf engine)."""
+    model, tok = tiny
+    ids = [x[:n] for x, n in zip(sample_ids, (64, 48))]
+    fn = make_drop_fn("snapkv", drop_ratio=0.5, model_config=model.config, window=8)
+    hf = HFEngine(model, tokenizer=tok, prefill_batch_size=1, max_batch_size=1, query_window=None, progress=False)
+    with engine(tiny, 8, serving_kw={"fused": packing, "block_size": 4}, query_window=None) as eng:
+        assert (eng.fused, eng.block_size, eng.fused_arrangement) == (True, 4, "auto")
+        eng.prefill(ids)
+        padded = [list(r.tokens) for r in eng.requests]
+        hf.prefill(padded)
+        for i in range(len(ids)):
+            assert torch.allclose(eng.kv(i), hf.kv(i)[:, :, :len(padded[i])], atol=1e-5)
+        assert eng.fused_arrangement == packing
+        eng.modify(fn)
+        hf.modify(fn)
+        for i, r in enumerate(eng.requests):  # stored as block rows under the edit salt; unfused = the edit
+            stored = eng.serving.backend.get(MODEL, r.salt, r.tokens)
+            assert stored.shape[0] == 1 and stored.shape[3] == 2 * model.config.num_key_value_heads * model.config.head_dim
+            back = fused_to_kv(stored, block_size=4, num_kv_heads=model.config.num_key_value_heads,
+                               head_dim=model.config.head_dim, arrangement=packing)
+            n = back.shape[2]
+            assert n == len(r.tokens) // 8 * 8 and torch.allclose(back, hf.kv(i)[:, :, :n], atol=1e-5)
+        assert [r.tokens for r in eng.requests] == [hf.tokens(i) for i in range(len(ids))]
+        out = eng.decode(max_tokens=4)
+        assert [o.output_ids for o in out] == [o.output_ids for o in hf.decode(max_tokens=4)]
+
+
+def test_a_fused_cache_of_unknown_packing_is_refused(tiny, sample_ids):
+    with engine(tiny, 8, serving_kw={"fused": "scrambled", "block_size": 4}) as eng:
+        eng.prefill([sample_ids[0][:40]])
+        with pytest.raises(ValueError, match=r"matches no known arrangement \(layer-0 key cosine per arrangement: "
+                                             r"\{'kt_v': -?\d\.\d+, 'k_v': -?\d\.\d+\}\)"):
+            eng.kv(0)

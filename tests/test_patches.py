@@ -112,6 +112,35 @@ def test_repo_copy_and_packaged_copy_are_identical():
     assert (REPO / "patches" / tp.PATCH_NAME).read_bytes() == tp.PACKAGED_PATCH.read_bytes()
     files = tp.load_patch()
     assert [f.path for f in files] == [BASE, UTILS]
+    assert sorted(p.name for p in (REPO / "patches").glob("*.diff")) == sorted(s.name for s in tp.PATCHES)
+    for spec in tp.PATCHES:
+        assert (REPO / "patches" / spec.name).read_bytes() == spec.path.read_bytes(), spec.name
+
+
+def _added(path: Path) -> list[str]:
+    """The lines a diff file adds and removes (`+`/`-` lines, file headers excluded)."""
+    return [line for line in path.read_text().splitlines()
+            if line[:1] in ("+", "-") and not line.startswith(("+++ ", "--- "))]
+
+
+def test_the_ports_make_the_same_change_as_the_original():
+    """The vLLM 0.32 and 0.33 patches add exactly the lines the 0.23-0.25.1 patch adds (only context moved)."""
+    original = _added(tp.PACKAGED_PATCH)
+    assert len(original) == 23 and sum(line.startswith("-") for line in original) == 1
+    for version in ("0.32.0", "0.33.0"):
+        spec = tp.patch_for("vllm", version)
+        assert spec.name == f"vllm-{version[:4]}-export-intermediate-tensors.diff"
+        assert _added(spec.path) == original, spec.name
+
+
+@pytest.mark.parametrize(("package", "version", "name"), [
+    ("vllm", "0.23.0", "vllm-export-intermediate-tensors.diff"), ("vllm", "0.25.1+cpu", "vllm-export-intermediate-tensors.diff"),
+    ("vllm", "0.32.0", "vllm-0.32-export-intermediate-tensors.diff"), ("vllm", "0.32.0+cpu", "vllm-0.32-export-intermediate-tensors.diff"),
+    ("vllm", "0.33.0", "vllm-0.33-export-intermediate-tensors.diff"), ("vllm", "0.26.0", None), ("vllm", "0.34.0", None),
+    ("lmcache", "0.5.6", "lmcache-sdk-fused-kv-layout.diff"), ("lmcache", "0.5.5", None)])
+def test_the_patch_that_fits_each_version(package, version, name):
+    spec = tp.patch_for(package, version)
+    assert (spec.name if spec else None) == name
 
 
 def test_apply_is_idempotent_reports_and_reverts_exactly(tmp_path, capsys):
@@ -238,3 +267,55 @@ def test_patch_applies_and_reverts_on_the_files_of_a_vllm_wheel(tmp_path, monkey
 
     tp.apply(install, reverse=True)
     assert {p: (root / p).read_text() for p in (BASE, UTILS)} == original
+
+
+def _synthetic_from(spec, root: Path, version: str, package: str):
+    """A package whose files hold exactly the old blocks of `spec`'s hunks (what the patch touches)."""
+    for fp in tp.load_patch(spec):
+        p = root / fp.path
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("\n# -- other code --\n".join("\n".join(h.old) for h in fp.hunks) + "\n")
+    (root / package / "__init__.py").write_text("")
+    (root / package / "_version.py").write_text(f"__version__ = version = '{version}'\n")
+
+
+def test_apply_patches_vllm_0_32_and_lmcache_side_by_side(tmp_path, capsys):
+    """The servers' environment: vLLM 0.32 and LMCache 0.5.6 in one site-packages; one `apply` patches both
+    with the patches that fit, `check` says so, `revert` restores every file exactly."""
+    root = tmp_path / "site"
+    _synthetic_from(tp.patch_for("vllm", "0.32.0"), root, "0.32.0", "vllm")
+    _synthetic_from(tp.patch_for("lmcache", "0.5.6"), root, "0.5.6", "lmcache")
+    files = sorted(p for p in root.rglob("*.py") if not p.name.startswith("_"))
+    original = {p: p.read_text() for p in files}
+    assert tp.main(["check", "--vllm-dir", str(root / "vllm")]) == 1
+    assert tp.main(["apply", "--vllm-dir", str(root / "vllm")]) == 0
+    out = capsys.readouterr().out
+    assert "vLLM 0.32.0 at" in out and "LMCache 0.5.6 at" in out, out
+    assert "lmcache/sdk/context.py: patched (4 hunks, +12 lines)" in out, out
+    assert "lmcache/sdk/wrapper/contiguous.py: patched (1 hunk, +4 lines)" in out, out
+    assert "lmcache/v1/gpu_connector/utils.py: patched (1 hunk, +3 lines)" in out, out
+    assert f"{BASE}: patched (1 hunk, +11 lines)" in out, out
+    assert '"CS": shape_desc.hs,' in (root / "lmcache/v1/gpu_connector/utils.py").read_text()
+    assert tp.main(["check", "--vllm-dir", str(root / "vllm")]) == 0
+    out = capsys.readouterr().out
+    assert "patch vllm-0.32-export-intermediate-tensors.diff: applied" in out and \
+        "patch lmcache-sdk-fused-kv-layout.diff: applied" in out, out
+    assert tp.main(["revert", "--target", "lmcache", "--vllm-dir", str(root)]) == 0  # LMCache next to that vLLM
+    assert tp.main(["check", "--vllm-dir", str(root / "vllm")]) == 1  # LMCache unpatched, vLLM patched: 1
+    assert tp.main(["revert", "--vllm-dir", str(root / "vllm")]) == 0
+    assert tp.main(["revert", "--target", "lmcache", "--vllm-dir", str(tmp_path)]) == 2
+    assert "LMCache is not installed there" in capsys.readouterr().err
+    assert {p: p.read_text() for p in files} == original
+
+
+def test_force_tries_the_newest_patch_whose_context_fits(tmp_path, capsys):
+    """A vLLM 0.32.5 (no patch named for it) whose files look like 0.32's: --force picks the 0.32 port."""
+    root = tmp_path / "site"
+    _synthetic_from(tp.patch_for("vllm", "0.32.0"), root, "0.32.5", "vllm")
+    assert tp.main(["apply", "--target", "vllm", "--vllm-dir", str(root / "vllm")]) == 0  # 0.32.x: fits the range
+    assert tp.main(["revert", "--target", "vllm", "--vllm-dir", str(root / "vllm")]) == 0
+    (root / "vllm" / "_version.py").write_text("__version__ = version = '0.34.0'\n")
+    assert tp.main(["apply", "--target", "vllm", "--vllm-dir", str(root / "vllm")]) == 2
+    assert "vLLM 0.34.0 is outside the range" in capsys.readouterr().err
+    assert tp.main(["apply", "--force", "--target", "vllm", "--vllm-dir", str(root / "vllm")]) == 0
+    assert tp.status(tp.find_vllm(root / "vllm"), tp.load_patch(tp.patch_for("vllm", "0.32.0"))).state == "applied"

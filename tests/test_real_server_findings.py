@@ -71,8 +71,9 @@ def test_doctor_finds_the_path_registration_and_fails_on_the_cpu_layout():
             "NL_X_NB_NH_BS_CS (vLLM non-MLA blocks-first, fused K/V (HND)), concrete shape "
             "'Unknown (EngineKVFormat.NL_X_NB_NH_BS_CS)'; LMCache's SDK cannot connect to it, so the lmcache "
             "engine cannot edit this cache") in lines
-    assert ("       fix: run vLLM on a GPU (README, 'On a GPU'); lmcache 0.5.6 cannot read the fused K/V layout of "
-            "vLLM's CPU backend (NL_X_NB_NH_BS_CS)") in lines
+    assert ("       fix: lmcache 0.5.6 needs tdutils' patch for the fused K/V layout of vLLM's CPU backend: python -m "
+            "tdutils.patches apply --target lmcache --python PY-OF-THE-SERVERS-ENVIRONMENT, then restart LMCache and "
+            "vLLM") in lines
     assert rc == 1
 
 
@@ -91,16 +92,17 @@ def test_doctor_says_what_helps_when_the_patch_does_not_fit(tmp_path):
     (pkg / "distributed/kv_transfer/kv_connector/v1").mkdir(parents=True)
     (pkg / "model_executor/layers/attention").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "_version.py").write_text("__version__ = '0.32.0'\n")
+    (pkg / "_version.py").write_text("__version__ = '0.32.0'\n")  # a 0.32 whose code is not 0.32's
     (pkg / "distributed/kv_transfer/kv_connector/v1/base.py").write_text("class KVConnectorBase_V1:\n    pass\n")
     (pkg / "model_executor/layers/attention/kv_transfer_utils.py").write_text("x = 1\n")
     with serve(_routes(CPU_ENTRY)) as (url, _):
         rc, out = _doctor("--vllm-url", url, "--lmcache-http-url", url, "--vllm-dir", str(pkg))
     lines = out.splitlines()
     assert (f"[FAIL] vLLM 0.32.0 at {pkg}: the query-export patch does not fit this vLLM (its code differs from the "
-            f"versions the patch was written for, 0.23.0-0.25.1)") in lines
-    assert ("       fix: install vLLM 0.23.0-0.25.1 in vLLM's environment (pip install vllm==0.25.1), or run policies "
-            "without queries (random, middle_chunk, streaming_llm, knorm, keydiff) and pass --no-queries") in lines
+            f"versions the patches were written for, 0.23.0-0.25.1, 0.32.x, 0.33.x)") in lines
+    assert ("       fix: install a vLLM one of them fits in vLLM's environment (e.g. pip install vllm==0.33.0), or run "
+            "policies without queries (random, middle_chunk, streaming_llm, knorm, keydiff) and pass --no-queries"
+            ) in lines
     assert rc == 1
 
 

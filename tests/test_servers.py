@@ -10,8 +10,11 @@ What runs where: the completion client and `doctor` run here, in tdutils' venv, 
 them. The `lmcache` engine imports LMCache's SDK, which must not enter this venv, so its test and the
 notebook's kernel run with the servers' Python and tdutils on PYTHONPATH.
 
-Upstream limitation (strict expected failures): lmcache 0.5.6's SDK cannot connect to the KV cache of
-vLLM's CPU backend (fused K/V layout `NL_X_NB_NH_BS_CS`); see tests/repro_lmcache_cpu_fused_layout.py.
+The venv is patched by tdutils (tests/servertier.py, `patch_venv`): vLLM 0.32's query export (SnapKV and R-KV
+get their queries; LMCache runs with `--enable transfer_query`) and LMCache 0.5.6's fused K/V layout (its SDK
+can read vLLM-CPU's cache: tests/repro_lmcache_cpu_fused_layout.py shows the upstream fault). vLLM serves
+float32, so the `hf` engine on the same padded prompts is an exact reference: same kept tokens, same greedy
+output.
 """
 
 from __future__ import annotations
@@ -36,18 +39,7 @@ pytestmark = pytest.mark.servers
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-qwen3"
-# The upstream error, exactly as lmcache 0.5.6 raises it (the model name is vLLM's model path).
-UPSTREAM_ERROR = "LMCacheSDKError: failed to decode KV cache layout for model_name="
-UPSTREAM_CAUSE = "IndexError: list index out of range"
-XFAIL_REASON = ("lmcache 0.5.6's SDK cannot connect to vLLM's CPU KV cache (fused K/V layout NL_X_NB_NH_BS_CS): "
-                "LMCache publishes engine_kv_concrete_shape 'Unknown (EngineKVFormat.NL_X_NB_NH_BS_CS)' and "
-                "LMCacheSDKContext.register_caches fails on it with " + UPSTREAM_ERROR + "... (caused by "
-                + UPSTREAM_CAUSE + "); tests/repro_lmcache_cpu_fused_layout.py")
-
-
-class UpstreamLayoutError(RuntimeError):
-    """The run failed with exactly lmcache 0.5.6's fused-layout error (what the strict xfails expect)."""
-
+SITE = f"lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
 
 # ---------------------------------------------------------------- fixtures
 
@@ -109,12 +101,10 @@ def _in_server_venv(servers, args: list[str], timeout: float) -> subprocess.Comp
                           timeout=timeout, cwd=ROOT, check=False)
 
 
-def _raise_upstream_or_fail(text: str, what: str) -> None:
-    """Raise UpstreamLayoutError when `text` holds exactly lmcache's fused-layout error, else fail with it."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # IPython colours its tracebacks
-    if UPSTREAM_ERROR in text and UPSTREAM_CAUSE in text:
-        raise UpstreamLayoutError(f"{what}: {UPSTREAM_ERROR}...")
-    pytest.fail(f"{what} failed, and not with lmcache's known layout error:\n{text[-4000:]}")
+def _fail(text: str, what: str, servers: Servers) -> None:
+    """Fail showing the end of `text` (IPython's colours removed) and the servers' log tails."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    pytest.fail(f"{what} failed:\n{text[-4000:]}\n{servers.log_tails()}")
 
 
 # ---------------------------------------------------------------- the completion client against real vLLM
@@ -197,27 +187,32 @@ def test_doctor_reports_both_servers_healthy_and_the_cpu_layout(servers):
     lines = out.splitlines()
     assert f"[  ok] LMCache server at {servers.lmcache_http_url} is healthy; chunk size 256" in lines, out
     assert f"[  ok] vLLM at {servers.vllm_url} serves '{MODEL}'" in lines, out
-    assert ("[warn] vLLM 0.32.0 is outside the range the query-export patch was tested on (0.23.0-0.25.1)"
+    assert ("[  ok] vLLM version 0.32.0 (query-export patch that fits it: vllm-0.32-export-intermediate-tensors.diff)"
             in lines), out
     # vLLM registers the layout under its model path, not the served name: doctor finds it there.
     assert f"[  ok] LMCache has the KV layout of '{MODEL}' registered (as '{servers.model_dir}')" in lines, out
-    assert (f"[FAIL] LMCache cannot describe the KV layout vLLM registered for '{MODEL}': engine KV format "
-            f"NL_X_NB_NH_BS_CS (vLLM non-MLA blocks-first, fused K/V (HND)), concrete shape "
-            f"'Unknown (EngineKVFormat.NL_X_NB_NH_BS_CS)'; LMCache's SDK cannot connect to it, so the lmcache "
-            f"engine cannot edit this cache") in lines, out
+    # With tdutils' LMCache patch the server describes vLLM-CPU's fused layout (2 layers x [NB, 2 heads, 128, 2*32]).
+    layout = _line_starting(out, f"[  ok] LMCache describes the fused K/V layout vLLM registered for '{MODEL}': "
+                                 f"NL_X_NB_NH_BS_CS, 2 x [", servers)
+    assert layout.endswith(", 2, 128, 64], torch.float32; the lmcache engine re-shapes its blocks (K transposed then "
+                           "V per block and head, as vLLM's CPU backend writes them)"), out
     token_line = _line_starting(out, "[  ok] completions stream token ids (", servers)
     assert token_line.endswith("; usage matches"), out
-    assert rc == 1 and lines[-1] == "some checks failed: fix them in order, then run doctor again", out
+    assert rc == 0 and lines[-1] == "all checks passed", out
 
 
-def test_doctor_says_the_patch_does_not_fit_vllm_0_32(servers):
+def test_doctor_says_vllm_0_32_and_lmcache_are_patched(servers):
     rc, out = _doctor("--vllm-url", servers.vllm_url, "--lmcache-http-url", servers.lmcache_http_url,
                       "--vllm-python", str(venv_python(servers.venv)))
-    pkg = servers.venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" / "vllm"
-    assert (f"[FAIL] vLLM 0.32.0 at {pkg}: the query-export patch does not fit this vLLM (its code differs "
-            f"from the versions the patch was written for, 0.23.0-0.25.1)") in out.splitlines()
-    assert f"[warn] no query ring registered for '{MODEL}' in LMCache; snapkv, rkv, h2o, tova need queries" in out, out
-    assert rc == 1, out
+    lines = out.splitlines()
+    site = servers.venv / SITE
+    assert (f"[  ok] vLLM 0.32.0 at {site / 'vllm'} is patched to export query tensors "
+            f"(vllm-0.32-export-intermediate-tensors.diff)") in lines, out
+    assert (f"[  ok] LMCache 0.5.6 at {site / 'lmcache'} is patched to read fused K/V layouts "
+            f"(lmcache-sdk-fused-kv-layout.diff)") in lines, out
+    assert f"[  ok] LMCache has a query ring registered for '{MODEL}'" in lines, out
+    assert "[  ok] policies that need query tensors can run: snapkv, rkv, h2o, tova" in lines, out
+    assert rc == 0, out
 
 
 @pytest.fixture(scope="module")
@@ -286,43 +281,81 @@ def test_doctor_reports_a_stopped_server(servers, plain_vllm):
 # ---------------------------------------------------------------- the lmcache engine and the notebook
 
 
-def test_the_upstream_layout_error_reproduces(servers):
-    """The minimal reproduction under tests/ shows lmcache's exact error against these servers; the day it
-    says NOT REPRODUCED this test fails, and so do (strictly) the expected failures below: remove them."""
+def test_the_layout_patch_fixes_the_upstream_error(servers):
+    """The reproduction of lmcache 0.5.6's fault says NOT REPRODUCED against these servers, because the venv
+    carries tdutils' LMCache patch (on a stock lmcache it prints REPRODUCED with the SDK's IndexError)."""
+    from tdutils import patches as tp
+
+    lmc = tp.find_lmcache(tp.find_vllm(python=str(venv_python(servers.venv))))
+    st = tp.status(lmc)
+    assert (lmc.version, st.state) == ("0.5.6", "applied"), st.files
     proc = _in_server_venv(servers, ["tests/repro_lmcache_cpu_fused_layout.py", "--lmcache-url", servers.lmcache_url,
-                                     "--lmcache-http-url", servers.lmcache_http_url], timeout=120)
-    out = proc.stdout
-    assert (f"registered: model_name='{servers.model_dir}' engine_kv_format=NL_X_NB_NH_BS_CS "
-            f"engine_kv_concrete_shape='Unknown (EngineKVFormat.NL_X_NB_NH_BS_CS)'") in out, proc.stderr[-3000:]
-    assert (f"REPRODUCED: lmcache.sdk.context.LMCacheSDKError: failed to decode KV cache layout for "
-            f"model_name='{servers.model_dir}' (caused by IndexError: list index out of range)") in out, out
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+                                     "--lmcache-http-url", servers.lmcache_http_url], timeout=300)
+    out = proc.stdout + proc.stderr[-3000:]
+    assert re.search(rf"^registered: model_name='{re.escape(str(servers.model_dir))}' engine_kv_format=NL_X_NB_NH_BS_CS "
+                     rf"engine_kv_concrete_shape='2 x \[\d+, 2, 128, 64\]'$", proc.stdout, re.MULTILINE), out
+    assert "NOT REPRODUCED: the SDK connected (chunk size 256)" in proc.stdout, out
+    assert proc.returncode == 0, out
 
 
-@pytest.mark.xfail(strict=True, raises=UpstreamLayoutError, reason=XFAIL_REASON)
 def test_lmcache_engine_end_to_end(servers):
-    """prefill -> retrieve -> drop half (random) -> store under the edit salt -> decode, on the real servers."""
+    """prefill -> retrieve KV and queries through the SDK -> SnapKV drops half -> store under each request's
+    edit salt -> vLLM decodes; the hf engine on the same padded prompts keeps the same tokens and decodes the
+    same greedy tokens (float32 on both sides). Then R-KV the same way."""
+    log = servers.workdir / "lmcache-main.log"
+    loads_before = _vllm_loads(log, 512)
     proc = _in_server_venv(servers, ["tests/server_engine_e2e.py", "--vllm-url", servers.vllm_url, "--lmcache-url",
                                      servers.lmcache_url, "--lmcache-http-url", servers.lmcache_http_url],
-                           timeout=300)
+                           timeout=900)
     if proc.returncode != 0:
-        _raise_upstream_or_fail(proc.stdout + proc.stderr, "the lmcache engine")
+        _fail(proc.stdout + proc.stderr, "the lmcache engine", servers)
+    out = proc.stdout[-6000:]
     rep = json.loads(proc.stdout.strip().splitlines()[-1])
+    servertier.FIGURES["lmcache engine vs hf"] = (
+        f"kept equal {rep['kept_equal']}, outputs {rep['output_ids']} vs {rep['output_ids_hf']}, max |diff| KV "
+        f"{rep['max_abs_diff_kv']:.2e}, queries {rep['max_abs_diff_query']:.2e}, SnapKV scores "
+        f"{rep['max_abs_diff_snapkv_scores']:.2e}; R-KV kept equal {rep['rkv']['kept_equal']}, outputs "
+        f"{rep['rkv']['output_ids']} vs {rep['rkv']['output_ids_hf']}")
+    assert (rep["engine_kv_format"], rep["block_size"], rep["fused_arrangement"]) == ("NL_X_NB_NH_BS_CS", 128, "kt_v"), out
     c = rep["chunk_size"]
-    assert all(n % c == 0 and 0 <= n - x < c for n, x in zip(rep["padded_lengths"], rep["prompt_lengths"])), proc.stdout[-3000:]
-    assert rep["kv_shape"] == [2, 2, rep["padded_lengths"][0], 64], proc.stdout[-3000:]
-    assert rep["edited"] == 2 and rep["failures"] == [], proc.stdout[-3000:]
+    assert all(n % c == 0 and 0 <= n - x < c for n, x in zip(rep["padded_lengths"], rep["prompt_lengths"])), out
+    assert rep["kv_shape"] == [2, 2, rep["padded_lengths"][0], 64], out
+    assert rep["query_shape"] == [2, rep["padded_lengths"][0], 128], out
+    assert rep["edited"] == 2 and rep["failures"] == [], out
     # one edit salt per request (two requests' kept tokens may share chunks, never their KV)
-    assert len(rep["salts"]) == 2 and {s.rsplit("-edit-", 1)[1] for s in rep["salts"]} == {"0", "1"}, proc.stdout[-3000:]
-    assert rep["cached_tokens"] == [n // 2 for n in rep["padded_lengths"]], proc.stdout[-3000:]
-    assert [len(ids) for ids in rep["output_ids"]] == [8, 8] and rep["finish_reasons"] == ["length", "length"], proc.stdout[-3000:]
+    assert len(set(rep["salts"])) == 2 and {s.rsplit("-edit-", 1)[1] for s in rep["salts"]} == {"0", "1"}, out
+    assert rep["cached_tokens"] == [n // 2 for n in rep["padded_lengths"]], out
+    assert [len(ids) for ids in rep["output_ids"]] == [8, 8] and rep["finish_reasons"] == ["length", "length"], out
+    # The reference: what SnapKV read is the model's own computation (float32 on both engines; the differences
+    # are vLLM's CPU kernels vs transformers' order of float operations), so it keeps the same tokens and the
+    # greedy decode from the edited cache gives the same tokens.
+    assert rep["max_abs_diff_kv"] < 1e-4 and rep["max_abs_diff_query"] < 1e-4, out
+    assert rep["max_abs_diff_snapkv_scores"] < 1e-5, out
+    assert rep["keep_lmcache"] == rep["keep_hf"] and rep["kept_equal"] == [True, True], out
+    assert rep["output_ids"] == rep["output_ids_hf"], out
+    # R-KV (window attention + key redundancy) through the same path: same kept tokens, same greedy output.
+    rkv = rep["rkv"]
+    assert rkv["keep_lmcache"] == rkv["keep_hf"] and rkv["kept_equal"] == [True, True], out
+    assert rkv["output_ids"] == rkv["output_ids_hf"] and [len(x) for x in rkv["output_ids"]] == [8, 8], out
+    # vLLM decoded from the edited caches: LMCache served it the 512 kept tokens of each request.
+    loads = _vllm_loads(log, 512) - loads_before
+    assert loads >= 2, f"LMCache log shows {loads} loads of 512 tokens into vLLM:\n{servers.log_tails()}"
 
 
-@pytest.mark.xfail(strict=True, raises=UpstreamLayoutError, reason=XFAIL_REASON)
+def _vllm_loads(log: Path, tokens: int) -> int:
+    """How many times LMCache's log says it loaded `tokens` tokens into vLLM (its lmcache-driven transfer; the
+    SDK's retrieves are logged by the engine-driven one)."""
+    return sum(f"Retrieved {tokens} tokens" in line and "lmcache_driven_transfer" in line
+               for line in log.read_text(errors="replace").splitlines())
+
+
 def test_snapkv_notebook_on_the_lmcache_engine(servers, tmp_path, monkeypatch):
     """notebooks/snapkv_token_dropping.ipynb under papermill with engine="lmcache" against these servers; its
-    kernel is the servers' Python (it has lmcache's SDK) with tdutils on PYTHONPATH."""
+    kernel is the servers' Python (it has lmcache's SDK) with tdutils on PYTHONPATH. Its claims (accuracy per
+    run, needle tokens kept) equal the same notebook's on the hf engine."""
     import papermill as pm
+
+    from tdutils.claims import read as read_claims
 
     spec = tmp_path / "kernels" / "tdutils-servers"
     spec.mkdir(parents=True)
@@ -331,16 +364,23 @@ def test_snapkv_notebook_on_the_lmcache_engine(servers, tmp_path, monkeypatch):
         "display_name": "tdutils servers venv", "language": "python",
         "env": {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}}))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
-    out = tmp_path / "snapkv_lmcache.ipynb"
-    try:
-        pm.execute_notebook(str(ROOT / "notebooks/snapkv_token_dropping.ipynb"), str(out), kernel_name="tdutils-servers",
-                            cwd=str(ROOT / "notebooks"), progress_bar=False, execution_timeout=300, parameters={
-                                "engine": "lmcache", "model": MODEL, "num_requests": 4, "max_tokens": 8,
-                                "window": 32, "vllm_url": servers.vllm_url, "lmcache_url": servers.lmcache_url,
-                                "lmcache_http_url": servers.lmcache_http_url})
-    except pm.PapermillExecutionError as exc:
-        _raise_upstream_or_fail(f"{exc.ename}: {exc.evalue}\n{''.join(exc.traceback)}", "the notebook")
-    assert "snapkv@0.5:" in out.read_text(), out.read_text()[-3000:]
+    params = {"model": MODEL, "num_requests": 4, "max_tokens": 8, "window": 32}
+    claims = {}
+    for engine, kernel in (("lmcache", "tdutils-servers"), ("hf", "tdutils-servers")):
+        out = tmp_path / f"snapkv_{engine}.ipynb"
+        extra = ({"vllm_url": servers.vllm_url, "lmcache_url": servers.lmcache_url,
+                  "lmcache_http_url": servers.lmcache_http_url} if engine == "lmcache" else {})
+        try:
+            pm.execute_notebook(str(ROOT / "notebooks/snapkv_token_dropping.ipynb"), str(out), kernel_name=kernel,
+                                cwd=str(ROOT / "notebooks"), progress_bar=False, execution_timeout=600,
+                                parameters={"engine": engine, **params, **extra})
+        except pm.PapermillExecutionError as exc:
+            _fail(f"{exc.ename}: {exc.evalue}\n{''.join(exc.traceback)}", f"the notebook on engine {engine}", servers)
+        assert "snapkv@0.5:" in out.read_text(), out.read_text()[-3000:]
+        claims[engine] = read_claims(out)
+    servertier.FIGURES["snapkv notebook claims"] = claims
+    assert claims["lmcache"] == claims["hf"], claims
+    assert claims["lmcache"]["accuracy"]["snapkv@0.5"] == claims["lmcache"]["accuracy"]["baseline"] == 1.0, claims
 
 
 # ---------------------------------------------------------------- nothing outlives the servers

