@@ -1,8 +1,25 @@
 """Train the bundled model `tiny-qwen3-ruler` on the RULER-style tasks of `tdutils.data` (issue 17), on CPU.
 
-    python tools/train_ruler_model.py                       # ~60 min on 2 cores; writes tdutils/assets/tiny-qwen3-ruler
-    python tools/train_ruler_model.py --max-minutes 20      # shorter run (weaker model)
-    python tools/train_ruler_model.py --out /tmp/ruler      # write elsewhere
+    python tools/train_ruler_model.py --out /tmp/ruler      # all tasks, 60 min on 2 cores (see "What it learns")
+    python tools/train_ruler_model.py --init-from DIR --tasks niah_single --lengths 1024,2048,4096,4096 \
+        --lr 1e-3 --warmup-steps 20 --max-minutes 20        # the final fine-tune of the bundled weights
+
+What it learns (measured on this 2-core machine, 2026-11-30; teacher-forced exact match = greedy output):
+the bundled weights reach 99.5 / 97.5 / 95.5% on `niah_single` at 1024 / 2048 / 4096 tokens (full cache,
+development seed 0, n = 200). The four multi-needle tasks were NOT learned: every run below left
+`niah_multikey` near chance (13-25%: the model copies one needle's value without matching its key) and
+`niah_multivalue`, `niah_multiquery`, `variable_tracking` at 0-11%. The bundled weights come from:
+
+1. a run from random initial weights, all tasks (stopped at 20 min, 814 steps: 0% on every task);
+2. the model grown from the passkey model (`grow_from_passkey_model`), all tasks, uniform task draws
+   (stopped at 15 min, ~2,900 steps: niah_single 100% at 1024 within 10 min, multi-key 25%);
+3. its 10-minute checkpoint, continued with error-weighted task draws (`--init-from`, stopped at 33 min,
+   ~4,800 steps: niah_single 100% at 1024, multi-key 6-23%, the others 0-1%);
+4. its 30-minute checkpoint fine-tuned on `niah_single` alone at 1024-4096 tokens with dropped-cache
+   augmentation (the second command above; 20.0 min, 1,467 steps): the bundled weights.
+
+A model only from step 4's recipe is what the evaluation's figures use; the multi-needle tasks need a different
+model (more width or depth, a longer run, or a curriculum that isolates key matching), left open.
 
 Tasks (`tdutils.data.RULER_TASKS`; Hsieh et al., "RULER", arXiv:2404.06654): single / multi-key / multi-value /
 multi-query needles and variable tracking, word-level with the bundled tokenizer, at 256 to 4096 tokens. Examples
@@ -50,8 +67,10 @@ from pathlib import Path
 import torch
 
 TRAIN_SEED_BASE = 10_000_000
-BATCH = {256: 16, 512: 8, 1024: 4, 2048: 2, 4096: 1}
-PHASES = ((0.20, (256, 512)), (0.45, (256, 512, 1024, 2048)), (1.01, (512, 1024, 2048, 4096, 4096)))
+BATCH = {128: 32, 256: 16, 512: 8, 1024: 4, 2048: 2, 4096: 1}
+# (end of phase as a fraction of the time budget, lengths drawn, dropped-cache augmentation on)
+PHASES = ((0.30, (128, 256), False), (0.50, (256, 512, 1024), False),
+          (1.01, (512, 1024, 2048, 4096, 4096), True))
 AUG_MIN_LENGTH = 512
 AUG_DROP_RATIOS = (0.25, 0.5, 0.75, 0.9)
 REPORT_LENGTHS = (1024, 2048, 4096)
@@ -182,6 +201,28 @@ def exact_match(model, tokenizer, task: str, length: int, *, n: int, seed: int, 
     return correct / n
 
 
+def grow_from_passkey_model(model, folder: Path) -> None:
+    """Initialise `model` (4 layers) from the 2-layer passkey model so that it computes the same function.
+
+    Embeddings, final norm and layers 0-1 are copied; the added layers keep their random attention and MLP
+    weights but start with zero output projections (`o_proj`, `down_proj`), so they add nothing to the
+    residual stream until training grows them (depth up-scaling with identity-initialised blocks). The
+    passkey model has already formed the copy (induction) circuits every task here needs; measured from a
+    random initialisation, 800 steps over 20 minutes left every task at 0% exact match.
+    """
+    from safetensors.torch import load_file
+
+    state = load_file(folder / "model.safetensors")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected:
+        raise SystemExit(f"passkey weights do not fit the grown model: unexpected {unexpected}")
+    model.tie_weights()
+    with torch.no_grad():
+        for layer in model.model.layers[2:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+
+
 def save(model, tokenizer_dir: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "tmp-save"
@@ -206,7 +247,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tasks", default=None, help="comma-separated subset of RULER_TASKS (default: all)")
     ap.add_argument("--init-from", type=Path, default=None, help="model folder to continue from")
+    ap.add_argument("--scratch", action="store_true",
+                    help="random initial weights instead of growing the passkey model tiny-qwen3")
     ap.add_argument("--eval-n", type=int, default=100)
+    ap.add_argument("--lengths", default=None,
+                    help="fine-tuning: draw these lengths (comma-separated, repeat one to weight it) for the whole "
+                         "run, with dropped-cache augmentation, instead of the phases")
     ap.add_argument("--out", type=Path, default=None, help="default: tdutils/assets/tiny-qwen3-ruler")
     args = ap.parse_args(argv)
 
@@ -220,6 +266,15 @@ def main(argv=None) -> int:
     if unknown := [t for t in tasks if t not in RULER_TASKS]:
         ap.error(f"unknown tasks {unknown}; choose from {RULER_TASKS}")
     out = args.out or ASSETS / "tiny-qwen3-ruler"
+    phases = PHASES
+    if args.lengths:
+        try:
+            fixed = tuple(int(x) for x in args.lengths.split(","))
+        except ValueError:
+            ap.error(f"--lengths must be comma-separated integers such as 1024,2048,4096, got {args.lengths!r}")
+        if any(n not in BATCH for n in fixed):
+            ap.error(f"--lengths must be taken from {sorted(BATCH)}, got {args.lengths!r}")
+        phases = ((1.01, fixed, True),)
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(str(TINY_MODEL_DIR))
     torch.manual_seed(args.seed)
@@ -231,6 +286,8 @@ def main(argv=None) -> int:
             setattr(config, key, value)
         config.layer_types = ["full_attention"] * ARCH["num_hidden_layers"]
         model = Qwen3ForCausalLM(config)
+        if not args.scratch:
+            grow_from_passkey_model(model, TINY_MODEL_DIR)
     model.config._attn_implementation = "sdpa"
     model.train()
     import inspect
@@ -254,11 +311,16 @@ def main(argv=None) -> int:
     next_save = 60 * args.save_every
     step = 0
     stats: dict[tuple[str, int, str], list[float]] = {}
+    full_acc: dict[str, list[float]] = {}
     while (elapsed := time.perf_counter() - t0) < budget:
         frac = elapsed / budget
-        lengths = next(ls for end, ls in PHASES if frac < end)
+        lengths, aug = next((ls, a) for end, ls, a in phases if frac < end)
         length = rng.choice(lengths)
-        task = rng.choice(tasks)
+        # Tasks the model has not learned yet are drawn more often (weight 0.1 + error rate of the last 20
+        # full-cache batches): measured with uniform draws, single-needle retrieval reached 100% in 10 min
+        # while the multi-needle tasks stayed near chance.
+        err = {t: 1 - sum(full_acc.get(t, [0.0])[-20:]) / len(full_acc.get(t, [0.0])[-20:]) for t in tasks}
+        task = rng.choices(tasks, weights=[0.1 + err[t] for t in tasks])[0]
         lr = args.lr * min(1.0, (step + 1) / args.warmup_steps)
         lr *= args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
         for g in opt.param_groups:
@@ -266,7 +328,7 @@ def main(argv=None) -> int:
         prompt, answer, ctx = make_batch(task, length, BATCH[length], tokenizer=tokenizer, rng=rng)
         n_out = answer.shape[1]
         kind = "full"
-        if length >= AUG_MIN_LENGTH and rng.random() < args.drop_aug:
+        if aug and length >= AUG_MIN_LENGTH and rng.random() < args.drop_aug:
             kind = rng.choice(("aware", "agnostic"))
             mask = needle_mask(prompt, ctx, pass_id, dot_id)
             first = mask.float().argmax(1)  # [B] first needle token
@@ -289,8 +351,10 @@ def main(argv=None) -> int:
         step += 1
         acc = float((logits.argmax(-1) == answer).all(-1).float().mean())
         stats.setdefault((task, length, kind), []).append(acc)
+        if kind == "full":
+            full_acc.setdefault(task, []).append(acc)
         if step % 100 == 0:
-            summary = " ".join(f"{t[:6]}/{n}/{k[:3]}={sum(v[-20:]) / len(v[-20:]):.2f}"
+            summary = " ".join(f"{t.replace('niah_', '').replace('variable_tracking', 'vt')}/{n}/{k[:3]}={sum(v[-20:]) / len(v[-20:]):.2f}"
                                for (t, n, k), v in sorted(stats.items()) if n == length or k == "full" and n >= 1024)
             print(f"step {step} {elapsed / 60:5.1f} min lr {lr:.1e} loss {float(loss):.3f} | {summary}", flush=True)
         if elapsed > next_save:
