@@ -28,7 +28,8 @@ task runs in two modes: `aware` (prefill(prompt) -> modify -> decode: the questi
 when the cache is edited) and `agnostic` (prefill(context) -> modify -> extend(question) -> decode: the cache is
 edited before the question exists, as when a stored context serves many questions). `leaderboard`,
 `plot_leaderboard` and `task_markdown` summarise a table: mean exact match over tasks per policy and drop
-ratio, one panel per mode, and the README's per-task table. Both benchmarks share `build_cells` / `run_cells`
+ratio, one panel per mode, and the README's per-task table; `rank_policies` / `plot_ranking` rank the policies at
+one drop ratio with 95% intervals of the exact match pooled over tasks (`notebooks/compare_policies.ipynb`). Both benchmarks share `build_cells` / `run_cells`
 (prefill each chunk once, restore the prefilled caches per cell, one modify per policy x ratio, greedy decode).
 
 Command line (`python -m tdutils eval`, `bench/accuracy.py`): `--tasks passkey` (default, the issue-8
@@ -478,11 +479,7 @@ def plot_accuracy(table, path: str | Path | None = None, *, title: str = "Passke
     axes[0][-1].legend(loc="lower left", fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    if path is not None:
-        path = check_plot_path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
-    return fig
+    return _save_figure(fig, path)
 
 
 def format_task_table(table) -> str:
@@ -578,6 +575,88 @@ def plot_leaderboard(table, path: str | Path | None = None, *, title: str = "RUL
     tasks = table["task"].nunique()
     fig.suptitle(f"{title} ({tasks} tasks; {lengths} tokens; n={int(table['n'].iloc[0])} per cell)", fontsize=10)
     fig.tight_layout()
+    return _save_figure(fig, path)
+
+
+def rank_policies(table, drop_ratio: float | None = None):
+    """Rank the policies of a `task_eval` table per mode at one drop ratio, with 95% intervals, to say which
+    differences the run can tell apart.
+
+    Per (mode, policy) the cells at `drop_ratio` (the full cache: its ratio-0 cells) are pooled over tasks and
+    context lengths: `correct` and `n` are summed and `accuracy = correct / n` (with the same `n` per cell, the
+    mean exact match over tasks the leaderboard plots) gets a 95% Wilson score interval. Tasks differ in
+    difficulty, so the pooled answers are independent Bernoulli draws with unequal rates; their count varies
+    less than a binomial's of the same mean, so the interval is conservative.
+
+    Args:
+        table: a `task_eval` table (columns `mode`, `policy`, `drop_ratio`, `correct`, `n`).
+        drop_ratio: the ratio to rank at; None: the largest non-zero ratio of the table.
+
+    Returns:
+        pandas DataFrame ordered by mode (as in the table), then by accuracy (best first), with columns `mode`,
+        `rank` (1 = best; equal accuracies share the better rank), `policy`, `drop_ratio`, `correct`, `n`,
+        `accuracy`, `ci_low`, `ci_high` (fractions in [0, 1]) and `above` (the policies of the same mode whose
+        interval lies wholly below this one's, comma-separated: the differences the run resolves).
+
+    Raises:
+        ValueError: the table has no rows at `drop_ratio` besides the full cache, or no ratio above 0.
+    """
+    import pandas as pd
+
+    dropped = table[table["policy"] != FULL]
+    ratios = sorted(r for r in dropped["drop_ratio"].unique() if r > 0)
+    if drop_ratio is None:
+        if not ratios:
+            raise ValueError("rank_policies needs a table with a drop ratio above 0 (a policy other than the full cache)")
+        drop_ratio = ratios[-1]
+    at = table[((table["policy"] == FULL) & (table["drop_ratio"] == 0)) |
+               ((table["policy"] != FULL) & (table["drop_ratio"] == drop_ratio))]
+    if at[at["policy"] != FULL].empty:
+        raise ValueError(f"no rows at drop ratio {drop_ratio:g}; the table has {[float(r) for r in ratios]}")
+    pooled = at.groupby(["mode", "policy"], sort=False)[["correct", "n"]].sum().reset_index()
+    rows = []
+    for mode, g in pooled.groupby("mode", sort=False):
+        g = g.assign(accuracy=g["correct"] / g["n"])
+        g[["ci_low", "ci_high"]] = [wilson_interval(c, n) for c, n in zip(g["correct"], g["n"])]
+        g = g.sort_values("accuracy", ascending=False, kind="stable")
+        g["rank"] = g["accuracy"].rank(method="min", ascending=False).astype(int)
+        g["above"] = [", ".join(q.policy for q in g.itertuples() if q.ci_high < row.ci_low) for row in g.itertuples()]
+        rows.append(g.assign(drop_ratio=[0.0 if p == FULL else float(drop_ratio) for p in g["policy"]]))
+    out = pd.concat(rows, ignore_index=True)
+    return out[["mode", "rank", "policy", "drop_ratio", "correct", "n", "accuracy", "ci_low", "ci_high", "above"]]
+
+
+def plot_ranking(ranking, path: str | Path | None = None, *, title: str = "Policies ranked: exact match, 95% interval"):
+    """Forest plot of `rank_policies` output: one panel per mode, one row per policy (best on top), its pooled exact
+    match (%) as a dot and its 95% Wilson interval as a bar; the full cache in black.
+
+    Returns the matplotlib Figure; saves it to `path` (PNG, SVG, ... by suffix) when given.
+    """
+    import matplotlib.pyplot as plt
+
+    modes = list(dict.fromkeys(ranking["mode"]))
+    height = 0.9 + 0.32 * max(len(g) for _, g in ranking.groupby("mode"))
+    fig, axes = plt.subplots(1, len(modes), figsize=(4.6 * len(modes), height), sharex=True, squeeze=False)
+    ratio = max(ranking["drop_ratio"])
+    for ax, mode in zip(axes[0], modes):
+        g = ranking[ranking["mode"] == mode].reset_index(drop=True)
+        y = list(range(len(g)))[::-1]
+        for yi, row in zip(y, g.itertuples()):
+            color = "black" if row.policy == FULL else "C0"
+            err = [[100 * max(0.0, row.accuracy - row.ci_low)], [100 * max(0.0, row.ci_high - row.accuracy)]]  # 0 - 1e-17
+            ax.errorbar(100 * row.accuracy, yi, xerr=err, fmt="o", color=color, capsize=3)
+        ax.set_yticks(y, [f"{row.rank}. {row.policy}" for row in g.itertuples()])
+        ax.set_title(f"query-{mode}, drop ratio {ratio:g}")
+        ax.set_xlabel("exact match, pooled over tasks (%)")
+        ax.set_xlim(-3, 103)
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return _save_figure(fig, path)
+
+
+def _save_figure(fig, path: str | Path | None):
+    """Save `fig` to `path` (PNG, SVG, ... by suffix; parents created) when a path is given; returns `fig`."""
     if path is not None:
         path = check_plot_path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -835,5 +914,5 @@ __all__ = ["COLUMNS", "DEFAULT_CONTEXT_LENGTHS", "DEFAULT_DROP_RATIOS", "DEFAULT
            "DEFAULT_TASK_DROP_RATIOS", "DEFAULT_TASK_POLICIES", "DEV_SEED", "FULL", "HELDOUT_SEED", "MODES", "PASSKEY",
            "RULER_MODEL", "TASKS", "TASK_COLUMNS", "TRAIN_SEED_BASE", "add_arguments", "build_cells", "check_output_path",
            "check_plot_path", "format_table", "format_task_table", "leaderboard", "parse_tasks", "passkey_eval",
-           "plot_accuracy", "plot_leaderboard", "run", "run_cells", "split_question", "task_eval", "task_markdown",
+           "plot_accuracy", "plot_leaderboard", "plot_ranking", "rank_policies", "run", "run_cells", "split_question", "task_eval", "task_markdown",
            "wilson_interval", "write_json"]

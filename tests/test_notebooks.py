@@ -65,18 +65,36 @@ def check_rope(c):
     assert c["not_rerotated_vs_fresh_min"] >= 0.1
 
 
+# compare_policies on tiny-qwen3-ruler, which answers niah_single (99.5% full-cache exact match at 1k tokens; it has
+# not learned the other tasks, and the notebook ranks on niah_single by default): the full cache answers nearly
+# all; at drop 0.75 in aware mode SnapKV stays >= 40 points above random (the target; measured 98 vs 4%).
+COMPARE_FULL_FLOOR = 0.9
+COMPARE_SNAPKV_MARGIN = 0.4
+
+
 def check_compare(c):
-    acc, full, n = c["accuracy"], c["full_accuracy"], c["n_eval"]
-    assert full >= 1 - 1 / n - 1e-9
-    for name in ("snapkv@0.5", "rkv/exact@0.5", "rkv/buffered@0.5"):
-        assert acc[name] >= full - 1 / n - 1e-9, name
-    assert acc["random@0.5"] <= acc["snapkv@0.5"] - 0.5
+    acc, ranking, r = c["accuracy"], c["ranking"], c["rank_ratio"]
+    pooled = c["n"] * len(c["tasks"])  # examples behind each ranked figure
+    # the full cache reads the same token sequence in both modes, so it answers alike (task_eval's contract)
+    assert acc["aware/full@0"] == acc["agnostic/full@0"]
+    assert acc["aware/full@0"] >= COMPARE_FULL_FLOOR
+    # "in aware mode the query-aware policies keep what the question needs": SnapKV far above random
+    assert acc[f"aware/snapkv@{r:g}"] >= acc[f"aware/random@{r:g}"] + COMPARE_SNAPKV_MARGIN
+    for mode, rows in ranking.items():
+        assert [x["accuracy"] for x in rows] == sorted((x["accuracy"] for x in rows), reverse=True), mode
+        for x in rows:
+            name = f"{mode}/{x['policy']}@{0 if x['policy'] == 'full' else r:g}"
+            assert x["accuracy"] == pytest.approx(acc[name]), name  # pooled over tasks = mean over tasks (same n)
+            assert x["ci_low"] - 1e-12 <= x["accuracy"] <= x["ci_high"] + 1e-12, x
+            assert x["ci_high"] - x["ci_low"] <= 2 / math.sqrt(pooled), x  # a 95% Wilson interval of `pooled` answers
+        # the count the notebook prints is the number of pairs whose intervals do not overlap
+        assert c["separated_pairs"][mode] == sum(a["ci_low"] > b["ci_high"] for a in rows for b in rows), mode
+    # the "done when": the ranking's intervals do not all overlap
+    assert c["separated_pairs"]["aware"] >= 1, c["separated_pairs"]
     peak, req = c["peak_batch"], c["requests"]
     assert peak["baseline"] == min(req, 4)
-    # a realised drop of half fits twice the requests; middle-chunk drops less than r (README), so fewer
-    assert all(b == min(req, 8) for name, b in peak.items()
-               if name != "baseline" and not name.startswith("middle_chunk")), peak
-    assert peak["baseline"] < peak["middle_chunk@0.5"] <= min(req, 8)
+    # drop ratios >= 0.5 keep at most half of each cache: twice the requests fit the 4.25-request budget
+    assert all(b >= min(req, 8) for name, b in peak.items() if name != "baseline"), peak
 
 
 def check_colab(dropped):
@@ -110,8 +128,9 @@ NOTEBOOKS = {
     "notebooks/rope_rerotation.ipynb": (
         {"n_tokens": 1024, "timing_cache_shape": [2, 2, 1024, 1024], "timing_repeats": 1}, check_rope, []),
     "notebooks/compare_policies.ipynb": (
-        {"n_eval": 8, "context_length": 512, "num_requests": 6, "max_tokens": 8, "repeats": 1,
-         "rkv_methods": ["exact", "buffered"], "drop_ratios": [0.5]}, check_compare, []),
+        {"tasks": ["niah_single"], "n": 30, "policies": ["full", "random", "snapkv"],
+         "drop_ratios": [0.75], "rank_ratio": 0.75, "num_requests": 6, "max_tokens": 8, "repeats": 1},
+        check_compare, []),
     "notebooks/random_token_dropping.ipynb": ({"num_requests": 6, "max_tokens": 8}, check_random, []),
     "notebooks/rkv_token_dropping.ipynb": ({"num_requests": 4, "max_tokens": 8}, check_rkv("reference"), []),
     "notebooks/rkv_variants/rkv_variant_cpu_exact.ipynb": ({"num_requests": 4, "max_tokens": 8}, check_rkv("exact"), []),
