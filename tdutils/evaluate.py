@@ -255,7 +255,8 @@ def task_eval(
     Raises:
         ValueError: no tasks / modes / policies / ratios / lengths, an unknown task or mode, a ratio outside
             [0, 1], `n < 1`, an unknown policy or parameter, a training seed with a bundled model, a context
-            length too short for a task or too long for the model.
+            length too short for a task or too long for the model, or the agnostic mode on an engine without
+            `extend`.
     """
     import pandas as pd
 
@@ -278,6 +279,9 @@ def task_eval(
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     engine = _open_engine(engine, model, seed, device=device, dtype=dtype)
+    if "agnostic" in modes and not callable(getattr(engine, "extend", None)):
+        raise ValueError(f"the query-agnostic mode needs an engine with extend(); {type(engine).__name__} has none "
+                         f"(use modes=('aware',))")
     params = {k: dict(v) for k, v in (policy_params or {}).items()}
     cells = build_cells(engine, policies, ratios, params)
     tok = engine.tokenizer
@@ -567,7 +571,7 @@ def plot_leaderboard(table, path: str | Path | None = None, *, title: str = "RUL
         ax.set_ylim(-3, 103)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("exact match, mean over tasks (%)")
-    axes[0][-1].legend(loc="lower left", fontsize=8)
+    axes[0][-1].legend(loc="best", fontsize=8)
     tasks = table["task"].nunique()
     fig.suptitle(f"{title} ({tasks} tasks; {lengths} tokens; n={int(table['n'].iloc[0])} per cell)", fontsize=10)
     fig.tight_layout()

@@ -72,7 +72,7 @@ def test_default_budget_rejects_bad_sizes(lengths, max_tokens, msg):
 def test_a_near_miss_of_the_bundled_model_fails_at_once():
     from tdutils.models import load_model
 
-    with pytest.raises(FileNotFoundError, match="model 'tiny-qwen' is neither a local folder nor the bundled model: "
+    with pytest.raises(FileNotFoundError, match="model 'tiny-qwen' is neither a local folder nor a bundled model: "
                                                 "did you mean 'tiny-qwen3'"):
         load_model("tiny-qwen")
 

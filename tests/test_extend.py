@@ -14,7 +14,8 @@ from tdutils import CacheKind, DropFunctionError, make_drop_fn
 from tdutils.engines.hf import HFEngine
 
 from families import family_model
-from test_families import _one_thread  # noqa: F401  (tiny models run fastest on one thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread (tiny models, shared cores)
 
 FAMILIES = ("llama", "mistral_sliding", "gemma2")  # plain, sliding window, hybrid + soft-capping
 LENS = (40, 25, 33)  # context lengths (longer than the families' 16-token sliding window)
@@ -249,3 +250,18 @@ def test_lmcache_engine_extend_decodes_like_the_hf_engine(tiny, sample_ids):
             assert outs[0] == outs[1], getattr(fn, "name", "full cache")
         with pytest.raises(ValueError, match="2 extensions for 3 requests"):
             eng.extend(ext[:2])
+
+
+def test_check_query_holds_after_extend_and_refuses_edited_caches(tiny):
+    """An unedited request's captured queries after extend are the extended prompt's own (the model's attention
+    probabilities agree); after an edit the prompt's forward no longer describes the cache, so it is refused."""
+    model, tok = tiny
+    ctx, ext = _parts(6)
+    eng = _engine(model, tok, query_window=8)
+    eng.prefill(ctx)
+    eng.extend(ext)
+    assert max(eng.check_query(i, rows=8) for i in range(len(ctx))) <= 1e-5
+    eng.modify(_keep_all)
+    eng.extend(ext)
+    with pytest.raises(RuntimeError, match="unedited prompt"):
+        eng.check_query(0)

@@ -17,7 +17,7 @@ from tdutils.data import RULER_TASKS, make_task_dataset
 from tdutils.evaluate import (TASK_COLUMNS, add_arguments, leaderboard, run, split_question, task_eval,
                               task_markdown)
 
-from test_families import _one_thread  # noqa: F401  (a tiny model on a loaded 2-core machine: one thread, ~40x faster)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread (tiny models, shared cores)
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +141,13 @@ def test_task_eval_refuses_bad_input(engine):
         task_eval(modes=("sideways",), engine=engine, n=1)
     with pytest.raises(ValueError, match="training stream"):
         task_eval(seed=10_000_000, n=1)
+
+
+def test_bench_summary_of_a_stored_task_run_is_the_per_task_table(small):
+    """`python bench/accuracy.py --summary RUN.json` prints `task_markdown` of the stored rows (what the README's
+    per-task table is written from)."""
+    from test_bench_results import _bench
+
+    table, _ = small
+    report = json.loads(table.to_json(orient="records"))
+    assert _bench("accuracy").readme_summary({"rows": report}) == task_markdown(table)

@@ -14,6 +14,12 @@ Decode regenerates from the edited cache, as vLLM does after LMCache returns a m
 last cached entry is removed and the last kept prompt token is fed again at its position, so every
 generated token (the first one included) attends to the edited cache only.
 
+Query-agnostic flow (SPEC §3): `extend(texts)` appends one text or token-id list per request after `prefill`
+(and usually `modify`) and prefills it on top of the current cache at the next positions (`refeed_pos + 1`, ...:
+`k, k+1, ...` after a compacting edit), in padded batches with masks built by position as in decode; the
+request's cache, tokens and captured queries grow by the extension, so `decode` (or a second `modify`) continues
+after it.
+
 Positions (SPEC §3): `"compact"` (default) — the drop function re-rotates kept keys to positions
 0..k-1 and decoding continues at k; `"original"` — keys keep their rotation and decoding continues at
 T, the prompt length (the dropped positions simply become holes).
