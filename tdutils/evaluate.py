@@ -29,8 +29,9 @@ when the cache is edited) and `agnostic` (prefill(context) -> modify -> extend(q
 edited before the question exists, as when a stored context serves many questions). `leaderboard`,
 `plot_leaderboard` and `task_markdown` summarise a table: mean exact match over tasks per policy and drop
 ratio, one panel per mode, and the README's per-task table; `rank_policies` / `plot_ranking` rank the policies at
-one drop ratio with 95% intervals of the exact match pooled over tasks (`notebooks/compare_policies.ipynb`). Both benchmarks share `build_cells` / `run_cells`
-(prefill each chunk once, restore the prefilled caches per cell, one modify per policy x ratio, greedy decode).
+one drop ratio with 95% intervals of the exact match pooled over tasks (`notebooks/compare_policies.ipynb`).
+Both benchmarks share `build_cells` / `run_cells` (prefill each chunk once, restore the prefilled caches per
+cell, one modify per policy x ratio, greedy decode).
 
 Command line (`python -m tdutils eval`, `bench/accuracy.py`): `--tasks passkey` (default, the issue-8
 benchmark with its model and defaults, unchanged) or `--tasks all` / task names (defaults
