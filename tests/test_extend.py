@@ -250,6 +250,13 @@ def test_lmcache_engine_extend_decodes_like_the_hf_engine(tiny, sample_ids):
             assert outs[0] == outs[1], getattr(fn, "name", "full cache")
         with pytest.raises(ValueError, match="2 extensions for 3 requests"):
             eng.extend(ext[:2])
+        # modify after extend, before decode: LMCache does not hold the extension yet; refused, nothing changes
+        eng.prefill(ctx)
+        eng.extend(ext)
+        before = [eng.tokens(i) for i in range(len(ctx))]
+        with pytest.raises(RuntimeError, match=r"requests \[0, 1, 2\] were extended and not decoded yet"):
+            eng.modify(fns[1])
+        assert [eng.tokens(i) for i in range(len(ctx))] == before
 
 
 def test_check_query_holds_after_extend_and_refuses_edited_caches(tiny):

@@ -799,7 +799,7 @@ class LMCacheEngine:
                 `"skip"` (failed requests keep their cache; the report lists them).
 
         Raises:
-            RuntimeError: called before `prefill`, or twice in one run.
+            RuntimeError: called before `prefill`, twice in one run, or after `extend` before `decode`.
             ValueError: bad arguments, a drop function with `rerotate=False`, KV of an unexpected layout.
             QueryCheckError: retrieved rows do not belong to the request's tokens.
             TimeoutError: LMCache did not get the request's KV (or queries) within `retrieve_timeout`.
@@ -810,6 +810,10 @@ class LMCacheEngine:
             raise ValueError(f"the lmcache engine supports positions='compact' only, got {positions!r}")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if pending := [r.request_id for r in self.requests if len(r.tokens) > r.cached]:
+            # The extension reaches LMCache only when decode sends it to vLLM: nothing to retrieve yet.
+            raise RuntimeError(f"requests {pending} were extended and not decoded yet: the lmcache engine edits only what "
+                               f"LMCache holds, so call decode() before another modify(), or modify before extend()")
         if getattr(drop_fn, "rerotate", True) is False:
             raise ValueError("vLLM decodes the kept tokens at compact positions, so the drop function must re-rotate "
                              "keys; build it with make_drop_fn(..., rerotate=True)")
