@@ -152,17 +152,11 @@ def edited_logits(model, prefix: torch.Tensor, keep: torch.Tensor, suffix: torch
         other = prefill_layers(model, decoy_prefix, kw)
         sel = late[:, None, :, None]  # [B, 1, T, 1]
         layers = [(torch.where(sel, ok, kk), torch.where(sel, ov, vv)) for (kk, vv), (ok, ov) in zip(layers, other)]
+    from train_tiny_model import kept_rerotated  # a sibling script: tools/ is on sys.path when this one runs
+
     B, k = keep.shape
-    ang = (torch.arange(k)[None, :] - keep).float()[..., None] * inv_freq  # [B, k, d/2]
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None]  # [B, 1, k, d]
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None]
     edited = DynamicCache(config=model.config)
-    for i, (all_keys, all_values) in enumerate(layers):
-        _, h, _, d = all_keys.shape
-        idx = keep[:, None, :, None].expand(B, h, k, d)
-        keys, values = all_keys.gather(2, idx), all_values.gather(2, idx)
-        half = d // 2
-        keys = keys * cos + torch.cat([-keys[..., half:], keys[..., :half]], -1) * sin
+    for i, (keys, values) in enumerate(kept_rerotated(layers, keep, inv_freq)):
         edited.update(keys, values, i)
     positions = torch.arange(k, k + suffix.shape[1])[None].expand(B, -1)
     return model(input_ids=suffix, position_ids=positions, use_cache=True, logits_to_keep=n_out, **{kw: edited}).logits

@@ -161,6 +161,31 @@ def decoy_prompt(prompt: torch.Tensor, needle_starts: list[int], digit_ids: list
     return decoy
 
 
+def kept_rerotated(layers: list[tuple[torch.Tensor, torch.Tensor]], keep: torch.Tensor,
+                   inv_freq: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Kept K/V rows of every layer, keys re-rotated from positions `keep[b, i]` to `i` (differentiable).
+
+    Args:
+        layers: per layer `(keys, values)`, each `[B, H, T, d]`; keep: `[B, k]` sorted kept indices;
+        inv_freq: `[d / 2]` RoPE inverse frequencies (neox layout, full rotary, as Qwen3).
+
+    Returns per layer `(keys, values)` `[B, H, k, d]`: k_new = k cos(a) + rotate_half(k) sin(a) with
+    a = (i - keep[b, i]) inv_freq, a differentiable version of `tdutils.rope.rerotate_keys`.
+    """
+    B, k = keep.shape
+    ang = (torch.arange(k)[None, :] - keep).float()[..., None] * inv_freq  # [B, k, d/2]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None]  # [B, 1, k, d]
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+    out = []
+    for all_keys, all_values in layers:
+        _, h, _, d = all_keys.shape
+        idx = keep[:, None, :, None].expand(B, h, k, d)
+        keys, values = all_keys.gather(2, idx), all_values.gather(2, idx)
+        half = d // 2
+        out.append((keys * cos + torch.cat([-keys[..., half:], keys[..., :half]], -1) * sin, values))
+    return out
+
+
 def dropped_cache_logits(model, prompt: torch.Tensor, answer: torch.Tensor, keep: torch.Tensor,
                          inv_freq: torch.Tensor, decoy: torch.Tensor | None = None,
                          after: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,16 +216,8 @@ def dropped_cache_logits(model, prompt: torch.Tensor, answer: torch.Tensor, keep
         layers = [(torch.where(late, o.keys, kk), torch.where(late, o.values, vv))
                   for (kk, vv), o in zip(layers, other.layers)]
     B, k = keep.shape
-    ang = (torch.arange(k)[None, :] - keep).float()[..., None] * inv_freq  # [B, k, d/2]
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None]  # [B, 1, k, d]
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None]
     edited = DynamicCache(config=model.config)
-    for i, (all_keys, all_values) in enumerate(layers):
-        _, h, _, d = all_keys.shape
-        idx = keep[:, None, :, None].expand(B, h, k, d)
-        keys, values = all_keys.gather(2, idx), all_values.gather(2, idx)
-        half = d // 2
-        keys = keys * cos + torch.cat([-keys[..., half:], keys[..., :half]], -1) * sin
+    for i, (keys, values) in enumerate(kept_rerotated(layers, keep, inv_freq)):
         edited.update(keys[:, :, :-1], values[:, :, :-1], i)
     inputs = torch.cat([prompt[:, -1:], answer[:, :-1]], 1)  # [B, 5]
     positions = torch.arange(k - 1, k + 4)[None].expand(B, -1)
