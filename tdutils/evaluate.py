@@ -290,6 +290,12 @@ def task_eval(
     def ids(text: str) -> list[int]:
         return tok(text, add_special_tokens=False)["input_ids"]
 
+    # Every (task, length) must fit before the first cell runs (a too-short length would fail mid-run).
+    for task in tasks:
+        try:
+            make_task_dataset(task, 1, min(lengths), tokenizer=tok, seed=seed)
+        except ValueError as exc:
+            raise ValueError(f"{exc}; raise the shortest context length (context_lengths / --context-lengths)") from None
     rows = []
     for length in lengths:
         for task in tasks:

@@ -141,6 +141,12 @@ def test_task_eval_refuses_bad_input(engine):
         task_eval(modes=("sideways",), engine=engine, n=1)
     with pytest.raises(ValueError, match="training stream"):
         task_eval(seed=10_000_000, n=1)
+    # a length too short for a later task is refused before any cell runs (no log line, nothing decoded)
+    logged = []
+    with pytest.raises(ValueError, match=r"too short for a niah_multivalue prompt .*raise the shortest context length"):
+        task_eval(tasks=("niah_single", "niah_multivalue"), modes=("aware",), policies=("full",), context_lengths=(20,),
+                  engine=engine, n=2, log=logged.append)
+    assert logged == []
 
 
 def test_bench_summary_of_a_stored_task_run_is_the_per_task_table(small):

@@ -151,7 +151,8 @@ def tokenize_prompts(tokenizer, prompts, vocab_size: int | None = None) -> list[
     if from_text and unknown > 0.1 * from_text:  # e.g. English text for the bundled tiny model's vocabulary
         warnings.warn(f"{unknown / from_text:.0%} of the prompt tokens are unknown to this tokenizer "
                       f"({getattr(tokenizer, 'unk_token', None)!r}): the model cannot read this text, so its answers "
-                      "mean nothing (the bundled tiny-qwen3 reads only its passkey data, dataset 'sample')", stacklevel=3)
+                      "mean nothing (the bundled tiny models read only their synthetic tasks: passkey prompts, dataset "
+                      "'sample', or tdutils.data's RULER-style tasks)", stacklevel=3)
     return out
 
 
