@@ -850,8 +850,22 @@ def run(args) -> int:
                          "context length")
     except argparse.ArgumentTypeError as exc:
         raise ValueError(str(exc)) from None
+    from .selection import check_drop_ratio
+
+    try:
+        ratios = [check_drop_ratio(r) for r in ratios]
+    except ValueError as exc:
+        raise ValueError(f"--drop-ratios: {exc}; give fractions such as 0.25 0.5 0.75") from None
     model = args.model or (TINY_MODEL if passkey else RULER_MODEL)
     max_tokens = args.max_tokens if args.max_tokens is not None else (10 if passkey else None)
+    trained_for = {TINY_MODEL: "the passkey benchmark (--tasks passkey)", RULER_MODEL: "the RULER-style tasks"}
+    if model == (RULER_MODEL if passkey else TINY_MODEL):  # a bundled model on a suite it was never trained on
+        import warnings
+
+        suite = "the passkey benchmark" if passkey else "the RULER-style tasks"
+        warnings.warn(f"--model {model} was trained only on {trained_for[model]}, not on {suite}: its accuracy there "
+                      f"says nothing about the policies; omit --model to use {TINY_MODEL if passkey else RULER_MODEL}",
+                      stacklevel=2)
     # Everything that can be checked without the model, before any work.
     from .policies import policy_names
 

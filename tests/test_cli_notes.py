@@ -116,6 +116,19 @@ def test_eval_names_the_policies_it_knows():
             "'streaming_llm', 'h2o', 'tova', 'knorm', 'keydiff'] or 'all'" in p.stderr), p.stderr
 
 
+@pytest.mark.parametrize("args,model,suite,default", [
+    (["--tasks", "niah_single", "--model", "tiny-qwen3"], "tiny-qwen3", "the RULER-style tasks", "tiny-qwen3-ruler"),
+    (["--model", "tiny-qwen3-ruler"], "tiny-qwen3-ruler", "the passkey benchmark", "tiny-qwen3"),
+])
+def test_eval_warns_when_a_bundled_model_meets_a_suite_it_never_saw(args, model, suite, default):
+    """The passkey model scored 0% on niah_single without a word; the warning comes before any work (here the
+    unknown policy then stops the run, so no model loads)."""
+    p = subprocess.run([sys.executable, "-m", "tdutils", "eval", *args, "--policies", "foo", "--n", "2"],
+                       check=False, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert (f"--model {model} was trained only on" in p.stderr and f"not on {suite}: its accuracy there says nothing "
+            f"about the policies; omit --model to use {default}" in p.stderr), p.stderr
+
 
 def test_speedup_notes_read_a_phase_table():
     import pandas as pd

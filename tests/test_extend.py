@@ -213,6 +213,16 @@ def test_bad_extensions_are_refused_and_change_nothing(tiny):
     assert eng.kv(0).shape[2] == 49
 
 
+def test_an_extension_the_tokenizer_cannot_read_warns(tiny):
+    model, tok = tiny
+    eng = _engine(model, tok)
+    eng.prefill(["the town", "the river"])
+    with pytest.warns(UserWarning, match=r"100% of the extension tokens are unknown to this tokenizer .* the model "
+                                         r"cannot read this text"):
+        eng.extend([" Quantum chromodynamics", [5, 6]])
+    assert eng.tokens(1)[-2:] == [5, 6]  # a warning, not an error: the extension is prefilled
+
+
 def test_extend_takes_text_without_special_tokens(tiny):
     model, tok = tiny
     eng = _engine(model, tok)

@@ -138,22 +138,28 @@ def tokenize_prompts(tokenizer, prompts, vocab_size: int | None = None) -> list[
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts: pass a non-empty list of prompts")
-    out, unknown, from_text = [], 0, 0
-    unk = getattr(tokenizer, "unk_token_id", None)
+    items = []
     for i, p in enumerate(prompts):
         if hasattr(p, "prompt") or isinstance(p, dict):
             p = p.prompt if hasattr(p, "prompt") else p["prompt"]
-        ids, text = _item_ids(tokenizer, p, i, "prompt", vocab_size, True)
-        if text:
-            unknown += sum(t == unk for t in ids) if unk is not None else 0
-            from_text += len(ids)
-        out.append(ids)
-    if from_text and unknown > 0.1 * from_text:  # e.g. English text for the bundled tiny model's vocabulary
-        warnings.warn(f"{unknown / from_text:.0%} of the prompt tokens are unknown to this tokenizer "
+        items.append(_item_ids(tokenizer, p, i, "prompt", vocab_size, True))
+    _warn_unknown(tokenizer, items, "prompt")
+    return [ids for ids, _ in items]
+
+
+def _warn_unknown(tokenizer, items, what: str) -> None:
+    """Warn when over 10% of the tokens of the texts among `items` (`(ids, from_text)`) are the tokenizer's
+    unknown token: e.g. English text for the bundled tiny models' vocabulary, whose answers then mean nothing."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return
+    from_text = sum(len(ids) for ids, text in items if text)
+    unknown = sum(t == unk for ids, text in items if text for t in ids)
+    if from_text and unknown > 0.1 * from_text:
+        warnings.warn(f"{unknown / from_text:.0%} of the {what} tokens are unknown to this tokenizer "
                       f"({getattr(tokenizer, 'unk_token', None)!r}): the model cannot read this text, so its answers "
                       "mean nothing (the bundled tiny models read only their synthetic tasks: passkey prompts, dataset "
-                      "'sample', or tdutils.data's RULER-style tasks)", stacklevel=3)
-    return out
+                      "'sample', or tdutils.data's RULER-style tasks)", stacklevel=4)
 
 
 def tokenize_extensions(tokenizer, extensions, num_requests: int, vocab_size: int | None = None) -> list[list[int]]:
@@ -165,6 +171,8 @@ def tokenize_extensions(tokenizer, extensions, num_requests: int, vocab_size: in
     Raises:
         TypeError: a single string instead of a list, or an item of another type.
         ValueError: not exactly `num_requests` items, an empty item, or a token id outside `[0, vocab_size)`.
+
+    Warns (UserWarning) when over 10% of the text's tokens are unknown to the tokenizer, as `tokenize_prompts`.
     """
     if isinstance(extensions, str):
         raise TypeError("extend() takes one extension per request; wrap a single text as [text]")
@@ -172,7 +180,9 @@ def tokenize_extensions(tokenizer, extensions, num_requests: int, vocab_size: in
     if len(extensions) != num_requests:
         raise ValueError(f"extend() got {len(extensions)} extensions for {num_requests} requests; pass exactly one "
                          f"text or token-id list per request, in request order")
-    return [_item_ids(tokenizer, p, i, "extension", vocab_size, False)[0] for i, p in enumerate(extensions)]
+    items = [_item_ids(tokenizer, p, i, "extension", vocab_size, False) for i, p in enumerate(extensions)]
+    _warn_unknown(tokenizer, items, "extension")
+    return [ids for ids, _ in items]
 
 
 DEFAULT_FULL_REQUESTS = 4.25  # the default KV budget, in undropped requests

@@ -448,7 +448,9 @@ class HFEngine:
         a query-aware policy whose window needs more rows than were captured refuses with its own error and
         the cache is left as it was.
 
-        Requests are extended in batches of `prefill_batch_size` (caches and extensions padded, padding masked).
+        `decode` does not add its output to the cache, so `extend` after a `decode` appends to the prefilled
+        (edited) cache, not to the generated text. Requests are extended in batches of `prefill_batch_size`
+        (caches and extensions padded, padding masked). Text with over 10% tokens unknown to the tokenizer warns.
 
         Args:
             prompts: one string (tokenized without special tokens, so pass `" " + question` to continue a
