@@ -400,7 +400,7 @@ def parse_task_items(task: str, response: str | None) -> list[str] | None:
 
     The answer grammar (`tdutils.data`, "RULER-style synthetic tasks") ends at the first `.`: items are separated
     by `,` (variable tracking: by spaces), each normalised to single spaces. An item of a value task counts
-    only in the shape the gold uses (`d d d d d`, or `key = d d d d d` for `niah_multiquery`); others are kept as
+    only in the shape the gold uses (`d d d d d`, or `key d d d d d` for `niah_multiquery`); others are kept as
     written, so they never match. Returns None when the response has no item at all (unparsed).
     """
     text = (response or "").split(".", 1)[0]

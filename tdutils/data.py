@@ -336,19 +336,22 @@ def load_mc_sample() -> list[dict]:
 # RULER (Hsieh et al., "RULER: What's the Real Context Size of Your Long-Context Language Models?",
 # arXiv:2404.06654) hides several needles in a haystack and asks for one, several or all of their values, or
 # follows a chain of variable assignments. These are word-level versions that fit the bundled tokenizer:
-# every needle is `pass key W = V .` with a key word W taken from `TASK_KEY_WORDS` and a value V of
-# `PASSKEY_DIGITS` digits (variable tracking binds a key to another key instead). Each example is a
-# *context* (filler with the needles at uniformly random depths) and a *question* appended after it:
+# every needle is `pass key W V .` with a key word W taken from `TASK_KEY_WORDS` and a value V of
+# `PASSKEY_DIGITS` digits (variable tracking binds a name to another name instead). The key sits right before
+# its value, so a lookup is one induction step (Olsson et al., arXiv:2209.11895): find the earlier `W`, copy
+# what follows it. (With `pass key W = V .` the bundled 4-layer model copied some needle's value without
+# matching its key: every value followed the same `=`.) Each example is a *context* (filler with the needles
+# at uniformly random depths) and a *question* appended after it:
 #
 # | task               | needles                                  | question                 | answer                      |
 # |--------------------|------------------------------------------|--------------------------|-----------------------------|
-# | `niah_single`      | 1: `pass key W = V .`                    | `pass key W =`           | `V .`                       |
-# | `niah_multikey`    | 4, distinct keys (3 distractors)         | `pass key W =` (one key) | `V .`                       |
-# | `niah_multivalue`  | 4, one key, 4 values                     | `pass key W =`           | `V1 , V2 , V3 , V4 .` (document order) |
-# | `niah_multiquery`  | 4, distinct keys                         | `pass key W1 W2 W3 W4 ?` (all keys, shuffled) | `W1 = V1 , W2 = V2 , ... .` |
-# | `variable_tracking`| chain `pass key X1 = V .`, `pass key X2 = X1 .`, ... (4 hops) | `pass key ? = V :` | `X1 X2 X3 X4 X5 .` |
+# | `niah_single`      | 1: `pass key W V .`                      | `pass key W`             | `V .`                       |
+# | `niah_multikey`    | 4, distinct keys (3 distractors)         | `pass key W` (one key)   | `V .`                       |
+# | `niah_multivalue`  | 4, one key, 4 values                     | `pass key every W`       | `V1 , V2 , V3 , V4 .` (document order) |
+# | `niah_multiquery`  | 4, distinct keys                         | `pass key W1 W2 W3 W4 ?` (all keys, shuffled) | `W1 V1 , W2 V2 , ... .` |
+# | `variable_tracking`| chain `pass key X1 V .`, `pass key X2 X1 .`, ... (4 hops) | `pass key ? V :` | `X1 X2 X3 X4 X5 .` |
 #
-# The answer is what greedy decoding must produce; `tdutils.answers.score_ruler` scores it (exact match of all
+# The answer is what greedy decoding must produce; `tdutils.answers.score_task` scores it (exact match of all
 # gold values, and partial credit). `mode="aware"` prompts are `context + " " + question` (the question is in
 # the observation window when the cache is edited); `mode="agnostic"` (kvpress' query-agnostic setting) edits
 # the cache of `context` alone and prefills `question` on top of the edited cache (`HFEngine.extend`).
@@ -397,21 +400,21 @@ def _task_parts(task: str, rng: random.Random) -> tuple[list[str], str, str, lis
         n = 1 if task == "niah_single" else TASK_NEEDLES
         keys = rng.sample(TASK_KEY_WORDS, 1 if task == "niah_multivalue" else n) * (n if task == "niah_multivalue" else 1)
         values = [_value(rng) for _ in range(n)]
-        needles = [f"pass key {k} = {v} ." for k, v in zip(keys, values)]
-        if task == "niah_multivalue":
-            return needles, f"pass key {keys[0]} =", " , ".join(values) + " .", values
+        needles = [f"pass key {k} {v} ." for k, v in zip(keys, values)]
+        if task == "niah_multivalue":  # RULER asks "what are all the ... numbers": `every` marks the question
+            return needles, f"pass key every {keys[0]}", " , ".join(values) + " .", values
         if task == "niah_multiquery":
             order = rng.sample(range(n), n)
             question = "pass key " + " ".join(keys[i] for i in order) + " ?"
-            gold = [f"{keys[i]} = {values[i]}" for i in order]
+            gold = [f"{keys[i]} {values[i]}" for i in order]
             return needles, question, " , ".join(gold) + " .", gold
         asked = rng.randrange(n)
-        return needles, f"pass key {keys[asked]} =", values[asked] + " .", [values[asked]]
+        return needles, f"pass key {keys[asked]}", values[asked] + " .", [values[asked]]
     if task == "variable_tracking":
         names = rng.sample(TASK_KEY_WORDS, TASK_HOPS + 1)
         value = _value(rng)
-        needles = [f"pass key {names[0]} = {value} ."] + [f"pass key {b} = {a} ." for a, b in zip(names, names[1:])]
-        return needles, f"pass key ? = {value} :", " ".join(names) + " .", names
+        needles = [f"pass key {names[0]} {value} ."] + [f"pass key {b} {a} ." for a, b in zip(names, names[1:])]
+        return needles, f"pass key ? {value} :", " ".join(names) + " .", names
     raise ValueError(f"unknown task {task!r}; choose one of {', '.join(RULER_TASKS)}")
 
 
@@ -431,7 +434,7 @@ def make_task_example(task: str, context_tokens: int, *, tokenizer, rng: random.
 
     Returns:
         dict with `task`, `prompt`, `context`, `question`, `answer` (the text greedy decoding should produce),
-        `values` (gold items: values, `key = value` pairs or variable names, as `score_ruler` reads them),
+        `values` (gold items: values, `key value` pairs or variable names, as `score_task` reads them),
         `depths` (needle starts as fractions of the filler) and `context_tokens` (the prompt's token count).
 
     Raises:

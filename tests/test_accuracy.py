@@ -152,16 +152,14 @@ def test_cli_all_policies_and_window(tmp_path, capsys):
 
 # --- RULER-style tasks on tiny-qwen3-ruler (issue 17) ---------------------------------------------------------
 #
-# Measured on the bundled weights (model.safetensors sha256 fbda6b96..., 2026-11-30), 512 tokens, drop ratio 0.75,
-# exact match in % (full / SnapKV / random), aware mode:
-#   seed 1, n=32: niah_single 100 / 100 / 6.2, niah_multikey 15.6 / 9.4 / 0, niah_multivalue, niah_multiquery and
-#                 variable_tracking 0 / 0 / 0 (average 23.1 / 21.9 / 1.2); agnostic niah_single 100 / 100 / 6.2
-#   seed 3, n=48: niah_single 97.9 / 97.9 / 2.1, niah_multikey 12.5 / 8.3 / 2.1, the others 0 (average 22.1 / 21.2 / 0.8)
-# These weights solve the single needle only; the bounds below hold what they do with room for a retrained model to
-# do better (they are floors and gaps, never ceilings). A policy change that drops the needle, or a broken extend,
-# fails them.
+# Measured on the bundled weights (model.safetensors sha256 4fcce1ba..., 2026-12-01), 512 tokens, drop ratio
+# 0.75, exact match in % (full / SnapKV / random):
+#   seed 1, n=32, aware: niah_single 100 / 100 / 0, niah_multikey 100 / 90.6 / 0, niah_multivalue 93.8 / 59.4 / 0,
+#                 niah_multiquery 96.9 / 78.1 / 0, variable_tracking 100 / 100 / 0; agnostic niah_multikey 100 / 90.6 / 0
+# The bounds are floors and gaps with room for sampling noise (n = 32), never ceilings. A policy change that drops
+# the needles, a broken extend, or a model that stops matching keys fails them.
 
-RULER_LENGTH = 512  # trained at 256..4096; the shortest trained length keeps the test fast
+RULER_LENGTH = 512  # trained at 128..4096; a short trained length keeps the test fast
 RULER_N = 32  # per task: 160 examples per policy over the five tasks
 RULER_RATIO = 0.75
 
@@ -169,8 +167,8 @@ RULER_RATIO = 0.75
 @pytest.fixture(scope="module")
 def ruler():
     """`task_eval` of full, SnapKV and random at drop ratio 0.75 on the bundled `tiny-qwen3-ruler`: every task in
-    aware mode, and niah_single in agnostic mode (one thread: a tiny model on a shared 2-core machine runs many
-    times faster so). Returns `(table, responses)` of both runs together."""
+    aware mode, and niah_multikey (four needles, one asked) in agnostic mode (one thread: a tiny model on a shared
+    2-core machine runs many times faster so). Returns `(table, responses)` of both runs together."""
     import pandas as pd
     import torch
 
@@ -185,7 +183,7 @@ def ruler():
         common = dict(policies=("full", "snapkv", "random"), drop_ratios=(RULER_RATIO,), context_lengths=(RULER_LENGTH,),
                       n=RULER_N, seed=REGRESSION_SEED, engine=engine, batch_size=RULER_N, responses=responses)
         aware = task_eval(modes=("aware",), **common)
-        agnostic = task_eval(tasks=("niah_single",), modes=("agnostic",), **common)
+        agnostic = task_eval(tasks=("niah_multikey",), modes=("agnostic",), **common)
     finally:
         torch.set_num_threads(before)
     return pd.concat([aware, agnostic], ignore_index=True), responses
@@ -196,31 +194,33 @@ def _task_acc(table, task, policy, mode="aware"):
     return float(cell["accuracy"].iloc[0])
 
 
-def test_ruler_full_cache_finds_the_single_needle(ruler):
+def test_ruler_full_cache_solves_every_task(ruler):
     table, responses = ruler
-    assert _task_acc(table, "niah_single", "full") >= 0.90, responses["niah_single", "aware", "full", 0.0, RULER_LENGTH][:5]
+    for task in table["task"].unique():
+        assert _task_acc(table, task, "full") >= 0.80, (task, responses[task, "aware", "full", 0.0, RULER_LENGTH][:5])
 
 
 @pytest.mark.parametrize("mode", ["aware", "agnostic"])
-def test_ruler_snapkv_keeps_the_needle_and_random_loses_it(ruler, mode):
+def test_ruler_snapkv_keeps_the_asked_needle_and_random_loses_it(ruler, mode):
+    """Multi-key: four needles, one asked, so keeping *a* needle is not enough."""
     table, _ = ruler
-    full, snapkv, random = (_task_acc(table, "niah_single", p, mode) for p in ("full", "snapkv", "random"))
-    assert snapkv >= full - 0.10, (mode, full, snapkv)
+    full, snapkv, random = (_task_acc(table, "niah_multikey", p, mode) for p in ("full", "snapkv", "random"))
+    assert snapkv >= full - 0.15, (mode, full, snapkv)
     assert random <= snapkv - 0.60, (mode, snapkv, random)
 
 
-def test_ruler_averages_over_tasks(ruler):
+def test_ruler_snapkv_beats_random_on_every_task(ruler):
     table, _ = ruler
     aware = table[table["mode"] == "aware"]
     assert aware["task"].nunique() == 5
     mean = aware.groupby("policy")["accuracy"].mean()
-    assert mean["full"] >= 0.20 and mean["snapkv"] - mean["random"] >= 0.15, mean.to_dict()
-    for task in aware["task"].unique():  # SnapKV never below random on any task
-        assert _task_acc(table, task, "snapkv") >= _task_acc(table, task, "random"), task
+    assert mean["full"] >= 0.85 and mean["snapkv"] - mean["random"] >= 0.50, mean.to_dict()
+    for task in aware["task"].unique():
+        assert _task_acc(table, task, "snapkv") - _task_acc(table, task, "random") >= 0.30, task
 
 
 def test_ruler_agnostic_full_cache_answers_exactly_as_aware(ruler):
     """prefill(context) + extend(question) reads the aware prompt's tokens: the trained model answers the same."""
     _, responses = ruler
-    key = ("niah_single", "full", 0.0, RULER_LENGTH)
+    key = ("niah_multikey", "full", 0.0, RULER_LENGTH)
     assert responses[key[0], "agnostic", *key[1:]] == responses[key[0], "aware", *key[1:]]

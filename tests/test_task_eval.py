@@ -64,9 +64,9 @@ def test_rows_columns_and_bookkeeping(small):
     agnostic = table[(table["mode"] == "agnostic") & (table["drop_ratio"] == 0.5)]
     assert (agnostic["kept_tokens"] > 80).all()  # the context's kept tokens plus the question
     assert (table.loc[table["policy"] == "full", "modify_s"] == 0).all()
-    # the longest gold answer + 2: "V ." is 6 tokens; four "key = V" items are 4 * 7 + 3 commas + "." = 32
+    # the longest gold answer + 2: "V ." is 6 tokens; four "key V" items are 4 * 6 + 3 commas + "." = 28
     assert set(table.loc[table["task"] == "niah_single", "max_tokens"]) == {8}
-    assert set(table.loc[table["task"] == "niah_multiquery", "max_tokens"]) == {34}
+    assert set(table.loc[table["task"] == "niah_multiquery", "max_tokens"]) == {30}
 
 
 def test_agnostic_full_cache_answers_as_aware_and_ratio_zero_as_full(small):
@@ -108,7 +108,7 @@ def _args(argv):
 
 def test_cli_runs_the_tasks_and_writes_json_and_the_leaderboard_plot(tmp_path, capsys):
     out, png = tmp_path / "eval.json", tmp_path / "board.png"
-    args = _args(["--tasks", "niah_single,variable_tracking", "--model", "tiny-qwen3", "--policies", "full", "random",
+    args = _args(["--tasks", "niah_single,variable_tracking", "--model", "tiny-qwen3-ruler", "--policies", "full", "random",
                   "--drop-ratios", "0.5", "--context-lengths", "128", "--n", "3", "--seed", "2", "--json", str(out),
                   "--plot", str(png), "--quiet"])
     assert run(args) == 0

@@ -16,8 +16,8 @@ def tok():
 
 
 def needles(context: str) -> list[tuple[str, str]]:
-    """(key, value) of every `pass key K = V .` in a context, in order."""
-    return [(k, v.strip()) for k, v in re.findall(r"pass key (\w+) = ([\w ]+?) \.", context)]
+    """(key, value) of every needle `pass key K V .` in a context, in order (V: five digits or a name)."""
+    return [(k, v.strip()) for k, v in re.findall(r"pass key (\w+) ([\w ]+?) \.", context)]
 
 
 @pytest.mark.parametrize("task", RULER_TASKS)
@@ -40,7 +40,7 @@ def test_answers_follow_from_the_needles(tok):
     for _ in range(20):
         ex = make_task_example("niah_single", 300, tokenizer=tok, rng=rng)
         (k, v), = needles(ex["context"])
-        assert ex["question"] == f"pass key {k} =" and ex["values"] == [v] and ex["answer"] == v + " ."
+        assert ex["question"] == f"pass key {k}" and ex["values"] == [v] and ex["answer"] == v + " ."
 
         ex = make_task_example("niah_multikey", 300, tokenizer=tok, rng=rng)
         found = dict(needles(ex["context"]))
@@ -53,17 +53,20 @@ def test_answers_follow_from_the_needles(tok):
         assert len({k for k, _ in found}) == 1 and len(found) == TASK_NEEDLES
         assert ex["values"] == [v for _, v in found]  # document order
         assert ex["answer"] == " , ".join(ex["values"]) + " ."
+        assert ex["question"] == f"pass key every {found[0][0]}"
 
         ex = make_task_example("niah_multiquery", 300, tokenizer=tok, rng=rng)
         found = dict(needles(ex["context"]))
         asked = ex["question"].split()[2:-1]
         assert sorted(asked) == sorted(found) and ex["question"].endswith("?")
-        assert ex["values"] == [f"{k} = {found[k]}" for k in asked]
+        assert ex["values"] == [f"{k} {found[k]}" for k in asked]
+        assert ex["answer"] == " , ".join(ex["values"]) + " ."
 
         ex = make_task_example("variable_tracking", 300, tokenizer=tok, rng=rng)
         chain = needles(ex["context"])
         assert len(chain) == TASK_HOPS + 1
-        value = ex["question"].split(" = ")[1].rstrip(" :")
+        assert ex["question"].startswith("pass key ? ") and ex["question"].endswith(" :")
+        value = ex["question"][len("pass key ? "):-len(" :")]
         # follow the chain by hand: the names bound to the value, directly or through others
         bound = {k for k, v in chain if v == value}
         for k, v in chain:
@@ -102,7 +105,8 @@ def test_bad_input(tok):
      "4 4 4 4 4 , 2 2 2 2 2 , 1 1 1 1 1 , 3 3 3 3 3 .", (True, 1.0)),  # order is not scored
     ("niah_multivalue", ["1 1 1 1 1", "2 2 2 2 2", "3 3 3 3 3", "4 4 4 4 4"],
      "1 1 1 1 1 , 2 2 2 2 2 , 3 3 3 3 3 .", (False, 0.75)),
-    ("niah_multiquery", ["sea = 1 2 3 4 5", "inn = 5 4 3 2 1"], "sea = 1 2 3 4 5 , inn = 5 4 3 2 2 .", (False, 0.5)),
+    ("niah_multiquery", ["sea 1 2 3 4 5", "inn 5 4 3 2 1"], "sea 1 2 3 4 5 , inn 5 4 3 2 2 .", (False, 0.5)),
+    ("niah_multiquery", ["sea 1 2 3 4 5", "inn 5 4 3 2 1"], "inn 5 4 3 2 1 , sea 1 2 3 4 5 .", (True, 1.0)),
     ("variable_tracking", ["town", "sea", "inn"], "town sea inn .", (True, 1.0)),
     ("variable_tracking", ["town", "sea", "inn"], "inn town .", (False, 2 / 3)),
 ])
