@@ -47,8 +47,8 @@ How key matching was learned (measured; the earlier weights copied a needle with
   value without its key: multi-key 14-25% (chance 25%) after four runs (~80 min). The key now sits right before
   its value (`pass key W V .`, question `pass key W`), so the lookup is one induction step.
 - **Dense recall alone did not do it.** `make_recall_batch` (2-12 needles, all asked again: ~6 supervised tokens
-  per lookup) from the grown model: multi-key stayed at 16-28%, chance level (5 runs of 4-12 min at lr 1e-3 to 5e-3, in the
-  old and the new format); from random weights, 0% on every task after 2 min.
+  per lookup) from the grown model: multi-key stayed at 16-28%, chance level (5 runs of 4-12 min at lr 1e-3 to
+  5e-3, in the old and the new format); from random weights, 0% on every task after 2 min.
 - **Pointer loss alone did not do it.** Supervising the attention of the last layer's head 0 to the copied
   token (`pointer_sources`): the head put 0.243 of its attention on the right needle's first digit and 0.249 on
   each wrong one (32 examples): the first digit's residual did not hold its key word, so no query could find it.
