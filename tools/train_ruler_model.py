@@ -151,14 +151,14 @@ def make_batch(task: str, length: int, batch: int, *, tokenizer, rng: random.Ran
 
 
 def make_recall_batch(length: int, batch: int, *, tokenizer, rng: random.Random):
-    """`(ids [B, T], labels [B, T], sources [B, T])`: dense associative-recall sequences of `length` tokens for key matching.
+    """`(ids [B, T], labels [B, T], sources [B, T])`: dense associative-recall sequences of `length` tokens.
 
-    Each sequence holds 2-8 needles `pass key W = V .` (distinct keys) in filler, then 1-K of them asked again in
-    the same form, in random order; `labels` are the value digits and the closing `.` of each asked needle
-    (-100 elsewhere). Every asked key gives 6 supervised tokens that only a key match can predict (several
-    needles compete), where a task example gives one lookup; `sources` is the needle position each label is
-    copied from (-1: none), the target of the pointer loss (`pointer_sources`). Each lookup is: the signal multi-query recall (MQAR, Arora et al.,
-    "Zoology", arXiv:2312.04927) trains induction heads with.
+    Each sequence holds 2-12 needles `pass key W V .` (distinct keys; fewer in short sequences) in filler, then
+    some of them asked again in the same form, in random order. `labels` are the value digits and the closing `.`
+    of each asked needle (-100 elsewhere): every asked key gives 6 supervised tokens that only a key match can
+    predict (several needles compete), where a task example gives one lookup; the signal of multi-query
+    associative recall (MQAR; Arora et al., "Zoology", arXiv:2312.04927). `sources` is the needle position each
+    label is copied from (-1: none), the target of the pointer loss (see `pointer_sources`).
     """
     from tdutils.data import TASK_KEY_WORDS, _haystack, _value
 
@@ -370,11 +370,12 @@ def main(argv=None) -> int:
     ap.add_argument("--recall", type=float, default=0.0,
                     help="fraction of steps on dense recall sequences (make_recall_batch) instead of task examples")
     ap.add_argument("--pointer-weight", type=float, default=0.0,
-                    help="weight of the pointer loss (pointer_sources) on full-cache steps; > 0 trains with eager attention")
+                    help="weight of the pointer loss (pointer_sources) on full-cache steps")
     ap.add_argument("--pointer-max-length", type=int, default=1024,
                     help="longest context of the pointer and predecessor losses (eager attention keeps [B, H, T, T])")
     ap.add_argument("--pointer-layer", type=int, default=-1, help="layer of the pointer head (default: the last)")
-    ap.add_argument("--pointer-head", type=int, default=0, help="first of the two query heads trained as pointer heads (pointer_sources)")
+    ap.add_argument("--pointer-head", type=int, default=0,
+                    help="first of the two query heads trained as pointer heads (pointer_sources)")
     ap.add_argument("--prev-token-weight", type=float, default=0.0,
                     help="weight of the auxiliary loss that a linear probe reads each token's predecessor from the "
                          "input of the pointer layer (puts the key word into its value's first digit)")
