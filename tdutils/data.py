@@ -433,7 +433,9 @@ def make_task_example(task: str, context_tokens: int, *, tokenizer, rng: random.
         rng: the random stream (the example is a function of its state).
 
     Returns:
-        dict with `task`, `prompt`, `context`, `question`, `answer` (the text greedy decoding should produce),
+        dict with `task`, `prompt`, `context`, `question`, `answer` (the tokens greedy decoding should produce, words
+        separated by spaces; decoded text may join punctuation, e.g. `1 2 3 4 5.`, so score a response with
+        `tdutils.answers.score_task(task, values, text)`, not by comparing strings),
         `values` (gold items: values, `key value` pairs or variable names, as `score_task` reads them),
         `depths` (needle starts as fractions of the filler) and `context_tokens` (the prompt's token count).
 

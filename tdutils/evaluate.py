@@ -845,7 +845,8 @@ def run(args) -> int:
 
     try:
         policies = _split(pick(args.policies, DEFAULT_POLICIES, DEFAULT_TASK_POLICIES), str, "policy")
-        ratios = _split(pick(args.drop_ratios, DEFAULT_DROP_RATIOS, DEFAULT_TASK_DROP_RATIOS), float, "drop ratio")
+        ratios = _split(pick(args.drop_ratios, DEFAULT_DROP_RATIOS, DEFAULT_TASK_DROP_RATIOS), float,
+                        "--drop-ratios value (fractions such as 0.25 0.5 0.75)")
         lengths = _split(pick(args.context_lengths, DEFAULT_CONTEXT_LENGTHS, DEFAULT_TASK_CONTEXT_LENGTHS), int,
                          "context length")
     except argparse.ArgumentTypeError as exc:
@@ -860,12 +861,10 @@ def run(args) -> int:
     max_tokens = args.max_tokens if args.max_tokens is not None else (10 if passkey else None)
     trained_for = {TINY_MODEL: "the passkey benchmark (--tasks passkey)", RULER_MODEL: "the RULER-style tasks"}
     if model == (RULER_MODEL if passkey else TINY_MODEL):  # a bundled model on a suite it was never trained on
-        import warnings
-
         suite = "the passkey benchmark" if passkey else "the RULER-style tasks"
-        warnings.warn(f"--model {model} was trained only on {trained_for[model]}, not on {suite}: its accuracy there "
-                      f"says nothing about the policies; omit --model to use {TINY_MODEL if passkey else RULER_MODEL}",
-                      stacklevel=2)
+        print(f"tdutils: warning: --model {model} was trained only on {trained_for[model]}, not on {suite}: its "
+              f"accuracy there says nothing about the policies; omit --model to use "
+              f"{TINY_MODEL if passkey else RULER_MODEL}", file=sys.stderr, flush=True)
     # Everything that can be checked without the model, before any work.
     from .policies import policy_names
 

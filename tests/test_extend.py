@@ -202,6 +202,7 @@ def test_bad_extensions_are_refused_and_change_nothing(tiny):
         ([*ext[:2], ""], ValueError, "extension 2 is empty"),
         ([*ext[:2], [10**6]], ValueError, "outside the model's vocabulary"),
         ("pass key =", TypeError, "one extension per request"),
+        (None, TypeError, "takes a list with one text or token-id list per request, got NoneType"),
         ([*ext[:2], 3.5], TypeError, "extension 2 must be"),
         ([[5] * 10, [5], [5]], ValueError, r"would hold 50 KV tokens \(40 cached \+ 10 extension\).*kv_budget_tokens is 50"),
     ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..edit import check_token_ids
@@ -176,6 +177,9 @@ def tokenize_extensions(tokenizer, extensions, num_requests: int, vocab_size: in
     """
     if isinstance(extensions, str):
         raise TypeError("extend() takes one extension per request; wrap a single text as [text]")
+    if not isinstance(extensions, Iterable):
+        raise TypeError(f"extend() takes a list with one text or token-id list per request, got "
+                        f"{type(extensions).__name__}")
     extensions = list(extensions)
     if len(extensions) != num_requests:
         raise ValueError(f"extend() got {len(extensions)} extensions for {num_requests} requests; pass exactly one "
