@@ -182,7 +182,7 @@ def tokenize_extensions(tokenizer, extensions, num_requests: int, vocab_size: in
                         f"{type(extensions).__name__}")
     extensions = list(extensions)
     if len(extensions) != num_requests:
-        raise ValueError(f"extend() got {len(extensions)} extensions for {num_requests} requests; pass exactly one "
+        raise ValueError(f"extend() got {len(extensions)} extension(s) for {num_requests} request(s); pass exactly one "
                          f"text or token-id list per request, in request order")
     items = [_item_ids(tokenizer, p, i, "extension", vocab_size, False) for i, p in enumerate(extensions)]
     _warn_unknown(tokenizer, items, "extension")
