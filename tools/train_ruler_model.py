@@ -418,21 +418,28 @@ def save(model, tokenizer_dir: Path, out: Path) -> None:
         shutil.copy(tokenizer_dir / name, out / name)
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written (its commands keep their line breaks) and each option's default."""
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--min-lr-ratio", type=float, default=0.05)
-    ap.add_argument("--warmup-steps", type=int, default=100)
-    ap.add_argument("--drop-aug", type=float, default=0.5)
-    ap.add_argument("--max-minutes", type=float, default=60.0)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="data stream TRAIN_SEED_BASE + seed (give a continuation its own, or it replays its parent's)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    ap.add_argument("--min-lr-ratio", type=float, default=0.05, help="final lr / peak lr of the cosine decay")
+    ap.add_argument("--warmup-steps", type=int, default=100, help="steps of linear lr warm-up")
+    ap.add_argument("--drop-aug", type=float, default=0.5,
+                    help="fraction of steps (contexts >= 512 tokens) on a randomly dropped cache")
+    ap.add_argument("--max-minutes", type=float, default=60.0,
+                    help="wall-clock budget; the lr schedule follows it")
     ap.add_argument("--save-every", type=float, default=10.0, help="minutes between checkpoints")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tasks", default=None, help="comma-separated subset of RULER_TASKS (default: all)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--tasks", default=None, help="comma-separated subset of RULER_TASKS (None: all five)")
     ap.add_argument("--init-from", type=Path, default=None, help="model folder to continue from")
     ap.add_argument("--scratch", action="store_true",
                     help="random initial weights instead of growing the passkey model tiny-qwen3")
-    ap.add_argument("--eval-n", type=int, default=100)
+    ap.add_argument("--eval-n", type=int, default=100, help="examples per task and length of the final report")
     ap.add_argument("--recall", type=float, default=0.0,
                     help="fraction of steps on dense recall sequences (make_recall_batch) instead of task examples")
     ap.add_argument("--pointer-weight", type=float, default=0.0,
@@ -451,7 +458,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default=None,
                     help="fine-tuning: draw these lengths (comma-separated, repeat one to weight it) for the whole "
                          "run, with dropped-cache augmentation, instead of the phases")
-    ap.add_argument("--out", type=Path, default=None, help="default: tdutils/assets/tiny-qwen3-ruler")
+    ap.add_argument("--out", type=Path, required=True,
+                    help="folder the model is saved to (the predecessor probe goes beside it, OUT.probe.pt); to "
+                         "update the bundled model, copy OUT/model.safetensors into tdutils/assets/tiny-qwen3-ruler")
     args = ap.parse_args(argv)
 
     from transformers import AutoConfig, Qwen3ForCausalLM
@@ -463,7 +472,18 @@ def main(argv=None) -> int:
     tasks = args.tasks.split(",") if args.tasks else list(RULER_TASKS)
     if unknown := [t for t in tasks if t not in RULER_TASKS]:
         ap.error(f"unknown tasks {unknown}; choose from {RULER_TASKS}")
-    out = args.out or ASSETS / "tiny-qwen3-ruler"
+    out = args.out
+    if out.resolve().is_relative_to(ASSETS.resolve()):
+        ap.error(f"--out {out} is inside the package's assets ({ASSETS}); write to another folder and copy "
+                 "model.safetensors into tdutils/assets/tiny-qwen3-ruler once its figures are checked")
+    if args.init_from is not None and not (args.init_from / "config.json").is_file():
+        ap.error(f"--init-from {args.init_from} is not a model folder (no config.json); pass the --out folder of "
+                 "an earlier run or tdutils/assets/tiny-qwen3-ruler")
+    for name in ("max_minutes", "save_every"):
+        if not getattr(args, name) > 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0 minutes, got {getattr(args, name)}")
+    if args.eval_n < 1:
+        ap.error(f"--eval-n must be >= 1 examples per task, got {args.eval_n}")
     phases = PHASES
     if args.lengths:
         try:
@@ -505,6 +525,9 @@ def main(argv=None) -> int:
     if args.init_from is not None and probe_path(args.init_from).exists():  # continue with the run's probe
         probe.load_state_dict(torch.load(probe_path(args.init_from)))
         print(f"predecessor probe from {probe_path(args.init_from)}", flush=True)
+    elif args.prev_token_weight > 0 and args.init_from is not None and args.probe_warmup_steps == 0:
+        print(f"note: {args.init_from} has no saved probe ({probe_path(args.init_from).name}); a fresh one starts "
+              "from random weights: pass --probe-warmup-steps 60 so it learns before it moves the model", flush=True)
     prev_stats: list[float] = []
     decay = [p for p in model.parameters() if p.dim() >= 2] + list(probe.parameters())
     no_decay = [p for p in model.parameters() if p.dim() < 2]

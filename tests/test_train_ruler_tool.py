@@ -1,0 +1,60 @@
+"""`tools/train_ruler_model.py`: the pointer loss's attention rows and the command line's refusals."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("train_ruler_model", ROOT / "tools" / "train_ruler_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pointer_rows_equal_the_models_eager_attention(tool):
+    """`PointerRows.hit` (SDPA forward + rows recomputed) == `output_attentions` of eager attention."""
+    from transformers import Qwen3ForCausalLM
+
+    from tdutils.models import ASSETS
+
+    model = Qwen3ForCausalLM.from_pretrained(ASSETS / "tiny-qwen3-ruler", attn_implementation="eager").eval()
+    rows = tool.PointerRows(model.model.layers[-1].self_attn)
+    ids = torch.randint(5, 200, (3, 120), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(input_ids=ids, output_attentions=True).attentions[-1]  # [B, H, T, T]
+        # every query head (both KV heads of the GQA group 2), first/middle/last positions, self and far sources
+        b = torch.tensor([0, 1, 2, 2, 1, 0])
+        head = torch.tensor([0, 1, 2, 3, 3, 2])
+        qpos = torch.tensor([119, 60, 0, 119, 5, 100])
+        src = torch.tensor([3, 60, 0, 118, 0, 99])
+        got = rows.hit(b, head, qpos, src)
+    want = ref[b, head, qpos, src]
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-4), (got, want)
+    assert float(got[2]) == pytest.approx(1.0)  # position 0 attends only to itself
+    rows.handle.remove()
+
+
+def test_probe_is_saved_beside_the_model_folder(tool, tmp_path):
+    assert tool.probe_path(tmp_path / "run") == tmp_path / "run.probe.pt"
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "the following arguments are required: --out"),
+    (["--out", str(ROOT / "tdutils" / "assets" / "tiny-qwen3-ruler")], "inside the package's assets"),
+    (["--init-from", "/nonexistent", "--out", "{tmp}/r"], "is not a model folder (no config.json)"),
+    (["--eval-n", "0", "--out", "{tmp}/r"], "--eval-n must be >= 1"),
+    (["--max-minutes", "0", "--out", "{tmp}/r"], "--max-minutes must be > 0"),
+    (["--lengths", "300", "--out", "{tmp}/r"], "--lengths must be taken from"),
+])
+def test_bad_arguments_exit_with_one_clear_line(tool, tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        tool.main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err, err
+    assert not list(tmp_path.iterdir())  # nothing written
