@@ -406,7 +406,8 @@ def probe_path(out: Path) -> Path:
     return out.parent / f"{out.name}.probe.pt"
 
 
-def save(model, tokenizer_dir: Path, out: Path) -> None:
+def save(model, tokenizer_dir: Path, out: Path, probe: torch.nn.Module) -> None:
+    """The model, config and tokenizer files into `out`; the predecessor probe beside it (`probe_path`)."""
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "tmp-save"
     model.save_pretrained(tmp)
@@ -416,6 +417,7 @@ def save(model, tokenizer_dir: Path, out: Path) -> None:
     shutil.rmtree(tmp)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, out / name)
+    torch.save(probe.state_dict(), probe_path(out))
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -625,13 +627,11 @@ def main(argv=None) -> int:
                   flush=True)
         if elapsed > next_save:
             next_save += 60 * args.save_every
-            save(model, TINY_MODEL_DIR, out)
-            torch.save(probe.state_dict(), probe_path(out))
+            save(model, TINY_MODEL_DIR, out, probe)
             accs = {t: exact_match(model, tokenizer, t, args.eval_length, n=32, seed=0, batch=8) for t in tasks}
             print(f"checkpoint at {elapsed / 60:.1f} min, step {step}; exact match @{args.eval_length} (dev seed, n=32): "
                   + ", ".join(f"{t} {a:.2f}" for t, a in accs.items()), flush=True)
-    save(model, TINY_MODEL_DIR, out)
-    torch.save(probe.state_dict(), probe_path(out))
+    save(model, TINY_MODEL_DIR, out, probe)
     print(f"trained {step} steps in {(time.perf_counter() - t0) / 60:.1f} min; saved {out}", flush=True)
     for length in REPORT_LENGTHS:
         accs = {t: exact_match(model, tokenizer, t, length, n=args.eval_n, seed=0, batch=4) for t in tasks}
