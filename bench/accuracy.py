@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
 
 from tdutils.evaluate import FULL, HELDOUT_SEED, add_arguments, run, task_markdown
 
@@ -65,7 +64,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     ap.set_defaults(json_path="runs/accuracy.json", plot="runs/accuracy.png", seed=HELDOUT_SEED)
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     ap.add_argument("--summary", metavar="PATH", help="print the README table of a stored --json file and exit")
     args = ap.parse_args(argv)
     if args.summary:
@@ -74,10 +72,6 @@ def main(argv=None) -> int:
         with open(args.summary) as f:
             print(readme_summary(json.load(f)))
         return 0
-    if args.threads is not None and args.threads < 1:
-        ap.error(f"--threads must be >= 1, got {args.threads}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     try:
         return run(args)
     except (ValueError, OSError, ConnectionError) as exc:  # bad values, missing model or files: one line

@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from tdutils.data import make_passkey_dataset
 from tdutils.evaluate import COLUMNS, TRAIN_SEED_BASE, add_arguments, passkey_eval, run, wilson_interval
@@ -139,8 +140,14 @@ def test_cli_all_policies_and_window(tmp_path, capsys):
     add_arguments(ap)
     out = tmp_path / "eval.json"
     args = ap.parse_args(["--policies", "all", "--drop-ratios", "0.5", "--context-lengths", "128", "--n", "2",
-                          "--window", "24", "--json", str(out), "--quiet"])
-    assert run(args) == 0, capsys.readouterr()
+                          "--window", "24", "--json", str(out), "--quiet", "--threads", "1"])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert run(args) == 0, capsys.readouterr()
+        assert torch.get_num_threads() == 1  # --threads reached torch
+    finally:
+        torch.set_num_threads(before)
     report = json.loads(out.read_text())
     from tdutils.policies import get_policy, policy_names
 
@@ -170,7 +177,6 @@ def ruler():
     aware mode, and niah_multikey (four needles, one asked) in agnostic mode (one thread: a tiny model on a shared
     2-core machine runs many times faster so). Returns `(table, responses)` of both runs together."""
     import pandas as pd
-    import torch
 
     from tdutils.engines.hf import HFEngine
     from tdutils.evaluate import task_eval

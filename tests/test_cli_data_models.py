@@ -53,6 +53,9 @@ def test_main_job_prints_ratio_and_writes_json(tmp_path):
     (["eval", "--drop-ratios", "0.5", "1.5"], ("--drop-ratios: drop_ratio must lie in [0, 1] (the fraction of tokens "
                                                "removed), got 1.5; give fractions such as 0.25 0.5 0.75")),
     (["eval", "--drop-ratios", "half"], "bad --drop-ratios value (fractions such as 0.25 0.5 0.75) 'half'"),
+    (["eval", "--context-lengths", "abc"],
+     "bad --context-lengths value (whole numbers of tokens such as 1024 2048) 'abc'"),
+    (["eval", "--threads", "0"], "--threads must be >= 1, got 0"),
     (["run", "--json", "/proc/tdutils-run.json"], ("--json '/proc/tdutils-run.json' is not a writable file path: no "
                                                    "file can be created in '/proc'")),
     (["eval", "--context-lengths", "128", "--window", "200", "--n", "2"],

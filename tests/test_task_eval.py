@@ -157,3 +157,17 @@ def test_bench_summary_of_a_stored_task_run_is_the_per_task_table(small):
     table, _ = small
     report = json.loads(table.to_json(orient="records"))
     assert _bench("accuracy").readme_summary({"rows": report}) == task_markdown(table)
+
+
+def test_readme_agnostic_example_runs_and_answers(capsys):
+    """The README's query-agnostic Python example, run as written: the bundled `tiny-qwen3-ruler` answers its
+    2048-token multi-value example (seed 0) exactly after SnapKV drops 75% of the context's cache."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "eng.extend(" in b]
+    assert len(blocks) == 1, "README.md should hold one Python example of the query-agnostic flow"
+    exec(compile(blocks[0], "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("| (True, 1.0)"), out

@@ -40,6 +40,29 @@ def test_pointer_rows_equal_the_models_eager_attention(tool):
     rows.handle.remove()
 
 
+def test_inserted_layers_keep_the_models_function(tool):
+    """`insert_layers`: two identity-initialised layers before the last leave the logits as they were, the last
+    layer's weights move to the new last index, and the new layers can learn (their output projections are the
+    only zero weights)."""
+    from transformers import Qwen3ForCausalLM
+
+    from tdutils.models import ASSETS
+
+    model = Qwen3ForCausalLM.from_pretrained(ASSETS / "tiny-qwen3-ruler").eval()
+    grown = tool.insert_layers(model, 2).eval()
+    n = model.config.num_hidden_layers
+    assert grown.config.num_hidden_layers == n + 2 and len(grown.config.layer_types) == n + 2
+    assert [layer.self_attn.layer_idx for layer in grown.model.layers] == list(range(n + 2))
+    assert torch.equal(grown.model.layers[-1].self_attn.q_proj.weight, model.model.layers[-1].self_attn.q_proj.weight)
+    assert torch.equal(grown.model.layers[n - 2].mlp.up_proj.weight, model.model.layers[n - 2].mlp.up_proj.weight)
+    new = grown.model.layers[n - 1]
+    assert not new.self_attn.o_proj.weight.any() and not new.mlp.down_proj.weight.any()
+    assert new.self_attn.q_proj.weight.abs().sum() > 0
+    ids = torch.randint(5, 200, (2, 150), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(grown(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
 def test_probe_is_saved_beside_the_model_folder(tool, tmp_path):
     assert tool.probe_path(tmp_path / "run") == tmp_path / "run.probe.pt"
 
@@ -51,6 +74,7 @@ def test_probe_is_saved_beside_the_model_folder(tool, tmp_path):
     (["--eval-n", "0", "--out", "{tmp}/r"], "--eval-n must be >= 1"),
     (["--max-minutes", "0", "--out", "{tmp}/r"], "--max-minutes must be > 0"),
     (["--lengths", "300", "--out", "{tmp}/r"], "--lengths must be taken from"),
+    (["--insert-layers", "2", "--out", "{tmp}/r"], "--insert-layers takes a count >= 0 and needs --init-from"),
 ])
 def test_bad_arguments_exit_with_one_clear_line(tool, tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exc:

@@ -401,6 +401,43 @@ def grow_from_passkey_model(model, folder: Path) -> None:
             layer.mlp.down_proj.weight.zero_()
 
 
+def insert_layers(model, n: int):
+    """A copy of `model` with `n` identity-initialised decoder layers inserted before its last layer.
+
+    The pointer layer (the last) keeps its weights and stays last; the new layers sit between it and the
+    layers that build its inputs, where the failures at 4096 tokens say more capacity is wanted (the later
+    digits of a value must be told apart by the needle they belong to). Each new layer has random attention
+    and MLP weights but zero output projections (`o_proj`, `down_proj`), so the grown model computes the same
+    function as `model` until training moves them (depth up-scaling, as `grow_from_passkey_model`).
+    """
+    from transformers import Qwen3ForCausalLM
+
+    old = model.config.num_hidden_layers
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.num_hidden_layers = old + n
+    config.layer_types = [model.config.layer_types[0]] * (old + n)
+    grown = Qwen3ForCausalLM(config)
+    src = model.state_dict()
+    # old layer i -> new layer i for i < old - 1; the last old layer -> the last new layer
+    remap = {f"model.layers.{old - 1}.": f"model.layers.{old + n - 1}."}
+    state = {}
+    for key, value in src.items():
+        for a, b in remap.items():
+            if key.startswith(a):
+                key = b + key[len(a):]
+        state[key] = value
+    missing, unexpected = grown.load_state_dict(state, strict=False)
+    new = {f"model.layers.{i}." for i in range(old - 1, old - 1 + n)}
+    if unexpected or any(not any(k.startswith(p) for p in new) for k in missing):
+        raise SystemExit(f"cannot insert layers: missing {missing}, unexpected {unexpected}")
+    grown.tie_weights()
+    with torch.no_grad():
+        for layer in grown.model.layers[old - 1:old - 1 + n]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return grown
+
+
 def probe_path(out: Path) -> Path:
     """Where a run keeps its predecessor probe: beside the model folder, never in it (not a model weight)."""
     return out.parent / f"{out.name}.probe.pt"
@@ -425,7 +462,9 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+    summary, _, history = __doc__.partition("\n\n")
+    # options first; the runs and measurements (~140 lines) follow them
+    ap = argparse.ArgumentParser(description=summary, epilog=history, formatter_class=_HelpFormatter)
     ap.add_argument("--seed", type=int, default=0,
                     help="data stream TRAIN_SEED_BASE + seed (give a continuation its own, or it replays its parent's)")
     ap.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
@@ -439,6 +478,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--tasks", default=None, help="comma-separated subset of RULER_TASKS (None: all five)")
     ap.add_argument("--init-from", type=Path, default=None, help="model folder to continue from")
+    ap.add_argument("--insert-layers", type=int, default=0,
+                    help="with --init-from: insert this many identity-initialised layers before the last (pointer) "
+                         "layer, so the continued model starts from the same function with more depth")
     ap.add_argument("--scratch", action="store_true",
                     help="random initial weights instead of growing the passkey model tiny-qwen3")
     ap.add_argument("--eval-n", type=int, default=100, help="examples per task and length of the final report")
@@ -484,6 +526,9 @@ def main(argv=None) -> int:
     for name in ("max_minutes", "save_every"):
         if not getattr(args, name) > 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0 minutes, got {getattr(args, name)}")
+    if args.insert_layers < 0 or (args.insert_layers and args.init_from is None):
+        ap.error(f"--insert-layers takes a count >= 0 and needs --init-from (the model to grow), got "
+                 f"{args.insert_layers}")
     if args.eval_n < 1:
         ap.error(f"--eval-n must be >= 1 examples per task, got {args.eval_n}")
     phases = PHASES
@@ -500,6 +545,8 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     if args.init_from is not None:
         model = Qwen3ForCausalLM.from_pretrained(args.init_from)
+        if args.insert_layers:
+            model = insert_layers(model, args.insert_layers)
     else:
         config = AutoConfig.from_pretrained(TINY_MODEL_DIR)
         for key, value in ARCH.items():
