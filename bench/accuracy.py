@@ -33,6 +33,7 @@ import argparse
 import sys
 
 
+from tdutils.cli_args import OneLineParser
 from tdutils.evaluate import FULL, HELDOUT_SEED, add_arguments, run, task_markdown
 
 NAMES = {"random": "random", "snapkv": "SnapKV", "rkv": "R-KV", "middle_chunk": "middle-chunk"}
@@ -61,7 +62,7 @@ def readme_summary(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     ap.set_defaults(json_path="runs/accuracy.json", plot="runs/accuracy.png", seed=HELDOUT_SEED)
     ap.add_argument("--summary", metavar="PATH", help="print the README table of a stored --json file and exit")

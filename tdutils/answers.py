@@ -418,8 +418,13 @@ def score_task(task: str, values: Sequence[str], response: str | None) -> tuple[
     `string_match_all` credit), in [0, 1]. `values` are the example's `values` from `make_task_example`.
 
     Raises:
-        ValueError: no gold items.
+        ValueError: an unknown task, or no gold items.
     """
+    from .data import RULER_TASKS
+
+    if task not in RULER_TASKS:
+        raise ValueError(f"unknown task {task!r}; score_task scores the RULER-style tasks {', '.join(RULER_TASKS)} "
+                         f"(passkey answers: score_passkey)")
     gold = [" ".join(str(v).split()) for v in values]
     if not gold:
         raise ValueError(f"{task}: an example needs at least one gold value")

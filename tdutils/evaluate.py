@@ -340,8 +340,13 @@ def split_question(tokenizer, example: Mapping) -> tuple[list[int], list[int]]:
     the same sequence.
 
     Raises:
-        ValueError: the context is not shorter than the prompt.
+        ValueError: an example without `prompt` and `context` (not from `make_task_example`), or a context that
+            is not shorter than the prompt.
     """
+    missing = [k for k in ("prompt", "context") if k not in example]
+    if missing:
+        raise ValueError(f"split_question needs a task example with 'prompt' and 'context' (from "
+                         f"tdutils.data.make_task_example); this one has no {' or '.join(map(repr, missing))}")
     prompt = tokenizer(example["prompt"])["input_ids"]
     context = tokenizer(example["context"])["input_ids"]
     if len(context) >= len(prompt):
@@ -885,15 +890,17 @@ def run(args) -> int:
     if bad_lengths:
         raise ValueError(f"--context-lengths must be >= 1 tokens, got {bad_lengths}")
     threads = getattr(args, "threads", None)
-    if threads is not None and threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {threads}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads is not None and not 1 <= threads <= cores:
+        raise ValueError(f"--threads must be between 1 and the {cores} CPU core(s) this process may use, got {threads} "
+                         "(more threads than cores only wait on each other)")
     if args.json_path:
         check_output_path(args.json_path, "--json", example="runs/eval.json")
     if args.plot:
         check_plot_path(args.plot, "--plot")
-    if threads is not None:
-        import torch
+    import torch
 
+    if threads is not None:
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
     log = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
@@ -910,7 +917,7 @@ def run(args) -> int:
         p: {"window": window} for p in policies if p != FULL and "window" in get_policy(p).defaults()}
     meta = {"model": model, "tasks": tasks, "modes": ["aware"] if passkey else modes, "policies": policies,
             "drop_ratios": ratios, "context_lengths": lengths, "n": args.n, "seed": args.seed, "max_tokens": max_tokens,
-            "policy_params": params}
+            "policy_params": params, "threads": torch.get_num_threads()}
     if passkey:
         table = passkey_eval(model, policies, ratios, lengths, n=args.n, seed=args.seed, max_tokens=max_tokens,
                              log=log, policy_params=params)

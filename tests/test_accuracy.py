@@ -146,6 +146,7 @@ def test_cli_all_policies_and_window(tmp_path, capsys):
     try:
         assert run(args) == 0, capsys.readouterr()
         assert torch.get_num_threads() == 1  # --threads reached torch
+        assert json.loads(out.read_text())["meta"]["threads"] == 1
     finally:
         torch.set_num_threads(before)
     report = json.loads(out.read_text())

@@ -55,7 +55,8 @@ def test_main_job_prints_ratio_and_writes_json(tmp_path):
     (["eval", "--drop-ratios", "half"], "bad --drop-ratios value (fractions such as 0.25 0.5 0.75) 'half'"),
     (["eval", "--context-lengths", "abc"],
      "bad --context-lengths value (whole numbers of tokens such as 1024 2048) 'abc'"),
-    (["eval", "--threads", "0"], "--threads must be >= 1, got 0"),
+    (["eval", "--threads", "0"], "--threads must be between 1 and the"),
+    (["eval", "--threads", "100000"], "CPU core(s) this process may use, got 100000"),
     (["run", "--json", "/proc/tdutils-run.json"], ("--json '/proc/tdutils-run.json' is not a writable file path: no "
                                                    "file can be created in '/proc'")),
     (["eval", "--context-lengths", "128", "--window", "200", "--n", "2"],

@@ -245,6 +245,15 @@ def test_token_ids_outside_the_vocabulary_are_refused(tiny, sample_ids):
         eng.prefill([[5, 6, 7], [5, 6, 99999]])
     with pytest.raises(ValueError, match="no prompts: pass a non-empty list"):
         eng.prefill([])
+    # a float or bool is not a token id (int() would silently make 3.5 token 3)
+    with pytest.raises(TypeError, match=r"prompt 0: token ids must be integers, got 3.5 \(float\)"):
+        eng.prefill([[5, 3.5]])
+    with pytest.raises(TypeError, match=r"prompt 0: token ids must be integers, got True \(bool\)"):
+        eng.prefill([[True, 5]])
+    eng.prefill([torch.tensor([5, 6, 7])])  # integer tensors and numpy integers stay accepted
+    assert eng.tokens(0) == [5, 6, 7]
+    with pytest.raises(TypeError, match=r"extension 0: token ids must be integers, got 7.9"):
+        eng.extend([torch.tensor([7.9])])
     eng.prefill(sample_ids[:1])
     before = eng.kv(0).clone(), list(eng.tokens(0))
 

@@ -45,6 +45,8 @@ def test_split_question_gives_the_aware_prompts_tokens(tiny, task):
         assert context + question == tok(ex["prompt"])["input_ids"]
         assert context == tok(ex["context"])["input_ids"]
         assert question == tok(" " + ex["question"], add_special_tokens=False)["input_ids"]
+    with pytest.raises(ValueError, match="needs a task example with 'prompt' and 'context'.*has no 'context'"):
+        split_question(tok, {"prompt": ex["prompt"]})
 
 
 def test_rows_columns_and_bookkeeping(small):

@@ -93,6 +93,8 @@ def test_bad_input(tok):
         make_task_dataset("niah_single", 0, 256, tokenizer=tok, seed=0)
     with pytest.raises(ValueError, match="at least one gold"):
         score_task("niah_single", [], "1 2 3 4 5 .")
+    with pytest.raises(ValueError, match="unknown task 'passkey'; score_task scores the RULER-style tasks"):
+        score_task("passkey", ["1 2 3 4 5"], "1 2 3 4 5 .")  # would score (False, 0.0) silently
 
 
 @pytest.mark.parametrize("task,values,response,expected", [

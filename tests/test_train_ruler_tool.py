@@ -74,7 +74,11 @@ def test_probe_is_saved_beside_the_model_folder(tool, tmp_path):
     (["--eval-n", "0", "--out", "{tmp}/r"], "--eval-n must be >= 1"),
     (["--max-minutes", "0", "--out", "{tmp}/r"], "--max-minutes must be > 0"),
     (["--lengths", "300", "--out", "{tmp}/r"], "--lengths must be taken from"),
-    (["--insert-layers", "2", "--out", "{tmp}/r"], "--insert-layers takes a count >= 0 and needs --init-from"),
+    (["--insert-layers", "2", "--out", "{tmp}/r"], "--insert-layers needs --init-from (the trained model to grow)"),
+    (["--insert-layers", "-1", "--out", "{tmp}/r"], "--insert-layers must be a count >= 0, got -1"),
+    (["--threads", "0", "--out", "{tmp}/r"], "--threads must be >= 1, got 0"),
+    (["--lr", "-1", "--out", "{tmp}/r"], "--lr must be > 0, got -1.0"),
+    (["--pointer-layer", "7", "--scratch", "--out", "{tmp}/r"], "--pointer-layer 7 is not a layer of this 4-layer model"),
 ])
 def test_bad_arguments_exit_with_one_clear_line(tool, tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exc:

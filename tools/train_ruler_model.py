@@ -1,4 +1,4 @@
-"""Train the bundled model `tiny-qwen3-ruler` on the RULER-style tasks of `tdutils.data` (issue 17), on CPU.
+r"""Train the bundled model `tiny-qwen3-ruler` on the RULER-style tasks of `tdutils.data` (issue 17), on CPU.
 
 The bundled weights come from seven runs of this script, each continuing the previous one (`--init-from`), one
 torch thread each, on the shared 2-core machine (2026-12-01; 263 min in all). A run stops at the end of its `--max-minutes`
@@ -472,7 +472,11 @@ def save(model, tokenizer_dir: Path, out: Path, probe: torch.nn.Module) -> None:
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The docstring as written (its commands keep their line breaks) and each option's default."""
+    """The docstring as written (its commands keep their line breaks) and each option's default (none shown for
+    options whose default is None: their help says what happens without them)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def main(argv=None) -> int:
@@ -490,7 +494,7 @@ def main(argv=None) -> int:
                     help="wall-clock budget; the lr schedule follows it")
     ap.add_argument("--save-every", type=float, default=10.0, help="minutes between checkpoints")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
-    ap.add_argument("--tasks", default=None, help="comma-separated subset of RULER_TASKS (None: all five)")
+    ap.add_argument("--tasks", default=None, help="comma-separated subset of RULER_TASKS (default: all five)")
     ap.add_argument("--init-from", type=Path, default=None, help="model folder to continue from")
     ap.add_argument("--insert-layers", type=int, default=0,
                     help="with --init-from: insert this many identity-initialised layers before the last (pointer) "
@@ -504,7 +508,7 @@ def main(argv=None) -> int:
                     help="weight of the pointer loss (pointer_sources) on full-cache steps")
     ap.add_argument("--pointer-max-length", type=int, default=4096,
                     help="longest context of the pointer and predecessor losses")
-    ap.add_argument("--pointer-layer", type=int, default=-1, help="layer of the pointer head (default: the last)")
+    ap.add_argument("--pointer-layer", type=int, default=-1, help="layer of the pointer head (-1: the last)")
     ap.add_argument("--pointer-head", type=int, default=0,
                     help="first of the two query heads trained as pointer heads (pointer_sources)")
     ap.add_argument("--prev-token-weight", type=float, default=0.0,
@@ -540,9 +544,14 @@ def main(argv=None) -> int:
     for name in ("max_minutes", "save_every"):
         if not getattr(args, name) > 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0 minutes, got {getattr(args, name)}")
-    if args.insert_layers < 0 or (args.insert_layers and args.init_from is None):
-        ap.error(f"--insert-layers takes a count >= 0 and needs --init-from (the model to grow), got "
-                 f"{args.insert_layers}")
+    if args.insert_layers < 0:
+        ap.error(f"--insert-layers must be a count >= 0, got {args.insert_layers}")
+    if args.insert_layers and args.init_from is None:
+        ap.error("--insert-layers needs --init-from (the trained model to grow)")
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
+    if not args.lr > 0:
+        ap.error(f"--lr must be > 0, got {args.lr}")
     if args.eval_n < 1:
         ap.error(f"--eval-n must be >= 1 examples per task, got {args.eval_n}")
     phases = PHASES
@@ -561,6 +570,8 @@ def main(argv=None) -> int:
         model = Qwen3ForCausalLM.from_pretrained(args.init_from)
         if args.insert_layers:
             model = insert_layers(model, args.insert_layers)
+            print(f"inserted {args.insert_layers} identity-initialised layer(s) before the last: "
+                  f"{model.config.num_hidden_layers} layers", flush=True)
     else:
         config = AutoConfig.from_pretrained(TINY_MODEL_DIR)
         for key, value in ARCH.items():
@@ -583,6 +594,10 @@ def main(argv=None) -> int:
     print(f"tiny-qwen3-ruler: {sum(p.numel() for p in model.parameters())} parameters, tasks {tasks}, "
           f"threads {torch.get_num_threads()}, data seed {TRAIN_SEED_BASE + args.seed}", flush=True)
 
+    n_layers = model.config.num_hidden_layers
+    if not -n_layers <= args.pointer_layer < n_layers:
+        ap.error(f"--pointer-layer {args.pointer_layer} is not a layer of this {n_layers}-layer model; give "
+                 f"0..{n_layers - 1} or -1 for the last")
     rows = PointerRows(model.model.layers[args.pointer_layer].self_attn)
     probe = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
     if args.init_from is not None and probe_path(args.init_from).exists():  # continue with the run's probe

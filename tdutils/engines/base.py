@@ -104,13 +104,26 @@ def check_engine_settings(kv_budget_tokens, max_batch_size, query_window) -> Non
         raise ValueError(f"query_window must be >= 0 or None (all tokens), got {query_window}")
 
 
+def _token_id(t, what: str, i: int) -> int:
+    """One token id as an int; TypeError for a float, bool or other non-integer (int() would truncate 3.5 to 3)."""
+    import operator
+
+    if not isinstance(t, bool):
+        try:
+            return operator.index(t)  # ints and numpy / torch integer scalars
+        except TypeError:
+            pass
+    raise TypeError(f"{what} {i}: token ids must be integers, got {t!r} ({type(t).__name__}); pass the ids a "
+                    f"tokenizer returns, or a string")
+
+
 def _item_ids(tokenizer, p, i: int, what: str, vocab_size: int | None, special_tokens: bool) -> tuple[list[int], bool]:
     """Token ids of one prompt or extension (a string or a list of ids) and whether they came from text; the
     type, emptiness and vocabulary checks of `tokenize_prompts` / `tokenize_extensions` (errors name `what i`)."""
     if isinstance(p, str):
         ids, text = tokenizer(p, add_special_tokens=special_tokens)["input_ids"], True
     elif isinstance(p, list | tuple) or hasattr(p, "tolist"):
-        ids, text = [int(t) for t in (p.tolist() if hasattr(p, "tolist") else p)], False
+        ids, text = [_token_id(t, what, i) for t in (p.tolist() if hasattr(p, "tolist") else p)], False
     else:
         raise TypeError(f"{what} {i} must be a string or a list of token ids, got {type(p).__name__}")
     if not ids:
