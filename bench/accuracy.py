@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-
 from tdutils.cli_args import OneLineParser
 from tdutils.evaluate import FULL, HELDOUT_SEED, add_arguments, run, task_markdown
 

@@ -15,6 +15,7 @@ ratios are taken per repeat, against the baseline of the same repeat.
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -106,8 +107,6 @@ def check_engine_settings(kv_budget_tokens, max_batch_size, query_window) -> Non
 
 def _token_id(t, what: str, i: int) -> int:
     """One token id as an int; TypeError for a float, bool or other non-integer (int() would truncate 3.5 to 3)."""
-    import operator
-
     if not isinstance(t, bool):
         try:
             return operator.index(t)  # ints and numpy / torch integer scalars
