@@ -70,6 +70,14 @@ def _issue_tracker() -> str:
     return ""
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one, else `os.cpu_count()`): the
+    most torch threads worth asking for (more only wait on each other; far more exhaust the machine's threads)."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad option in one line (no usage block) and exits with status 2."""
 

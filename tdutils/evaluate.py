@@ -890,7 +890,9 @@ def run(args) -> int:
     if bad_lengths:
         raise ValueError(f"--context-lengths must be >= 1 tokens, got {bad_lengths}")
     threads = getattr(args, "threads", None)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from .cli_args import usable_cores
+
+    cores = usable_cores()
     if threads is not None and not 1 <= threads <= cores:
         raise ValueError(f"--threads must be between 1 and the {cores} CPU core(s) this process may use, got {threads} "
                          "(more threads than cores only wait on each other)")

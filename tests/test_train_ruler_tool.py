@@ -76,7 +76,8 @@ def test_probe_is_saved_beside_the_model_folder(tool, tmp_path):
     (["--lengths", "300", "--out", "{tmp}/r"], "--lengths must be taken from"),
     (["--insert-layers", "2", "--out", "{tmp}/r"], "--insert-layers needs --init-from (the trained model to grow)"),
     (["--insert-layers", "-1", "--out", "{tmp}/r"], "--insert-layers must be a count >= 0, got -1"),
-    (["--threads", "0", "--out", "{tmp}/r"], "--threads must be >= 1, got 0"),
+    (["--threads", "0", "--out", "{tmp}/r"], "--threads must be between 1 and the"),
+    (["--threads", "100000", "--out", "{tmp}/r"], "CPU core(s) this process may use, got 100000"),
     (["--lr", "-1", "--out", "{tmp}/r"], "--lr must be > 0, got -1.0"),
     (["--pointer-layer", "7", "--scratch", "--out", "{tmp}/r"], "--pointer-layer 7 is not a layer of this 4-layer model"),
 ])
@@ -85,4 +86,5 @@ def test_bad_arguments_exit_with_one_clear_line(tool, tmp_path, capsys, argv, me
         tool.main([a.replace("{tmp}", str(tmp_path)) for a in argv])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1, err  # one line, no usage block
     assert not list(tmp_path.iterdir())  # nothing written

@@ -487,7 +487,9 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 def main(argv=None) -> int:
     summary, _, history = __doc__.partition("\n\n")
     # options first; the runs and measurements (~140 lines) follow them
-    ap = argparse.ArgumentParser(description=summary, epilog=history, formatter_class=_HelpFormatter)
+    from tdutils.cli_args import OneLineParser, usable_cores  # bad options in one line, exit 2, as the other commands
+
+    ap = OneLineParser(description=summary, epilog=history, formatter_class=_HelpFormatter)
     ap.add_argument("--seed", type=int, default=0,
                     help="data stream TRAIN_SEED_BASE + seed (give a continuation its own, or it replays its parent's)")
     ap.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
@@ -553,8 +555,9 @@ def main(argv=None) -> int:
         ap.error(f"--insert-layers must be a count >= 0, got {args.insert_layers}")
     if args.insert_layers and args.init_from is None:
         ap.error("--insert-layers needs --init-from (the trained model to grow)")
-    if args.threads < 1:
-        ap.error(f"--threads must be >= 1, got {args.threads}")
+    cores = usable_cores()
+    if not 1 <= args.threads <= cores:
+        ap.error(f"--threads must be between 1 and the {cores} CPU core(s) this process may use, got {args.threads}")
     if not args.lr > 0:
         ap.error(f"--lr must be > 0, got {args.lr}")
     if args.eval_n < 1:
