@@ -259,7 +259,8 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except Exception as exc:  # noqa: BLE001 - every error is reported, bugs with their traceback
-        return report_error(exc)
+        # name the subcommand, as argparse does for a bad option: "python -m tdutils eval: error: ..."
+        return report_error(exc, prog=f"python -m tdutils {args.command}")
 
 
 if __name__ == "__main__":

@@ -918,7 +918,8 @@ def run(args) -> int:
     params = {} if window is None else {
         p: {"window": window} for p in policies if p != FULL and "window" in get_policy(p).defaults()}
     meta = {"model": model, "tasks": tasks, "modes": ["aware"] if passkey else modes, "policies": policies,
-            "drop_ratios": ratios, "context_lengths": lengths, "n": args.n, "seed": args.seed, "max_tokens": max_tokens,
+            # no ratio was run when only the full cache was asked for (it ignores them)
+            "drop_ratios": ratios if any(p != FULL for p in policies) else [], "context_lengths": lengths, "n": args.n, "seed": args.seed, "max_tokens": max_tokens,
             "policy_params": params, "threads": torch.get_num_threads()}
     if passkey:
         table = passkey_eval(model, policies, ratios, lengths, n=args.n, seed=args.seed, max_tokens=max_tokens,

@@ -135,6 +135,17 @@ def test_cli_pieces_print_table_and_write_json_and_plot(tmp_path, capsys):
     assert png.stat().st_size > 0
 
 
+def test_cli_full_cache_alone_records_no_drop_ratio(tmp_path, capsys):
+    """`full` ignores --drop-ratios (one row at 0), so the report must not claim the default ratios were run."""
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    out = tmp_path / "eval.json"
+    assert run(ap.parse_args(["--policies", "full", "--context-lengths", "128", "--n", "2", "--json", str(out),
+                              "--quiet"])) == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["meta"]["drop_ratios"] == [] and [r["drop_ratio"] for r in report["rows"]] == [0.0], report
+
+
 def test_cli_all_policies_and_window(tmp_path, capsys):
     ap = argparse.ArgumentParser()
     add_arguments(ap)

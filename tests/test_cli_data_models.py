@@ -283,7 +283,7 @@ def test_eval_output_paths_are_checked_before_any_work(tmp_path):
     assert check_output_path(new, "--json") == new and not new.parent.exists()
     p = _cli("eval", "--json", str(at_root), "--quiet")
     assert p.returncode == 2 and not at_root.parents[1].exists()
-    assert p.stderr.strip() == (f"tdutils: error: --json '{at_root}': the folder '{at_root.parent}' does not exist, "
+    assert p.stderr.strip() == (f"python -m tdutils eval: error: --json '{at_root}': the folder '{at_root.parent}' does not exist, "
                                 f"and missing folders are not created at the filesystem root; create it first or "
                                 f"give a path such as runs/eval.json")
 
@@ -296,6 +296,6 @@ def test_gold_answers_that_cannot_be_scored_fail_before_the_run(tmp_path):
     p = _cli("run", "--dataset", str(data), "--num-requests", "2", "--policy", "knorm", "--repeats", "1",
              "--json", str(out), "--no-progress")
     assert p.returncode == 2, p.stdout + p.stderr
-    assert p.stderr.strip() == (f"tdutils: error: dataset {str(data)!r}: cannot tell how to score gold answers like "
+    assert p.stderr.strip() == (f"python -m tdutils run: error: dataset {str(data)!r}: cannot tell how to score gold answers like "
                                 "['1 2', 'B']: expected digit passkeys or letters A-D"), p.stdout + p.stderr
     assert "prefill" not in p.stdout and not out.exists(), p.stdout

@@ -21,7 +21,7 @@ def _main_failing_with(exc, monkeypatch) -> int:
 def test_bad_input_is_one_line_with_status_2(monkeypatch, capsys, exc):
     assert _main_failing_with(exc, monkeypatch) == 2
     err = capsys.readouterr().err
-    assert err == f"tdutils: error: {exc}\n", err
+    assert err == f"python -m tdutils run: error: {exc}\n", err
 
 
 @pytest.mark.parametrize("exc", [TypeError("unsupported operand"), RuntimeError("shape mismatch"),
@@ -32,7 +32,7 @@ def test_a_bug_shows_its_traceback_and_asks_for_a_report(monkeypatch, capsys, ex
     lines = err.splitlines()
     assert lines[0] == "Traceback (most recent call last):", err
     assert "in fail" in err and f"{type(exc).__name__}: " in err, err  # where it was raised, and what
-    assert lines[-1].startswith(f"tdutils: internal error ({type(exc).__name__}): this is a bug in tdutils, not a "
+    assert lines[-1].startswith(f"python -m tdutils run: internal error ({type(exc).__name__}): this is a bug in tdutils, not a "
                                 f"problem with your input; please report it with the command you ran and the "
                                 f"traceback above"), err
 

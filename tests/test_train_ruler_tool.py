@@ -79,6 +79,7 @@ def test_probe_is_saved_beside_the_model_folder(tool, tmp_path):
     (["--threads", "0", "--out", "{tmp}/r"], "--threads must be between 1 and the"),
     (["--threads", "100000", "--out", "{tmp}/r"], "CPU core(s) this process may use, got 100000"),
     (["--lr", "-1", "--out", "{tmp}/r"], "--lr must be > 0, got -1.0"),
+    (["--rope-theta", "0", "--out", "{tmp}/r"], "--rope-theta must be > 1 (the RoPE base frequency, e.g. 100000)"),
     (["--pointer-layer", "7", "--scratch", "--out", "{tmp}/r"], "--pointer-layer 7 is not a layer of this 4-layer model"),
 ])
 def test_bad_arguments_exit_with_one_clear_line(tool, tmp_path, capsys, argv, message):

@@ -503,6 +503,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--tasks", default=None, help="comma-separated subset of RULER_TASKS (default: all five)")
     ap.add_argument("--init-from", type=Path, default=None, help="model folder to continue from")
+    ap.add_argument("--rope-theta", type=float, default=None,
+                    help="set the RoPE base frequency (config rope_parameters.rope_theta) before training; a larger "
+                         "base turns the low-frequency rotary pairs slower, so content matching survives longer "
+                         "distances (adjusted base frequency: Xiong et al., 2023, arXiv:2309.16039). Default: keep "
+                         "the --init-from model's (10000 for a new model)")
     ap.add_argument("--insert-layers", type=int, default=0,
                     help="with --init-from: insert this many identity-initialised layers before the last (pointer) "
                          "layer, so the continued model starts from the same function with more depth")
@@ -560,6 +565,8 @@ def main(argv=None) -> int:
         ap.error(f"--threads must be between 1 and the {cores} CPU core(s) this process may use, got {args.threads}")
     if not args.lr > 0:
         ap.error(f"--lr must be > 0, got {args.lr}")
+    if args.rope_theta is not None and not args.rope_theta > 1:
+        ap.error(f"--rope-theta must be > 1 (the RoPE base frequency, e.g. 100000), got {args.rope_theta}")
     if args.eval_n < 1:
         ap.error(f"--eval-n must be >= 1 examples per task, got {args.eval_n}")
     phases = PHASES
@@ -575,7 +582,10 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(str(TINY_MODEL_DIR))
     torch.manual_seed(args.seed)
     if args.init_from is not None:
-        model = Qwen3ForCausalLM.from_pretrained(args.init_from)
+        config = AutoConfig.from_pretrained(args.init_from)
+        if args.rope_theta is not None:
+            config.rope_parameters["rope_theta"] = args.rope_theta
+        model = Qwen3ForCausalLM.from_pretrained(args.init_from, config=config)
         if args.insert_layers:
             model = insert_layers(model, args.insert_layers)
             print(f"inserted {args.insert_layers} identity-initialised layer(s) before the last: "
@@ -585,6 +595,8 @@ def main(argv=None) -> int:
         for key, value in ARCH.items():
             setattr(config, key, value)
         config.layer_types = ["full_attention"] * ARCH["num_hidden_layers"]
+        if args.rope_theta is not None:
+            config.rope_parameters["rope_theta"] = args.rope_theta
         model = Qwen3ForCausalLM(config)
         if not args.scratch:
             grow_from_passkey_model(model, TINY_MODEL_DIR)
