@@ -78,8 +78,14 @@ def test_probe_is_saved_beside_the_model_folder(tool, tmp_path):
     (["--insert-layers", "-1", "--out", "{tmp}/r"], "--insert-layers must be a count >= 0, got -1"),
     (["--threads", "0", "--out", "{tmp}/r"], "--threads must be between 1 and the"),
     (["--threads", "100000", "--out", "{tmp}/r"], "CPU core(s) this process may use, got 100000"),
-    (["--lr", "-1", "--out", "{tmp}/r"], "--lr must be > 0, got -1.0"),
-    (["--rope-theta", "0", "--out", "{tmp}/r"], "--rope-theta must be > 1 (the RoPE base frequency, e.g. 100000)"),
+    (["--lr", "-1", "--out", "{tmp}/r"], "--lr must be a finite number > 0, got -1.0"),
+    (["--rope-theta", "0", "--out", "{tmp}/r"], "--rope-theta must be > 1 and finite (the RoPE base frequency"),
+    (["--rope-theta", "inf", "--out", "{tmp}/r"], "--rope-theta must be > 1 and finite"),
+    (["--lr", "inf", "--out", "{tmp}/r"], "--lr must be a finite number > 0, got inf"),
+    (["--drop-aug", "2", "--out", "{tmp}/r"], "--drop-aug must be a fraction of steps in [0, 1], got 2.0"),
+    (["--recall", "-1", "--out", "{tmp}/r"], "--recall must be a fraction of steps in [0, 1], got -1.0"),
+    (["--eval-length", "8192", "--out", "{tmp}/r"], "--eval-length must be one of the trained lengths"),
+    (["--pointer-head", "3", "--scratch", "--out", "{tmp}/r"], "--pointer-head 3 must be 0..2 in this 4-head model"),
     (["--pointer-layer", "7", "--scratch", "--out", "{tmp}/r"], "--pointer-layer 7 is not a layer of this 4-layer model"),
 ])
 def test_bad_arguments_exit_with_one_clear_line(tool, tmp_path, capsys, argv, message):
@@ -89,3 +95,14 @@ def test_bad_arguments_exit_with_one_clear_line(tool, tmp_path, capsys, argv, me
     assert exc.value.code == 2 and message in err, err
     assert len(err.strip().splitlines()) == 1, err  # one line, no usage block
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_out_that_is_a_file_fails_before_training(tool, tmp_path, capsys):
+    """The save at the end would fail on it (mkdir) after the whole budget: refuse it at the start."""
+    out = tmp_path / "model.json"
+    out.write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        tool.main(["--out", str(out)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"--out {out} is a file; give a folder" in err, err
+    assert out.read_text() == "{}" and [p.name for p in tmp_path.iterdir()] == ["model.json"]

@@ -594,10 +594,17 @@ def main(argv=None) -> int:
     cores = usable_cores()
     if not 1 <= args.threads <= cores:
         ap.error(f"--threads must be between 1 and the {cores} CPU core(s) this process may use, got {args.threads}")
-    if not args.lr > 0:
-        ap.error(f"--lr must be > 0, got {args.lr}")
-    if args.rope_theta is not None and not args.rope_theta > 1:
-        ap.error(f"--rope-theta must be > 1 (the RoPE base frequency, e.g. 100000), got {args.rope_theta}")
+    if out.exists() and not out.is_dir():  # found now, not by the save after the whole budget
+        ap.error(f"--out {out} is a file; give a folder (new or from an earlier run) for the model")
+    if not 0 < args.lr < math.inf:
+        ap.error(f"--lr must be a finite number > 0, got {args.lr}")
+    if args.rope_theta is not None and not 1 < args.rope_theta < math.inf:
+        ap.error(f"--rope-theta must be > 1 and finite (the RoPE base frequency, e.g. 100000), got {args.rope_theta}")
+    for name in ("drop_aug", "recall"):
+        if not 0 <= getattr(args, name) <= 1:
+            ap.error(f"--{name.replace('_', '-')} must be a fraction of steps in [0, 1], got {getattr(args, name)}")
+    if args.eval_length not in BATCH:
+        ap.error(f"--eval-length must be one of the trained lengths {sorted(BATCH)}, got {args.eval_length}")
     if args.eval_n < 1:
         ap.error(f"--eval-n must be >= 1 examples per task, got {args.eval_n}")
     phases = PHASES
@@ -649,6 +656,10 @@ def main(argv=None) -> int:
     if not -n_layers <= args.pointer_layer < n_layers:
         ap.error(f"--pointer-layer {args.pointer_layer} is not a layer of this {n_layers}-layer model; give "
                  f"0..{n_layers - 1} or -1 for the last")
+    n_heads = model.config.num_attention_heads
+    if not 0 <= args.pointer_head <= n_heads - 2:  # heads pointer_head and pointer_head + 1 are trained
+        ap.error(f"--pointer-head {args.pointer_head} must be 0..{n_heads - 2} in this {n_heads}-head model (it and the "
+                 "next head are the two pointer heads)")
     rows = PointerRows(model.model.layers[args.pointer_layer].self_attn)
     probe = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
     if args.init_from is not None and probe_path(args.init_from).exists():  # continue with the run's probe
