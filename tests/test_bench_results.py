@@ -31,6 +31,7 @@ def _flat(text: str) -> str:
 
 
 @pytest.mark.parametrize("script, stored", [("accuracy", "accuracy.json"), ("accuracy", "ruler_policies.json"),
+                                            ("accuracy", "ruler_policies_4096.json"),
                                             ("accuracy", "ruler_full.json"), ("rkv_bench", "rkv_bench.json"),
                                             ("rope_bench", "rope_bench.json")])
 def test_readme_figures_are_the_stored_runs(script, stored):
@@ -44,7 +45,7 @@ def test_readme_figures_are_the_stored_runs(script, stored):
 def test_published_accuracy_is_on_the_held_out_seed():
     from tdutils.evaluate import DEV_SEED, HELDOUT_SEED, TRAIN_SEED_BASE
 
-    for stored in ("accuracy.json", "ruler_policies.json", "ruler_full.json"):
+    for stored in ("accuracy.json", "ruler_policies.json", "ruler_policies_4096.json", "ruler_full.json"):
         meta = json.loads((ROOT / "docs" / "results" / stored).read_text())["meta"]
         assert meta["seed"] == HELDOUT_SEED != DEV_SEED and HELDOUT_SEED < TRAIN_SEED_BASE, (stored, meta)
     assert f"held-out evaluation seed {HELDOUT_SEED}" in _flat(README)
