@@ -106,3 +106,17 @@ def test_out_that_is_a_file_fails_before_training(tool, tmp_path, capsys):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"--out {out} is a file; give a folder" in err, err
     assert out.read_text() == "{}" and [p.name for p in tmp_path.iterdir()] == ["model.json"]
+
+
+def test_bundled_model_rotates_with_the_theta_run_9_trained_at():
+    """Run 9 raised the RoPE base to 100000 (`--rope-theta`): the model's own rotary module and tdutils' re-rotation
+    (`RopeSpec.from_config`) must both use it, or every edited cache would be re-rotated at the wrong frequencies."""
+    from transformers import Qwen3ForCausalLM
+
+    from tdutils.models import ASSETS
+    from tdutils.rope import RopeSpec
+
+    model = Qwen3ForCausalLM.from_pretrained(ASSETS / "tiny-qwen3-ruler")
+    expected = 100000.0 ** (-torch.arange(0, 32, 2, dtype=torch.float64) / 32)  # head_dim 32
+    assert torch.allclose(model.model.rotary_emb.inv_freq.double(), expected, rtol=1e-6, atol=0)
+    assert torch.allclose(RopeSpec.from_config(model.config).inv_freq.double(), expected, rtol=1e-6, atol=0)
