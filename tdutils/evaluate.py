@@ -83,6 +83,14 @@ PASSKEY = "passkey"  # command line: the passkey benchmark above, with its own m
 DEFAULT_TASK_POLICIES = ("full", "random", "streaming_llm", "knorm", "snapkv", "rkv")
 DEFAULT_TASK_DROP_RATIOS = (0.25, 0.5, 0.75, 0.9)
 DEFAULT_TASK_CONTEXT_LENGTHS = (1024, 2048, 4096)
+# Real pretrained models (any model that is not bundled): RULER's own templates (`tdutils.ruler`).
+RULER_SUITE = "ruler"  # command line: every RULER template task
+DEFAULT_REAL_DROP_RATIOS = (0.5, 0.75, 0.9)
+DEFAULT_REAL_CONTEXT_LENGTHS = (2048, 4096)
+DEFAULT_REAL_N = 50
+DEFAULT_N = 200
+CHAT_TEMPLATES = ("auto", "none")
+WEAK_FULL_ACCURACY = 0.5  # a task the full cache solves less often than this ranks no policy
 TASK_COLUMNS = ("task", "mode", "policy", "drop_ratio", "context_length", "n", "correct", "accuracy", "ci_low",
                 "ci_high", "partial", "kept_tokens", "modify_s", "max_tokens")
 
@@ -210,6 +218,7 @@ def task_eval(
     dtype="auto",
     log: Callable[[str], None] | None = None,
     responses: dict | None = None,
+    chat_template: str | bool = "auto",
 ):
     """Exact match on the RULER-style tasks (Hsieh et al., "RULER", arXiv:2404.06654; `tdutils.data`) for every
     (task, mode, context length, policy, drop ratio) cell — the query-aware and query-agnostic leaderboard.
@@ -226,8 +235,11 @@ def task_eval(
     (EOS ignored) and scored with `tdutils.answers.score_task`.
 
     Args:
-        model: bundled name (default `"tiny-qwen3-ruler"`), hub id or local folder; ignored when `engine` is given.
-        tasks: names from `tdutils.data.RULER_TASKS` (default all five).
+        model: bundled name (default `"tiny-qwen3-ruler"`), packaged real model (`"smollm2-135m"`), `.gguf` file,
+            hub id or local folder; ignored when `engine` is given.
+        tasks: registered task names (`tdutils.tasks.task_names()`): the word-level tasks of the bundled model
+            (`tdutils.data.RULER_TASKS`, the default) and RULER's own templates for real tokenizers
+            (`tdutils.ruler.RULER_TEMPLATE_TASKS`).
         modes: `"aware"` and/or `"agnostic"` (`tdutils.data.TASK_MODES`).
         policies: `"full"` and/or registered policy names (`tdutils.policies.policy_names()`).
         drop_ratios: fractions dropped, each in [0, 1]; `"full"` ignores them (one row at 0).
@@ -235,8 +247,9 @@ def task_eval(
             tokenizer).
         n: examples per (task, length).
         seed: dataset seed; below `TRAIN_SEED_BASE` for a bundled model (module docstring, "Seeds").
-        max_tokens: greedy decode tokens per request; None (default): per task, the longest gold answer of its
-            examples plus 2 tokens (room to show an extra item, which exact match counts as wrong).
+        max_tokens: greedy decode tokens per request; None (default): per task, its own `Task.max_tokens` (word
+            tasks: the longest gold answer plus 2 tokens, room to show an extra item, which exact match counts as
+            wrong; RULER templates: `tdutils.ruler.decode_tokens`).
         policy_params: extra `make_drop_fn` keywords per policy, e.g. `{"snapkv": {"window": 32}}`.
         engine: an `HFEngine` (or any engine with `extend`) to reuse; else one is opened for `model`.
         batch_size: examples prefilled and decoded together (a 4096-token request of the bundled model holds an
@@ -244,6 +257,8 @@ def task_eval(
         device, dtype: for the engine opened here.
         log: called with one progress line per finished (task, mode, length) group of cells.
         responses: when a dict is given, filled with `{(task, mode, policy, ratio, length): [decoded texts]}`.
+        chat_template: RULER template tasks: `"auto"` (default) wraps each prompt in the tokenizer's chat template
+            when it has one, `"none"` never (`tdutils.ruler.uses_chat_template`); word-level tasks ignore it.
 
     Returns:
         pandas DataFrame, one row per cell, ordered length -> task -> mode -> policy -> ratio, with columns
@@ -261,18 +276,18 @@ def task_eval(
     """
     import pandas as pd
 
-    from .answers import score_task
-    from .data import make_task_dataset
     from .selection import check_drop_ratio
+    from .tasks import get_task, task_names
 
     tasks, modes, policies = list(tasks), list(modes), list(policies)
     lengths = [int(x) for x in context_lengths]
     ratios = [check_drop_ratio(r) for r in drop_ratios]
     if not (tasks and modes and policies and ratios and lengths):
         raise ValueError("task_eval needs at least one task, mode, policy, drop ratio and context length")
-    bad = [t for t in tasks if t not in RULER_TASKS]
+    bad = [t for t in tasks if t not in task_names()]
     if bad:
-        raise ValueError(f"unknown task(s) {bad}; choose from {', '.join(RULER_TASKS)}")
+        raise ValueError(f"unknown task(s) {bad}; choose from {', '.join(task_names())}")
+    specs = {t: get_task(t) for t in tasks}
     bad = [m for m in modes if m not in TASK_MODES]
     if bad:
         raise ValueError(f"unknown mode(s) {bad}; choose from {', '.join(TASK_MODES)}")
@@ -286,22 +301,18 @@ def task_eval(
     params = {k: dict(v) for k, v in (policy_params or {}).items()}
     cells = build_cells(engine, policies, ratios, params)
     tok = engine.tokenizer
-
-    def ids(text: str) -> list[int]:
-        return tok(text, add_special_tokens=False)["input_ids"]
-
     # Every (task, length) must fit before the first cell runs (a too-short length would fail mid-run).
     for task in tasks:
         try:
-            make_task_dataset(task, 1, min(lengths), tokenizer=tok, seed=seed)
+            specs[task].make_dataset(1, min(lengths), tok, seed, chat_template)
         except ValueError as exc:
             raise ValueError(f"{exc}; raise the shortest context length (context_lengths / --context-lengths)") from None
     rows = []
     for length in lengths:
         for task in tasks:
-            data = make_task_dataset(task, n, length, tokenizer=tok, seed=seed)
-            answer_tokens = max(len(ids(d["answer"])) for d in data)
-            decode_tokens = answer_tokens + 2 if max_tokens is None else int(max_tokens)
+            spec = specs[task]
+            data = spec.make_dataset(n, length, tok, seed, chat_template)
+            decode_tokens = spec.max_tokens(data, tok) if max_tokens is None else int(max_tokens)
             max_pos = getattr(engine.config, "max_position_embeddings", None)
             if max_pos and length + decode_tokens > max_pos:
                 raise ValueError(f"context length {length} + {decode_tokens} decode tokens exceeds the model's "
@@ -309,13 +320,13 @@ def task_eval(
             for mode in modes:
                 t0 = time.perf_counter()
                 if mode == "aware":
-                    prompts, extensions = [d["prompt"] for d in data], None
+                    prompts, extensions = [d.get("prompt_ids", d["prompt"]) for d in data], None
                 else:
-                    prompts, extensions = zip(*(split_question(tok, d) for d in data))
+                    prompts, extensions = zip(*(spec.split(tok, d) for d in data))
                 texts, modify_s, kept = run_cells(engine, prompts, cells, max_tokens=decode_tokens,
                                                   batch_size=batch_size, extensions=extensions)
                 for policy, r, _ in cells:
-                    scores = [score_task(task, d["values"], t) for d, t in zip(data, texts[policy, r])]
+                    scores = [spec.score(d["values"], t) for d, t in zip(data, texts[policy, r])]
                     correct = sum(exact for exact, _ in scores)
                     low, high = wilson_interval(correct, n)
                     rows.append({"task": task, "mode": mode, "policy": policy, "drop_ratio": r, "context_length": length,
@@ -354,6 +365,12 @@ def split_question(tokenizer, example: Mapping) -> tuple[list[int], list[int]]:
                          f"a task example needs a question after its context")
     cut = len(context)
     return prompt[:cut], prompt[cut:]
+
+
+def _uses_chat(tokenizer, chat_template) -> bool:
+    from .ruler import uses_chat_template
+
+    return uses_chat_template(tokenizer, chat_template)
 
 
 def _open_engine(engine, model, seed: int, *, device=None, dtype="auto"):
@@ -764,9 +781,14 @@ def add_arguments(parser) -> None:
     """Options of `python -m tdutils eval` (added to an argparse parser). Options left unset take the defaults of
     the suite `--tasks` picks: `passkey` (the default; `passkey_eval`, model tiny-qwen3) or RULER-style tasks
     (`task_eval`, model tiny-qwen3-ruler)."""
-    parser.add_argument("--tasks", nargs="+", default=[PASSKEY],
-                        help=f"'{PASSKEY}' (default: the passkey benchmark of the tiny-qwen3 model), or RULER-style "
-                             f"tasks {', '.join(TASKS)}, or 'all' for those five (model tiny-qwen3-ruler)")
+    parser.add_argument("--tasks", nargs="+", default=None,
+                        help=f"'{PASSKEY}' (the passkey benchmark of the tiny-qwen3 model; the default without "
+                             f"--model), word-level RULER-style tasks {', '.join(TASKS)} or 'all' for those five (model "
+                             f"tiny-qwen3-ruler), or RULER's own templates for real models (task names of "
+                             f"tdutils.ruler, or '{RULER_SUITE}' for all; the default for a --model that is not bundled)")
+    parser.add_argument("--chat-template", choices=CHAT_TEMPLATES, default="auto",
+                        help="RULER template tasks: 'auto' (default) wraps each prompt in the tokenizer's chat template "
+                             "when it has one; 'none' feeds the raw template")
     parser.add_argument("--mode", choices=("aware", "agnostic", "both"), default=None,
                         help="RULER tasks: 'aware' (question in the prompt when the cache is edited), 'agnostic' (cache "
                              "edited on the context alone, question prefilled after the edit) or 'both' (default); "
@@ -786,13 +808,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--window", type=int, default=None,
                         help="most recent tokens always kept, for every policy with a window parameter "
                              "(default: each policy's own)")
-    parser.add_argument("--n", type=int, default=200, help="prompts per context length and task (default: 200)")
+    parser.add_argument("--n", type=int, default=None,
+                        help=f"prompts per context length and task (default: {DEFAULT_N}; {DEFAULT_REAL_N} for a real "
+                             f"model)")
     parser.add_argument("--seed", type=int, default=DEV_SEED,
                         help=f"dataset seed, below {TRAIN_SEED_BASE} (training streams); {DEV_SEED} is the development "
                              f"seed, {HELDOUT_SEED} the held-out seed of the published table (default: %(default)s)")
     parser.add_argument("--model", default=None,
-                        help="bundled model, hub id or local folder (default: passkey tiny-qwen3; RULER tasks "
-                             f"{RULER_MODEL})")
+                        help="bundled model, packaged real model (smollm2-135m, gemma3-270m), .gguf file, hub id or "
+                             f"local folder (default: passkey tiny-qwen3; word-level RULER tasks {RULER_MODEL}; "
+                             "RULER templates smollm2-135m)")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="greedy decode tokens per request (default: passkey 10; RULER tasks the longest answer "
                              "of each task plus 2)")
@@ -808,28 +833,48 @@ def add_arguments(parser) -> None:
 
 
 def parse_tasks(values: Iterable[str]) -> list[str]:
-    """`--tasks` values as a list: `'all'` expands to the five RULER tasks; `passkey` must stand alone.
+    """`--tasks` values as a list: `'all'` expands to the five word-level tasks, `'ruler'` to RULER's templates;
+    `passkey` must stand alone.
 
     Raises:
-        ValueError: an unknown task, or `passkey` mixed with RULER tasks (they use different models).
+        ValueError: an unknown task, or `passkey` mixed with other tasks (they use different models).
     """
     import argparse
+
+    from .tasks import task_names
 
     try:
         tasks = _split(values, str, "task")
     except argparse.ArgumentTypeError as exc:
         raise ValueError(str(exc)) from None
-    tasks = list(dict.fromkeys(t for x in tasks for t in (TASKS if x == ALL else (x,))))
-    unknown = [t for t in tasks if t not in (PASSKEY, *TASKS)]
+    groups = {ALL: TASKS, RULER_SUITE: task_names("ruler")}
+    tasks = list(dict.fromkeys(t for x in tasks for t in groups.get(x, (x,))))
+    unknown = [t for t in tasks if t not in (PASSKEY, *task_names())]
     if unknown:
-        raise ValueError(f"--tasks: unknown {', '.join(map(repr, unknown))}; choose {PASSKEY!r}, {ALL!r} or from "
-                         f"{', '.join(TASKS)}")
+        raise ValueError(f"--tasks: unknown {', '.join(map(repr, unknown))}; choose {PASSKEY!r}, {ALL!r} (word-level: "
+                         f"{', '.join(TASKS)}) or {RULER_SUITE!r} (RULER templates: {', '.join(task_names('ruler'))})")
     if PASSKEY in tasks and len(tasks) > 1:
         raise ValueError(f"--tasks: {PASSKEY!r} runs alone (its model, tiny-qwen3, is not trained on the RULER tasks); "
                          f"run it and the RULER tasks as two commands")
     if not tasks:
         raise ValueError("--tasks needs at least one task")
     return tasks
+
+
+def weak_tasks(table, threshold: float = WEAK_FULL_ACCURACY) -> dict:
+    """`{(task, mode, context_length): full-cache accuracy}` for the cells where the full cache scores below
+    `threshold`: there the model cannot do the task, so no policy's score there says anything about the policy.
+    Empty when the table has no `"full"` rows."""
+    full = table[table["policy"] == FULL]
+    return {(r.task, r.mode, int(r.context_length)): float(r.accuracy) for r in full.itertuples()
+            if r.accuracy < threshold}
+
+
+def weak_task_notes(table, threshold: float = WEAK_FULL_ACCURACY) -> list[str]:
+    """One line per task (and mode, length) that the full cache itself fails (`weak_tasks`), for tables and logs."""
+    return [f"note: {task} ({mode}, {length} tokens): the full cache scores {100 * acc:.0f}% (< {100 * threshold:.0f}%): "
+            f"the model cannot do this task, so the policies' scores on it rank nothing"
+            for (task, mode, length), acc in weak_tasks(table, threshold).items()]
 
 
 def run(args) -> int:
@@ -840,22 +885,32 @@ def run(args) -> int:
     import argparse
     import sys
 
-    tasks = parse_tasks(getattr(args, "tasks", None) or [PASSKEY])
+    from .models import BUNDLED_MODELS
+
+    model_arg = getattr(args, "model", None)
+    real = model_arg is not None and model_arg not in BUNDLED_MODELS
+    default_tasks = [RULER_SUITE] if real else ([ALL] if model_arg == RULER_MODEL else [PASSKEY])
+    tasks = parse_tasks(getattr(args, "tasks", None) or default_tasks)
     passkey = tasks == [PASSKEY]
+    from .tasks import get_task
+
+    templates = not passkey and all(get_task(t).suite == "ruler" for t in tasks)
     mode = getattr(args, "mode", None)
     if passkey and mode not in (None, "aware"):
         raise ValueError(f"--mode {mode}: the passkey benchmark runs in aware mode only; use RULER tasks "
                          f"(--tasks all) for the query-agnostic mode")
     modes = list(MODES) if mode in (None, "both") else [mode]
 
-    def pick(value, passkey_default, task_default):
-        return value if value is not None else [str(x) for x in (passkey_default if passkey else task_default)]
+    def pick(value, passkey_default, task_default, real_default=None):
+        default = passkey_default if passkey else (real_default if templates and real_default else task_default)
+        return value if value is not None else [str(x) for x in default]
 
     try:
         policies = _split(pick(args.policies, DEFAULT_POLICIES, DEFAULT_TASK_POLICIES), str, "policy")
-        ratios = _split(pick(args.drop_ratios, DEFAULT_DROP_RATIOS, DEFAULT_TASK_DROP_RATIOS), float,
-                        "--drop-ratios value (fractions such as 0.25 0.5 0.75)")
-        lengths = _split(pick(args.context_lengths, DEFAULT_CONTEXT_LENGTHS, DEFAULT_TASK_CONTEXT_LENGTHS), int,
+        ratios = _split(pick(args.drop_ratios, DEFAULT_DROP_RATIOS, DEFAULT_TASK_DROP_RATIOS, DEFAULT_REAL_DROP_RATIOS),
+                        float, "--drop-ratios value (fractions such as 0.25 0.5 0.75)")
+        lengths = _split(pick(args.context_lengths, DEFAULT_CONTEXT_LENGTHS, DEFAULT_TASK_CONTEXT_LENGTHS,
+                              DEFAULT_REAL_CONTEXT_LENGTHS), int,
                          "--context-lengths value (whole numbers of tokens such as 1024 2048)")
     except argparse.ArgumentTypeError as exc:
         raise ValueError(str(exc)) from None
@@ -865,7 +920,13 @@ def run(args) -> int:
         ratios = [check_drop_ratio(r) for r in ratios]
     except ValueError as exc:
         raise ValueError(f"--drop-ratios: {exc}; give fractions such as 0.25 0.5 0.75") from None
-    model = args.model or (TINY_MODEL if passkey else RULER_MODEL)
+    model = args.model or (TINY_MODEL if passkey else ("smollm2-135m" if templates else RULER_MODEL))
+    n = args.n if args.n is not None else (DEFAULT_REAL_N if templates else DEFAULT_N)
+    args.n = n
+    if templates and model in BUNDLED_MODELS:
+        raise ValueError(f"--model {model}: the bundled models know only their own word-level vocabulary; RULER's "
+                         f"templates need a real tokenizer and model (e.g. --model smollm2-135m), or use the "
+                         f"word-level tasks ({ALL!r})")
     max_tokens = args.max_tokens if args.max_tokens is not None else (10 if passkey else None)
     trained_for = {TINY_MODEL: "the passkey benchmark (--tasks passkey)", RULER_MODEL: "the RULER-style tasks"}
     if model == (RULER_MODEL if passkey else TINY_MODEL):  # a bundled model on a suite it was never trained on
@@ -917,6 +978,7 @@ def run(args) -> int:
                          "smaller --window")
     params = {} if window is None else {
         p: {"window": window} for p in policies if p != FULL and "window" in get_policy(p).defaults()}
+    chat = getattr(args, "chat_template", "auto") or "auto"
     meta = {"model": model, "tasks": tasks, "modes": ["aware"] if passkey else modes, "policies": policies,
             # no ratio was run when only the full cache was asked for (it ignores them)
             "drop_ratios": ratios if any(p != FULL for p in policies) else [], "context_lengths": lengths, "n": args.n, "seed": args.seed, "max_tokens": max_tokens,
@@ -928,14 +990,27 @@ def run(args) -> int:
         meta["metric"] = "exact match of the 5 passkey digits (tdutils.answers.score_passkey), 95% Wilson interval"
         what = f"passkey exact match, model={model}, n={args.n} per length"
     else:
+        engine = _open_engine(None, model, args.seed)
+        used_chat = templates and _uses_chat(engine.tokenizer, chat)
         table = task_eval(model, tasks, modes, policies, ratios, lengths, n=args.n, seed=args.seed,
-                          max_tokens=max_tokens, log=log, policy_params=params)
+                          max_tokens=max_tokens, log=log, policy_params=params, engine=engine, chat_template=chat)
         print(format_task_table(table))
         print()
         print(task_markdown(table))
-        meta["metric"] = ("exact match of every gold item (tdutils.answers.score_task), 95% Wilson interval; "
-                          "partial = mean fraction of gold items listed")
-        what = f"RULER-style exact match, model={model}, n={args.n} per task and length"
+        notes = weak_task_notes(table)
+        for line in notes:
+            print(line)
+        meta["notes"] = notes
+        if templates:
+            meta["chat_template"] = "applied (the tokenizer's own)" if used_chat else "none"
+            meta["metric"] = ("RULER string_match_all: exact = every reference in the response, partial = fraction of "
+                              "references present (tdutils.ruler.score_ruler); 95% Wilson interval of exact")
+            what = (f"RULER template exact match, model={model}, chat template {'applied' if used_chat else 'not applied'}"
+                    f", n={args.n} per task and length")
+        else:
+            meta["metric"] = ("exact match of every gold item (tdutils.answers.score_task), 95% Wilson interval; "
+                              "partial = mean fraction of gold items listed")
+            what = f"RULER-style exact match, model={model}, n={args.n} per task and length"
     seconds = time.perf_counter() - t0
     meta["seconds"] = seconds
     print(f"\n{what}, seed={args.seed}, {seconds:.0f} s")

