@@ -96,13 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lmcache-url", default="tcp://localhost:6555", help="lmcache engine: LMCache server (SDK port)")
     run.add_argument("--lmcache-http-url", default="http://localhost:8080", help="lmcache engine: LMCache HTTP API")
     run.add_argument("--model", default="tiny-qwen3",
-                     help="bundled model name, hub id (e.g. Qwen/Qwen3-0.6B), local folder, or random:ARCH:NL (a real-shaped "
-                          "random model, e.g. random:qwen3-0.6b:4L, for throughput only) (default: tiny-qwen3)")
+                     help="bundled model name, packaged real model (smollm2-135m, gemma3-270m), .gguf file, hub id "
+                          "(e.g. Qwen/Qwen3-0.6B), local folder, or random:ARCH:NL (a real-shaped random model, e.g. "
+                          "random:qwen3-0.6b:4L, for throughput only) (default: tiny-qwen3)")
     run.add_argument("--dataset", default=None,
                      help="'sample' (bundled passkey prompts, ~1k tokens), 'mc-sample' (bundled English multiple "
-                          "choice), a .jsonl/.json/.csv/.parquet file with a 'prompt' column, or a hub dataset id "
-                          "(default: 'sample' for the bundled model, which reads no English; for other models "
-                          "raniayu/token-dropping-demo, or 'mc-sample' when the hub is unreachable)")
+                          "choice), a RULER template task such as 'ruler_niah_single_1' (built for the model's "
+                          "tokenizer at --context-length tokens), a .jsonl/.json/.csv/.parquet file with a 'prompt' "
+                          "column, or a hub dataset id such as raniayu/token-dropping-demo (default: 'sample' for "
+                          f"the bundled and random models; '{REAL_MODEL_DATASET}' for real models)")
+    run.add_argument("--context-length", type=positive_int, default=2048,
+                     help="RULER template datasets: prompt tokens per request (default: 2048)")
+    run.add_argument("--chat-template", choices=("auto", "none"), default="auto",
+                     help="RULER template datasets: 'auto' wraps prompts in the tokenizer's chat template when it has "
+                          "one (default); 'none' never")
     run.add_argument("--num-requests", type=positive_int, default=16, help="prompts to run (default: 16)")
     run.add_argument("--max-tokens", type=positive_int, default=64,
                      help="decode tokens per request, EOS ignored (default: 64)")
@@ -145,6 +152,38 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+REAL_MODEL_DATASET = "ruler_niah_single_1"  # `run`'s default dataset for a real model
+
+
+def _chance(rows) -> float | None:
+    """Accuracy of guessing: 1/4 for multiple-choice rows (gold A-D), None otherwise (a passkey has no chance level
+    worth naming)."""
+    from .answers import CHOICES
+
+    gold = [getattr(r, "answer", None) for r in rows or []]
+    return 1 / len(CHOICES) if gold and all(str(g).strip() in CHOICES for g in gold) else None
+
+
+def accuracy_notes(reports, *, chance: float | None) -> list[str]:
+    """Notes for accuracies that measure nothing: the baseline's 95% interval contains the chance level (guessing
+    scores the same), or the baseline itself solves under half of the prompts (the model cannot do the task, so a
+    policy's score cannot show what dropping costs)."""
+    base = reports.get("baseline")
+    if base is None or not base.total:
+        return []
+    lo, hi = base.ci95
+    if chance is not None and lo <= chance <= hi:
+        line = (f"the baseline's accuracy ({base}) is within chance level ({100 * chance:.0f}% for four choices; 95% "
+                f"CI {100 * lo:.0f}-{100 * hi:.0f}%): this model cannot do this task, so the accuracies measure "
+                f"nothing about the policy; use a task it can do (e.g. --dataset {REAL_MODEL_DATASET})")
+        return [line]
+    if base.accuracy < 0.5:
+        line = (f"the baseline scores {base}: this model cannot do this task reliably, so the accuracies say "
+                f"little about the policy; use a task it can do")
+        return [line]
+    return []
+
+
 def cmd_run(args) -> int:
     import pandas as pd
 
@@ -165,20 +204,26 @@ def cmd_run(args) -> int:
 
     _check_local(args.model, weights=args.engine == "hf")  # a broken local folder fails before the dataset loads
     if args.dataset is None:
-        from .data import DEMO_DATASET, MC_SAMPLE_NAME, SAMPLE_NAME
+        from .data import SAMPLE_NAME
         from .models import bundled_model_path, parse_random_name
 
-        # the bundled sample for the bundled model and for random (throughput-only) models: no download
+        # the bundled sample for the bundled model and for random (throughput-only) models: no download; a real
+        # model gets a task it can do (a RULER needle: SmolLM2-135M scores chance on the multiple-choice sample)
         local = bundled_model_path(args.model) is not None or parse_random_name(args.model) is not None
-        args.dataset = SAMPLE_NAME if local else DEMO_DATASET
-        if args.dataset == DEMO_DATASET:
-            try:
-                rows = load_prompts(args.dataset, num_requests=args.num_requests)
-            except ConnectionError:
-                print(f"note: {DEMO_DATASET} is unreachable; using the bundled {MC_SAMPLE_NAME!r}", flush=True)
-                args.dataset = MC_SAMPLE_NAME
-    rows = load_prompts(args.dataset, num_requests=args.num_requests)
-    if all(r.answer is not None for r in rows):  # gold answers that cannot be scored fail now, not after the run
+        args.dataset = SAMPLE_NAME if local else REAL_MODEL_DATASET
+    from .tasks import task_names
+
+    ruler_task = args.dataset if args.dataset in task_names("ruler") else None
+    if ruler_task is not None:
+        from .models import bundled_model_path, parse_random_name
+
+        if bundled_model_path(args.model) is not None or parse_random_name(args.model) is not None:
+            raise UsageError(f"--dataset {ruler_task}: RULER's templates need a real model and tokenizer (e.g. --model "
+                             f"smollm2-135m); {args.model} reads only its own word-level vocabulary")
+        rows = None  # built for the model's tokenizer once the engine is open
+    else:
+        rows = load_prompts(args.dataset, num_requests=args.num_requests)
+    if rows is not None and all(r.answer is not None for r in rows):  # unscorable gold answers fail now
         from .answers import score_rows
 
         try:
@@ -194,7 +239,17 @@ def cmd_run(args) -> int:
     engine = open_engine(args.engine, model=args.model, dtype=args.dtype, device=args.device,
                          positions=args.positions, progress=not args.no_progress,
                          query_window=policy.rows(settings), **servers)  # 0: nothing captured
-    prompt_ids = engine.tokenize(rows)
+    if ruler_task is not None:
+        from .tasks import get_task
+
+        task = get_task(ruler_task)
+        examples = task.make_dataset(args.num_requests, args.context_length, engine.tokenizer, 0, args.chat_template)
+        prompt_ids = [list(e["prompt_ids"]) for e in examples]
+        rows = [None] * len(examples)
+        print(f"dataset {ruler_task}: {len(examples)} prompts of {args.context_length} tokens, chat template "
+              f"{'applied' if examples[0]['chat_template'] else 'not applied'}", flush=True)
+    else:
+        prompt_ids = engine.tokenize(rows)
     if args.kv_budget_tokens is None:
         engine.kv_budget_tokens = default_kv_budget(map(len, prompt_ids), args.max_tokens)
     else:
@@ -235,14 +290,24 @@ def cmd_run(args) -> int:
     for line in speedup_notes(table):
         print(f"note: {line}")
     accuracy = {}
-    if all(r.answer is not None for r in rows):
-        from .answers import score_rows
+    reports = {}
+    if ruler_task is not None:
+        from .answers import ScoreReport
 
         for run_name, run_texts in texts.items():
-            rep = score_rows(rows, run_texts)
-            accuracy[run_name] = rep.to_dict()
-            lo, hi = rep.ci95 or (float("nan"), float("nan"))
-            print(f"accuracy {run_name} ({rep.mode}): {rep} [95% CI {100 * lo:.0f}-{100 * hi:.0f}%]")
+            ok = [task.score(e["values"], t)[0] for e, t in zip(examples, run_texts)]
+            reports[run_name] = ScoreReport(mode="RULER string_match_all, every reference", correct=sum(ok),
+                                            total=len(ok), unparsed=0, is_correct=ok)
+    elif all(r.answer is not None for r in rows):
+        from .answers import score_rows
+
+        reports = {run_name: score_rows(rows, run_texts) for run_name, run_texts in texts.items()}
+    for run_name, rep in reports.items():
+        accuracy[run_name] = rep.to_dict()
+        lo, hi = rep.ci95 or (float("nan"), float("nan"))
+        print(f"accuracy {run_name} ({rep.mode}): {rep} [95% CI {100 * lo:.0f}-{100 * hi:.0f}%]")
+    for line in accuracy_notes(reports, chance=None if ruler_task else _chance(rows)):
+        print(f"note: {line}")
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "decode_speedups": speedups,
               "decode_speedup_median": med, "accuracy": accuracy,
