@@ -211,19 +211,20 @@ def cmd_run(args) -> int:
         # model gets a task it can do (a RULER needle: SmolLM2-135M scores chance on the multiple-choice sample)
         local = bundled_model_path(args.model) is not None or parse_random_name(args.model) is not None
         args.dataset = SAMPLE_NAME if local else REAL_MODEL_DATASET
+    from .models import parse_random_name
     from .tasks import task_names
 
     ruler_task = args.dataset if args.dataset in task_names("ruler") else None
+    if ruler_task is not None and parse_random_name(args.model) is not None:
+        raise UsageError(f"--dataset {ruler_task}: RULER's templates need a real model and tokenizer (e.g. --model "
+                         f"smollm2-135m); {args.model} has random weights")
+    # RULER template rows are made for the model's own tokenizer
+    rows = load_prompts(args.dataset, num_requests=args.num_requests, model=args.model,
+                        context_tokens=args.context_length, chat_template=args.chat_template)
     if ruler_task is not None:
-        from .models import bundled_model_path, parse_random_name
-
-        if bundled_model_path(args.model) is not None or parse_random_name(args.model) is not None:
-            raise UsageError(f"--dataset {ruler_task}: RULER's templates need a real model and tokenizer (e.g. --model "
-                             f"smollm2-135m); {args.model} reads only its own word-level vocabulary")
-        rows = None  # built for the model's tokenizer once the engine is open
-    else:
-        rows = load_prompts(args.dataset, num_requests=args.num_requests)
-    if rows is not None and all(r.answer is not None for r in rows):  # unscorable gold answers fail now
+        print(f"dataset {ruler_task}: {len(rows)} prompts of {args.context_length} tokens, chat template "
+              f"{'applied' if rows[0].meta['chat_template'] else 'not applied'}", flush=True)
+    if all(r.answer is not None for r in rows):  # unscorable gold answers fail now
         from .answers import score_rows
 
         try:
@@ -239,17 +240,7 @@ def cmd_run(args) -> int:
     engine = open_engine(args.engine, model=args.model, dtype=args.dtype, device=args.device,
                          positions=args.positions, progress=not args.no_progress,
                          query_window=policy.rows(settings), **servers)  # 0: nothing captured
-    if ruler_task is not None:
-        from .tasks import get_task
-
-        task = get_task(ruler_task)
-        examples = task.make_dataset(args.num_requests, args.context_length, engine.tokenizer, 0, args.chat_template)
-        prompt_ids = [list(e["prompt_ids"]) for e in examples]
-        rows = [None] * len(examples)
-        print(f"dataset {ruler_task}: {len(examples)} prompts of {args.context_length} tokens, chat template "
-              f"{'applied' if examples[0]['chat_template'] else 'not applied'}", flush=True)
-    else:
-        prompt_ids = engine.tokenize(rows)
+    prompt_ids = engine.tokenize(rows)
     if args.kv_budget_tokens is None:
         engine.kv_budget_tokens = default_kv_budget(map(len, prompt_ids), args.max_tokens)
     else:
@@ -291,14 +282,7 @@ def cmd_run(args) -> int:
         print(f"note: {line}")
     accuracy = {}
     reports = {}
-    if ruler_task is not None:
-        from .answers import ScoreReport
-
-        for run_name, run_texts in texts.items():
-            ok = [task.score(e["values"], t)[0] for e, t in zip(examples, run_texts)]
-            reports[run_name] = ScoreReport(mode="RULER string_match_all, every reference", correct=sum(ok),
-                                            total=len(ok), unparsed=0, is_correct=ok)
-    elif all(r.answer is not None for r in rows):
+    if all(r.answer is not None for r in rows):
         from .answers import score_rows
 
         reports = {run_name: score_rows(rows, run_texts) for run_name, run_texts in texts.items()}

@@ -441,7 +441,9 @@ def score_task(task: str, values: Sequence[str], response: str | None) -> tuple[
 def score_rows(rows, responses: Sequence[str | None], *, mode: str = "official") -> ScoreReport:
     """Score responses against dataset rows, choosing the scoring their gold answers call for.
 
-    Passkey rows (gold answers made of digits, e.g. the bundled `sample`) are scored by `score_passkey`;
+    Rows of a registered task (`meta["task"]`, e.g. `load_prompts("ruler_niah_single_1", model=...)`) are scored by
+    that task's scorer (RULER: every reference in the response); passkey rows (gold answers made of digits, e.g. the
+    bundled `sample`) by `score_passkey`;
     multiple-choice rows (gold `A`..`D`, e.g. the demo datasets or `mc-sample`) by `score_answers` with
     `mode`, using the rows' `difficulty` / `length` labels when present.
 
@@ -457,6 +459,18 @@ def score_rows(rows, responses: Sequence[str | None], *, mode: str = "official")
             return row.get(name)
         return getattr(row, name, None) if name == "answer" else getattr(row, "meta", {}).get(name)
 
+    from .tasks import get_task, task_names
+
+    metas = [(r.get("meta") if isinstance(r, Mapping) else getattr(r, "meta", None)) or {} for r in rows]
+    tasks = {m.get("task") for m in metas if "values" in m}
+    if rows and len(tasks) == 1 and all("values" in m for m in metas) and next(iter(tasks)) in task_names():
+        # rows of a registered task (data.load_prompts("ruler_...")): the task's own scorer
+        task = get_task(next(iter(tasks)))
+        if len(responses) != len(rows):
+            raise ValueError(f"{len(responses)} responses for {len(rows)} rows: pass one response per row")
+        ok = [task.score(m["values"], t)[0] for m, t in zip(metas, responses)]
+        return ScoreReport(mode=f"{task.name}: every reference", correct=sum(ok), total=len(ok), unparsed=0,
+                           is_correct=ok)
     gold = [field(r, "answer") for r in rows]
     if any(g is None for g in gold):
         raise ValueError("every row needs a gold 'answer' to be scored")

@@ -11,6 +11,7 @@ import json
 import math
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,15 +95,26 @@ def make_passkey_dataset(n: int, context_tokens: int, *, tokenizer, seed: int) -
 
 
 def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None, split: str = "train",
-                 prompt_column: str = "prompt", answer_column: str = "answer") -> list[PromptRow]:
-    """Load prompts from the bundled sample, a local file or a Hugging Face hub dataset.
+                 prompt_column: str = "prompt", answer_column: str = "answer", model=None, tokenizer=None,
+                 context_tokens: int = 2048, chat_template: str | bool = "auto", seed: int = 0) -> list[PromptRow]:
+    """Load prompts from the bundled sample, a local file, a Hugging Face hub dataset, or RULER's templates.
 
     Args:
         dataset: `"sample"` (bundled: 16 passkey prompts of ~1k tokens), `"mc-sample"` (bundled English
-            multiple-choice prompts, see `load_mc_sample`), a local `.jsonl`/`.json`/`.csv`/`.parquet`
-            file, or a hub id such as `raniayu/token-dropping-demo-short`.
-        num_requests: keep the first `num_requests` rows (None: all). Fewer rows than asked is an error.
+            multiple-choice prompts, see `load_mc_sample`), a RULER template task of `tdutils.tasks` such as
+            `"ruler_niah_single_1"` (made for a real model's tokenizer: pass `model` or `tokenizer`), a local
+            `.jsonl`/`.json`/`.csv`/`.parquet` file, or a hub id such as `raniayu/token-dropping-demo-short`.
+        num_requests: keep the first `num_requests` rows (None: all; RULER tasks: 16). Fewer rows than asked is an
+            error.
         prompt_column / answer_column: columns holding the prompt text and the gold answer.
+        model, tokenizer: RULER tasks only: the tokenizer the prompts are made for (exact token counts), or the
+            model whose tokenizer to load (`tdutils.models.load_tokenizer`); other datasets ignore both.
+        context_tokens, chat_template, seed: RULER tasks only: prompt length in tokens, `"auto"` / `"none"`
+            (`tdutils.ruler.uses_chat_template`) and the dataset seed.
+
+    A RULER row's `prompt` is its token ids (list[int], what `Engine.tokenize` passes through), `answer` the gold
+    references joined by `", "`, and `meta` holds `task`, `values` and `chat_template`; `tdutils.answers.score_rows`
+    scores such rows with the task's own scorer.
 
     Values arrive exactly as the file holds them (SPEC §7): text files are read as UTF-8 (a byte-order mark
     tolerated); a CSV cell is text as written, never type-guessed (`04819` stays `"04819"`, `NA` stays
@@ -117,6 +129,11 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
     """
     if num_requests is not None and num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    from .tasks import task_names
+
+    if isinstance(dataset, str) and dataset in task_names("ruler"):
+        return _ruler_rows(dataset, 16 if num_requests is None else num_requests, model=model, tokenizer=tokenizer,
+                           context_tokens=context_tokens, chat_template=chat_template, seed=seed)
     rows = _read_rows(dataset, split)
     if rows and isinstance(rows[0], dict) and prompt_column not in rows[0]:
         raise ValueError(f"dataset {dataset!r} has no column {prompt_column!r}; columns: {sorted(rows[0])}. "
@@ -140,6 +157,49 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
         ans = r.get(answer_column)
         out.append(PromptRow(prompt=prompt, answer=None if ans is None else str(ans), meta=meta))
     return out
+
+
+def _ruler_rows(task: str, n: int, *, model, tokenizer, context_tokens: int, chat_template, seed: int) -> list[PromptRow]:
+    from .models import BUNDLED_MODELS, load_tokenizer
+    from .tasks import get_task
+
+    if tokenizer is None:
+        if model is None:
+            raise ValueError(f"dataset {task!r} is made for a model's own tokenizer: pass model= (e.g. 'smollm2-135m') "
+                             f"or tokenizer=")
+        if isinstance(model, str) and model in BUNDLED_MODELS:
+            raise ValueError(f"dataset {task!r}: RULER's templates need a real model and tokenizer (e.g. "
+                             f"'smollm2-135m'); {model!r} reads only its own word-level vocabulary")
+        tokenizer = load_tokenizer(model)
+    examples = get_task(task).make_dataset(n, context_tokens, tokenizer, seed, chat_template)
+    return [PromptRow(prompt=list(e["prompt_ids"]), answer=", ".join(e["values"]),
+                      meta={"task": task, "values": list(e["values"]), "chat_template": e["chat_template"]})
+            for e in examples]
+
+
+def locate_text(tokenizer, ids: Sequence[int], text: str) -> tuple[int, int] | None:
+    """`(start, length)` of the first run of `ids` that encodes `text` (e.g. a needle or its value), or None.
+
+    A tokenizer may encode a piece differently inside a prompt than alone (a leading space, a merge with the
+    neighbour), so the text is tried as is and with a leading space, and, failing both, the shortest run of ids
+    whose decoded text contains `text` is returned (found by growing a window from each position; slow on long
+    prompts, but only reached when the text straddles token boundaries).
+    """
+    ids = list(ids)
+    for variant in (text, " " + text):
+        piece = tokenizer(variant, add_special_tokens=False)["input_ids"]
+        for i in range(len(ids) - len(piece) + 1):
+            if piece and ids[i:i + len(piece)] == piece:
+                return i, len(piece)
+    full = tokenizer.decode(ids)
+    if text not in full:
+        return None
+    # the shortest window that decodes to something containing the text (a token holds at least one character)
+    for length in range(1, min(len(ids), len(text) + 2) + 1):
+        for i in range(len(ids) - length + 1):
+            if text in tokenizer.decode(ids[i:i + length]):
+                return i, length
+    return None
 
 
 def _short(value, limit: int = 60) -> str:
