@@ -72,7 +72,7 @@ def test_default_budget_rejects_bad_sizes(lengths, max_tokens, msg):
 def test_a_near_miss_of_the_bundled_model_fails_at_once():
     from tdutils.models import load_model
 
-    with pytest.raises(FileNotFoundError, match="model 'tiny-qwen' is neither a local folder nor a bundled model: "
+    with pytest.raises(FileNotFoundError, match="model 'tiny-qwen' is neither a local folder nor a bundled or packaged model: "
                                                 "did you mean 'tiny-qwen3'"):
         load_model("tiny-qwen")
 
@@ -118,7 +118,8 @@ def test_eval_names_the_policies_it_knows():
 
 @pytest.mark.parametrize("args,model,suite,default", [
     (["--tasks", "niah_single", "--model", "tiny-qwen3"], "tiny-qwen3", "the RULER-style tasks", "tiny-qwen3-ruler"),
-    (["--model", "tiny-qwen3-ruler"], "tiny-qwen3-ruler", "the passkey benchmark", "tiny-qwen3"),
+    # (a bare --model tiny-qwen3-ruler runs the tasks it was trained on; the passkey suite must be asked for)
+    (["--tasks", "passkey", "--model", "tiny-qwen3-ruler"], "tiny-qwen3-ruler", "the passkey benchmark", "tiny-qwen3"),
 ])
 def test_eval_warns_when_a_bundled_model_meets_a_suite_it_never_saw(args, model, suite, default):
     """The passkey model scored 0% on niah_single without a word; the warning comes before any work (here the

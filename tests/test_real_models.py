@@ -294,3 +294,27 @@ def test_ropespec_from_config_equals_the_live_inv_freq(real):
         torch.testing.assert_close(spec.inv_freq.float(), rot.inv_freq.float(), atol=0, rtol=1e-6, msg=name)
         assert spec.head_dim == spec.rotary_dim == 64 and spec.layout == "neox", (name, spec)
         assert spec.theta == 1e5, (name, spec.theta)
+
+
+# The accuracy regression: a fixed small RULER set (RULER's niah_single_1: noise haystack, one 7-digit needle,
+# SmolLM2's chat template) of ACC_N prompts at ACC_TOKENS tokens, unit-test seed 1. Bounds from the measured run
+# of exactly this set (docs/real_models.md, "Regression set"): full cache ACC_FULL_MIN or more, SnapKV at 0.5
+# within ACC_SNAPKV_SLACK of the full cache, random at 0.75 at most ACC_RANDOM_MAX.
+ACC_TASK, ACC_TOKENS, ACC_N, ACC_SEED = "ruler_niah_single_1", 1024, 8, 1
+ACC_FULL_MIN, ACC_SNAPKV_SLACK, ACC_RANDOM_MAX = 7, 1, 2
+
+
+def test_snapkv_keeps_a_real_needle_where_random_loses_it():
+    """On SmolLM2: full cache solves the set, SnapKV at 0.5 stays within the measured slack of it, random at 0.75
+    falls clearly below (exact match of RULER's string_match_all on the same prompts, both modes' aware flow)."""
+    from tdutils.evaluate import task_eval
+
+    model, tok = _load("smollm2-135m")
+    eng = _engine(model, tok, query_window=0)
+    table = task_eval(engine=eng, tasks=[ACC_TASK], modes=["aware"], policies=["full", "snapkv", "random"],
+                      drop_ratios=[0.5, 0.75], context_lengths=[ACC_TOKENS], n=ACC_N, seed=ACC_SEED, batch_size=ACC_N)
+    got = {(r.policy, r.drop_ratio): int(r.correct) for r in table.itertuples()}
+    full, snap, rand = got["full", 0.0], got["snapkv", 0.5], got["random", 0.75]
+    assert full >= ACC_FULL_MIN, got
+    assert snap >= full - ACC_SNAPKV_SLACK, got
+    assert rand <= ACC_RANDOM_MAX < full, got
