@@ -461,15 +461,16 @@ def score_rows(rows, responses: Sequence[str | None], *, mode: str = "official")
 
     from .tasks import get_task, task_names
 
+    if isinstance(responses, str):
+        raise TypeError("responses must be a list with one text per row, not a single string")
     metas = [(r.get("meta") if isinstance(r, Mapping) else getattr(r, "meta", None)) or {} for r in rows]
-    tasks = {m.get("task") for m in metas if "values" in m}
-    if rows and len(tasks) == 1 and all("values" in m for m in metas) and next(iter(tasks)) in task_names():
-        # rows of a registered task (data.load_prompts("ruler_...")): the task's own scorer
-        task = get_task(next(iter(tasks)))
+    if rows and all("values" in m and m.get("task") in task_names() for m in metas):
+        # rows of registered tasks (data.load_prompts("ruler_...")): each row by its task's own scorer
         if len(responses) != len(rows):
             raise ValueError(f"{len(responses)} responses for {len(rows)} rows: pass one response per row")
-        ok = [task.score(m["values"], t)[0] for m, t in zip(metas, responses)]
-        return ScoreReport(mode=f"{task.name}: every reference", correct=sum(ok), total=len(ok), unparsed=0,
+        ok = [get_task(m["task"]).score(m["values"], t)[0] for m, t in zip(metas, responses)]
+        names = ", ".join(dict.fromkeys(m["task"] for m in metas))
+        return ScoreReport(mode=f"{names}: every reference", correct=sum(ok), total=len(ok), unparsed=0,
                            is_correct=ok)
     gold = [field(r, "answer") for r in rows]
     if any(g is None for g in gold):

@@ -301,6 +301,11 @@ def task_eval(
     params = {k: dict(v) for k, v in (policy_params or {}).items()}
     cells = build_cells(engine, policies, ratios, params)
     tok = engine.tokenizer
+    max_pos = getattr(engine.config, "max_position_embeddings", None)
+    too_long = [x for x in lengths if max_pos and x >= max_pos]
+    if too_long:  # before any prompt is made (a 100k-token prompt takes a while to build)
+        raise ValueError(f"context length(s) {too_long} leave no room to decode within the model's {max_pos} positions "
+                         f"(max_position_embeddings); use shorter context lengths")
     # Every (task, length) must fit before the first cell runs (a too-short length would fail mid-run).
     for task in tasks:
         try:
@@ -313,7 +318,6 @@ def task_eval(
             spec = specs[task]
             data = spec.make_dataset(n, length, tok, seed, chat_template)
             decode_tokens = spec.max_tokens(data, tok) if max_tokens is None else int(max_tokens)
-            max_pos = getattr(engine.config, "max_position_embeddings", None)
             if max_pos and length + decode_tokens > max_pos:
                 raise ValueError(f"context length {length} + {decode_tokens} decode tokens exceeds the model's "
                                  f"{max_pos} positions (max_position_embeddings); use shorter context lengths")

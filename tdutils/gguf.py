@@ -171,7 +171,9 @@ def packaged_gguf(name: str, *, fetch: bool = True, timeout: float = FETCH_TIMEO
     model = PACKAGED_MODELS[name]
     target = cache_dir() / "gguf" / model.gguf_file
     if target.is_file():
-        return target
+        if _sha256(target) == model.sha256:
+            return target
+        target.unlink()  # truncated or corrupted (an interrupted copy, a full disk): assemble it again
     parts = [_installed_member(w) for w in model.wheels]
     with tempfile.TemporaryDirectory(prefix="tdutils-fetch-") as tmp:
         if any(p is None for p in parts):
@@ -246,7 +248,7 @@ def dequantized_folder(gguf_path: str | os.PathLike, *, key: str | None = None, 
         raise FileNotFoundError(f"GGUF file {str(gguf_path)!r} {what}")
     key = key or f"{path.stem}-{_sha256(path)[:16]}"
     folder = cache_dir() / "models" / key
-    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+    if _complete(folder):
         return folder
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
@@ -263,9 +265,13 @@ def dequantized_folder(gguf_path: str | os.PathLike, *, key: str | None = None, 
         try:
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        except ValueError as exc:
+        except ImportError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a truncated file fails deep in the reader (struct.error, ...)
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ValueError(f"{path.name}: transformers cannot load this GGUF file: {first}") from None
+            what = ("transformers cannot load this GGUF file" if isinstance(exc, ValueError) else
+                    "the file is truncated or not a valid GGUF file")
+            raise ValueError(f"{path.name}: {what}: {type(exc).__name__}: {first}") from None
         # The loader marks the model as GGUF-quantized (save_pretrained refuses it); its weights are already
         # plain float32 tensors, so drop the marker and save them as such.
         model.hf_quantizer = None
@@ -277,14 +283,21 @@ def dequantized_folder(gguf_path: str | os.PathLike, *, key: str | None = None, 
         try:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            if folder.exists():  # a concurrent conversion finished first
+            if _complete(folder):  # a concurrent conversion finished first
                 shutil.rmtree(tmp)
             else:
+                if folder.exists():  # an incomplete folder (a copy or deletion cut short) is replaced
+                    shutil.rmtree(folder)
                 tmp.rename(folder)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return folder
+
+
+def _complete(folder: Path) -> bool:
+    """A dequantized model folder with its config, weights and tokenizer (`save_pretrained` wrote them all)."""
+    return all((folder / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer_config.json"))
 
 
 @contextmanager
@@ -313,6 +326,9 @@ def resolve(name_or_path, *, fetch: bool = True, progress: bool = True):
         what `packaged_gguf` and `dequantized_folder` raise.
     """
     if isinstance(name_or_path, str) and name_or_path in PACKAGED_MODELS:
+        folder = cache_dir() / "models" / name_or_path
+        if _complete(folder):  # converted before: the GGUF file is not needed (nor hashed) again
+            return folder
         gguf = packaged_gguf(name_or_path, fetch=fetch)
         return dequantized_folder(gguf, key=name_or_path, progress=progress)
     if is_gguf_path(name_or_path):

