@@ -104,3 +104,28 @@ def test_rkv_bench_times_every_variant_in_every_round(tmp_path):
     assert out["order"] == [["reference", "exact", "snapkv"], ["snapkv", "exact", "reference"]]
     assert {k: len(v) for k, v in out["times_s"].items()} == {"reference": 2, "exact": 2, "snapkv": 2}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["realistic_96_exact.pt"]  # kept for the agreement
+
+
+def test_real_model_tables_are_the_stored_runs():
+    """docs/real_models.md and the README's SmolLM2 column show what docs/results/ruler_smollm2_2048.json holds."""
+    import pandas as pd
+
+    from tdutils.evaluate import task_markdown
+
+    stored = json.loads((ROOT / "docs" / "results" / "ruler_smollm2_2048.json").read_text())
+    table = pd.DataFrame(stored["rows"])
+    doc = (ROOT / "docs" / "real_models.md").read_text()
+    expected = task_markdown(table)
+    assert _flat(expected) in _flat(doc), f"docs/real_models.md does not show the stored leaderboard:\n{expected}"
+    assert stored["meta"]["seed"] == 5_000_000 and stored["meta"]["n"] == 20, stored["meta"]
+    single = table[(table.task == "ruler_niah_single_1") & (table.drop_ratio == 0.5)]
+    for policy in single.policy.unique():
+        aware, agnostic = (int(single[(single.policy == policy) & (single["mode"] == m)].correct.iloc[0])
+                           for m in ("aware", "agnostic"))
+        row = next(line for line in README.splitlines() if line.startswith(f"| `{policy}`"))
+        assert f"| {aware}/20 / {agnostic}/20 |" in row, (policy, aware, agnostic, row)
+    peer = json.loads((ROOT / "docs" / "results" / "peer_kvpress.json").read_text())
+    for r in peer["rows"]:
+        n = r["n"]
+        cells = f"| {r['press']} | {r['policy']} | {round(r['kv_em'] * n)}/{n} | {round(r['td_em'] * n)}/{n} |"
+        assert cells in doc, cells
