@@ -938,6 +938,10 @@ def run(args) -> int:
         print(f"tdutils: warning: --model {model} was trained only on {trained_for[model]}, not on {suite}: its "
               f"accuracy there says nothing about the policies; omit --model to use "
               f"{TINY_MODEL if passkey else RULER_MODEL}", file=sys.stderr, flush=True)
+    if model not in BUNDLED_MODELS and not templates:  # a real model on the bundled models' word-level formats
+        print(f"tdutils: warning: --model {model} meets tasks in the bundled models' word-level format "
+              f"(needles 'pass key ...'), which real models were never taught; RULER's own templates measure them "
+              f"(--tasks {RULER_SUITE})", file=sys.stderr, flush=True)
     # Everything that can be checked without the model, before any work.
     from .policies import policy_names
 

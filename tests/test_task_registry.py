@@ -68,3 +68,12 @@ def test_accuracy_notes_flag_chance_and_a_failing_baseline():
     assert len(weak) == 1 and "cannot do this task reliably" in weak[0], weak
     assert accuracy_notes({"baseline": _report(15, 16)}, chance=0.25) == []
     assert accuracy_notes({"baseline": _report(16, 16)}, chance=None) == []
+
+
+def test_a_real_model_on_word_level_tasks_is_warned(capsys):
+    """A real model meeting the bundled models' word-level format gets a warning before any work (the unknown
+    policy then stops the run, so no model loads)."""
+    assert main(["eval", "--model", "smollm2-135m", "--tasks", "niah_single", "--policies", "foo"]) == 2
+    err = capsys.readouterr().err
+    assert "tdutils: warning: --model smollm2-135m meets tasks in the bundled models' word-level format" in err, err
+    assert "(--tasks ruler)" in err, err
