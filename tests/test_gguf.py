@@ -32,6 +32,15 @@ def _standin(monkeypatch, sha=None) -> gguf.PackagedModel:
     return model
 
 
+def _install(model, site, monkeypatch) -> None:
+    """Installed copies of the stand-in's packages under `site`, on sys.path."""
+    for w, data in zip(model.wheels, PAYLOAD):
+        (site / w.member).parent.mkdir(parents=True)
+        (site / w.member).write_bytes(data)
+        (site / w.module / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(site))
+
+
 def test_installed_packages_are_assembled_and_checked(cache, tmp_path, monkeypatch):
     """Installed copies of the parts (found without importing them) concatenate to the GGUF file in the cache."""
     model = _standin(monkeypatch)
@@ -105,12 +114,7 @@ def test_a_failed_fetch_says_what_to_run_in_one_line(cache, monkeypatch):
 def test_a_checksum_mismatch_is_refused_and_removed(cache, tmp_path, monkeypatch):
     """Parts that do not assemble to the pinned sha256: OSError naming both digests; no file stays."""
     model = _standin(monkeypatch, sha="f" * 64)
-    site = tmp_path / "site"
-    for w, data in zip(model.wheels, PAYLOAD):
-        (site / w.member).parent.mkdir(parents=True)
-        (site / w.member).write_bytes(data)
-        (site / w.module / "__init__.py").write_text("")
-    monkeypatch.syspath_prepend(str(site))
+    _install(model, tmp_path / "site", monkeypatch)
     with pytest.raises(OSError, match="expected f{64}"):
         gguf.packaged_gguf("standin", fetch=False)
     assert list((cache / "gguf").iterdir()) == []
@@ -164,12 +168,7 @@ def test_packaged_names_are_known_and_near_misses_suggested():
 def test_a_corrupted_cached_file_is_assembled_again(cache, tmp_path, monkeypatch):
     """A cached GGUF whose sha256 is not the pinned one (a copy cut short) is replaced, not trusted."""
     model = _standin(monkeypatch)
-    site = tmp_path / "site"
-    for w, data in zip(model.wheels, PAYLOAD):
-        (site / w.member).parent.mkdir(parents=True)
-        (site / w.member).write_bytes(data)
-        (site / w.module / "__init__.py").write_text("")
-    monkeypatch.syspath_prepend(str(site))
+    _install(model, tmp_path / "site", monkeypatch)
     (cache / "gguf").mkdir(parents=True)
     (cache / "gguf" / "m.gguf").write_bytes(b"GGUF part")  # truncated
     assert gguf.packaged_gguf("standin", fetch=False).read_bytes() == b"".join(PAYLOAD)
