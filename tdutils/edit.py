@@ -97,6 +97,54 @@ def validate_drop_output(kv: torch.Tensor, tokens: Sequence[int], result,
     return new_kv, new_tokens
 
 
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def kept_rows(kv: torch.Tensor, tokens: Sequence[int], new_kv: torch.Tensor, new_tokens: Sequence[int]) -> torch.Tensor:
+    """The cache rows a drop function kept, recovered from its output: `LongTensor[k]`, ascending, with
+    `new_kv[:, :, i] == kv[:, :, keep[i]]` bit for bit and `new_tokens[i] == tokens[keep[i]]`.
+
+    For drop functions that do not report their kept indices (a lambda, a wrapper, a user's `ModifyFn`) when
+    the engine needs the kept *positions* (`positions="original"`: keys keep their rotation, so each kept row
+    is an unchanged cache row). Rows are matched by an exact integer fingerprint of their bits (K and V over
+    every layer), in order, then checked element for element.
+
+    Args:
+        kv: `[2, L, T, D]`, the cache the function received; `tokens`: its T token ids.
+        new_kv: `[2, L, k, D]` and `new_tokens` (k ids), its validated output (`validate_drop_output`).
+
+    Raises:
+        DropFunctionError: the output rows are not an in-order selection of the input rows (keys re-rotated,
+            rows merged, reordered or changed), so no position can be given to them.
+    """
+    T, k = kv.shape[2], new_kv.shape[2]
+    old_rows = kv.permute(2, 0, 1, 3).reshape(T, -1)  # [T, 2*L*D]
+    new_rows = new_kv.permute(2, 0, 1, 3).reshape(k, -1)  # [k, 2*L*D]
+    as_int = _INT_VIEW[kv.element_size()]
+    # A fixed random int64 weight per element: equal rows give equal sums (integer arithmetic is exact; overflow
+    # wraps the same way for both), different rows almost never do; every match is verified below anyway.
+    weights = torch.randint(-2**62, 2**62, (old_rows.shape[1],), generator=torch.Generator().manual_seed(0),
+                            dtype=torch.int64).to(kv.device)
+    old_fp = (old_rows.contiguous().view(as_int).long() * weights).sum(1).tolist()
+    new_fp = (new_rows.contiguous().view(as_int).long() * weights).sum(1).tolist()
+    keep, j = [], 0
+    for i, fp in enumerate(new_fp):
+        while j < T and (old_fp[j] != fp or int(tokens[j]) != int(new_tokens[i])):
+            j += 1
+        if j == T:
+            break
+        keep.append(j)
+        j += 1
+    keep_t = torch.tensor(keep, dtype=torch.long)
+    if len(keep) != k or not torch.equal(old_rows[keep_t.to(kv.device)], new_rows):
+        raise DropFunctionError(
+            "positions='original' needs the kept positions, and the drop function's output is not an in-order "
+            "selection of unchanged cache rows (keys re-rotated, rows merged, reordered or edited), so they cannot "
+            "be recovered; use positions='compact' (with re-rotated keys), a drop function from "
+            "tdutils.make_drop_fn, or one with an `edit(tensors, tokens) -> (new_kv, new_tokens, keep)` method")
+    return keep_t
+
+
 @dataclass
 class DropFn:
     """A ModifyFn built by `make_drop_fn`: `select` picks kept indices, then `apply_keep` edits the cache.

@@ -61,10 +61,12 @@ class ModifyMetrics:
 class DecodeMetrics:
     """Decode phase: output tokens, wall seconds, TPOT (s) per request, peak batch size, KV budget.
 
-    `kv_peak_reserved_tokens` is the largest sum, over the running batch, of each request's cache length
-    plus the tokens it still had to generate: the quantity admission keeps under `kv_budget_tokens`.
-    `kv_storage_tokens` / `kv_storage_bytes` are what the hf engine preallocated for the decode batch (slots x
-    width, `tdutils.engines.kvstore`); storage beyond `kv_peak_reserved_tokens` is padding.
+    `kv_peak_reserved_tokens` is the largest sum, over the running batch, of each request's reservation:
+    its cache length plus the tokens it may generate (all of `max_tokens` with `ignore_eos=True`; with EOS
+    honoured, what it has been granted so far, in blocks): the quantity admission keeps under `kv_budget_tokens`.
+    `kv_storage_tokens` / `kv_storage_bytes` are the hf engine's decode storage at its largest (slots x width,
+    `tdutils.engines.kvstore`); storage beyond `kv_peak_reserved_tokens` is padding. `preemptions` counts the
+    requests moved out of the batch (and resumed later, unchanged) so that another one's next block fits.
     """
 
     output_tokens: int = 0
@@ -76,6 +78,7 @@ class DecodeMetrics:
     steps: int = 0
     kv_storage_tokens: int = 0
     kv_storage_bytes: int = 0
+    preemptions: int = 0
 
     @property
     def tokens_per_s(self) -> float:

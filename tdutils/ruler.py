@@ -101,6 +101,8 @@ from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 
+from .chat import uses_chat_template  # noqa: F401 (re-exported: RULER prompts are wrapped by it)
+
 _ASSETS = Path(__file__).parent / "assets" / "ruler"
 
 # Ordered as in RULER's scripts/synthetic.yaml (qa_1 / qa_2 need SQuAD / HotpotQA and are left out).
@@ -525,27 +527,6 @@ def _fwe_plan(rng: random.Random, context_tokens: int) -> _Plan:
 # --- tokenizer plumbing ------------------------------------------------------------------------------
 
 _PLACEHOLDER = "\u27e6RULER-USER-TURN\u27e7"
-
-
-def uses_chat_template(tokenizer, chat_template: str | bool = "auto") -> bool:
-    """Whether prompts for `tokenizer` are wrapped in its chat template.
-
-    "auto": when the tokenizer has a ``chat_template``; True / "on": always (ValueError if it has none);
-    False / "none" / "off": never. Any other value raises ValueError."""
-    has = bool(getattr(tokenizer, "chat_template", None))
-    if isinstance(chat_template, bool):
-        if chat_template and not has:
-            raise ValueError("chat_template=True but the tokenizer has no chat template")
-        return chat_template
-    if chat_template == "auto":
-        return has
-    if chat_template == "on":
-        if not has:
-            raise ValueError("chat_template='on' but the tokenizer has no chat template")
-        return True
-    if chat_template in ("none", "off"):
-        return False
-    raise ValueError(f"chat_template must be 'auto', 'on', 'none', True or False, got {chat_template!r}")
 
 
 def _encoder(tokenizer) -> Callable[[str], list[int]]:

@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 
-from tdutils import CacheKind, make_drop_fn
+from tdutils import CacheKind, DropFunctionError, make_drop_fn
 from tdutils.engines import open_engine
 from tdutils.selection import keep_count
 
@@ -297,18 +297,31 @@ def test_a_local_folder_of_an_eager_only_family_opens_and_scores(family, tmp_pat
     assert [eng.kv(i).shape[2] for i in range(2)] == [keep_count(n, 0.5) for n in LENS[:2]]
 
 
-def test_original_positions_on_a_sliding_model_need_the_kept_positions():
-    """A plain ModifyFn does not say which positions it kept; on a sliding-window model `"original"` needs
-    them for the window, so it is refused before any cache changes (a DropFn reports them)."""
+def test_original_positions_on_a_sliding_model_recover_a_plain_modify_fns_kept_positions():
+    """A plain ModifyFn does not say which positions it kept; the engine recovers them from its output rows
+    (the window masks by position), so it decodes exactly what the DropFn keeping the same rows decodes; an
+    output that is not a selection of unchanged rows is refused before any cache changes."""
+    T = LENS[0]
+    outs = []
+    for fn in (lambda tensors, tokens: (tensors[CacheKind.KV][:, :, ::2].clone(), list(tokens[::2])),
+               make_drop_fn(lambda tensors, tokens: torch.arange(0, len(tokens), 2), drop_ratio=0.5, rerotate=False)):
+        eng = _engine("mistral_sliding", positions="original")
+        eng.prefill(_prompts()[:1])
+        eng.modify(fn)
+        assert eng.requests[0].positions.tolist() == list(range(0, T, 2))
+        outs.append(eng.decode(max_tokens=6, keep_logits=True)[0])
+    assert outs[0].output_ids == outs[1].output_ids
+    assert all(torch.equal(a, b) for a, b in zip(outs[0].logits, outs[1].logits))
+
     eng = _engine("mistral_sliding", positions="original")
     eng.prefill(_prompts()[:1])
     before = eng.kv(0).clone()
 
-    def halve(tensors, tokens):
-        return tensors[CacheKind.KV][:, :, ::2].clone(), list(tokens[::2])
+    def halve_and_scale(tensors, tokens):
+        return tensors[CacheKind.KV][:, :, ::2] * 1.5, list(tokens[::2])
 
-    with pytest.raises(ValueError, match="needs the kept positions"):
-        eng.modify(halve)
+    with pytest.raises(DropFunctionError, match="cannot be recovered; use positions='compact'"):
+        eng.modify(halve_and_scale)
     assert torch.equal(eng.kv(0), before)
-    eng.modify(halve, positions="compact")  # compact positions need nothing more
-    assert eng.kv(0).shape[2] == (LENS[0] + 1) // 2
+    eng.modify(halve_and_scale, positions="compact")  # compact positions need nothing more
+    assert eng.kv(0).shape[2] == (T + 1) // 2

@@ -33,7 +33,9 @@ class RequestOutput:
         prompt_tokens: prompt length T before modification.
         cached_tokens: KV length after modification (k; equals T for the baseline).
         output_ids: generated token ids (length `max_tokens` with `ignore_eos=True`).
-        text: decoded `output_ids`.
+        text: decoded `output_ids` (with `ignore_eos=True`, including what follows an EOS token).
+        answer: the text up to (excluding) the first EOS token in `output_ids`; equals `text` when no EOS was
+            generated. What scorers read: text a model writes after its EOS is not part of its answer.
         finish_reason: "length" or "stop" (an EOS token was generated).
         ttft_s: time to first token from the start of prefill, seconds.
         tpot_s: mean seconds per output token after the first.
@@ -45,10 +47,24 @@ class RequestOutput:
     cached_tokens: int
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
+    answer: str | None = None
     finish_reason: str = "length"
     ttft_s: float = float("nan")
     tpot_s: float = float("nan")
     logits: list | None = None
+
+    def __post_init__(self):
+        if self.answer is None:
+            self.answer = self.text
+
+
+def answer_text(tokenizer, output_ids: list[int], eos_ids, text: str) -> str:
+    """The answer part of a generation: `output_ids` decoded up to (excluding) the first id in `eos_ids`;
+    `text` itself when none of them was generated (so an engine's own detokenization is kept)."""
+    for i, t in enumerate(output_ids):
+        if t in eos_ids:
+            return tokenizer.decode(output_ids[:i], skip_special_tokens=True)
+    return text
 
 
 @dataclass
@@ -80,29 +96,104 @@ class RunResult:
         return [o.text for o in self.outputs]
 
 
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it sample greedily
+
+
 def check_temperature(temperature) -> float:
-    """The sampling temperature as a float: a finite number >= 0 (0 = greedy).
+    """The sampling temperature as a float: a finite number >= 0; below `GREEDY_BELOW` (1e-5, vLLM's
+    convention) decoding is greedy (dividing logits by a smaller temperature overflows float32).
 
     Raises:
         ValueError: a bool, a non-number, NaN, infinity or a negative value.
     """
-    import math
-
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     return float(temperature)
 
 
+def check_count(value, name: str, minimum: int, *, none: str | None = None) -> int | None:
+    """An integer setting as an int: `>= minimum`, or None when `none` says what None means.
+
+    Accepts Python and numpy / torch integer scalars; refuses bools, floats (also 4000.0 and NaN) and strings,
+    which would otherwise surface deep inside decode (a NaN budget as "cannot reshape tensor of 0 elements").
+
+    Raises:
+        TypeError: not an integer (the message names `name` and what to pass).
+        ValueError: an integer below `minimum`.
+    """
+    what = f"an integer >= {minimum}" + (f", or None ({none})" if none else "")
+    if value is None and none:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be {what}, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be {what}, got {value}")
+    return value
+
+
+def check_seconds(value, name: str) -> float:
+    """A timeout as a float: a finite number of seconds > 0.
+
+    Raises:
+        TypeError: a bool, a string or another non-number.
+        ValueError: zero, negative, NaN or infinite.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a finite number of seconds > 0, got {value!r} ({type(value).__name__})")
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+class CountSetting:
+    """An engine attribute holding an integer setting, checked by `check_count` whenever it is set (in
+    `__init__` and later, e.g. `engine.kv_budget_tokens = 4096`)."""
+
+    def __init__(self, minimum: int, none: str | None = None):
+        self.minimum, self.none = minimum, none
+
+    def __set_name__(self, owner, name):
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else getattr(obj, self.slot)
+
+    def __set__(self, obj, value):
+        setattr(obj, self.slot, check_count(value, self.name, self.minimum, none=self.none))
+
+
 def check_engine_settings(kv_budget_tokens, max_batch_size, query_window) -> None:
-    """Settings every engine shares. Raises ValueError for a non-positive budget or batch cap, or a negative
-    query window (None means unlimited / all tokens)."""
-    if kv_budget_tokens is not None and kv_budget_tokens < 1:
-        raise ValueError(f"kv_budget_tokens must be a positive number of tokens or None, got {kv_budget_tokens}")
-    if max_batch_size is not None and max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
-    if query_window is not None and query_window < 0:
-        raise ValueError(f"query_window must be >= 0 or None (all tokens), got {query_window}")
+    """Settings every engine shares: a positive budget and batch cap, a query window >= 0 (None means
+    unlimited / all tokens). Raises TypeError for a non-integer, ValueError for one out of range."""
+    check_count(kv_budget_tokens, "kv_budget_tokens", 1, none="unlimited")
+    check_count(max_batch_size, "max_batch_size", 1, none="no cap")
+    check_count(query_window, "query_window", 0, none="all prompt tokens")
+
+
+def check_max_tokens(max_tokens, num_requests: int) -> list[int]:
+    """Tokens to generate per request: one integer for all, or one per request (a list, tuple, numpy array or
+    tensor of integers).
+
+    Raises:
+        TypeError: a string, None, a float or another non-integer (entry named).
+        ValueError: an entry < 1, or a per-request sequence whose length is not `num_requests`.
+    """
+    if isinstance(max_tokens, str) or max_tokens is None:
+        raise TypeError(f"max_tokens must be an integer >= 1 or one per request, got {max_tokens!r}")
+    if hasattr(max_tokens, "tolist") and getattr(max_tokens, "ndim", 1) == 0:
+        max_tokens = max_tokens.tolist()  # a numpy / torch scalar
+    if isinstance(max_tokens, Iterable):
+        values = list(max_tokens.tolist() if hasattr(max_tokens, "tolist") else max_tokens)
+        if len(values) != num_requests:
+            raise ValueError(f"max_tokens has {len(values)} entries for {num_requests} requests; pass one integer, "
+                             f"or one per request")
+        return [check_count(m, f"max_tokens[{i}]", 1) for i, m in enumerate(values)]
+    return [check_count(max_tokens, "max_tokens", 1)] * num_requests
 
 
 def _token_id(t, what: str, i: int) -> int:
@@ -136,11 +227,13 @@ def _item_ids(tokenizer, p, i: int, what: str, vocab_size: int | None, special_t
     return ids, text
 
 
-def tokenize_prompts(tokenizer, prompts, vocab_size: int | None = None) -> list[list[int]]:
+def tokenize_prompts(tokenizer, prompts, vocab_size: int | None = None, chat: bool = False) -> list[list[int]]:
     """Token ids of each prompt: a string, a `PromptRow`/dict with `prompt`, or a list of token ids.
 
     Args:
         vocab_size: when given, token ids must lie in `[0, vocab_size)` (the model's embedding rows).
+        chat: wrap each text prompt as a user turn in the tokenizer's chat template
+            (`tdutils.chat.chat_prompt_ids`); token-id prompts are used as they are.
 
     Raises:
         TypeError: a prompt of another type.
@@ -153,9 +246,20 @@ def tokenize_prompts(tokenizer, prompts, vocab_size: int | None = None) -> list[
         raise ValueError("no prompts: pass a non-empty list of prompts")
     items = []
     for i, p in enumerate(prompts):
-        if hasattr(p, "prompt") or isinstance(p, dict):
-            p = p.prompt if hasattr(p, "prompt") else p["prompt"]
-        items.append(_item_ids(tokenizer, p, i, "prompt", vocab_size, True))
+        if isinstance(p, dict):
+            if "prompt" not in p:
+                raise ValueError(f"prompt {i} is a dict without a 'prompt' key (keys: {sorted(map(str, p))[:8]}); "
+                                 f"pass {{'prompt': text, ...}}, a PromptRow, a string or token ids")
+            p = p["prompt"]
+        elif hasattr(p, "prompt"):
+            p = p.prompt
+        if chat and isinstance(p, str):
+            from ..chat import chat_prompt_ids
+
+            p = chat_prompt_ids(tokenizer, p)  # ids, checked below like any others; text for the unknown-token check
+            items.append((_item_ids(tokenizer, p, i, "prompt", vocab_size, True)[0], True))
+        else:
+            items.append(_item_ids(tokenizer, p, i, "prompt", vocab_size, True))
     _warn_unknown(tokenizer, items, "prompt")
     return [ids for ids, _ in items]
 

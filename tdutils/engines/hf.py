@@ -21,8 +21,8 @@ request's cache, tokens and captured queries grow by the extension, so `decode` 
 after it.
 
 Positions (SPEC §3): `"compact"` (default) — the drop function re-rotates kept keys to positions
-0..k-1 and decoding continues at k; `"original"` — keys keep their rotation and decoding continues at
-T, the prompt length (the dropped positions simply become holes).
+0..k-1 and decoding continues at k; `"original"` — keys keep their rotation and decoding continues after the
+last kept token's prompt position (T when the last prompt token is kept; the dropped positions become holes).
 
 Sliding-window layers (Mistral, Phi-3, Qwen2 `use_sliding_window`, Gemma 2/3, gpt-oss) keep the *whole*
 prompt in the engine's cache, like full layers, so one request is still one `[2, L, T, D]` tensor and a
@@ -35,8 +35,10 @@ definition). So dropping means the same thing in every layer — the token is go
   else (windows, soft-capping, sinks, scaling) as the model computes it — for every family;
 - `"compact"`: positions are renumbered 0..k-1, so a sliding layer's window covers the last `W` *kept*
   tokens (what a serving engine that stores the compacted cache, e.g. vLLM + LMCache, computes).
-`"original"` with a sliding-window model needs the kept positions: drop functions from
-`tdutils.make_drop_fn` report them; any other ModifyFn is refused there (use `"compact"`).
+`"original"` needs the kept positions (decode refeeds the last kept token at its own position; sliding windows
+mask by position): drop functions from `tdutils.make_drop_fn` report them; for any other ModifyFn they are
+recovered from its output rows (`tdutils.edit.kept_rows`), and an output that is not an in-order selection of
+unchanged rows is refused (use `"compact"`).
 """
 
 from __future__ import annotations
@@ -51,15 +53,17 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import AttentionSpec, register_live_model
-from ..edit import CacheKind, DropFunctionError, check_kv, validate_drop_output
+from ..chat import uses_chat_template
+from ..edit import CacheKind, DropFunctionError, check_kv, kept_rows, validate_drop_output
 from ..metrics import DecodeMetrics, ModifyMetrics, RunMetrics
 from ..models import load_model, model_facts
-from .base import (ModifyReport, RequestOutput, check_engine_settings, check_temperature, tokenize_extensions,
-                   tokenize_prompts)
+from .base import (GREEDY_BELOW, CountSetting, ModifyReport, RequestOutput, answer_text, check_count,
+                   check_engine_settings, check_max_tokens, check_temperature, tokenize_extensions, tokenize_prompts)
 from .capture import QueryRecorder, capture_implementation, recording
 from .kvstore import SlotKVStore, plan_slots
 
 POSITIONS = ("compact", "original")
+KV_BLOCK_TOKENS = 256  # with EOS honoured, decode grants a request its tokens (reservation, storage) in blocks
 
 
 @dataclass
@@ -78,6 +82,7 @@ class _Request:
     token_times: list[float] = field(default_factory=list)
     logits: list | None = None
     finish_reason: str = "length"
+    resume: tuple | None = None  # preempted mid-decode: (keys, values, positions, next token, its position)
 
 
 class HFEngine:
@@ -90,7 +95,9 @@ class HFEngine:
         model: a bundled name (`"tiny-qwen3"`), hub id, local folder, or an already loaded model
             (then pass `tokenizer=` too).
         tokenizer: tokenizer when `model` is a model object.
-        dtype, device, attn_implementation: passed to `tdutils.models.load_model`.
+        dtype, device, attn_implementation: passed to `tdutils.models.load_model` (attention default `"sdpa"`).
+            With a model object they describe it as it is: one that disagrees (e.g. `attn_implementation="eager"`
+            for an sdpa model) raises ValueError instead of being ignored; set it on the model first.
         kv_budget_tokens: KV tokens the running decode batch may hold (cache lengths plus tokens still
             to generate); None = unlimited (every request decodes in one batch).
         max_batch_size: optional cap on the running batch.
@@ -100,6 +107,9 @@ class HFEngine:
             Hq*d]`, after q_norm and RoPE) for policies that need them (SnapKV, R-KV, TOVA; H2O needs all);
             default 64, the largest default policy window; None captures all tokens; 0 captures nothing.
             `run_once` / `compare` widen it to what their drop function needs (`capture_for`).
+        chat_template: `"none"` (default: text prompts are tokenized as given), `"auto"` (wrapped as a user turn
+            in the tokenizer's chat template when it has one) or `"on"` (always; ValueError without one);
+            `chat_template_applied` says which. Token-id prompts and `extend` texts are never wrapped.
         progress: show tqdm progress bars for the prefill and decode phases.
 
     Query capture switches the model to a registered attention function that wraps its `sdpa` or
@@ -107,23 +117,27 @@ class HFEngine:
     """
 
     kind = "hf"
+    kv_budget_tokens = CountSetting(1, none="unlimited")
+    max_batch_size = CountSetting(1, none="no cap")
+    prefill_batch_size = CountSetting(1)
+    query_window = CountSetting(0, none="all prompt tokens")
 
     def __init__(self, model="tiny-qwen3", *, tokenizer=None, dtype="auto", device=None,
-                 attn_implementation: str | None = "sdpa", kv_budget_tokens: int | None = None,
+                 attn_implementation: str | None = None, kv_budget_tokens: int | None = None,
                  max_batch_size: int | None = None, prefill_batch_size: int = 4, positions: str = "compact",
-                 query_window: int | None = 64, progress: bool = True):
+                 query_window: int | None = 64, chat_template: str = "none", progress: bool = True):
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
         check_engine_settings(kv_budget_tokens, max_batch_size, query_window)
-        if prefill_batch_size < 1:
-            raise ValueError(f"prefill_batch_size must be >= 1, got {prefill_batch_size}")
+        check_count(prefill_batch_size, "prefill_batch_size", 1)
         if isinstance(model, str):
             self.model_name = model
             self.model, self.tokenizer = load_model(model, dtype=dtype, device=device, progress=progress,
-                                                    attn_implementation=attn_implementation)
+                                                    attn_implementation=attn_implementation or "sdpa")
         else:
             if tokenizer is None:
                 raise ValueError("pass tokenizer= together with a model object")
+            _check_loaded_model_settings(model, dtype, device, attn_implementation)
             self.model_name = getattr(model, "name_or_path", type(model).__name__)
             self.model, self.tokenizer = model.eval(), tokenizer
         self.device = next(self.model.parameters()).device
@@ -144,6 +158,8 @@ class HFEngine:
         self.positions = positions
         self.progress = progress
         self.eos_token_ids = _eos_ids(self.tokenizer, self.model)  # decode stops on any unless ignore_eos
+        self.chat_template_applied = uses_chat_template(self.tokenizer, chat_template)
+        self.chat_template = chat_template
         self.requests: list[_Request] = []
         self.metrics = RunMetrics("run")
 
@@ -164,7 +180,7 @@ class HFEngine:
 
     def tokenize(self, prompts) -> list[list[int]]:
         """Token ids of each prompt: a string, a `PromptRow`/dict with `prompt`, or a list of ids."""
-        return tokenize_prompts(self.tokenizer, prompts, self.model.config.vocab_size)
+        return tokenize_prompts(self.tokenizer, prompts, self.model.config.vocab_size, chat=self.chat_template_applied)
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -378,9 +394,6 @@ class HFEngine:
             raise ValueError(f"positions={positions!r} needs a drop function with rerotate={positions == 'compact'}, "
                              f"got rerotate={rerotate}; build it with make_drop_fn(..., rerotate={positions == 'compact'})")
         edit = getattr(drop_fn, "edit", None)  # DropFn.edit also returns the kept indices
-        if positions == "original" and self._mask_windows and edit is None:
-            raise ValueError("positions='original' on a sliding-window model needs the kept positions, which only "
-                             "drop functions from tdutils.make_drop_fn report; use one of those, or positions='compact'")
         mm = self.metrics.modify = ModifyMetrics()
         t0 = time.perf_counter()
         edits, failures = {}, []
@@ -395,6 +408,10 @@ class HFEngine:
                     result = drop_fn(tensors, list(req.tokens))
                 new_kv, new_tokens = validate_drop_output(req.kv, req.tokens, result,
                                                           vocab_size=self.model.config.vocab_size)
+                if keep is None and positions == "original":
+                    # decode refeeds the last kept token at its own position: any drop function's kept rows
+                    # must be known, not assumed to end at T - 1
+                    keep = kept_rows(req.kv, req.tokens, new_kv, new_tokens)
                 if keep is not None:
                     old = req.positions if req.positions is not None else torch.arange(req.kv.shape[2])
                     keep = old[keep.cpu()]  # positions of the kept rows (a second edit indexes the first's rows)
@@ -419,7 +436,7 @@ class HFEngine:
                     req.positions, req.refeed_pos = None, len(new_tokens) - 1
                 else:
                     req.positions = kept_pos
-                    req.refeed_pos = int(kept_pos[-1]) if kept_pos is not None else len(req.prompt_ids) - 1
+                    req.refeed_pos = int(kept_pos[-1])
         mm.edited, mm.failed = len(edits), len(failures)
         mm.tokens_after = sum(r.kv.shape[2] for r in self.requests)
         if failures:
@@ -575,33 +592,52 @@ class HFEngine:
                keep_logits: bool = False) -> list[RequestOutput]:
         """Batched decoding of every request under the KV budget; returns one `RequestOutput` per request.
 
-        Requests are admitted first come first served while `sum(cache_len + tokens_to_generate)` over the
-        running batch stays within `kv_budget_tokens` (and the batch within `max_batch_size`); a request
-        leaves the batch when it has `max_tokens` tokens (or generated EOS with `ignore_eos=False`).
+        Requests are admitted first come first served while the sum of their reservations over the running
+        batch stays within `kv_budget_tokens` (and the batch within `max_batch_size`); a reservation is the
+        cache length plus the tokens the request may generate. With `ignore_eos=True` that is all of
+        `max_tokens` (the output length is known). With EOS honoured a request is granted `KV_BLOCK_TOKENS`
+        (256) at a time as it generates, and its storage grows with it, so a request that stops early neither
+        holds memory nor blocks admission for tokens it never produced; when a request's next block does not
+        fit, the most recently admitted other request leaves the batch with its cache and generated tokens and
+        resumes, unchanged, when there is room (vLLM's preemption order). A request leaves the batch when it has
+        `max_tokens` tokens (or generated EOS with `ignore_eos=False`).
 
         Args:
-            max_tokens: tokens to generate per request (>= 1): one int for all, or one per request.
-            temperature: 0 = greedy; > 0 samples from softmax(logits / temperature), each request from its own
-                generator seeded with `request_seed(seed, request_id)`, so its tokens do not depend on the batch.
+            max_tokens: tokens to generate per request (>= 1): one int for all, or one per request (list, tuple,
+                numpy array or tensor of ints). With `ignore_eos=False` it is capped at the model's context
+                (`max_position_embeddings`; a warning says so): the request stops there with
+                finish_reason "length".
+            temperature: 0 = greedy (as is any temperature below `GREEDY_BELOW`, 1e-5, vLLM's convention); > 0
+                samples from softmax(logits / temperature), each request from its own generator seeded with
+                `request_seed(seed, request_id)`, so its tokens do not depend on the batch.
             ignore_eos: keep generating after an EOS token (fixed output lengths, for benchmarks); EOS is any of
                 `eos_token_ids`: the tokenizer's EOS and every id in the model's `generation_config.eos_token_id`.
+                `RequestOutput.answer` holds the text before the first EOS either way.
             keep_logits: store each step's logits `[vocab]` (fp32, or the model dtype when wider) in the outputs.
 
         Raises:
             RuntimeError: called before `prefill`.
-            ValueError: `max_tokens < 1`, negative temperature, or a request that alone needs more KV
-                tokens than `kv_budget_tokens` (the message gives both numbers).
+            TypeError: `max_tokens` not an integer or one integer per request (a string, None, a float).
+            ValueError: `max_tokens < 1`, a bad temperature, or a request that alone needs more KV tokens than
+                `kv_budget_tokens` (the message gives both numbers).
         """
         if not self.requests:
             raise RuntimeError("decode() needs prefilled requests; call prefill(prompts) first")
-        per_request = list(max_tokens) if isinstance(max_tokens, Sequence) else [max_tokens] * len(self.requests)
-        if len(per_request) != len(self.requests):
-            raise ValueError(f"max_tokens has {len(per_request)} entries for {len(self.requests)} requests")
-        for m in per_request:
-            if isinstance(m, bool) or int(m) != m or m < 1:
-                raise ValueError(f"max_tokens must be a positive integer, got {m!r}")
-        limit = {r.request_id: int(m) for r, m in zip(self.requests, per_request)}
+        per_request = check_max_tokens(max_tokens, len(self.requests))
         temperature = check_temperature(temperature)
+        if temperature < GREEDY_BELOW:
+            temperature = 0.0
+        limit = {r.request_id: m for r, m in zip(self.requests, per_request)}
+        max_pos = getattr(self.model.config, "max_position_embeddings", None)
+        if max_pos and not ignore_eos:
+            # the last position fed is refeed_pos + limit - 1; stop at the model's context
+            capped = {r.request_id: max(1, min(limit[r.request_id], max_pos - r.refeed_pos)) for r in self.requests}
+            if capped != limit:
+                few = [i for i in capped if capped[i] < limit[i]]
+                warnings.warn(f"max_tokens capped at the model's context (max_position_embeddings {max_pos}) for "
+                              f"{len(few)} request(s), e.g. request {few[0]}: {capped[few[0]]} tokens; they stop there "
+                              f"with finish_reason 'length'", stacklevel=2)
+                limit = capped
         budget = self.kv_budget_tokens
         need = {r.request_id: r.kv.shape[2] + limit[r.request_id] for r in self.requests}
         if budget is not None:
@@ -611,7 +647,6 @@ class HFEngine:
                         f"request {r.request_id} needs {need[r.request_id]} KV tokens ({r.kv.shape[2]} cached + "
                         f"{limit[r.request_id]} to generate) but kv_budget_tokens is {budget}; raise kv_budget_tokens, "
                         f"lower max_tokens, or drop more tokens")
-        max_pos = getattr(self.model.config, "max_position_embeddings", None)
         if max_pos:
             # positions fed: the refeed (k-1 or T-1) and then max_tokens - 1 generated tokens
             last = max(r.refeed_pos + limit[r.request_id] - 1 for r in self.requests)
@@ -624,29 +659,52 @@ class HFEngine:
         gens = {r.request_id: torch.Generator(device="cpu").manual_seed(request_seed(seed, r.request_id))
                 for r in self.requests}
         eos = self.eos_token_ids
+        block = None if ignore_eos else KV_BLOCK_TOKENS
+        # tokens each request may generate before it needs more: all of them, or one block at a time
+        grant = {rid: limit[rid] if block is None else min(limit[rid], block) for rid in limit}
+
+        def reservation(r):
+            return r.kv.shape[2] + grant[r.request_id]
+
         for r in self.requests:
             r.output_ids, r.token_times, r.finish_reason = [], [], "length"
             r.logits = [] if keep_logits else None
+            r.resume = None
 
-        store = self._new_store([need[r.request_id] for r in self.requests], budget)
-        dm.kv_storage_tokens, dm.kv_storage_bytes = store.slots * store.width, store.bytes
+        store = self._new_store([reservation(r) for r in self.requests], budget,
+                                max(need.values()) - 1 if block is None else None)
         next_ids = torch.zeros(store.slots, dtype=torch.long, device=self.device)  # per slot: token fed next step
         next_pos = torch.zeros(store.slots, dtype=torch.long, device=self.device)  # and its position
         waiting = deque(self.requests)
-        running: dict[int, _Request] = {}  # slot -> request
+        running: dict[int, _Request] = {}  # slot -> request, in admission order
+
+        def preempt(slot):  # out of the batch with its cache and generated tokens; resumes where it stopped
+            r = running.pop(slot)
+            r.resume = (*store.take(slot), int(next_ids[slot]), int(next_pos[slot]))
+            if len(r.output_ids) >= grant[r.request_id]:  # it used its block: resume with the next one
+                grant[r.request_id] = min(limit[r.request_id], grant[r.request_id] + block)
+            waiting.appendleft(r)
+            dm.preemptions += 1
+
         bar = self._bar(sum(limit.values()), "decode")
         t0 = time.perf_counter()
         while waiting or running:
-            reserved = sum(need[r.request_id] for r in running.values())
-            while waiting and store.free_slots and (budget is None or reserved + need[waiting[0].request_id] <= budget) and (
+            reserved = sum(reservation(r) for r in running.values())
+            while waiting and store.free_slots and (budget is None or reserved + reservation(waiting[0]) <= budget) and (
                     self.max_batch_size is None or len(running) < self.max_batch_size):
                 r = waiting.popleft()
+                store.grow(reservation(r) - 1)
                 slot = self._admit(store, r)
                 running[slot] = r
-                next_ids[slot], next_pos[slot] = r.tokens[-1], r.refeed_pos
-                reserved += need[r.request_id]
+                if r.resume is None:
+                    next_ids[slot], next_pos[slot] = r.tokens[-1], r.refeed_pos
+                else:
+                    next_ids[slot], next_pos[slot] = r.resume[3], r.resume[4]
+                    r.resume = None
+                reserved += reservation(r)
             dm.peak_batch_size = max(dm.peak_batch_size, len(running))
             dm.kv_peak_reserved_tokens = max(dm.kv_peak_reserved_tokens, reserved)
+            assert budget is None or reserved <= budget, (reserved, budget)  # admission and grants keep this
 
             rows = store.rows
             store.begin_step(next_pos[:rows])
@@ -666,6 +724,8 @@ class HFEngine:
             now = time.perf_counter() - t0
             dm.steps += 1
             bar.update(len(running))
+            next_ids[:rows] = new_ids.to(self.device)
+            next_pos[:rows] += 1
             for slot, r in list(running.items()):
                 tok = int(new_ids[slot])
                 r.output_ids.append(tok)
@@ -679,8 +739,17 @@ class HFEngine:
                     r.finish_reason = "stop"
                     del running[slot]
                     store.release(slot)
-            next_ids[:rows] = new_ids.to(self.device)
-            next_pos[:rows] += 1
+            # grant the next block to requests that used theirs, preempting the latest admitted others if needed
+            for slot, r in list(running.items()):
+                rid = r.request_id
+                if slot not in running or len(r.output_ids) < grant[rid]:
+                    continue
+                grant[rid] = min(limit[rid], grant[rid] + block)
+                while budget is not None and sum(reservation(x) for x in running.values()) > budget:
+                    preempt(next(s for s in reversed(running) if s != slot))
+                store.grow(reservation(r) - 1)
+            dm.kv_storage_tokens = max(dm.kv_storage_tokens, store.slots * store.width)
+            dm.kv_storage_bytes = max(dm.kv_storage_bytes, store.bytes)
         dm.seconds = time.perf_counter() - t0
         bar.close()
 
@@ -691,9 +760,10 @@ class HFEngine:
             tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else float("nan")
             if len(t) > 1:
                 dm.tpot_s.append(tpot)
+            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
             outputs.append(RequestOutput(
                 request_id=r.request_id, prompt_tokens=len(r.prompt_ids), cached_tokens=r.kv.shape[2],
-                output_ids=list(r.output_ids), text=self.tokenizer.decode(r.output_ids, skip_special_tokens=True),
+                output_ids=list(r.output_ids), text=text, answer=answer_text(self.tokenizer, r.output_ids, eos, text),
                 finish_reason=r.finish_reason, ttft_s=r.ttft_s, tpot_s=tpot, logits=r.logits))
         return outputs
 
@@ -705,17 +775,21 @@ class HFEngine:
         kv = kv.view(2, L, T, h, d).transpose(2, 3)  # [2, L, H_kv, T, d]
         return kv[0], kv[1]
 
-    def _new_store(self, needs: list[int], budget: int | None) -> SlotKVStore:
-        """Preallocated decode storage for requests needing `needs` KV tokens (see `engines.kvstore`); it tracks
-        each entry's position when sliding-window layers need masks by position."""
+    def _new_store(self, needs: list[int], budget: int | None, width: int | None = None) -> SlotKVStore:
+        """Decode storage for requests reserving `needs` KV tokens (see `engines.kvstore`), `width` tokens per
+        slot (default: the largest need - 1; it grows when requests are granted more); it tracks each entry's
+        position when sliding-window layers need masks by position."""
         plan = plan_slots(needs, budget, self.max_batch_size)
         return SlotKVStore(num_layers=self.facts.num_layers, num_kv_heads=self.facts.num_kv_heads,
-                           head_dim=self.facts.head_dim, slots=plan.slots, width=plan.width, dtype=self.model.dtype,
-                           device=self.device, track_positions=self._mask_windows is not None)
+                           head_dim=self.facts.head_dim, slots=plan.slots, width=width or plan.width,
+                           dtype=self.model.dtype, device=self.device, track_positions=self._mask_windows is not None)
 
     def _admit(self, store: SlotKVStore, r: _Request) -> int:
         """Copy a request's cache minus its last entry into a free slot (that entry's token is fed again at
-        `refeed_pos`, so the first generated token is computed over the edited cache); returns the slot."""
+        `refeed_pos`, so the first generated token is computed over the edited cache); returns the slot. A
+        preempted request (`r.resume`) gets back exactly the entries it left with."""
+        if r.resume is not None:
+            return store.admit(*r.resume[:3])
         check_kv(r.kv, r.tokens)
         k, v = self._row_kv(r.kv)
         positions = None
@@ -737,6 +811,27 @@ class HFEngine:
 
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _check_loaded_model_settings(model, dtype, device, attn_implementation) -> None:
+    """Loading settings passed with an already loaded model must describe it (the engine does not convert a
+    user's model); ValueError naming the setting and what to do otherwise."""
+    from ..models import _torch_dtype
+
+    first = next(model.parameters(), None)
+    have_attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if have_attn is not None:
+        have_attn = have_attn.removeprefix("tdutils_capture_")  # an engine's query capture wraps the backend
+    if attn_implementation is not None and have_attn is not None and attn_implementation != have_attn:
+        raise ValueError(f"attn_implementation={attn_implementation!r} applies when the engine loads the model; "
+                         f"this model object uses {have_attn!r}: call model.set_attn_implementation("
+                         f"{attn_implementation!r}) first, or leave attn_implementation out")
+    if dtype != "auto" and first is not None and _torch_dtype(dtype) != first.dtype:
+        raise ValueError(f"dtype={dtype!r} applies when the engine loads the model; this model object is "
+                         f"{first.dtype}: convert it (model.to({_torch_dtype(dtype)})) or leave dtype out")
+    if device is not None and first is not None and torch.device(device).type != first.device.type:
+        raise ValueError(f"device={device!r} applies when the engine loads the model; this model object is on "
+                         f"{first.device}: move it (model.to({str(device)!r})) or leave device out")
 
 
 def _mask_windows(config, windows: list[int | None]) -> dict:

@@ -174,6 +174,36 @@ class SlotKVStore:
         self._used[slot] = False
         self.lengths[slot] = 0
 
+    def grow(self, width: int) -> None:
+        """Widen every slot to `width` tokens (no-op when already that wide): new tensors, stored entries copied
+        to the same columns. For requests that are granted their tokens in blocks as they generate."""
+        if width <= self.width:
+            return
+        cols = self.width
+        for store in (self.keys, self.values):
+            for layer, old in enumerate(store):
+                new = old.new_zeros((old.shape[0], old.shape[1], width, old.shape[3]))
+                new[:, :, :cols] = old
+                store[layer] = new
+        if self.positions is not None:
+            new = self.positions.new_zeros((self.slots, width))
+            new[:, :cols] = self.positions
+            self.positions = new
+        self.width = width
+
+    def take(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Copy out a slot's entries and release it (a request leaving the batch before it finished);
+        returns keys, values `[L, H_kv, n, d]` and positions `[n]` (None when not tracked), what `admit`
+        takes back."""
+        if not (0 <= slot < self.slots and self._used[slot]):
+            raise ValueError(f"slot {slot} is not in use")
+        n = int(self.lengths[slot])
+        keys = torch.stack([k[slot, :, :n] for k in self.keys])
+        values = torch.stack([v[slot, :, :n] for v in self.values])
+        positions = self.positions[slot, :n].clone() if self.positions is not None else None
+        self.release(slot)
+        return keys, values, positions
+
     # ----------------------------------------------------------------- one decode step
     def begin_step(self, query_positions: torch.Tensor | None = None) -> None:
         """Fix the rows and columns of the next forward pass (call before it, then `end_step` after).

@@ -67,7 +67,8 @@ from ..edit import CacheKind, DropFunctionError, check_kv, validate_drop_output
 from ..metrics import DecodeMetrics, ModifyMetrics, RunMetrics
 from ..models import bundled_model_path, model_facts
 from ..textio import read_text
-from .base import ModifyReport, RequestOutput, check_engine_settings, check_temperature, tokenize_prompts
+from .base import (CountSetting, ModifyReport, RequestOutput, answer_text, check_count, check_engine_settings,
+                   check_seconds, check_temperature, tokenize_prompts)
 from .kvlayout import ARRANGEMENTS, FUSED_FORMATS, fused_to_kv, kv_to_fused
 
 LMCACHE_START_HINT = (
@@ -293,6 +294,8 @@ class LMCacheEngine:
         positions: only `"compact"` (vLLM decodes the kept tokens as a new prompt).
         dtype, device: accepted for CLI compatibility; vLLM chooses the dtype (`vllm serve --dtype`) and
             device, so only `"auto"` / None are valid.
+        chat_template: `"none"` (default), `"auto"` or `"on"`: text prompts wrapped in the tokenizer's chat
+            template, as on the `hf` engine (`tdutils.chat`).
         sdk: the `lmcache.sdk` module (default: imported here); tests pass a stand-in.
 
     Raises:
@@ -302,6 +305,10 @@ class LMCacheEngine:
     """
 
     kind = "lmcache"
+    kv_budget_tokens = CountSetting(1, none="unlimited")
+    max_batch_size = CountSetting(1, none="no cap")
+    query_window = CountSetting(0, none="all prompt tokens")
+    check_rows = CountSetting(0)
 
     def __init__(self, model: str | None = None, *, vllm_url: str = "http://localhost:8000",
                  lmcache_url: str = "tcp://localhost:6555", lmcache_http_url: str = "http://localhost:8080",
@@ -310,7 +317,7 @@ class LMCacheEngine:
                  max_batch_size: int | None = None, check_rows: int = 4, clear_cache: bool = True,
                  timeout: float = 120.0, http_timeout: float = 10.0, retrieve_timeout: float = 60.0,
                  fused_arrangement: str = "auto", positions: str = "compact", dtype="auto", device=None,
-                 progress: bool = True, sdk=None):
+                 chat_template: str = "none", progress: bool = True, sdk=None):
         if align not in ALIGN:
             raise ValueError(f"align must be one of {ALIGN}, got {align!r}")
         if fused_arrangement not in FUSED_ARRANGEMENTS:
@@ -322,15 +329,18 @@ class LMCacheEngine:
             raise ValueError("dtype and device are chosen by vLLM on the lmcache engine (vllm serve --dtype ...); "
                              f"leave them at their defaults, got dtype={dtype!r}, device={device!r}")
         check_engine_settings(kv_budget_tokens, max_batch_size, query_window)
+        check_count(check_rows, "check_rows", 0)
         for name, value in (("timeout", timeout), ("http_timeout", http_timeout),
                             ("retrieve_timeout", retrieve_timeout)):
-            if not 0 < float(value) < float("inf"):
-                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+            check_seconds(value, name)
         self.vllm_url = vllm_url.rstrip("/").removesuffix("/v1")
         self.lmcache_url, self.lmcache_http_url = lmcache_url, lmcache_http_url.rstrip("/")
-        self.query_window, self.align, self.check_rows = query_window, align, int(check_rows)
+        self.query_window, self.align, self.check_rows = query_window, align, check_rows
         self.kv_budget_tokens, self.max_batch_size = kv_budget_tokens, max_batch_size
         self.clear_cache, self.progress = clear_cache, progress
+        if chat_template not in ("auto", "on", "none"):
+            raise ValueError(f"chat_template must be 'auto', 'on' or 'none', got {chat_template!r}")
+        self.chat_template = chat_template  # applied to text prompts when tokenizing (tdutils.chat)
         self.http_timeout, self.retrieve_timeout = float(http_timeout), float(retrieve_timeout)
         self.positions = "compact"
 
@@ -456,7 +466,9 @@ class LMCacheEngine:
 
     def tokenize(self, prompts) -> list[list[int]]:
         """Token ids of each prompt: a string, a `PromptRow`/dict with `prompt`, or a list of ids."""
-        return tokenize_prompts(self.tokenizer, prompts)
+        from ..chat import uses_chat_template
+
+        return tokenize_prompts(self.tokenizer, prompts, chat=uses_chat_template(self.tokenizer, self.chat_template))
 
     def _aligned(self, ids: list[int]) -> tuple[list[int], int]:
         """`ids` front-padded to a multiple of the chunk size (after a leading BOS), and the pad count."""
@@ -932,8 +944,7 @@ class LMCacheEngine:
                 logits), or a request that alone needs more than `kv_budget_tokens`.
         """
         self._require_requests("decode()")
-        if int(max_tokens) != max_tokens or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        max_tokens = check_count(max_tokens, "max_tokens", 1)
         temperature = check_temperature(temperature)
         if keep_logits:
             raise ValueError("keep_logits is not available on the lmcache engine (vLLM streams token ids only)")
@@ -953,6 +964,10 @@ class LMCacheEngine:
         dm = self.metrics.decode = DecodeMetrics(kv_budget_tokens=budget)
         dm.seconds, dm.peak_batch_size = seconds, peak
         dm.kv_peak_reserved_tokens = peak_reserved
+        # EOS ids as vLLM stops on them: the tokenizer's and the checkpoint config's (an int or a list)
+        config_eos = getattr(self.config, "eos_token_id", None)
+        eos = {self.tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, (list, tuple)) else [config_eos])}
+        eos.discard(None)
         outputs = []
         for r, stream, perf in zip(self.requests, streams, perfs):
             r.output_ids = [int(t) for t in stream.tokens[len(r.tokens):]]
@@ -964,7 +979,7 @@ class LMCacheEngine:
             dm.output_tokens += len(r.output_ids)
             outputs.append(RequestOutput(
                 request_id=r.request_id, prompt_tokens=len(r.prompt_ids) + r.pad, cached_tokens=r.cached,
-                output_ids=list(r.output_ids), text=r.text,
+                output_ids=list(r.output_ids), text=r.text, answer=answer_text(self.tokenizer, r.output_ids, eos, r.text),
                 finish_reason="length" if len(r.output_ids) >= max_tokens else "stop",
                 ttft_s=r.ttft_s, tpot_s=r.tpot_s))
         return outputs

@@ -134,7 +134,8 @@ def register_policy(name: str, *, params: type, needs: str, keep: KeepFn, summar
     Raises:
         ValueError: a bad name or `needs`, a parameter without a default, or a built-in name without
             `replace=True`.
-        TypeError: `params` not a dataclass type, or `keep` not callable.
+        TypeError: `params` not a dataclass type, or `keep` not callable as `keep(kv, q, drop_ratio, *, params,
+            facts)`.
     """
     if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_-" for c in name):
         raise ValueError(f"policy name must be a non-empty string of letters, digits, '_' or '-', got {name!r}")
@@ -151,6 +152,7 @@ def register_policy(name: str, *, params: type, needs: str, keep: KeepFn, summar
         raise TypeError(f"setup must be callable as setup(model_config) -> dict, got {setup!r}")
     if not callable(keep):
         raise TypeError(f"keep must be callable as keep(kv, q, drop_ratio, *, params, facts), got {keep!r}")
+    _check_keep_signature(name, keep, setup)
     if needs == "window" and query_rows is None and "window" not in {f.name for f in dataclasses.fields(params)}:
         raise ValueError(f"policy {name!r} needs window queries: give its params a 'window' field or pass query_rows=")
     old = _REGISTRY.get(name)
@@ -159,6 +161,22 @@ def register_policy(name: str, *, params: type, needs: str, keep: KeepFn, summar
     policy = Policy(name, params, needs, keep, summary, paper, needs_model, query_rows, setup, builtin)
     _REGISTRY[name] = policy
     return policy
+
+
+def _check_keep_signature(name: str, keep: Callable, setup: Callable | None) -> None:
+    """TypeError now, not at the first `modify`, when `keep` cannot be called as `modify` calls it:
+    `keep(kv, q, drop_ratio, params=..., facts=...)` (plus `setup`'s keywords, unknown until a model is given)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(keep)
+    except (TypeError, ValueError):  # some builtins and C callables have none to read
+        return
+    try:
+        (sig.bind_partial if setup is not None else sig.bind)(None, None, 0.5, params=None, facts=None)
+    except TypeError as exc:
+        raise TypeError(f"policy {name!r}: keep{sig} cannot be called as keep(kv, q, drop_ratio, *, params, facts) "
+                        f"({exc}); give it that signature (extra keyword arguments come from setup=)") from None
 
 
 def unregister_policy(name: str) -> None:
