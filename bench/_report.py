@@ -1,8 +1,36 @@
-"""JSON output shared by the bench scripts (run as `python bench/NAME.py`, so this folder is on sys.path)."""
+"""JSON output and input shared by the bench scripts (run as `python bench/NAME.py`, so this folder is on sys.path)."""
 
 from __future__ import annotations
 
 import json
+
+
+def check_json_dest(dest: str, option: str = "--json", example: str = "runs/bench.json") -> None:
+    """Check before any work that `dest` ("-" for stdout, else a file path) can be written.
+
+    Raises:
+        ValueError: an empty or unwritable path (`tdutils.evaluate.check_output_path`).
+    """
+    if dest != "-":
+        from tdutils.evaluate import check_output_path
+
+        check_output_path(dest, option, example=example)
+
+
+def read_json(path: str, option: str = "--summary"):
+    """The JSON value stored in `path` (a bench's own `--json` file).
+
+    Raises:
+        ValueError: the file is missing, unreadable, not UTF-8 or not JSON; the message names `option` and the path.
+    """
+    from tdutils.textio import read_text
+
+    try:
+        return json.loads(read_text(path))
+    except OSError as exc:
+        raise ValueError(f"{option} {path!r}: {exc.strerror or exc}; give a file a bench wrote with --json") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{option} {path!r} is not JSON ({exc}); give a file a bench wrote with --json") from None
 
 
 def write_json(results: dict, dest: str) -> None:
@@ -11,5 +39,5 @@ def write_json(results: dict, dest: str) -> None:
     if dest == "-":
         print(text)
     else:
-        with open(dest, "w") as f:
+        with open(dest, "w", encoding="utf-8") as f:
             f.write(text + "\n")

@@ -32,6 +32,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from _report import read_json  # bench/_report.py (this folder is on sys.path)
+
 from tdutils.cli_args import OneLineParser
 from tdutils.evaluate import FULL, HELDOUT_SEED, add_arguments, run, task_markdown
 
@@ -66,13 +68,10 @@ def main(argv=None) -> int:
     ap.set_defaults(json_path="runs/accuracy.json", plot="runs/accuracy.png", seed=HELDOUT_SEED)
     ap.add_argument("--summary", metavar="PATH", help="print the README table of a stored --json file and exit")
     args = ap.parse_args(argv)
-    if args.summary:
-        import json
-
-        with open(args.summary) as f:
-            print(readme_summary(json.load(f)))
-        return 0
     try:
+        if args.summary:
+            print(readme_summary(read_json(args.summary)))
+            return 0
         return run(args)
     except (ValueError, OSError, ConnectionError) as exc:  # bad values, missing model or files: one line
         print(f"{ap.prog}: error: {exc}", file=sys.stderr)

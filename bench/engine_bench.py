@@ -45,8 +45,9 @@ from pathlib import Path
 
 import torch
 
-from tdutils.cli_args import OneLineParser, positive_int
+from tdutils.cli_args import OneLineParser, drop_ratios, positive_int
 from tdutils.engines.hf import HFEngine, _Request
+from tdutils.evaluate import check_output_path
 from tdutils.models import load_model, model_facts
 
 STEP_TARGET = 1.10
@@ -296,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--throughput-requests", type=_counts, default="8,16",
                     help="request counts of the throughput sweeps, 1024-token prompts, 32 tokens (default 8,16)")
     ap.add_argument("--throughput-repeats", type=positive_int, default=3)
-    ap.add_argument("--throughput-drop-ratios", default="0.5,0.75",
+    ap.add_argument("--throughput-drop-ratios", type=drop_ratios, default="0.5,0.75",
                     help="SnapKV drop ratios of the throughput sweeps (default 0.5,0.75)")
     ap.add_argument("--vllm-python", default=None, help="a Python with vLLM (e.g. the server tier's venv)")
     ap.add_argument("--vllm-timeout", type=positive_int, default=900, help="seconds per vLLM point")
@@ -316,6 +317,11 @@ def main(argv=None) -> int:
         ap.error("--steps must be >= 2")
     if args.vllm_python and not Path(args.vllm_python).is_file():
         ap.error(f"--vllm-python {args.vllm_python!r} is not a file; give the python of a venv with vLLM")
+    if args.json_path is not None:  # before the model loads, not after every measurement
+        try:
+            check_output_path(args.json_path, "--json", example="runs/engine_bench.json")
+        except ValueError as exc:
+            ap.error(str(exc))
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -334,7 +340,7 @@ def main(argv=None) -> int:
     def save():  # after every measurement, so a long run that is stopped keeps what it measured
         if args.json_path:
             Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json_path).write_text(json.dumps(results, indent=1, default=str) + "\n")
+            Path(args.json_path).write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
 
     if args.profile and args.points:
         results["profile"] = profile_point(model, tok, *args.points[0], min(args.steps, 8))
@@ -363,7 +369,7 @@ def main(argv=None) -> int:
         for n in args.throughput_requests:
             results["throughput"].append(throughput(model, tok, requests=n, tokens=1024, max_tokens=32,
                                                     repeats=args.throughput_repeats, log=log,
-                                                    drop_ratios=[float(r) for r in args.throughput_drop_ratios.split(",")]))
+                                                    drop_ratios=args.throughput_drop_ratios))
             save()
 
     print(f"\n{'point':>8} {'engine ms':>10} {'static ms':>10} {'ratio (min-max)':>18} {'decode mem/budget KV':>21} "

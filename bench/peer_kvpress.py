@@ -243,7 +243,8 @@ def worker(spec_path: str, out_path: str) -> None:
 # tdutils side.
 
 def run_tdutils(engine, prompts, policies, ratios, *, max_tokens, batch_size) -> dict:
-    """{(policy, ratio): {"texts", "keep" (sorted index lists), "tok_s", "kept"}}; policy FULL at ratio 0."""
+    """{(policy, ratio): {"texts" (answers: decoded up to the first EOS), "keep" (sorted index lists), "tok_s",
+    "kept"}}; policy FULL at ratio 0."""
     import copy
 
     from tdutils.evaluate import build_cells
@@ -263,7 +264,7 @@ def run_tdutils(engine, prompts, policies, ratios, *, max_tokens, batch_size) ->
                                  for q in engine.requests]
                 engine.modify(fn)
             outs = engine.decode(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            cell["texts"] += [o.text for o in outs]
+            cell["texts"] += [o.answer for o in outs]  # scored: the text up to the first EOS, never after it
             cell["kept"] += [o.cached_tokens for o in outs]
             cell["tokens"] += engine.metrics.decode.output_tokens
             cell["seconds"] += engine.metrics.decode.seconds
@@ -309,7 +310,7 @@ def _press(text):
 
 
 def parse_args(argv=None):
-    from tdutils.cli_args import OneLineParser, positive_int
+    from tdutils.cli_args import OneLineParser, count, positive_int
 
     ap = OneLineParser(prog="peer_kvpress.py", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -323,7 +324,7 @@ def parse_args(argv=None):
                     help=f"comma-separated presses (default all: {', '.join(PRESSES)})")
     ap.add_argument("--max-tokens", type=positive_int, default=None,
                     help="greedy new tokens (default: the longest gold answer's tokens + 4, as 'v1, v2, ...')")
-    ap.add_argument("--seed", type=int, default=DEFAULT_SEED, help="dataset seed (default 5000000, held out)")
+    ap.add_argument("--seed", type=count, default=DEFAULT_SEED, help="dataset seed (default 5000000, held out)")
     ap.add_argument("--batch-size", type=positive_int, default=8, help="tdutils prefill/decode batch (default 8)")
     ap.add_argument("--threads", type=positive_int, default=None, help="torch threads on both sides (default: "
                     "tdutils.cli_args.usable_cores())")

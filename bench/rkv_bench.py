@@ -54,8 +54,10 @@ import tempfile
 import time
 
 import torch
-from _report import write_json  # bench/_report.py (this folder is on sys.path)
+from _report import check_json_dest, read_json, write_json  # bench/_report.py (this folder is on sys.path)
 
+from tdutils.cli_args import OneLineParser, count, drop_ratio, int_at_least, positive_int
+from tdutils.models import check_device
 from tdutils.policies.rkv import (
     kept_agreement,
     peak_memory,
@@ -250,19 +252,20 @@ def agreement(kind: str, n: int, args, save_dir: str) -> dict | None:
 
 
 # ----------------------------------------------------------------------------------------------- main
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384], help="key lengths n")
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="bench/rkv_bench.py", description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", type=int_at_least(RKV_WINDOW + 1, f"R-KV always keeps its last {RKV_WINDOW} tokens"),
+                   nargs="+", default=[1024, 4096, 16384], help="key lengths n")
     p.add_argument("--kinds", nargs="+", default=["realistic", "random"], choices=["realistic", "random"])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--heads", type=int, default=8, help="KV heads H")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--query-heads", type=int, default=32, help="query heads (SnapKV / R-KV importance)")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per variant (median)")
-    p.add_argument("--drop-ratio", type=float, default=0.5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
-    p.add_argument("--profile-max-n", type=int, default=4096,
+    p.add_argument("--heads", type=positive_int, default=8, help="KV heads H")
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--query-heads", type=positive_int, default=32, help="query heads (SnapKV / R-KV importance)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed calls per variant (median)")
+    p.add_argument("--drop-ratio", type=drop_ratio, default=0.5)
+    p.add_argument("--seed", type=count, default=0)
+    p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--profile-max-n", type=count, default=4096,
                    help="CPU: also measure the profiler's tensor peak for n up to this (one extra call)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON ('-' for stdout)")
@@ -270,17 +273,25 @@ def main(argv=None) -> int:
     p.add_argument("--_child", dest="child", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--_time-child", dest="time_child", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--_save-dir", dest="save_dir", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
-    if args.summary:
-        with open(args.summary) as f:
-            print(readme_summary(json.load(f)))
-        return 0
+    try:  # bad values and files in one line, exit 2, before any child runs
+        if args.summary:
+            print(readme_summary(read_json(args.summary)))
+            return 0
+        check_device(args.device)
+        if args.json is not None:
+            check_json_dest(args.json, example="runs/rkv_bench.json")
+    except ValueError as exc:
+        p.exit(2, f"{p.prog}: error: {exc}\n")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.query_heads % args.heads:
         p.error("--query-heads must be a multiple of --heads")
-    if args.repeats < 1:
-        p.error(f"--repeats must be >= 1, got {args.repeats}")
 
     if args.child:  # internal: one memory measurement in a fresh process
         print(json.dumps(run_memory_child(args)))
@@ -315,7 +326,7 @@ def main(argv=None) -> int:
                 results["summary"].append(summarize(kind, n, runs, agreement(kind, n, args, save_dir)))
     results["seconds"] = time.perf_counter() - t_start
     print_summary(results["summary"])
-    if args.json:
+    if args.json is not None:
         write_json(results, args.json)
         print(f"wrote {args.json}; README lines:\n{readme_summary(results)}")
     return 0

@@ -39,9 +39,11 @@ import sys
 import time
 
 import torch
-from _report import write_json  # bench/_report.py (this folder is on sys.path)
+from _report import check_json_dest, read_json, write_json  # bench/_report.py (this folder is on sys.path)
 
 from tdutils import rope as R
+from tdutils.cli_args import OneLineParser, positive_float, positive_int
+from tdutils.models import check_device
 from tdutils.rope import RopeSpec, rerotate_k_cache
 
 VARIANTS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -220,27 +222,37 @@ def accuracy_layer0(kv, old, new, spec) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=36)
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--dim", type=int, default=1024, help="D = H_kv * head_dim")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--theta", type=float, default=1e6)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--memory-runs", type=int, default=3, help="CPU: subprocess measurements per variant")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="bench/rope_bench.py", description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=positive_int, default=36)
+    p.add_argument("--tokens", type=positive_int, default=8192)
+    p.add_argument("--dim", type=positive_int, default=1024, help="D = H_kv * head_dim")
+    p.add_argument("--head-dim", type=positive_int, default=128, help="even: RoPE rotates pairs of dimensions")
+    p.add_argument("--theta", type=positive_float, default=1e6)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--memory-runs", type=positive_int, default=3, help="CPU: subprocess measurements per variant")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' for stdout)")
     p.add_argument("--summary", metavar="PATH", help="print the README lines of a stored --json file and exit")
     p.add_argument("--_memory-child", dest="memory_child", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
-    if args.summary:
-        with open(args.summary) as f:
-            print(readme_summary(json.load(f)))
-        return 0
-    if args.repeats < 1:
-        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    try:  # bad values and files in one line, exit 2, before any child runs
+        if args.summary:
+            print(readme_summary(read_json(args.summary)))
+            return 0
+        check_device(args.device)
+        if args.json is not None:
+            check_json_dest(args.json, example="runs/rope_bench.json")
+    except ValueError as exc:
+        p.exit(2, f"{p.prog}: error: {exc}\n")
+    if args.head_dim % 2:
+        p.error(f"--head-dim must be even (RoPE rotates pairs of dimensions), got {args.head_dim}")
     if args.dim % args.head_dim:
         p.error("--dim must be a multiple of --head-dim")
     if args.threads:
@@ -298,7 +310,7 @@ def main(argv=None) -> int:
           f"ratios, variants alternated), {results['time_ratio_fp32_over_bf16_min']:.2f}x (best runs)")
     print(f"bound (one layer's keys in fp32): {one_layer / MiB:.1f} MiB; output cache {cache_bytes / MiB:.0f} MiB "
           f"(not counted); memory: {fp32['memory_method']}")
-    if args.json:
+    if args.json is not None:
         write_json(results, args.json)
         if args.json != "-":
             print(f"wrote {args.json}; README lines:\n{readme_summary(results)}")

@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 
 import tdutils
-from tdutils.cli_args import OneLineParser, positive_int
+from tdutils.cli_args import OneLineParser, drop_ratios, positive_int
 from tdutils.data import load_prompts
-from tdutils.engines.base import DEFAULT_FULL_REQUESTS
 from tdutils.evaluate import check_output_path, check_plot_path
 from tdutils.metrics import speedup_notes
+from tdutils.runs import DEFAULT_FULL_REQUESTS
 from tdutils.sweep import SweepConfig, throughput_sweep
 
 POLICIES = tuple(tdutils.policies.policy_names())  # every registered policy
@@ -54,22 +54,6 @@ def _full_requests(text: str) -> float:
     return v
 
 
-def _drop_ratios(text: str) -> list[float]:
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            r = float(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r} is not a number; give comma-separated ratios in (0, 1), "
-                                             f"e.g. 0.5,0.75") from None
-        if not 0 < r < 1:
-            raise argparse.ArgumentTypeError(f"{part} is not in (0, 1): the baseline (ratio 0) always runs, and "
-                                             f"a ratio of 1 keeps only the always-kept tokens; give ratios such as 0.5,0.75")
-        out.append(r)
-    return out
-
-
 def _policies(text: str) -> list[str]:
     names = [p.strip() for p in text.split(",")]
     bad = [p for p in names if p not in POLICIES]
@@ -85,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dataset", default="sample")
     ap.add_argument("--policies", type=_policies, default="snapkv,random",
                     help=f"comma-separated policy names ({', '.join(POLICIES)})")
-    ap.add_argument("--drop-ratios", type=_drop_ratios, default="0.5,0.75", help="comma-separated ratios in (0, 1)")
+    ap.add_argument("--drop-ratios", type=drop_ratios, default="0.5,0.75", help="comma-separated ratios in (0, 1)")
     ap.add_argument("--num-requests", type=positive_int, default=16)
     ap.add_argument("--max-tokens", type=positive_int, default=64)
     ap.add_argument("--full-requests", type=_full_requests, default=DEFAULT_FULL_REQUESTS,
@@ -131,9 +115,9 @@ def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     try:  # every check that needs no model runs before loading it
-        if args.json_path:
+        if args.json_path is not None:  # "" too: an empty path is refused, never read as "no JSON"
             check_output_path(args.json_path, "--json", example="runs/throughput.json")
-        if args.plot:
+        if args.plot is not None:
             check_plot_path(args.plot, "--plot")
         rows = load_prompts(args.dataset, num_requests=args.num_requests)
         eng = tdutils.open_engine("hf", model=args.model, dtype=args.dtype, progress=False)  # no loading bar either
@@ -162,7 +146,7 @@ def main(argv=None) -> int:
     for line in batch_notes(table, len(ids), eng.kv_budget_tokens, max(map(len, ids)), args.max_tokens) + \
             speedup_notes(table):
         print(f"note: {line}")
-    if args.plot:
+    if args.plot is not None:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -173,12 +157,12 @@ def main(argv=None) -> int:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         ax.figure.savefig(args.plot, dpi=120, bbox_inches="tight")
         print(f"wrote {args.plot}")
-    if args.json_path:
+    if args.json_path is not None:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps({
             "args": vars(args), "machine": platform.platform(), "processor": platform.processor(),
             "date": time.strftime("%Y-%m-%d %H:%M"), "table": json.loads(table.reset_index().to_json(orient="records")),
-            "runs": runs}, indent=1, default=str))
+            "runs": runs}, indent=1, default=str), encoding="utf-8")
         print(f"wrote {args.json_path}")
     return 0
 

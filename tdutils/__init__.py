@@ -1,7 +1,7 @@
 """tdutils: token dropping for long-context LLM decoding.
 
 Drop the tokens a policy judges least useful from each request's KV cache after prefill, re-rotate the
-surviving keys' RoPE, and decode more requests per batch. See README.md.
+surviving keys' RoPE, and decode more requests per batch. See README.md and docs/.
 """
 
 from . import policies  # the policy registry: tdutils.policies.register_policy, policy_names

@@ -6,7 +6,9 @@ ratios, min-max), a note when that ratio does not measure what dropping buys (`t
 busy machine, no larger batch, slower despite a larger batch, above the capacity limit), and writes JSON.
 Other subcommands live next to their code (see `SUBCOMMANDS`).
 Bad input is reported in one line with exit status 2; anything else is a bug and shows its traceback
-and a request to report it, exit status 1 (`tdutils.cli_args.report_error`).
+and a request to report it, exit status 1 (`tdutils.cli_args.report_error`). Ctrl-C stops a command in one line
+with exit status 130; `run` and `eval` first write what they finished to their `--json`, marked
+`"interrupted": true`.
 """
 
 from __future__ import annotations
@@ -16,11 +18,7 @@ import importlib
 import json
 import sys
 
-from .cli_args import OneLineParser, UsageError, count, positive_int, report_error
-
-# Command-line options that reach a policy's parameters (when the policy has a parameter of that name).
-POLICY_OPTIONS = {"window": "--window", "n_sink": "--n-sink", "kernel_size": "--kernel-size", "pooling": "--pooling",
-                  "redundancy": "--redundancy", "seed": "--seed", "chunk_size": "--chunk-size"}
+from .cli_args import INTERRUPTED, OneLineParser, UsageError, drop_ratio, positive_int, report_error
 
 # Subcommands defined in other modules: name -> (module, help). Each module provides
 # `add_arguments(parser)` and `run(args) -> int` (exit status).
@@ -31,52 +29,51 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _ratio(text: str) -> float:
-    from .selection import check_drop_ratio
-
-    try:
-        value = float(text)  # the command line's text; check_drop_ratio takes numbers only
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"drop_ratio must be a number in [0, 1], got {text!r}") from None
-    try:
-        return check_drop_ratio(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def policy_params(args) -> dict:
-    """The `make_drop_fn` parameters the command line's options give `args.policy`.
-
-    Only options given on the command line are passed (the policy's own defaults apply otherwise).
-
-    Raises:
-        ValueError: an option given that the policy has no parameter for.
-    """
-    from .policies import get_policy
-
-    pol = get_policy(args.policy)
-    fields = set(pol.defaults())
-    params, stray = {}, []
-    for name, option in POLICY_OPTIONS.items():
-        value = getattr(args, name, None)
-        if value is None:
-            continue
-        if name in fields:
-            params[name] = value
-        else:
-            stray.append(option)
-    if stray:
-        raise ValueError(f"{', '.join(stray)} does not apply to policy {args.policy!r}; its parameters are "
-                         f"{sorted(fields) or 'none'}")
-    return params
-
-
 def _fmt(x: float) -> str:
     return f"{x:.0f}" if float(x).is_integer() else f"{x:.4g}"
 
 
+# Words a user may try as a subcommand that belong to another command: word -> what to run instead.
+ELSEWHERE = {
+    "patch": "patching vLLM and LMCache is a module of its own: python -m tdutils.patches apply (or check, revert); "
+             "python -m tdutils doctor says whether a serving setup needs it",
+    "patches": "python -m tdutils.patches apply (or check, revert) patches vLLM and LMCache",
+    "apply": "python -m tdutils.patches apply patches vLLM and LMCache",
+    "check": "python -m tdutils doctor checks a vLLM + LMCache setup; python -m tdutils.patches check shows the patch "
+             "state",
+    "evaluate": "python -m tdutils eval measures accuracy", "accuracy": "python -m tdutils eval measures accuracy",
+    "bench": "python -m tdutils eval measures accuracy, python -m tdutils run throughput",
+}
+
+
+class _TopParser(OneLineParser):
+    """The top-level parser: an unknown subcommand is reported with the one the user probably meant."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else list(args)
+        commands = list(getattr(self, "commands", ()))
+        if argv and commands and not argv[0].startswith("-") and argv[0] not in commands:
+            self.error(unknown_command(argv[0], commands))
+        return super().parse_known_args(argv, namespace)
+
+
+def unknown_command(word: str, commands) -> str:
+    """The error for a subcommand `word` that does not exist: the subcommands there are, and what `word` probably
+    meant (`ELSEWHERE`, or the closest subcommand's name for a typo)."""
+    import difflib
+
+    head = f"{word!r} is not a subcommand (choose from {', '.join(commands)})"
+    key = word.strip().lower()
+    if key in ELSEWHERE:
+        return f"{head}; {ELSEWHERE[key]}"
+    close = difflib.get_close_matches(key, list(commands) + list(ELSEWHERE), n=1, cutoff=0.6)
+    if close and close[0] in ELSEWHERE:
+        return f"{head}; {ELSEWHERE[close[0]]}"
+    return f"{head}; did you mean {close[0]!r}?" if close else head
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = OneLineParser(prog="python -m tdutils", description="Token dropping for long-context LLM decoding.")
+    ap = _TopParser(prog="python -m tdutils", description="Token dropping for long-context LLM decoding.")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     run = sub.add_parser(
         "run", help="baseline vs token dropping: phase metrics and the decode-throughput ratio",
@@ -88,10 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--policy", choices=names, default="snapkv", metavar="{" + ",".join(names) + "}",
                      help="token-selection policy (default: snapkv): " + "; ".join(
                          f"{n}: {get_policy(n).summary}" for n in names))
-    run.add_argument("--drop-ratio", type=_ratio, default=0.5,
+    run.add_argument("--drop-ratio", type=drop_ratio, default=0.5,
                      help="fraction of each request's tokens to drop, in [0, 1] (default: 0.5)")
-    run.add_argument("--engine", choices=("hf", "lmcache"), default="hf",
-                     help="hf: embedded transformers engine (default); lmcache: vLLM + LMCache serving path")
+    from .engines import engine_kinds
+
+    run.add_argument("--engine", choices=engine_kinds(), default="hf",
+                     help="hf: embedded transformers engine (default); lmcache: vLLM + LMCache serving path; any other "
+                          "registered engine (tdutils.engines.register_engine)")
     run.add_argument("--vllm-url", default="http://localhost:8000", help="lmcache engine: vLLM server URL")
     run.add_argument("--lmcache-url", default="tcp://localhost:6555", help="lmcache engine: LMCache server (SDK port)")
     run.add_argument("--lmcache-http-url", default="http://localhost:8080", help="lmcache engine: LMCache HTTP API")
@@ -108,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--context-length", type=positive_int, default=2048,
                      help="RULER template datasets: prompt tokens per request (default: 2048)")
     run.add_argument("--chat-template", choices=("auto", "none"), default="auto",
-                     help="RULER template datasets: 'auto' wraps prompts in the tokenizer's chat template when it has "
-                          "one (default); 'none' never")
+                     help="'auto' wraps every prompt as a user turn in the tokenizer's chat template when it has one "
+                          "(default; instruction-tuned models answer raw prompts poorly); 'none' never")
     run.add_argument("--num-requests", type=positive_int, default=16, help="prompts to run (default: 16)")
     run.add_argument("--max-tokens", type=positive_int, default=64,
                      help="decode tokens per request, EOS ignored (default: 64)")
@@ -124,24 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the baseline and the dropped configuration alternately this many times; the table "
                           "shows medians, the ratio is the median of the per-repeat ratios with its min-max, and a "
                           "note says when the repeats disagree (a busy machine); 1 for a quick look (default: 3)")
-    run.add_argument("--window", type=count, default=None,
-                     help="the most recent prompt tokens, always kept (the observation window of snapkv and rkv, "
-                          "whose queries vote) (default: the policy's own: 64 snapkv, 16 rkv and random, 1 tova, "
-                          "half the keep count h2o, 0 streaming_llm, knorm, keydiff)")
-    run.add_argument("--n-sink", type=count, default=None,
-                     help="the first prompt tokens, always kept (attention sinks) (default: the policy's own: 4 "
-                          "random and streaming_llm, 0 h2o, tova, knorm, keydiff)")
-    run.add_argument("--kernel-size", type=positive_int, default=None, help="snapkv / rkv pooling kernel, odd "
-                     "(default: 5 snapkv, 7 rkv)")
-    run.add_argument("--pooling", choices=("avg", "max"), default=None, help="snapkv pooling (default: avg)")
-    run.add_argument("--redundancy", choices=("exact", "reference", "tiled", "buffered"), default=None,
-                     help="rkv redundancy method (default: exact, linear memory)")
-    run.add_argument("--seed", type=int, default=None, help="seed of the random policy (default: 0)")
-    run.add_argument("--chunk-size", type=positive_int, default=None, help="chunk size of middle_chunk (default: 256)")
+    from .policies.cli import policy_arguments
+
+    policy_arguments(run)  # --window, --n-sink, --kernel-size, ...: one per policy parameter
     run.add_argument("--dtype", default="auto", help="model dtype: auto, float32, float16, bfloat16 (default: auto)")
     run.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     run.add_argument("--json", dest="json_path", default="runs/run.json",
-                     help="where to write the metrics as JSON (default: runs/run.json)")
+                     help="where to write the metrics as JSON (default: runs/run.json); a run stopped with Ctrl-C "
+                          "writes the runs it finished there, marked \"interrupted\": true")
     run.add_argument("--no-progress", action="store_true", help="hide progress bars")
     run.set_defaults(func=cmd_run)
     for name, (module, help_text) in SUBCOMMANDS.items():
@@ -149,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod.add_arguments(p)
         p.set_defaults(func=mod.run)
+    ap.commands = ["run", *SUBCOMMANDS]
     return ap
 
 
@@ -164,13 +155,18 @@ def _chance(rows) -> float | None:
     return 1 / len(CHOICES) if gold and all(str(g).strip() in CHOICES for g in gold) else None
 
 
-def accuracy_notes(reports, *, chance: float | None) -> list[str]:
+def accuracy_notes(reports, *, chance: float | None, missing: int = 0) -> list[str]:
     """Notes for accuracies that measure nothing: the baseline's 95% interval contains the chance level (guessing
     scores the same), or the baseline itself solves under half of the prompts (the model cannot do the task, so a
-    policy's score cannot show what dropping costs)."""
+    policy's score cannot show what dropping costs). With `missing` rows that have no gold answer (left out of
+    the scores), a first note says how many, and over how many rows the accuracies are."""
     base = reports.get("baseline")
     if base is None or not base.total:
         return []
+    if missing:
+        line = (f"{missing} of {base.total + missing} rows have no gold 'answer': the accuracies are over the "
+                f"{base.total} that have one")
+        return [line, *accuracy_notes(reports, chance=chance)]
     lo, hi = base.ci95
     if chance is not None and lo <= chance <= hi:
         line = (f"the baseline's accuracy ({base}) is within chance level ({100 * chance:.0f}% for four choices; 95% "
@@ -189,14 +185,15 @@ def cmd_run(args) -> int:
 
     from . import make_drop_fn, open_engine
     from .data import load_prompts
-    from .engines.base import compare, default_kv_budget
     from .evaluate import check_output_path
-    from .metrics import repeat_ratios, speedup_line, speedup_notes
+    from .metrics import phase_table, repeat_ratios, speedup_line, speedup_notes
+    from .runs import RunResult, alternate_runs, default_kv_budget
 
     out = check_output_path(args.json_path, "--json", example="runs/run.json")  # before any work
     from .policies import get_policy
+    from .policies.cli import policy_params
 
-    params = policy_params(args)
+    params = policy_params(args, args.policy)
     policy = get_policy(args.policy)
     settings = policy.make_params(**params)
     window = getattr(settings, "window", None)  # protected recent tokens (None: the policy decides)
@@ -224,11 +221,15 @@ def cmd_run(args) -> int:
     if ruler_task is not None:
         print(f"dataset {ruler_task}: {len(rows)} prompts of {args.context_length} tokens, chat template "
               f"{'applied' if rows[0].meta['chat_template'] else 'not applied'}", flush=True)
-    if all(r.answer is not None for r in rows):  # unscorable gold answers fail now
+    # Accuracy is scored over the rows with a gold answer, and not at all for a random-weight model (its outputs
+    # mean nothing); unscorable gold answers fail now, before any work.
+    random_weights = parse_random_name(args.model) is not None
+    scored = [] if random_weights else [r for r in rows if r.answer is not None]
+    if scored:
         from .answers import score_rows
 
         try:
-            score_rows(rows, [""] * len(rows))
+            score_rows(scored, [""] * len(scored))
         except ValueError as exc:
             raise UsageError(f"dataset {args.dataset!r}: {exc}") from None
     if args.no_progress:
@@ -239,8 +240,14 @@ def cmd_run(args) -> int:
         "vllm_url": args.vllm_url, "lmcache_url": args.lmcache_url, "lmcache_http_url": args.lmcache_http_url}
     engine = open_engine(args.engine, model=args.model, dtype=args.dtype, device=args.device,
                          positions=args.positions, progress=not args.no_progress,
-                         query_window=policy.rows(settings), **servers)  # 0: nothing captured
-    prompt_ids = engine.tokenize(rows)
+                         query_window=policy.rows(settings), chat_template=args.chat_template,
+                         **servers)  # 0: nothing captured
+    prompt_ids = engine.tokenize(rows)  # text rows wrapped in the chat template here; RULER rows are ids already
+    if ruler_task is None:
+        from .chat import uses_chat_template
+
+        print(f"dataset {args.dataset}: {len(rows)} prompts, chat template "
+              f"{'applied' if uses_chat_template(engine.tokenizer, args.chat_template) else 'not applied'}", flush=True)
     if args.kv_budget_tokens is None:
         engine.kv_budget_tokens = default_kv_budget(map(len, prompt_ids), args.max_tokens)
     else:
@@ -265,11 +272,31 @@ def cmd_run(args) -> int:
           f"kv_budget_tokens={engine.kv_budget_tokens} positions={args.positions}", flush=True)
 
     # A B A B ...: both configurations see the same machine noise, each ratio is taken within one repeat; an
-    # untimed warm-up of both comes first (a process's first forward passes can be many times slower).
-    results, table = compare(engine, prompt_ids, {name: drop_fn}, max_tokens=args.max_tokens, repeats=args.repeats,
-                             progress=(lambda line: print(line, flush=True)) if args.repeats > 1 else None)
+    # untimed warm-up of both comes first (a process's first forward passes can be many times slower). The runs
+    # are collected here (as `compare` does) so that Ctrl-C keeps the ones that finished.
+    results: dict[str, RunResult] = {}
+    finished = []
+    try:
+        for _, run_name, res, _ in alternate_runs(
+                engine, prompt_ids, {name: drop_fn}, max_tokens=args.max_tokens, repeats=args.repeats,
+                progress=(lambda line: print(line, flush=True)) if args.repeats > 1 else None):
+            earlier = results[run_name].repeats if run_name in results else []
+            results[run_name] = RunResult(run_name, res.outputs, res.metrics, repeats=[*earlier, res.metrics])
+            finished.append(res.metrics)
+    except KeyboardInterrupt:
+        accuracy, notes = _accuracy(rows, scored, results, random_weights, args.model, ruler_task, quiet=True)
+        report = {"args": _args_dict(args), "interrupted": True, "accuracy": accuracy, "notes": notes,
+                  "runs": [m.to_dict() for m in finished]}
+        if not finished:
+            print("python -m tdutils run: interrupted before any run finished; nothing was written", file=sys.stderr)
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
+            print(f"python -m tdutils run: interrupted; the {len(finished)} finished run(s) are in {out} "
+                  f"(\"interrupted\": true)", file=sys.stderr)
+        return INTERRUPTED
+    table = phase_table(results.values(), baseline="baseline")
     runs = [m.to_dict() for pair in zip(results["baseline"].repeats, results[name].repeats) for m in pair]
-    texts = {run_name: res.texts for run_name, res in results.items()}  # greedy decoding: the same every repeat
     speedups = repeat_ratios(results["baseline"], results[name])
     med = float(table.loc[name, "decode_speedup"])
     cols = ["requests", "prompt_tokens", "kv_tokens_after", "kept_fraction", "prefill_s", "modify_s", "decode_tokens", "decode_s",
@@ -280,33 +307,64 @@ def cmd_run(args) -> int:
     print(f"\n{speedup_line(table, name)}")
     for line in speedup_notes(table):
         print(f"note: {line}")
-    accuracy = {}
-    reports = {}
-    if all(r.answer is not None for r in rows):
-        from .answers import score_rows
-
-        reports = {run_name: score_rows(rows, run_texts) for run_name, run_texts in texts.items()}
-    for run_name, rep in reports.items():
-        accuracy[run_name] = rep.to_dict()
-        lo, hi = rep.ci95 or (float("nan"), float("nan"))
-        print(f"accuracy {run_name} ({rep.mode}): {rep} [95% CI {100 * lo:.0f}-{100 * hi:.0f}%]")
-    for line in accuracy_notes(reports, chance=None if ruler_task else _chance(rows)):
-        print(f"note: {line}")
+    accuracy, notes = _accuracy(rows, scored, results, random_weights, args.model, ruler_task)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "decode_speedups": speedups,
-              "decode_speedup_median": med, "accuracy": accuracy,
+    report = {"args": _args_dict(args), "interrupted": False, "decode_speedups": speedups,
+              "decode_speedup_median": med, "accuracy": accuracy, "notes": notes,
               "table": json.loads(table.reset_index().to_json(orient="records")), "runs": runs}
     out.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
     print(f"wrote {out}")
     return 0
 
 
+def _args_dict(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k != "func"}
+
+
+EOS_NOTE = ("answers are scored up to each response's first EOS token: decoding ignores EOS so that every run "
+            "decodes the same number of tokens, and what a model writes after its EOS is not its answer")
+
+
+def _accuracy(rows, scored, results, random_weights: bool, model: str, ruler_task, *, quiet: bool = False):
+    """`(accuracy, notes)` of the finished runs: `{run name: ScoreReport.to_dict()}` over the rows with a gold
+    answer (`scored`), and the notes printed with them (what the figures mean, or why there are none). Prints the
+    accuracy and note lines unless `quiet`."""
+    from .answers import score_rows
+
+    notes = []
+    if random_weights:
+        notes.append(f"no accuracy: {model} has random weights (a real architecture's shapes, for throughput "
+                     f"and memory only), so its answers mean nothing")
+    elif not scored:
+        notes.append("no accuracy: no row of the dataset has a gold 'answer'")
+    reports = {}
+    if scored:
+        ok = [r.answer is not None for r in rows]
+        reports = {run_name: score_rows(scored, [o.answer for o, has in zip(res.outputs, ok) if has])
+                   for run_name, res in results.items()}
+    for run_name, rep in reports.items():
+        lo, hi = rep.ci95 or (float("nan"), float("nan"))
+        if not quiet:
+            print(f"accuracy {run_name} ({rep.mode}): {rep} [95% CI {100 * lo:.0f}-{100 * hi:.0f}%]")
+    if reports:
+        notes += accuracy_notes(reports, chance=None if ruler_task else _chance(scored),
+                                missing=len(rows) - len(scored)) + [EOS_NOTE]
+    if not quiet:
+        for line in notes:
+            print(f"note: {line}")
+    return {run_name: rep.to_dict() for run_name, rep in reports.items()}, notes
+
+
 def main(argv=None) -> int:
     """Parse `argv`, run the subcommand and return its exit status: bad input in one line with status 2,
-    anything else (a bug) with its traceback and a line asking for a report, status 1 (`cli_args.report_error`)."""
+    anything else (a bug) with its traceback and a line asking for a report, status 1 (`cli_args.report_error`);
+    Ctrl-C in one line with status 130 (`INTERRUPTED`; `run` and `eval` first write what they finished)."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C before a subcommand had results to keep (run and eval keep theirs)
+        print(f"python -m tdutils {args.command}: interrupted; nothing was written", file=sys.stderr)
+        return INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - every error is reported, bugs with their traceback
         # name the subcommand, as argparse does for a bad option: "python -m tdutils eval: error: ..."
         return report_error(exc, prog=f"python -m tdutils {args.command}")

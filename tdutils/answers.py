@@ -68,7 +68,8 @@ def build_prompt(example: Mapping, *, tokenizer=None, max_prompt_tokens: int | N
             is returned unchanged, never round-tripped through the tokenizer.
 
     Returns:
-        The prompt text (no chat template applied; the engine does that).
+        The prompt text, without a chat template: an engine opened with `chat_template="auto"` (the CLI's
+        `--chat-template auto`, its default) wraps it as a user turn in the tokenizer's template (`tdutils.chat`).
 
     Raises:
         ValueError: a raw row lacks fields (all missing names are listed); `max_prompt_tokens` < 1, or
@@ -199,7 +200,23 @@ def wilson_interval(correct: int, n: int, z: float = _Z95) -> tuple[float, float
     With `p = correct/n`: centre `(p + z²/2n) / (1 + z²/n)`, half-width
     `z·sqrt(p(1-p)/n + z²/4n²) / (1 + z²/n)`. Unlike the normal ("Wald") interval it stays inside [0, 1]
     and is not zero-width at 0 or n correct, which matters for 10-30 questions. None when `n == 0`.
+
+    Raises:
+        ValueError: `n` or `correct` is not an integer (a bool is not one here) or is negative, `correct > n`, or
+            `z` is not a finite number > 0.
     """
+    import numbers
+
+    for name, value in (("n", n), ("correct", correct)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(  # noqa: TRY004 (bad input: the documented ValueError)
+                f"wilson_interval: {name} must be an integer (a count), got {value!r}")
+    if n < 0:
+        raise ValueError(f"wilson_interval: n must be >= 0 (the number of trials), got {n}")
+    if not 0 <= correct <= n:
+        raise ValueError(f"wilson_interval: successes must lie in [0, n] = [0, {n}], got correct={correct}")
+    if isinstance(z, bool) or not isinstance(z, numbers.Real) or not (math.isfinite(z) and z > 0):
+        raise ValueError(f"wilson_interval: z must be a finite number > 0 (1.96 for 95%), got {z!r}")
     if n == 0:
         return None
     p = correct / n
@@ -369,6 +386,9 @@ def score_answers(gold: Sequence[str], responses: Sequence[str | None], *, diffi
     return _report(mode, predictions, ok, difficulty, length, DIFFICULTY_LEVELS, LENGTH_LEVELS)
 
 
+_ASCII_DIGIT = re.compile(r"[0-9]")  # not \d: it matches every Unicode digit (see score_passkey)
+
+
 def score_passkey(gold: Sequence[str], responses: Sequence[str | None], *, difficulty: Sequence | None = None,
                   length: Sequence | None = None) -> ScoreReport:
     """Exact match of passkey digits (mode `"passkey"`), for the bundled tiny model (SPEC §8).
@@ -376,20 +396,22 @@ def score_passkey(gold: Sequence[str], responses: Sequence[str | None], *, diffi
     The gold is a digit sequence such as `"4 8 1 9 2"` (any non-digits ignored; k = its number of digits,
     5 for the bundled sample). A response's digits are read in order, ignoring whitespace and every other
     character; it is correct when its first k digits equal the gold digits, and unparsed (and wrong) when it
-    holds fewer than k digits. `predictions[i]` is the first k digits separated by spaces, as the gold is
-    written, or None. Buckets list only the labels present.
+    holds fewer than k digits. Digits are the ASCII `0`-`9` only: other Unicode digits (full-width `１２３`,
+    Arabic-Indic `٤٨`, ...) are other characters, ignored like letters, because a model that writes them did not
+    write the passkey's digits (Python's `\\d` would match them). `predictions[i]` is the first k digits separated
+    by spaces, as the gold is written, or None. Buckets list only the labels present.
 
     Raises:
-        ValueError: lengths differ; a gold answer has no digit.
+        ValueError: lengths differ; a gold answer has no digit 0-9.
     """
     _check_lengths(gold, responses, difficulty, length)
     predictions: list[str | None] = []
     ok: list[bool] = []
     for g, r in zip(gold, responses):
-        want = re.findall(r"\d", str(g))
+        want = _ASCII_DIGIT.findall(str(g))
         if not want:
-            raise ValueError(f"gold passkey {g!r} has no digit")
-        got = re.findall(r"\d", r or "")[: len(want)]
+            raise ValueError(f"gold passkey {g!r} has no digit (0-9)")
+        got = _ASCII_DIGIT.findall(r or "")[: len(want)]
         predictions.append(" ".join(got) if len(got) == len(want) else None)
         ok.append(got == want)
     return _report("passkey", predictions, ok, difficulty, length, (), ())
@@ -476,7 +498,7 @@ def score_rows(rows, responses: Sequence[str | None], *, mode: str = "official")
     if any(g is None for g in gold):
         raise ValueError("every row needs a gold 'answer' to be scored")
     gold = [str(g).strip() for g in gold]
-    if all(re.fullmatch(r"[\d\s]+", g) for g in gold):
+    if all(re.fullmatch(r"[0-9\s]+", g) for g in gold):
         return score_passkey(gold, responses)
     if all(g in CHOICES for g in gold):
         labels = {n: [field(r, n) for r in rows] for n in ("difficulty", "length")}

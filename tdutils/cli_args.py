@@ -13,6 +13,8 @@ import argparse
 import sys
 import traceback
 
+INTERRUPTED = 130  # exit status of a command stopped with Ctrl-C: 128 + SIGINT, what a shell reports for it
+
 
 class UsageError(ValueError):
     """Bad input the user can fix (an option's value, a file, a model, a server's address), found after parsing.
@@ -34,7 +36,7 @@ def is_usage_error(exc: BaseException) -> bool:
     """
     if isinstance(exc, (ValueError, OSError, ConnectionError)):
         return True
-    from .completion import CompletionError
+    from .serving.completion import CompletionError
 
     return isinstance(exc, CompletionError)
 
@@ -103,3 +105,60 @@ def positive_int(text: str) -> int:
 def count(text: str) -> int:
     """argparse type: an integer >= 0."""
     return _int_at_least(text, 0, "an integer >= 0")
+
+
+def int_at_least(low: int, why: str = ""):
+    """argparse type factory: an integer >= `low`; `why` (e.g. "the window of 16 tokens is always kept") is
+    added to the error."""
+    what = f"an integer >= {low}" + (f" ({why})" if why else "")
+
+    def parse(text: str) -> int:
+        return _int_at_least(text, low, what)
+
+    parse.__name__ = f"int_at_least_{low}"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (`nan` and `inf` are refused, though Python's `float` reads both)."""
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return v
+
+
+def drop_ratio(text: str) -> float:
+    """argparse type: one drop ratio, a finite number in [0, 1] (`tdutils.selection.check_drop_ratio`)."""
+    from .selection import check_drop_ratio
+
+    try:
+        value = float(text)  # the command line's text; check_drop_ratio takes numbers only
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"drop_ratio must be a number in [0, 1], got {text!r}") from None
+    try:
+        return check_drop_ratio(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def drop_ratios(text: str) -> list[float]:
+    """argparse type: comma-separated drop ratios, each in the open interval (0, 1), for sweeps that always run the
+    baseline (ratio 0) and where ratio 1 would keep only the always-kept tokens."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            r = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a number; give comma-separated ratios in (0, 1), "
+                                             f"e.g. 0.5,0.75") from None
+        if not 0 < r < 1:  # also refuses nan, which compares false with everything
+            raise argparse.ArgumentTypeError(f"{part} is not in (0, 1): the baseline (ratio 0) always runs, and "
+                                             f"a ratio of 1 keeps only the always-kept tokens; give ratios such as 0.5,0.75")
+        out.append(r)
+    return out

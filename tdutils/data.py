@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .models import ASSETS
-from .textio import iter_lines, read_text
+from .textio import NotUTF8Error, iter_lines, not_utf8_error, read_text
 
 SAMPLE_DIR = ASSETS / "sample"
 FILLER_PATH = SAMPLE_DIR / "filler.txt"
@@ -124,7 +124,10 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
 
     Raises:
         FileNotFoundError: a local path that does not exist.
-        ValueError: the rows lack `prompt_column`, or the dataset has fewer rows than `num_requests`.
+        ValueError: the dataset has no rows (an empty file, a CSV header alone), the rows lack `prompt_column`, or
+            the dataset has fewer rows than `num_requests`; a file that does not parse (the message names it and
+            the line where one is known).
+        NotUTF8Error (a ValueError): a text file that is not UTF-8 (the message names the line and byte offset).
         ConnectionError: a hub dataset that cannot be downloaded (offline); says how to pass a local file.
     """
     if num_requests is not None and num_requests < 1:
@@ -135,7 +138,12 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
         return _ruler_rows(dataset, 16 if num_requests is None else num_requests, model=model, tokenizer=tokenizer,
                            context_tokens=context_tokens, chat_template=chat_template, seed=seed)
     rows = _read_rows(dataset, split)
-    if rows and isinstance(rows[0], dict) and prompt_column not in rows[0]:
+    if not rows:  # an empty file, blank lines only, a CSV header alone, `[]`: nothing to run is not a dataset
+        where = f"dataset file {str(Path(dataset).expanduser())!r}" if Path(dataset).expanduser().is_file() \
+            else f"dataset {dataset!r}"
+        raise ValueError(f"{where} has no rows; give a dataset with at least one row that has a {prompt_column!r} "
+                         f"(a CSV needs rows below its header)")
+    if isinstance(rows[0], dict) and prompt_column not in rows[0]:
         raise ValueError(f"dataset {dataset!r} has no column {prompt_column!r}; columns: {sorted(rows[0])}. "
                          f"From Python pass load_prompts(..., prompt_column=NAME); the command line reads a column named 'prompt'.")
     if num_requests is not None:
@@ -254,7 +262,7 @@ def _read_local(path: Path) -> list[dict]:
                          f"or .parquet")
     try:
         return _parse_local(path)
-    except OSError:
+    except (OSError, NotUTF8Error):  # their messages name the file (and the line) already
         raise
     except Exception as exc:  # json, pandas and pyarrow each raise their own types for a malformed file
         reason = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
@@ -298,7 +306,10 @@ _CSV_TEXT = {"dtype": str, "keep_default_na": False, "na_values": [""], "encodin
 def _read_csv(path: Path) -> list[dict]:
     import pandas as pd
 
-    return _missing_as_none(pd.read_csv(path, **_CSV_TEXT).to_dict("records"))
+    try:
+        return _missing_as_none(pd.read_csv(path, **_CSV_TEXT).to_dict("records"))
+    except UnicodeDecodeError as exc:  # pandas' message has no line; NotUTF8Error finds it
+        raise not_utf8_error(path, exc) from None
 
 
 def _missing_as_none(rows: list[dict]) -> list[dict]:

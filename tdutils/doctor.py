@@ -12,10 +12,12 @@ Exit status 0 when nothing failed (warnings allowed), 1 otherwise.
 
 from __future__ import annotations
 
+import os
 import sys
 
-from .completion import CompletionError, make_post_completion
-from .engines.lmcache import (
+from .cli_args import UsageError
+from .serving.completion import CompletionError, make_post_completion
+from .serving.probes import (
     LMCACHE_START_HINT,
     VLLM_START_HINT,
     ServerError,
@@ -67,7 +69,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--timeout", type=float, default=10.0,
                         help="seconds allowed for each HTTP call; the test completion gets 6x (default: 10)")
     parser.add_argument("--vllm-dir", default=None, help="vLLM package folder, to check the patch state")
-    parser.add_argument("--vllm-python", default=None, help="interpreter of vLLM's environment, to find vLLM")
+    parser.add_argument("--vllm-python", default=None,
+                        help="interpreter of vLLM's environment, to find vLLM (e.g. /path/to/vllm-venv/bin/python)")
     parser.add_argument("--no-queries", action="store_true",
                         help="do not require query export (only policies without queries will run)")
 
@@ -117,7 +120,7 @@ def _vllm_model(rep: Report, url: str, model: str | None, timeout: float) -> tup
 
 
 def _vllm_version(rep: Report, url: str, timeout: float) -> None:
-    from .patches import SUPPORTED_TEXT, PatchError, check_version
+    from .serving.patches import SUPPORTED_TEXT, PatchError, check_version
 
     try:
         version = http_json("GET", url + "/version", timeout=timeout, what="vLLM").get("version")
@@ -136,7 +139,15 @@ def _vllm_version(rep: Report, url: str, timeout: float) -> None:
 
 
 def _patch_state(rep: Report, vllm_dir: str | None, python: str | None) -> None:
-    from .patches import SUPPORTED_TEXT, PatchError, find_vllm, fitting_patch, load_patch, patch_for, status
+    from .serving.patches import (
+        SUPPORTED_TEXT,
+        PatchError,
+        find_vllm,
+        fitting_patch,
+        load_patch,
+        patch_for,
+        status,
+    )
 
     try:
         install = find_vllm(vllm_dir, python, options=("--vllm-python", "--vllm-dir"))
@@ -165,7 +176,7 @@ def _patch_state(rep: Report, vllm_dir: str | None, python: str | None) -> None:
 
 def _lmcache_patch_state(rep: Report, vllm: object) -> None:
     """The LMCache layout patch next to vLLM (the servers' environment): reported when LMCache is there."""
-    from .patches import PatchError, find_lmcache, patch_for, status
+    from .serving.patches import PatchError, find_lmcache, patch_for, status
 
     try:
         install = find_lmcache(vllm)
@@ -249,7 +260,7 @@ def _layout_readable(rep: Report, entry: dict, model: str) -> None:
     blocks, `tdutils.engines.kvlayout`), with a warning when it is not float32 (the only dtype whose CPU
     packing was measured, SPEC §6).
     """
-    from .engines.kvlayout import FUSED_FORMATS
+    from .serving.kvlayout import FUSED_FORMATS
 
     groups = (entry.get("kv_cache_layout") or {}).get("kernel_groups") or []
     bad = [g for g in groups if "[" not in str(g.get("engine_kv_concrete_shape", "["))]
@@ -300,10 +311,44 @@ def _token_ids(rep: Report, url: str, model: str, timeout: float) -> None:
     rep.add(OK, f"completions stream token ids ({ids}); usage {'matches' if usage else 'not reported'}")
 
 
+def check_vllm_python(python: str) -> str:
+    """`python` (`--vllm-python`) after checking it names an executable file (a bare name is looked up on PATH).
+
+    Raises:
+        UsageError: it does not exist, is a folder, or is not executable; the message says what to pass.
+    """
+    import shutil
+
+    want = ("pass the Python interpreter of vLLM's environment, e.g. --vllm-python /path/to/vllm-venv/bin/python, "
+            "or vLLM's package folder with --vllm-dir")
+    if os.sep not in python and (os.altsep is None or os.altsep not in python):  # a command name: found on PATH
+        if shutil.which(python) is None:
+            raise UsageError(f"--vllm-python {python!r} is not a command on PATH; {want}")
+        return python
+    if not os.path.exists(python):
+        raise UsageError(f"--vllm-python {python!r} does not exist; {want}")
+    if os.path.isdir(python):
+        raise UsageError(f"--vllm-python {python!r} is a folder, not an interpreter (a venv's is its bin/python); "
+                         f"{want}")
+    if not os.access(python, os.X_OK):
+        raise UsageError(f"--vllm-python {python!r} is not executable; {want}")
+    return python
+
+
 def run(args, out=None) -> int:
-    """Run every check; print one line each (with a fix for failures); 0 if none failed, else 1."""
+    """Run every check; print one line each (with a fix for failures); 0 if none failed, else 1.
+
+    Raises:
+        ValueError: `--timeout` is not a finite number > 0; `--vllm-python` is not an executable file
+            (`check_vllm_python`) or `--vllm-dir` not a folder (checked before any server is asked).
+    """
     if not 0 < args.timeout < float("inf"):
         raise ValueError(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
+    if args.vllm_python is not None:
+        check_vllm_python(args.vllm_python)
+    if args.vllm_dir is not None and not os.path.isdir(args.vllm_dir):
+        raise UsageError(f"--vllm-dir {args.vllm_dir!r} is not a folder; pass vLLM's package folder (e.g. "
+                         f"/path/to/site-packages/vllm), or its interpreter with --vllm-python")
     rep = Report(out)
     vllm_url = args.vllm_url.rstrip("/").removesuffix("/v1")
     lmc_url = args.lmcache_http_url.rstrip("/")
@@ -324,11 +369,15 @@ def run(args, out=None) -> int:
 
 
 def main(argv=None) -> int:
-    import argparse
+    from .cli_args import OneLineParser, report_error
 
-    ap = argparse.ArgumentParser(prog="python -m tdutils.doctor", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m tdutils.doctor", description=__doc__.splitlines()[0])
     add_arguments(ap)
-    return run(ap.parse_args(argv))
+    args = ap.parse_args(argv)
+    try:
+        return run(args)
+    except Exception as exc:  # noqa: BLE001 - bad input in one line (exit 2), a bug with its traceback (exit 1)
+        return report_error(exc, prog=ap.prog)
 
 
 if __name__ == "__main__":

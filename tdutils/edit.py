@@ -1,6 +1,6 @@
 """Drop functions: a policy becomes an LMCache-style `ModifyFn` that edits one request's KV cache.
 
-Contract (SPEC §3, LMCache's `ModifyFnType`)::
+Contract (docs/design.md §3, LMCache's `ModifyFnType`)::
 
     fn(tensors: Mapping[CacheKind, Tensor], tokens: Sequence[int]) -> (new_kv, new_tokens)
 
@@ -49,7 +49,7 @@ def check_token_ids(ids: Sequence[int], vocab_size: int) -> int | None:
 
 def validate_drop_output(kv: torch.Tensor, tokens: Sequence[int], result,
                          vocab_size: int | None = None) -> tuple[torch.Tensor, list[int]]:
-    """Check a drop function's return value against its input (SPEC §3); returns `(new_kv, new_tokens)`.
+    """Check a drop function's return value against its input (docs/design.md §3); returns `(new_kv, new_tokens)`.
 
     Args:
         vocab_size: when given, every new token id must lie in `[0, vocab_size)` (decode feeds the last one
@@ -186,7 +186,7 @@ class DropFn:
         """`__call__` plus the sorted kept indices `LongTensor[k]` (engines that need kept positions use it)."""
         kv = get_kv(tensors)
         check_kv(kv, tokens)
-        if self.drop_ratio == 0.0:  # SPEC §5: ratio 0 returns the input unchanged, bit for bit
+        if self.drop_ratio == 0.0:  # docs/design.md §5: ratio 0 returns the input unchanged, bit for bit
             return kv.clone(), [int(t) for t in tokens], torch.arange(kv.shape[2])
         keep = check_keep(self.select(tensors, tokens), kv.shape[2])
         new_kv, new_tokens = apply_keep(kv, tokens, keep, rope_spec=self.rope_spec, rerotate=self.rerotate)

@@ -99,11 +99,17 @@ def wilson_interval(correct: int, n: int) -> tuple[float, float]:
     """95% Wilson score interval of `correct / n` as `(low, high)` in [0, 1]; `(nan, nan)` when n == 0.
 
     Thin wrapper over `tdutils.answers.wilson_interval` (which returns None for n == 0) so a table cell
-    is always a pair of floats.
+    is always a pair of floats. Whole numbers stored as floats (a table read back from JSON) count as integers.
+
+    Raises:
+        ValueError: `n` or `correct` is negative or not a whole number, or `correct > n`.
     """
     from .answers import wilson_interval as _wilson
 
-    ci = _wilson(int(correct), int(n))
+    def whole(x):  # 5.0 -> 5; 2.5 stays 2.5 and is refused below, never truncated
+        return int(x) if isinstance(x, float) and x.is_integer() else x
+
+    ci = _wilson(whole(correct), whole(n))
     return (math.nan, math.nan) if ci is None else ci
 
 
@@ -123,6 +129,7 @@ def passkey_eval(
     dtype="auto",
     log: Callable[[str], None] | None = None,
     responses: dict | None = None,
+    partial: list | None = None,
 ):
     """Exact-match passkey accuracy for every (policy, drop ratio, context length) cell.
 
@@ -134,8 +141,9 @@ def passkey_eval(
         context_lengths: prompt lengths in tokens (`make_passkey_dataset` fills to exactly this many with
             the bundled tokenizer; never more).
         n: prompts per context length (the same prompts for every policy and ratio).
-        seed: dataset seed; must be below `TRAIN_SEED_BASE` for the bundled model. `DEV_SEED` (default) for
-            development, `HELDOUT_SEED` for published figures only (module docstring, "Seeds").
+        seed: dataset seed, an integer >= 0 (`check_seed`); must be below `TRAIN_SEED_BASE` for the bundled model.
+            `DEV_SEED` (default) for development, `HELDOUT_SEED` for published figures only (module docstring,
+            "Seeds").
         max_tokens: greedy decode tokens per request, EOS ignored (the answer is 5 tokens).
         policy_params: extra `make_drop_fn` keywords per policy, e.g. `{"snapkv": {"window": 32}}`.
         engine: an `HFEngine` to reuse (tests load the model once); else one is opened for `model`.
@@ -143,7 +151,10 @@ def passkey_eval(
             a ~2 MiB fp32 cache with the bundled model).
         device, dtype: for the engine opened here.
         log: called with one progress line per finished cell (e.g. `print`).
-        responses: when a dict is given, filled with `{(policy, ratio, length): [decoded texts]}`.
+        responses: when a dict is given, filled with `{(policy, ratio, length): [answers]}`, each the decoded text
+            up to its first EOS token (`RequestOutput.answer`), what is scored.
+        partial: when a list is given, each cell's row (a dict of the table's columns) is appended to it as soon
+            as the cell is scored, so a caller keeps the finished cells of a run stopped by KeyboardInterrupt.
 
     Returns:
         pandas DataFrame, one row per cell, in the order length → policy → ratio, with columns `policy`,
@@ -153,8 +164,8 @@ def passkey_eval(
 
     Raises:
         ValueError: no policies / ratios / lengths, a ratio outside [0, 1], `n < 1`, an unknown policy or
-            parameter (from `make_drop_fn`), a training seed with the bundled model, or a context length
-            too short for a passkey prompt.
+            parameter (from `make_drop_fn`), a negative seed, a training seed with the bundled model, or a
+            context length too short for a passkey prompt.
     """
     import pandas as pd
 
@@ -190,6 +201,8 @@ def passkey_eval(
             rows.append({"policy": policy, "drop_ratio": r, "context_tokens": length, "n": n,
                          "correct": report.correct, "accuracy": report.correct / n, "ci_low": low, "ci_high": high,
                          "modify_s": modify_s[policy, r], "kept_tokens": kept[policy, r] / n})
+            if partial is not None:
+                partial.append(rows[-1])
             if responses is not None:
                 responses[policy, r, length] = list(texts[policy, r])
             if log is not None:
@@ -219,6 +232,7 @@ def task_eval(
     log: Callable[[str], None] | None = None,
     responses: dict | None = None,
     chat_template: str | bool = "auto",
+    partial: list | None = None,
 ):
     """Exact match on the RULER-style tasks (Hsieh et al., "RULER", arXiv:2404.06654; `tdutils.data`) for every
     (task, mode, context length, policy, drop ratio) cell — the query-aware and query-agnostic leaderboard.
@@ -246,7 +260,8 @@ def task_eval(
         context_lengths: prompt lengths in tokens, context and question together (exact with the bundled
             tokenizer).
         n: examples per (task, length).
-        seed: dataset seed; below `TRAIN_SEED_BASE` for a bundled model (module docstring, "Seeds").
+        seed: dataset seed, an integer >= 0 (`check_seed`); below `TRAIN_SEED_BASE` for a bundled model (module
+            docstring, "Seeds").
         max_tokens: greedy decode tokens per request; None (default): per task, its own `Task.max_tokens` (word
             tasks: the longest gold answer plus 2 tokens, room to show an extra item, which exact match counts as
             wrong; RULER templates: `tdutils.ruler.decode_tokens`).
@@ -256,9 +271,12 @@ def task_eval(
             8 MiB fp32 cache).
         device, dtype: for the engine opened here.
         log: called with one progress line per finished (task, mode, length) group of cells.
-        responses: when a dict is given, filled with `{(task, mode, policy, ratio, length): [decoded texts]}`.
+        responses: when a dict is given, filled with `{(task, mode, policy, ratio, length): [answers]}`, each the
+            decoded text up to its first EOS token (`RequestOutput.answer`), what is scored.
         chat_template: RULER template tasks: `"auto"` (default) wraps each prompt in the tokenizer's chat template
             when it has one, `"none"` never (`tdutils.ruler.uses_chat_template`); word-level tasks ignore it.
+        partial: when a list is given, each cell's row (a dict of `TASK_COLUMNS`) is appended to it as soon as the
+            cell is scored, so a caller keeps the finished cells of a run stopped by KeyboardInterrupt.
 
     Returns:
         pandas DataFrame, one row per cell, ordered length -> task -> mode -> policy -> ratio, with columns
@@ -270,9 +288,9 @@ def task_eval(
 
     Raises:
         ValueError: no tasks / modes / policies / ratios / lengths, an unknown task or mode, a ratio outside
-            [0, 1], `n < 1`, an unknown policy or parameter, a training seed with a bundled model, a context
-            length too short for a task or too long for the model, or the agnostic mode on an engine without
-            `extend`.
+            [0, 1], `n < 1`, an unknown policy or parameter, a negative seed, a training seed with a bundled
+            model, a context length too short for a task or too long for the model, or the agnostic mode on an
+            engine without `extend`.
     """
     import pandas as pd
 
@@ -337,6 +355,8 @@ def task_eval(
                                  "n": n, "correct": correct, "accuracy": correct / n, "ci_low": low, "ci_high": high,
                                  "partial": sum(p for _, p in scores) / n, "kept_tokens": kept[policy, r] / n,
                                  "modify_s": modify_s[policy, r], "max_tokens": decode_tokens})
+                    if partial is not None:
+                        partial.append(rows[-1])
                     if responses is not None:
                         responses[task, mode, policy, r, length] = list(texts[policy, r])
                 if log is not None:
@@ -371,17 +391,77 @@ def split_question(tokenizer, example: Mapping) -> tuple[list[int], list[int]]:
     return prompt[:cut], prompt[cut:]
 
 
+SCORED_TEXT = ("each response up to its first EOS token (RequestOutput.answer): decoding ignores EOS so every cell "
+               "decodes the same number of tokens, and what follows an EOS is not the model's answer")
+
+
+def _interrupted(finished: list[dict], columns, json_path, meta: dict, t0: float) -> int:
+    """Ctrl-C stopped `run`: write the `finished` cells as JSON (meta `"interrupted": true`), say in one line where
+    they went, and return `cli_args.INTERRUPTED`."""
+    import sys
+
+    import pandas as pd
+
+    from .cli_args import INTERRUPTED
+
+    if not finished:
+        where = "no cell had finished; nothing was written"
+    elif json_path is None:
+        where = f"{len(finished)} cell(s) had finished (no --json to write them to)"
+    else:
+        meta = {**meta, "interrupted": True, "seconds": time.perf_counter() - t0}
+        path = write_json(pd.DataFrame(finished, columns=list(columns)), json_path, meta=meta)
+        where = f"the {len(finished)} finished cell(s) are in {path} (\"interrupted\": true in its meta)"
+    print(f"tdutils: interrupted; {where}", file=sys.stderr, flush=True)
+    return INTERRUPTED
+
+
 def _uses_chat(tokenizer, chat_template) -> bool:
     from .ruler import uses_chat_template
 
     return uses_chat_template(tokenizer, chat_template)
 
 
+def check_seed(seed) -> int:
+    """`seed` after checking it is a dataset seed: an integer >= 0.
+
+    A negative seed is refused because it is not a seed of its own: `random.Random(-s)` draws exactly what
+    `random.Random(s)` draws (Python seeds with the absolute value), so `-s` would repeat seed `s`'s prompts, and
+    `-TRAIN_SEED_BASE` and below would evaluate a bundled model on its training prompts past the training-seed
+    check.
+
+    Raises:
+        ValueError: a bool, a non-integer or a negative number.
+    """
+    import numbers
+
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")  # noqa: TRY004 (documented ValueError)
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}: random.Random(-s) draws the same prompts as "
+                         f"random.Random(s), so a negative seed repeats another seed's prompts (from "
+                         f"-{TRAIN_SEED_BASE} down, a bundled model's training prompts); give a seed >= 0 (below "
+                         f"{TRAIN_SEED_BASE} for a bundled model)")
+    return int(seed)
+
+
+def _seed_option(text: str) -> int:
+    """argparse type of `--seed`: `check_seed` on the command line's text."""
+    import argparse
+
+    try:
+        return check_seed(int(text))
+    except ValueError as exc:
+        msg = str(exc) if text.strip().lstrip("+-").isdigit() else f"expected an integer >= 0, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+
+
 def _open_engine(engine, model, seed: int, *, device=None, dtype="auto"):
     """`engine`, or an `HFEngine` opened for `model` (no progress bars, query capture off until `build_cells`
-    widens it); refuses a training seed with a bundled model."""
+    widens it); refuses a negative seed (`check_seed`) and a training seed with a bundled model."""
     from .models import bundled_model_path
 
+    seed = check_seed(seed)
     name = model if engine is None else getattr(engine, "model_name", None)
     if isinstance(name, str) and bundled_model_path(name) is not None and seed >= TRAIN_SEED_BASE:
         raise ValueError(f"seed {seed} is a training stream of the bundled model {name!r} (>= {TRAIN_SEED_BASE}); "
@@ -418,7 +498,8 @@ def run_cells(engine, prompts: Sequence, cells: Sequence[tuple], *, max_tokens: 
     """Greedy responses of every cell on the same prompts: each chunk of `batch_size` prompts is prefilled once,
     then per cell the prefilled caches are restored, edited with the cell's drop function (`modify`; none for
     the full cache), extended with `extensions` when given (`extend`, the query-agnostic flow: the edit never
-    saw them) and decoded (`max_tokens` tokens, greedy, EOS ignored).
+    saw them) and decoded (`max_tokens` tokens, greedy, EOS ignored so every cell decodes the same count; each
+    response is its answer, the text up to its first EOS token, so what follows an EOS is never scored).
 
     Args:
         engine: an open engine (`HFEngine` restores its prefilled state per cell; others prefill again).
@@ -427,9 +508,9 @@ def run_cells(engine, prompts: Sequence, cells: Sequence[tuple], *, max_tokens: 
         extensions: None, or one extension (text or token ids) per prompt.
 
     Returns:
-        `(texts, modify_s, kept)`, dicts keyed by `(policy, ratio)`: decoded texts in prompt order, seconds in
-        `modify` summed over chunks, and KV tokens per request at decode summed over requests (cache after the
-        edit, extension included).
+        `(texts, modify_s, kept)`, dicts keyed by `(policy, ratio)`: answers (`RequestOutput.answer`: decoded up
+        to the first EOS token) in prompt order, seconds in `modify` summed over chunks, and KV tokens per request
+        at decode summed over requests (cache after the edit, extension included).
     """
     texts = {(p, r): [] for p, r, _ in cells}
     modify_s = {(p, r): 0.0 for p, r, _ in cells}
@@ -446,7 +527,7 @@ def run_cells(engine, prompts: Sequence, cells: Sequence[tuple], *, max_tokens: 
             if extensions is not None:
                 engine.extend(list(extensions[start:start + batch_size]))
             outs = engine.decode(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            texts[policy, r] += [o.text for o in outs]
+            texts[policy, r] += [o.answer for o in outs]
             kept[policy, r] += sum(o.cached_tokens for o in outs)
     return texts, modify_s, kept
 
@@ -718,12 +799,14 @@ def check_output_path(path: str | Path, option: str = "path", example: str = "ru
     filesystem root (the writer creates the missing folders there); nothing is ever created at the root.
 
     Raises:
-        ValueError: `path` is a folder, an unwritable file, or lies under a file, an unwritable folder or
+        ValueError: `path` is empty, a folder, an unwritable file, or lies under a file, an unwritable folder or
             missing folders that would start at the filesystem root; the message names `option` (e.g.
             `"--json"`) and the path.
     """
-    p = Path(path).expanduser()
     where = f"{option} {str(path)!r}"
+    if str(path) == "":  # Path("") is the current folder: say what was given, not "is a folder"
+        raise ValueError(f"{where} is an empty path; give a file name such as {example}")
+    p = Path(path).expanduser()
     if p.is_dir():
         raise ValueError(f"{where} is a folder, not a writable file path; give a file name such as {example}")
     if p.exists():
@@ -776,9 +859,13 @@ def _split(values: Iterable[str], cast, what: str) -> list:
             if part.strip():
                 try:
                     out.append(cast(part.strip()))
-                except ValueError as exc:
+                except ValueError:
                     raise argparse.ArgumentTypeError(f"bad {what} {part!r}") from None
     return out
+
+
+# Policy parameters that are not `eval` options: its --seed is the dataset's seed (the random policy keeps its own).
+POLICY_OPTION_SKIP = ("seed",)
 
 
 def add_arguments(parser) -> None:
@@ -809,13 +896,10 @@ def add_arguments(parser) -> None:
                         help="prompt lengths in tokens (default: passkey "
                              f"{' '.join(map(str, DEFAULT_CONTEXT_LENGTHS))}; RULER tasks "
                              f"{' '.join(map(str, DEFAULT_TASK_CONTEXT_LENGTHS))})")
-    parser.add_argument("--window", type=int, default=None,
-                        help="most recent tokens always kept, for every policy with a window parameter "
-                             "(default: each policy's own)")
     parser.add_argument("--n", type=int, default=None,
                         help=f"prompts per context length and task (default: {DEFAULT_N}; {DEFAULT_REAL_N} for a real "
                              f"model)")
-    parser.add_argument("--seed", type=int, default=DEV_SEED,
+    parser.add_argument("--seed", type=_seed_option, default=DEV_SEED,
                         help=f"dataset seed, below {TRAIN_SEED_BASE} (training streams); {DEV_SEED} is the development "
                              f"seed, {HELDOUT_SEED} the held-out seed of the published table (default: %(default)s)")
     parser.add_argument("--model", default=None,
@@ -826,7 +910,8 @@ def add_arguments(parser) -> None:
                         help="greedy decode tokens per request (default: passkey 10; RULER tasks the longest answer "
                              "of each task plus 2)")
     parser.add_argument("--json", dest="json_path", default="runs/eval.json",
-                        help="where to write the table as JSON (default: runs/eval.json)")
+                        help="where to write the table as JSON (default: runs/eval.json); a run stopped with Ctrl-C "
+                             "writes the cells it finished there, marked \"interrupted\": true")
     parser.add_argument("--plot", default=None,
                         help="also save a plot to this path (PNG, SVG, ...): passkey accuracy per length, or the RULER "
                              "leaderboard (mean exact match over tasks vs drop ratio, one panel per mode)")
@@ -834,6 +919,9 @@ def add_arguments(parser) -> None:
                         help="torch CPU threads (torch.set_num_threads; default: torch's choice). The bundled models "
                              "are tiny: 1 thread per run is fastest when several runs share a machine")
     parser.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
+    from .policies.cli import policy_arguments
+
+    policy_arguments(parser, skip=POLICY_OPTION_SKIP)  # --window, --n-sink, ...: each reaches every policy with it
 
 
 def parse_tasks(values: Iterable[str]) -> list[str]:
@@ -884,7 +972,9 @@ def weak_task_notes(table, threshold: float = WEAK_FULL_ACCURACY) -> list[str]:
 def run(args) -> int:
     """Run the benchmark for parsed `args` (see `add_arguments`): print the table, write JSON and plot.
 
-    Returns the exit status (0). Raises ValueError for bad values (the CLI prints it as an error).
+    Returns the exit status: 0, or `cli_args.INTERRUPTED` (130) when Ctrl-C stopped it; then the cells that
+    finished are written to `--json` with `"interrupted": true` in its meta, and one line says so. Raises
+    ValueError for bad values (the CLI prints it as an error).
     """
     import argparse
     import sys
@@ -965,9 +1055,10 @@ def run(args) -> int:
     if threads is not None and not 1 <= threads <= cores:
         raise ValueError(f"--threads must be between 1 and the {cores} CPU core(s) this process may use, got {threads} "
                          "(more threads than cores only wait on each other)")
-    if args.json_path:
+    # "" is checked too (and refused, as `run --json ""`), never read as "no file"
+    if args.json_path is not None:
         check_output_path(args.json_path, "--json", example="runs/eval.json")
-    if args.plot:
+    if args.plot is not None:
         check_plot_path(args.plot, "--plot")
     import torch
 
@@ -975,7 +1066,7 @@ def run(args) -> int:
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
     log = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
-    from .policies import get_policy
+    from .policies.cli import policy_params
 
     window = getattr(args, "window", None)
     if window is not None and (window < 0 or window >= min(lengths)):
@@ -984,24 +1075,33 @@ def run(args) -> int:
         raise ValueError(f"--window {window} must be >= 0 and shorter than the shortest context length "
                          f"({min(lengths)} tokens): the window is always kept, so nothing would be dropped; give a "
                          "smaller --window")
-    params = {} if window is None else {
-        p: {"window": window} for p in policies if p != FULL and "window" in get_policy(p).defaults()}
+    given = {p: policy_params(args, p, skip=POLICY_OPTION_SKIP, strict=False) for p in policies if p != FULL}
+    params = {p: values for p, values in given.items() if values}
     chat = getattr(args, "chat_template", "auto") or "auto"
     meta = {"model": model, "tasks": tasks, "modes": ["aware"] if passkey else modes, "policies": policies,
             # no ratio was run when only the full cache was asked for (it ignores them)
             "drop_ratios": ratios if any(p != FULL for p in policies) else [], "context_lengths": lengths, "n": args.n, "seed": args.seed, "max_tokens": max_tokens,
-            "policy_params": params, "threads": torch.get_num_threads()}
+            "policy_params": params, "threads": torch.get_num_threads(), "interrupted": False,
+            "scored": SCORED_TEXT}
+    finished: list[dict] = []  # the cells scored so far, kept when Ctrl-C stops the run
     if passkey:
-        table = passkey_eval(model, policies, ratios, lengths, n=args.n, seed=args.seed, max_tokens=max_tokens,
-                             log=log, policy_params=params)
+        try:
+            table = passkey_eval(model, policies, ratios, lengths, n=args.n, seed=args.seed, max_tokens=max_tokens,
+                                 log=log, policy_params=params, partial=finished)
+        except KeyboardInterrupt:
+            return _interrupted(finished, COLUMNS, args.json_path, meta, t0)
         print(format_table(table))
         meta["metric"] = "exact match of the 5 passkey digits (tdutils.answers.score_passkey), 95% Wilson interval"
         what = f"passkey exact match, model={model}, n={args.n} per length"
     else:
-        engine = _open_engine(None, model, args.seed)
-        used_chat = templates and _uses_chat(engine.tokenizer, chat)
-        table = task_eval(model, tasks, modes, policies, ratios, lengths, n=args.n, seed=args.seed,
-                          max_tokens=max_tokens, log=log, policy_params=params, engine=engine, chat_template=chat)
+        try:
+            engine = _open_engine(None, model, args.seed)
+            used_chat = templates and _uses_chat(engine.tokenizer, chat)
+            table = task_eval(model, tasks, modes, policies, ratios, lengths, n=args.n, seed=args.seed,
+                              max_tokens=max_tokens, log=log, policy_params=params, engine=engine, chat_template=chat,
+                              partial=finished)
+        except KeyboardInterrupt:
+            return _interrupted(finished, TASK_COLUMNS, args.json_path, meta, t0)
         print(format_task_table(table))
         print()
         print(task_markdown(table))
@@ -1022,9 +1122,9 @@ def run(args) -> int:
     seconds = time.perf_counter() - t0
     meta["seconds"] = seconds
     print(f"\n{what}, seed={args.seed}, {seconds:.0f} s")
-    if args.json_path:
+    if args.json_path is not None:
         print(f"wrote {write_json(table, args.json_path, meta=meta)}")
-    if args.plot:
+    if args.plot is not None:
         import matplotlib
 
         matplotlib.use("Agg")  # a command line needs no display
@@ -1036,6 +1136,6 @@ def run(args) -> int:
 __all__ = ["COLUMNS", "DEFAULT_CONTEXT_LENGTHS", "DEFAULT_DROP_RATIOS", "DEFAULT_POLICIES", "DEFAULT_TASK_CONTEXT_LENGTHS",
            "DEFAULT_TASK_DROP_RATIOS", "DEFAULT_TASK_POLICIES", "DEV_SEED", "FULL", "HELDOUT_SEED", "MODES", "PASSKEY",
            "RULER_MODEL", "TASKS", "TASK_COLUMNS", "TRAIN_SEED_BASE", "add_arguments", "build_cells", "check_output_path",
-           "check_plot_path", "format_table", "format_task_table", "leaderboard", "parse_tasks", "passkey_eval",
+           "check_plot_path", "check_seed", "format_table", "format_task_table", "leaderboard", "parse_tasks", "passkey_eval",
            "plot_accuracy", "plot_leaderboard", "plot_ranking", "rank_policies", "run", "run_cells", "split_question", "task_eval", "task_markdown",
            "wilson_interval", "write_json"]

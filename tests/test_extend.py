@@ -67,7 +67,8 @@ def test_extend_equals_prefilling_the_whole_prompt(tiny, family, edit):
     eng.prefill(ctx)
     if edit:
         eng.modify(_keep_all)
-    kvs = eng.extend(ext)
+    assert eng.extend(ext) == [len(c) + len(e) for c, e in zip(ctx, ext)]
+    kvs = [eng.kv(i) for i in range(len(ctx))]
     for i, (c, e) in enumerate(zip(ctx, ext)):
         assert kvs[i].shape[2] == len(c) + len(e) and eng.tokens(i) == c + e
         torch.testing.assert_close(kvs[i], whole.kv(i), atol=1e-5, rtol=0)

@@ -62,7 +62,8 @@ def test_greedy_decoding_equals_generate_and_queries_match_the_models_attention(
     model = _model(family)
     eng = _engine(family)
     prompts = _prompts()
-    kvs = eng.prefill(prompts)
+    assert eng.prefill(prompts) == list(LENS)
+    kvs = [eng.kv(i) for i in range(len(prompts))]
     L, D = eng.facts.num_layers, eng.facts.kv_dim
     assert [tuple(kv.shape) for kv in kvs] == [(2, L, n, D) for n in LENS]  # sliding layers keep every token
     outs = eng.decode(6)

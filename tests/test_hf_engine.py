@@ -31,13 +31,16 @@ def _assert_same(outs_a, outs_b, atol):
 
 def test_prefill_exposes_one_kv_per_request(tiny, sample_ids):
     eng = _engine(tiny)
-    kvs = eng.prefill(sample_ids)
+    assert eng.prefill(sample_ids) == [len(x) for x in sample_ids]  # cache lengths, as on every engine
+    kvs = [eng.kv(i) for i in range(len(sample_ids))]
     assert [kv.shape for kv in kvs] == [(2, 2, len(x), 64) for x in sample_ids]
     m = eng.metrics.prefill
     assert m.requests == 3 and m.tokens == sum(map(len, sample_ids)) and len(m.ttft_s) == 3
     # Batched (left-padded) prefill gives each request the KV of prefilling it alone.
     for x, kv in zip(sample_ids, kvs):
-        alone = _engine(tiny).prefill([x])[0]
+        one = _engine(tiny)
+        one.prefill([x])
+        alone = one.kv(0)
         torch.testing.assert_close(kv, alone, atol=1e-5, rtol=0)
 
 
@@ -172,7 +175,8 @@ def test_request_larger_than_budget_is_a_clear_error(tiny, sample_ids):
 
 def test_failing_drop_function_leaves_every_cache_unchanged(tiny, sample_ids):
     eng = _engine(tiny)
-    kvs = [kv.clone() for kv in eng.prefill(sample_ids)]
+    eng.prefill(sample_ids)
+    kvs = [eng.kv(i).clone() for i in range(len(sample_ids))]
 
     def bad(tensors, tokens):
         kv = tensors["kv"] if "kv" in tensors else next(iter(tensors.values()))
@@ -224,7 +228,8 @@ def test_phase_calls_in_wrong_order_and_bad_settings(tiny):
 
 def test_drop_function_editing_its_input_in_place_then_failing_changes_nothing(tiny, sample_ids):
     eng = _engine(tiny)
-    kvs = [kv.clone() for kv in eng.prefill(sample_ids)]
+    eng.prefill(sample_ids)
+    kvs = [eng.kv(i).clone() for i in range(len(sample_ids))]
 
     def vandal(tensors, tokens):
         next(iter(tensors.values())).zero_()

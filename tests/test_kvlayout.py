@@ -11,7 +11,7 @@ NB, H, BS, D, L = 3, 2, 4, 3, 2  # blocks, KV heads, block size, head size, laye
 
 def _cache(seed: int):
     """One layer of vLLM-CPU's cache `[NB, H, BS, 2D]` built by hand from known K and V `[NB, H, BS, D]`: each
-    (block, head) holds K transposed `[D, BS]` then V `[BS, D]` (SPEC §6)."""
+    (block, head) holds K transposed `[D, BS]` then V `[BS, D]` (docs/design.md §6)."""
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(NB, H, BS, D, generator=g), torch.randn(NB, H, BS, D, generator=g)
     slab = torch.cat([k.transpose(-1, -2).reshape(NB, H, D * BS), v.reshape(NB, H, BS * D)], dim=-1)

@@ -21,7 +21,7 @@ from standins import closed_port_url, models_route, serve
 
 import tdutils
 from tdutils import CacheKind, DropFunctionError, make_drop_fn
-from tdutils.engines.capture import QueryRecorder, capture_implementation, recording
+from tdutils.attention import QueryRecorder, capture_implementation, recording
 from tdutils.engines.hf import HFEngine
 from tdutils.engines.kvlayout import fused_to_kv, kv_to_fused
 from tdutils.engines.lmcache import LMCacheEngine, QueryCheckError, ServerError

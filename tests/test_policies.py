@@ -16,6 +16,7 @@ from tdutils.data import load_prompts
 from tdutils.edit import validate_drop_output
 from tdutils.engines.hf import HFEngine
 from tdutils.policies import (
+    RKV_METHODS,
     get_policy,
     h2o,
     h2o_keep,
@@ -211,9 +212,18 @@ def test_every_policy_drop_zero_is_identity_and_half_keeps_a_valid_set(tiny, nam
 
 
 def test_registry_lists_policies_and_what_they_need():
-    assert policy_names()[:9] == ["snapkv", "rkv", "random", "middle_chunk", *NEW]
-    assert set(policy_names("kv")) >= {"random", "middle_chunk", "streaming_llm", "knorm", "keydiff"}
-    assert policy_names("all") == ["h2o"]
+    names = policy_names()
+    assert {"snapkv", "rkv", "random", "middle_chunk", *NEW} <= set(names)
+    # registration order: the modules tdutils/policies/__init__.py names, then any other policy file of the package
+    # in name order (snapkv first: the CLI's default)
+    builtin = [n for n in names if get_policy(n).builtin]
+    named = [m for m, _ in _imports(ROOT / "tdutils" / "policies" / "__init__.py") if m.startswith("tdutils.policies.")]
+    rank = named + sorted({get_policy(n).keep.__module__ for n in builtin} - set(named))
+    order = [rank.index(get_policy(n).keep.__module__) for n in builtin]
+    assert order == sorted(order) and builtin[0] == "snapkv"
+    assert sorted(policy_names("kv") + policy_names("window") + policy_names("all")) == sorted(names)
+    assert {"random", "middle_chunk", "streaming_llm", "knorm", "keydiff"} <= set(policy_names("kv"))
+    assert "h2o" in policy_names("all")
     assert {"snapkv", "rkv", "tova"} <= set(policy_names("window"))
     for name in NEW:
         pol = get_policy(name)
@@ -234,7 +244,7 @@ def test_registry_lists_policies_and_what_they_need():
 def test_query_window_for_each_policy(tiny):
     model, _ = tiny
     fns = {n: _fn(n, 0.5, model.config) for n in policy_names()}
-    assert [query_window_for(fns[n]) for n in ("random", "streaming_llm", "knorm", "keydiff", "middle_chunk")] == [0] * 5
+    assert [query_window_for(fns[n]) for n in policy_names("kv")] == [0] * len(policy_names("kv"))  # nothing captured
     assert query_window_for(fns["snapkv"]) == 8 and query_window_for(fns["tova"]) == 1
     assert query_window_for(fns["h2o"]) is None and query_window_for(fns["tova"], fns["h2o"]) is None
     assert query_window_for(fns["tova"], _fn("snapkv", 0.5, model.config, window=32), None) == 32
@@ -352,6 +362,95 @@ def test_cli_policy_options_reach_only_policies_that_have_them(tmp_path, capsys)
     err = capsys.readouterr().err
     assert rc == 2 and "--kernel-size does not apply to policy 'knorm'; its parameters are ['n_sink', 'window']" in err, err
 
+
+def _options(parser) -> dict:
+    """`{dest: action}` of every option of an argparse parser."""
+    return {a.dest: a for a in parser._actions if a.option_strings}
+
+
+def test_cli_options_come_from_every_policys_parameters():
+    import argparse
+
+    from tdutils.__main__ import build_parser
+    from tdutils.evaluate import add_arguments
+
+    run = build_parser()._subparsers._group_actions[0].choices["run"]
+    ev = argparse.ArgumentParser()
+    add_arguments(ev)
+    fields = {f.name: f for n in policy_names() for f in dataclasses.fields(get_policy(n).params)}
+    on_cli = {name for name, f in fields.items() if f.metadata.get("cli", True)}
+    assert on_cli - {"seed"} <= set(_options(ev)) and on_cli <= set(_options(run))
+    assert "device" not in on_cli and _options(run)["device"].help.startswith("torch device")  # the engine's own
+    assert _options(ev)["seed"].default == 0  # eval's --seed is the dataset's, not the random policy's
+    opts = _options(run)
+    for name in on_cli:  # unset = the policy's default; the option is spelled as the field, with dashes
+        assert opts[name].default is None and opts[name].option_strings == ["--" + name.replace("_", "-")], name
+        assert fields[name].metadata.get("help"), f"parameter {name} has no help text"
+    assert opts["pooling"].choices == ("avg", "max") and opts["redundancy"].choices == RKV_METHODS  # Literal fields
+    assert opts["window"].type is int and opts["mix_lambda"].type is float
+    assert "64 snapkv" in opts["window"].help and "256 middle_chunk" in opts["chunk_size"].help
+
+
+def test_a_new_policys_parameter_reaches_the_cli_with_no_edit(capsys):
+    from typing import Literal
+
+    from tdutils.__main__ import build_parser
+    from tdutils.policies.cli import policy_arguments, policy_params
+
+    @dataclasses.dataclass
+    class StrideParams:
+        stride: int = dataclasses.field(default=2, metadata={"help": "keep every stride-th token"})
+        side: Literal["left", "right"] = "left"
+        flip: bool = False
+        window: int = 4
+
+    register_policy("stride", params=StrideParams, needs="kv", needs_model=False,
+                    keep=lambda kv, q, r, *, params, facts: torch.arange(0, kv.shape[2], params.stride))
+    try:
+        run = build_parser()._subparsers._group_actions[0].choices["run"]
+        opts = _options(run)
+        assert opts["stride"].type is int and "keep every stride-th token (stride; default: 2)" in opts["stride"].help
+        assert opts["side"].choices == ("left", "right") and "--no-flip" in opts["flip"].option_strings
+        args = run.parse_args(["--policy", "stride", "--stride", "3", "--no-flip", "--window", "8"])
+        assert policy_params(args, "stride") == {"stride": 3, "flip": False, "window": 8}
+        assert policy_params(args, "knorm", strict=False) == {"window": 8}  # eval: each policy takes what it has
+        with pytest.raises(ValueError, match=r"--stride, --flip does not apply to policy 'knorm'"):
+            policy_params(args, "knorm")
+        with pytest.raises(ValueError, match=r"policy parameters \['stride'\] clash"):
+            import argparse
+
+            ap = argparse.ArgumentParser()
+            ap.add_argument("--stride")
+            policy_arguments(ap)
+    finally:
+        unregister_policy("stride")
+    assert "stride" not in _options(build_parser()._subparsers._group_actions[0].choices["run"])
+
+
+def test_old_import_paths_of_the_shared_helpers_and_profiling_tools():
+    from tdutils import profiling
+    from tdutils.policies import rkv, scoring, snapkv
+
+    assert snapkv.window_attention is scoring.window_attention  # the hf engine and notebooks import it so
+    for name in ("TimedDropFn", "kept_agreement", "peak_memory", "synthetic_keys", "timed"):
+        assert getattr(rkv, name) is getattr(profiling, name), name
+    x = torch.arange(24.0).view(4, 3, 2)  # [Hq=4, ...], 2 KV heads: groups (0, 1) and (2, 3)
+    assert torch.equal(scoring.reduce_gqa(x, 2, "max"), x[[1, 3]])
+    assert torch.equal(scoring.reduce_gqa(x, 2, "mean"), (x[[0, 2]] + x[[1, 3]]) / 2)
+
+
+@pytest.mark.parametrize("policy,params,msg", [
+    ("random", {"seed": "1"}, "seed must be an integer, got '1'"),
+    ("random", {"n_sink": -1}, "n_sink must be an integer >= 0, got -1"),
+    ("snapkv", {"window": True}, "window must be a positive integer, got True"),
+    ("snapkv", {"pooling": "sum"}, "pooling must be 'avg' or 'max', got 'sum'"),
+    ("keydiff", {"anchor": "mean"}, "anchor must be 'normalized' or 'raw', got 'mean'"),
+    ("middle_chunk", {"chunk_size": 0}, "chunk_size must be a positive integer, got 0"),
+])
+def test_each_params_dataclass_checks_its_fields(policy, params, msg):
+    with pytest.raises(ValueError) as e:
+        get_policy(policy).make_params(**params)
+    assert str(e.value) == msg
 
 # ------------------------------------------------------------------------------------------ layering
 def _imports(path: Path) -> list[tuple[str, list[str]]]:

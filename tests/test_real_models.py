@@ -318,3 +318,15 @@ def test_snapkv_keeps_a_real_needle_where_random_loses_it():
     assert full >= ACC_FULL_MIN, got
     assert snap >= full - ACC_SNAPKV_SLACK, got
     assert rand <= ACC_RANDOM_MAX < full, got
+
+
+def test_chat_template_on_the_engine_is_the_tokenizers_own():
+    """SmolLM2-Instruct has a chat template: `chat_template="auto"` gives exactly the ids of transformers'
+    `apply_chat_template(..., add_generation_prompt=True)`; `"none"` the raw text's ids."""
+    model, tok = _load("smollm2-135m")
+    text = "Which planet is known as the Red Planet?"
+    want = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    chat = _engine(model, tok, chat_template="auto", query_window=0)
+    assert chat.chat_template_applied and chat.tokenize([text]) == [want]
+    assert _engine(model, tok, query_window=0).tokenize([text]) == [tok(text)["input_ids"]]

@@ -17,6 +17,7 @@ from standins import chunk, models_route, serve, usage_chunk
 
 from tdutils.__main__ import build_parser
 from tdutils.engines.lmcache import lmcache_model_name
+from tdutils.policies import policy_names
 
 PATH = "/tmp/tdutils-servers-x/model"
 CPU_ENTRY = {
@@ -101,7 +102,7 @@ def test_doctor_says_what_helps_when_the_patch_does_not_fit(tmp_path):
     assert (f"[FAIL] vLLM 0.32.0 at {pkg}: the query-export patch does not fit this vLLM (its code differs from the "
             f"versions the patches were written for, 0.23.0-0.25.1, 0.32.x, 0.33.x)") in lines
     assert ("       fix: install a vLLM one of them fits in vLLM's environment (e.g. pip install vllm==0.33.0), or run "
-            "policies without queries (random, middle_chunk, streaming_llm, knorm, keydiff) and pass --no-queries"
+            f"policies without queries ({', '.join(policy_names('kv'))}) and pass --no-queries"
             ) in lines
     assert rc == 1
 

@@ -28,7 +28,7 @@ SHORT_ONLY = [("exact", {"col_block": 1, "first_block": 1}), ("tiled", {"row_til
 
 
 def _brute_force(keys, threshold=0.5, eps=1e-8, chunk=None):
-    """SPEC §5 in float64, one row at a time, as written: an independent check of every method.
+    """docs/design.md §5 in float64, one row at a time, as written: an independent check of every method.
 
     With `chunk`, the buffered definition: S restricted to each chunk, mean over the chunk's rows,
     softmax over all n."""

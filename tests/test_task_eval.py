@@ -73,7 +73,7 @@ def test_rows_columns_and_bookkeeping(small):
 
 def test_agnostic_full_cache_answers_as_aware_and_ratio_zero_as_full(small):
     """prefill(context) + extend(question) holds the prompt's cache, so greedy answers are identical; a ratio-0
-    edit returns the cache unchanged (SPEC §5), in both modes."""
+    edit returns the cache unchanged (docs/design.md §5), in both modes."""
     _, responses = small
     for task in ("niah_single", "niah_multiquery"):
         full = responses[task, "aware", "full", 0.0, 160]
@@ -152,8 +152,8 @@ def test_task_eval_refuses_bad_input(engine):
 
 
 def test_bench_summary_of_a_stored_task_run_is_the_per_task_table(small):
-    """`python bench/accuracy.py --summary RUN.json` prints `task_markdown` of the stored rows (what the README's
-    per-task table is written from)."""
+    """`python bench/accuracy.py --summary RUN.json` prints `task_markdown` of the stored rows (what the per-task
+    tables of docs/results.md are written from, `tools/render_results.py`)."""
     from test_bench_results import _bench
 
     table, _ = small
@@ -161,15 +161,17 @@ def test_bench_summary_of_a_stored_task_run_is_the_per_task_table(small):
     assert _bench("accuracy").readme_summary({"rows": report}) == task_markdown(table)
 
 
-def test_readme_agnostic_example_runs_and_answers(capsys):
-    """The README's query-agnostic Python example, run as written: the bundled `tiny-qwen3-ruler` answers its
+def test_docs_agnostic_example_runs_and_answers(capsys):
+    """The documentation's query-agnostic Python example, run as written: the bundled `tiny-qwen3-ruler` answers its
     2048-token multi-value example (seed 0) exactly after SnapKV drops 75% of the context's cache."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "eng.extend(" in b]
-    assert len(blocks) == 1, "README.md should hold one Python example of the query-agnostic flow"
-    exec(compile(blocks[0], "README.md", "exec"), {})
+    root = Path(__file__).resolve().parents[1]
+    blocks = [(page.relative_to(root), b) for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+              for b in re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.DOTALL) if "eng.extend(" in b]
+    assert len(blocks) == 1, f"README.md and docs/ should hold one Python example of the query-agnostic flow: {blocks}"
+    page, block = blocks[0]
+    exec(compile(block, str(page), "exec"), {})
     out = capsys.readouterr().out
     assert out.rstrip().endswith("| (True, 1.0)"), out

@@ -1,4 +1,4 @@
-"""Train the bundled tiny model `tiny-qwen3` on passkey retrieval (SPEC §8, issue 8), on CPU.
+"""Train the bundled tiny model `tiny-qwen3` on passkey retrieval (docs/design.md §8, issue 8), on CPU.
 
     python tools/train_tiny_model.py                      # ~30 min on 2 cores; rewrites model.safetensors
     python tools/train_tiny_model.py --max-minutes 10     # hard time budget (saves what it has)
@@ -33,7 +33,7 @@ Training:
   curriculum (it advances on accuracy, so its length is not known in advance);
 - then a consolidation phase of `--final-steps` steps that cycles through *every* curriculum length
   (round robin), with the learning rate decaying on a cosine to `--min-lr-ratio` x lr. A model only
-  retrieves at lengths it was trained at (SPEC §8: 4% at 1024 after training up to 512), and training
+  retrieves at lengths it was trained at (docs/design.md §8: 4% at 1024 after training up to 512), and training
   only at the longest length lets the shorter ones drift, so every evaluated length is trained last.
 
 Dropped-cache augmentation (`--drop-aug`, default 0.5): the benchmark edits the cache after prefill and

@@ -1,27 +1,33 @@
-"""Engine-independent types and the prefill -> modify -> decode workflow.
+"""The engine contract: prefill -> modify -> (extend) -> decode over a batch of requests.
 
-Every engine offers the same three phases (SPEC §1): `prefill(prompts)` computes each request's KV
-cache, `modify(drop_fn)` edits every request's cache with a drop function, `decode(max_tokens)`
-generates from the edited caches in batches under a KV budget. A fourth, optional step serves the
-query-agnostic flow (SPEC §3): `extend(prompts)`, after `prefill` (and usually `modify`), appends one text or
-token-id list to each request and prefills it on top of the (edited) cache at the next positions, so
-`decode` continues after it: `prefill(context) -> modify(drop_fn) -> extend(question) -> decode`; its input
-is checked by `tokenize_extensions`. `run_once` chains them and `compare`
-runs a baseline and one or more drop functions on the same prompts, alternately (`repeats` rounds of
-baseline, fn1, fn2, ...) so that load from other work on the machine hits every configuration alike; the
-ratios are taken per repeat, against the baseline of the same repeat.
+Method map of `Engine` (what an engine must write, what it gets):
+
+| method | who | contract |
+|---|---|---|
+| `prefill(prompts) -> list[int]` | required | compute each request's KV cache; returns cache lengths |
+| `decode(max_tokens, ...) -> list[RequestOutput]` | required | batched decoding under `kv_budget_tokens` |
+| `tensors(i)` / `tokens(i)` | required | what a drop function receives: KV `[2, L, T, D]` (+ queries) and T ids |
+| `extend(prompts) -> list[int]` | optional | append one text per request on top of its (edited) cache |
+| `modify(drop_fn) -> ModifyReport` | shared | every request's cache edited, all or nothing, over the `_edit_*` hooks |
+| `tokenize`, `capture_for`, `snapshot` / `restore`, `close`, `with` | shared | |
+
+The text helpers below check prompts and settings for every engine; `register_engine` names an engine kind
+for `tdutils.open_engine`. Runs over an engine (`run_once`, `compare`) are in `tdutils.runs`.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import operator
+import time
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..edit import check_token_ids
-from ..metrics import RunMetrics, phase_table
+from ..edit import DropFunctionError, check_token_ids, kept_rows, validate_drop_output
+from ..metrics import ModifyMetrics
 
 
 @dataclass
@@ -73,27 +79,6 @@ class ModifyReport:
 
     edited: int = 0
     failures: list[tuple[int, str]] = field(default_factory=list)
-
-
-@dataclass
-class RunResult:
-    """Outputs and metrics of one configuration.
-
-    Attributes:
-        name: the configuration ("baseline" or the drop function's name in `compare`).
-        outputs: one `RequestOutput` per request (of the last repeat: greedy outputs are the same every repeat).
-        metrics: the `RunMetrics` of the last repeat.
-        repeats: the `RunMetrics` of every repeat, in order (`compare`); empty for a single `run_once`.
-    """
-
-    name: str
-    outputs: list[RequestOutput]
-    metrics: RunMetrics
-    repeats: list[RunMetrics] = field(default_factory=list)
-
-    @property
-    def texts(self) -> list[str]:
-        return [o.text for o in self.outputs]
 
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it sample greedily
@@ -305,159 +290,219 @@ def tokenize_extensions(tokenizer, extensions, num_requests: int, vocab_size: in
     return [ids for ids, _ in items]
 
 
-DEFAULT_FULL_REQUESTS = 4.25  # the default KV budget, in undropped requests
+# ---------------------------------------------------------------------------------------------------- the contract
+_ENGINES: dict[str, type] = {}
 
 
-def default_kv_budget(prompt_lengths, max_tokens: int, full_requests: float = DEFAULT_FULL_REQUESTS) -> int:
-    """A KV budget (tokens) of `full_requests` undropped requests: `ceil(full_requests * (max T + max_tokens))`.
-
-    The default 4.25 decodes 4 undropped requests at a time (the baseline), and leaves room for 8 requests
-    at drop ratio 0.5: each keeps `T/2` cache tokens but still needs its `max_tokens` decode tokens, which
-    dropping does not shrink, so at exactly 4 only 7 would fit and the 2x capacity limit `1/(1 - r)` could
-    not be reached (for T = 1024, max_tokens = 64: 8 x 576 = 4608 <= 4624 < 5 x 1088).
+def register_engine(kind: str):
+    """Class decorator: make an `Engine` subclass reachable as `tdutils.open_engine(kind, ...)` and the CLI's
+    `--engine kind`. A module under `tdutils/engines/` is found by `open_engine` on its own; an engine defined
+    elsewhere is registered when its module is imported.
 
     Raises:
-        ValueError: `full_requests < 1`.
+        TypeError: not an `Engine` subclass.
+        ValueError: a kind already taken by another class.
     """
-    if full_requests < 1:
-        raise ValueError(f"full_requests must be >= 1 (the budget must hold one undropped request), got {full_requests}")
-    lengths = list(prompt_lengths)
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"prompt_lengths must be positive token counts of at least one prompt, got {lengths[:8]}")
-    if int(max_tokens) < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    return math.ceil(full_requests * (max(lengths) + int(max_tokens)))
+    def register(cls):
+        if not (isinstance(cls, type) and issubclass(cls, Engine)):
+            raise TypeError(f"register_engine({kind!r}) takes an Engine subclass, got {cls!r}")
+        old = _ENGINES.get(kind)
+        if old is not None and old.__qualname__ != cls.__qualname__:
+            raise ValueError(f"engine kind {kind!r} is taken by {old.__module__}.{old.__qualname__}")
+        cls.kind = kind
+        _ENGINES[kind] = cls
+        return cls
+
+    return register
 
 
-def run_once(engine, prompts, *, name: str = "baseline", drop_fn=None, max_tokens: int = 64, **decode_kwargs) -> RunResult:
-    """Prefill `prompts`, apply `drop_fn` (None: baseline, no modify), decode `max_tokens` per request.
+class Engine(ABC):
+    """An engine over one model: a batch of requests goes prefill -> modify(drop_fn) -> (extend) -> decode.
 
-    A drop function that records per-run state and has a `reset()` method (`TimedDropFn`) is reset before
-    this run's modify, so what it records afterwards describes this run only: reusing it in a second run
-    (or `compare`, or a sweep's repeats) never adds that run's timings to the first one's. Before prefill the
-    engine widens its query capture to what `drop_fn` needs (`engine.capture_for`).
+    Subclasses write the required methods and the `_edit_*` hooks; `modify` is shared, so it means the same
+    on every engine: each request's tensors go to the drop function, its output is validated, and the
+    edits are committed only when every request succeeded (`on_error="raise"`) or for those that did
+    (`"skip"`). Settings `kv_budget_tokens`, `max_batch_size`, `query_window` are checked whenever set.
+    Subclasses set `tokenizer`, `requests` (one record per request, `snapshot` copies them), `metrics` and
+    `chat_template` in `__init__`.
     """
-    if drop_fn is not None and hasattr(engine, "capture_for"):
-        engine.capture_for(drop_fn)
-    engine.prefill(prompts)
-    if drop_fn is not None:
-        reset = getattr(drop_fn, "reset", None)
-        if callable(reset):
-            reset()
-        engine.modify(drop_fn)
-    outputs = engine.decode(max_tokens=max_tokens, **decode_kwargs)
-    metrics = engine.metrics
-    metrics.name = name
-    return RunResult(name, outputs, metrics)
 
+    kind: str = ""
+    kv_budget_tokens = CountSetting(1, none="unlimited")
+    max_batch_size = CountSetting(1, none="no cap")
+    query_window = CountSetting(0, none="all prompt tokens")
+    chat_template: str = "none"
 
-def _warmup_tokens(max_tokens):
-    """A few decode tokens for an untimed warm-up run (one int, or one per request)."""
-    if isinstance(max_tokens, int):
-        return min(4, max_tokens)
-    return [min(4, int(m)) for m in list(max_tokens)[:4]]
+    # ------------------------------------------------------------------ required
+    @abstractmethod
+    def prefill(self, prompts) -> list[int]:
+        """Compute every prompt's KV cache (a new batch of requests); returns each request's cache length."""
 
+    @abstractmethod
+    def decode(self, max_tokens=64, *, temperature: float = 0.0, ignore_eos: bool = True, seed: int = 0,
+               keep_logits: bool = False) -> list[RequestOutput]:
+        """Generate `max_tokens` per request from the current caches, batched under `kv_budget_tokens`."""
 
-def alternate_runs(engine, prompts, drop_fns: dict, *, max_tokens=64, repeats: int = 3, warmup: bool = True,
-                   progress=None, **decode_kwargs):
-    """Run the baseline and every drop function `repeats` times, alternately: baseline, fn1, fn2, ..., baseline, ...
+    @abstractmethod
+    def tensors(self, request_id: int) -> dict:
+        """What a drop function receives: `{CacheKind.KV: [2, L, T, D][, CacheKind.QUERY: [L, Tq, Hq*d]]}`."""
 
-    Yields `(repeat, name, RunResult, ratio)` as each run finishes, `ratio` being its decode tok/s over the
-    baseline's of the same repeat (1.0 for the baseline). Each repeat measures every configuration back to back,
-    so load from other work hits them alike and cancels in the ratio; a repeat the load hit unevenly shows up as
-    a ratio far from the others.
+    @abstractmethod
+    def tokens(self, request_id: int) -> list[int]:
+        """The T token ids the request's current cache holds."""
 
-    Args:
-        engine: an open engine (`prefill`, `modify`, `decode`, `metrics`; `tokenize` when it has one).
-        prompts: strings, rows or token-id lists (tokenized once).
-        drop_fns: name -> drop function; names must be unique and not "baseline".
-        max_tokens: decode tokens per request (an int, or one per request).
-        repeats: rounds (>= 1).
-        warmup: first run the baseline and every drop function once, untimed, on the first 4 prompts with 4 decode
-            tokens: a process's first forward passes (allocator, kernels, thread pools) can be many times slower
-            and would count against whichever configuration runs first.
-        progress: callable taking one line per run (None: silent).
-        **decode_kwargs: passed to `engine.decode` (e.g. `ignore_eos=True`).
+    # ------------------------------------------------------------------ optional
+    def extend(self, prompts) -> list[int]:
+        """Append one text or token-id list per request on top of its cache; returns the new cache lengths."""
+        raise NotImplementedError(f"the {self.kind or type(self).__name__} engine has no extend()")
 
-    Raises:
-        ValueError: `repeats` < 1, or a drop function named "baseline".
-    """
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1 (rounds of baseline and every drop function), got {repeats!r}")
-    if "baseline" in drop_fns:
-        raise ValueError("a drop function is named 'baseline', the name of the run without dropping; rename it")
-    ids = engine.tokenize(prompts) if hasattr(engine, "tokenize") else prompts
-    fns = {"baseline": None, **drop_fns}
-    if warmup:
-        for name, fn in fns.items():
-            run_once(engine, ids[:4], name="warm-up", drop_fn=fn, max_tokens=_warmup_tokens(max_tokens), **decode_kwargs)
-    for rep in range(repeats):
-        base_tps = None
-        for name, fn in fns.items():
-            res = run_once(engine, ids, name=name, drop_fn=fn, max_tokens=max_tokens, **decode_kwargs)
-            tps = res.metrics.decode.tokens_per_s
-            base_tps = tps if fn is None else base_tps
-            ratio = tps / base_tps
-            if progress:
-                d, m = res.metrics.decode, res.metrics.modify
-                progress(f"repeat {rep + 1}/{repeats} {name:>24}: decode {tps:9.1f} tok/s, peak batch "
-                         f"{d.peak_batch_size}, modify {m.seconds:.3f} s, x{ratio:.2f}")
-            yield rep, name, res, ratio
+    def close(self) -> None:
+        """Release what the engine holds (connections, servers' contexts); the default holds nothing."""
 
+    def __enter__(self):
+        return self
 
-def compare(engine, prompts, drop_fns: dict, *, max_tokens=64, repeats: int = 3, warmup: bool = True, progress=None,
-            **decode_kwargs):
-    """Run the baseline and each named drop function on the same prompts, alternately, `repeats` times.
+    def __exit__(self, *exc):
+        self.close()
+        return False
 
-    Args:
-        engine: an open engine; its `kv_budget_tokens` is the fixed budget every run decodes under.
-        prompts: strings, rows or token-id lists.
-        drop_fns: name -> drop function (`make_drop_fn`); names must be unique and not "baseline".
-        max_tokens: decode tokens per request.
-        repeats: rounds of baseline, fn1, fn2, ... (default 3; 1 for a quick look, which shows no spread). See
-            `alternate_runs`.
-        warmup: an untimed warm-up of every configuration first (see `alternate_runs`).
-        progress: callable taking one line per run (e.g. `print`), or None.
-        **decode_kwargs: passed to `engine.decode`.
+    # ------------------------------------------------------------------ shared
+    def tokenize(self, prompts) -> list[list[int]]:
+        """Token ids of each prompt: a string, a `PromptRow`/dict with `prompt`, or a list of ids; text prompts
+        wrapped in the chat template when the engine was opened with one (`tdutils.chat`)."""
+        return tokenize_prompts(self.tokenizer, prompts, self._vocab_size(), chat=self.chat_template_applied)
 
-    Returns:
-        `(results, table)`: dict name -> `RunResult` (baseline first; outputs and metrics of the last repeat,
-        every repeat's metrics in `.repeats`) and the pandas phase table (`tdutils.metrics.phase_table`): medians
-        over repeats, `decode_speedup` (median of the per-repeat ratios to the same repeat's baseline) with
-        `decode_speedup_min` / `_max`, `decode_tok_s_min` / `_max`, `repeats` and `capacity_limit`.
-        `tdutils.metrics.speedup_notes(table)` says when a ratio does not measure what dropping buys.
+    @property
+    def chat_template_applied(self) -> bool:
+        """Whether text prompts are wrapped in the tokenizer's chat template (`chat_template` setting)."""
+        from ..chat import uses_chat_template
 
-    Raises:
-        ValueError: `repeats` < 1, or a drop function named "baseline".
-    """
-    results: dict[str, RunResult] = {}
-    for _, name, res, _ in alternate_runs(engine, prompts, drop_fns, max_tokens=max_tokens, repeats=repeats,
-                                          warmup=warmup, progress=progress, **decode_kwargs):
-        earlier = results[name].repeats if name in results else []
-        results[name] = RunResult(name, res.outputs, res.metrics, repeats=[*earlier, res.metrics])
-    return results, phase_table(results.values(), baseline="baseline")
+        return uses_chat_template(self.tokenizer, self.chat_template)
 
+    def capture_for(self, *drop_fns) -> int | None:
+        """Widen query capture to what `drop_fns` need before the next `prefill`; never narrows it.
 
-def open_engine(kind: str = "hf", **settings):
-    """Open an engine by kind.
+        `tdutils.policies.query_window_for` says what they need: nothing (query-free policies), the last `w`
+        prompt queries (SnapKV, R-KV, TOVA) or all of them (H2O). Drop functions that do not say (a bare
+        ModifyFn) change nothing. `run_once` and `compare` call this. Returns the `query_window` after the call
+        (None = all prompt tokens).
+        """
+        from ..policies import query_window_for
 
-    Args:
-        kind: `"hf"` — embedded Hugging Face transformers engine (CPU or GPU; see `engines.hf.HFEngine`
-            for its settings: model, dtype, device, kv_budget_tokens, positions, ...).
-            `"lmcache"` — vLLM + LMCache serving path (GPU box; see `engines.lmcache.LMCacheEngine` for its
-            settings: model, vllm_url, lmcache_url, lmcache_http_url, query_window, align, ...).
+        need = query_window_for(*drop_fns, default=0)
+        if need == 0:
+            return self.query_window
+        self._prepare_capture(need, drop_fns)
+        if self.query_window is None or (need is not None and self.query_window >= need):
+            return self.query_window
+        self.query_window = need
+        return need
 
-    Raises:
-        ValueError: unknown kind.
-        ConnectionError: `"lmcache"` with a server down (the message has the command that starts it).
-        ImportError: `"lmcache"` without the lmcache package installed.
-    """
-    if kind == "hf":
-        from .hf import HFEngine
+    def snapshot(self):
+        """The batch's state (caches, tokens, positions), for `restore`: e.g. to run several drop functions on
+        one prefill. Caches are never edited in place, so a snapshot shares their tensors."""
+        self._require_requests("snapshot()")
+        return [copy.copy(r) for r in self.requests]
 
-        return HFEngine(**settings)
-    if kind == "lmcache":
-        from .lmcache import LMCacheEngine
+    def restore(self, state) -> None:
+        """Go back to a `snapshot()`: the requests' caches as they were when it was taken."""
+        self.requests = [copy.copy(r) for r in state]
 
-        return LMCacheEngine(**settings)
-    raise ValueError(f"unknown engine kind {kind!r}; choose 'hf' or 'lmcache'")
+    def modify(self, drop_fn, *, positions: str | None = None, on_error: str = "raise") -> ModifyReport:
+        """Apply `drop_fn(tensors, tokens) -> (new_kv, new_tokens)` to every request's cache.
+
+        Args:
+            drop_fn: an LMCache-style ModifyFn (e.g. from `tdutils.make_drop_fn`). It receives `tensors(i)`
+                and the request's T token ids; a `DropFn` also reports its kept indices (`edit`).
+            positions: `"compact"` / `"original"` (where the engine has it); default the engine's setting.
+            on_error: `"raise"` — if any request fails, no cache is changed and `DropFunctionError` lists
+                every failure; `"skip"` — failed requests keep their cache unchanged, the others are edited,
+                failures are returned in the report and warned about.
+
+        Raises:
+            RuntimeError: called before `prefill` (and engine-specific order errors).
+            ValueError: bad `positions` / `on_error`, or a drop function the engine's positions cannot take.
+            DropFunctionError: with `on_error="raise"`, when the function raised or returned bad output.
+        """
+        self._require_requests("modify()")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        positions = self._check_modify(drop_fn, positions)
+        edit = getattr(drop_fn, "edit", None)  # DropFn.edit also returns the kept indices
+        mm = self.metrics.modify = ModifyMetrics()
+        mm.tokens_before = sum(self._cache_length(i) for i in range(len(self.requests)))
+        t0 = time.perf_counter()
+        staged, failures = {}, []
+        for i in range(len(self.requests)):
+            got = self._edit_input(i, drop_fn)
+            if isinstance(got, str):  # nothing this request's cache can give the drop function
+                failures.append((i, got))
+                continue
+            tensors, tokens, reference = got
+            try:
+                keep = None
+                if edit is not None:
+                    *result, keep = edit(tensors, list(tokens))
+                else:
+                    result = drop_fn(tensors, list(tokens))
+                new_kv, new_tokens = validate_drop_output(reference, tokens, result, vocab_size=self._vocab_size())
+                if keep is None and positions == "original":
+                    # decode refeeds the last kept token at its own position: any drop function's kept rows
+                    # must be known, not assumed to end at T - 1
+                    keep = kept_rows(reference, tokens, new_kv, new_tokens)
+            except Exception as exc:  # noqa: BLE001 (any failure of user code is reported below, never swallowed)
+                failures.append((i, f"{exc.__class__.__name__}: {exc}{self._failure_note(i, tensors)}"))
+                continue
+            staged[i] = self._edit_stage(i, new_kv, new_tokens, keep)
+            del tensors, result
+        mm.seconds = time.perf_counter() - t0
+        if failures and on_error == "raise":
+            mm.failed, mm.tokens_after = len(failures), mm.tokens_before
+            lines = "\n".join(f"  request {i}: {msg}" for i, msg in failures[:10])
+            raise DropFunctionError(f"the drop function failed on {len(failures)} of {len(self.requests)} requests; "
+                                    f"no cache was changed:\n{lines}")
+        for i, edit_ in staged.items():
+            self._edit_commit(i, edit_, positions)
+        mm.edited, mm.failed = len(staged), len(failures)
+        mm.tokens_after = sum(self._cache_length(i) for i in range(len(self.requests)))
+        if failures:
+            warnings.warn(f"drop function failed on {len(failures)} requests (caches left unchanged): {failures[:3]}",
+                          stacklevel=2)
+        return ModifyReport(edited=len(staged), failures=failures)
+
+    # ------------------------------------------------------------------ hooks (private)
+    def _require_requests(self, op: str) -> None:
+        if not getattr(self, "requests", None):
+            raise RuntimeError(f"{op} needs prefilled requests; call prefill(prompts) first")
+
+    def _vocab_size(self) -> int | None:
+        """Token ids must lie in `[0, vocab_size)` (None: unchecked)."""
+        return None
+
+    def _prepare_capture(self, need: int | None, drop_fns) -> None:
+        """Before query capture widens to `need` rows (None: all): raise if it cannot, install what it needs."""
+
+    def _cache_length(self, request_id: int) -> int:
+        return len(self.tokens(request_id))
+
+    @abstractmethod
+    def _check_modify(self, drop_fn, positions: str | None) -> str:
+        """Check `modify`'s drop function and positions against the engine; return the positions to use."""
+
+    @abstractmethod
+    def _edit_input(self, request_id: int, drop_fn):
+        """`(tensors, tokens, reference_kv)` for the drop function (tensors it may edit in place; the cache's
+        own KV to validate against), or a string saying why this request has nothing to edit."""
+
+    def _failure_note(self, request_id: int, tensors: dict) -> str:
+        """Appended to a failed request's message (e.g. why queries were missing)."""
+        return ""
+
+    @abstractmethod
+    def _edit_stage(self, request_id: int, new_kv, new_tokens: list[int], keep):
+        """Prepare request `request_id`'s edit (validated output; `keep` = kept row indices or None) without
+        changing what the request decodes from; returns what `_edit_commit` needs."""
+
+    @abstractmethod
+    def _edit_commit(self, request_id: int, staged, positions: str) -> None:
+        """Switch the request to its staged edit."""

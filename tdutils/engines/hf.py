@@ -1,6 +1,6 @@
 """The embedded `hf` engine: in-process Hugging Face transformers prefill, modify and batched decode.
 
-Per request the engine keeps its KV cache as one `[2, L, T, D]` tensor (SPEC §3). Decoding runs many
+Per request the engine keeps its KV cache as one `[2, L, T, D]` tensor (docs/design.md §3). Decoding runs many
 requests of different lengths in one batch: decode storage is preallocated once per `decode` call from
 the budget (`engines.kvstore.SlotKVStore`: per layer `[slots, H_kv, width, d]`), a request is copied
 into a free slot when it is admitted, each step writes every row's new key/value in place, a prepared
@@ -14,13 +14,13 @@ Decode regenerates from the edited cache, as vLLM does after LMCache returns a m
 last cached entry is removed and the last kept prompt token is fed again at its position, so every
 generated token (the first one included) attends to the edited cache only.
 
-Query-agnostic flow (SPEC §3): `extend(texts)` appends one text or token-id list per request after `prefill`
+Query-agnostic flow (docs/design.md §3): `extend(texts)` appends one text or token-id list per request after `prefill`
 (and usually `modify`) and prefills it on top of the current cache at the next positions (`refeed_pos + 1`, ...:
 `k, k+1, ...` after a compacting edit), in padded batches with masks built by position as in decode; the
 request's cache, tokens and captured queries grow by the extension, so `decode` (or a second `modify`) continues
 after it.
 
-Positions (SPEC §3): `"compact"` (default) — the drop function re-rotates kept keys to positions
+Positions (docs/design.md §3): `"compact"` (default) — the drop function re-rotates kept keys to positions
 0..k-1 and decoding continues at k; `"original"` — keys keep their rotation and decoding continues after the
 last kept token's prompt position (T when the last prompt token is kept; the dropped positions become holes).
 
@@ -52,14 +52,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import AttentionSpec, register_live_model
+from ..attention import AttentionSpec, QueryRecorder, capture_implementation, recording, register_live_model
 from ..chat import uses_chat_template
-from ..edit import CacheKind, DropFunctionError, check_kv, kept_rows, validate_drop_output
-from ..metrics import DecodeMetrics, ModifyMetrics, RunMetrics
+from ..edit import CacheKind, check_kv
+from ..metrics import DecodeMetrics, RunMetrics
 from ..models import load_model, model_facts
-from .base import (GREEDY_BELOW, CountSetting, ModifyReport, RequestOutput, answer_text, check_count,
-                   check_engine_settings, check_max_tokens, check_temperature, tokenize_extensions, tokenize_prompts)
-from .capture import QueryRecorder, capture_implementation, recording
+from .base import (
+    GREEDY_BELOW,
+    CountSetting,
+    Engine,
+    RequestOutput,
+    answer_text,
+    check_count,
+    check_engine_settings,
+    check_max_tokens,
+    check_temperature,
+    register_engine,
+    tokenize_extensions,
+)
 from .kvstore import SlotKVStore, plan_slots
 
 POSITIONS = ("compact", "original")
@@ -85,10 +95,11 @@ class _Request:
     resume: tuple | None = None  # preempted mid-decode: (keys, values, positions, next token, its position)
 
 
-class HFEngine:
+@register_engine("hf")
+class HFEngine(Engine):
     """Embedded engine over a transformers causal LM: any decoder with full and/or sliding-window attention
     and one key and one value per layer and token (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, gpt-oss, OLMo 2,
-    Granite, GPT-NeoX, Phi ...: README "Supported models"). Any other model fails here with one line naming
+    Granite, GPT-NeoX, Phi ...: docs/models.md, "Supported model families"). Any other model fails here with one line naming
     its family and the reason (`ValueError`).
 
     Args:
@@ -113,14 +124,10 @@ class HFEngine:
         progress: show tqdm progress bars for the prefill and decode phases.
 
     Query capture switches the model to a registered attention function that wraps its `sdpa` or
-    `eager` attention (`tdutils.engines.capture`); outputs are unchanged.
+    `eager` attention (`tdutils.attention.capture_implementation`); outputs are unchanged.
     """
 
-    kind = "hf"
-    kv_budget_tokens = CountSetting(1, none="unlimited")
-    max_batch_size = CountSetting(1, none="no cap")
     prefill_batch_size = CountSetting(1)
-    query_window = CountSetting(0, none="all prompt tokens")
 
     def __init__(self, model="tiny-qwen3", *, tokenizer=None, dtype="auto", device=None,
                  attn_implementation: str | None = None, kv_budget_tokens: int | None = None,
@@ -158,7 +165,7 @@ class HFEngine:
         self.positions = positions
         self.progress = progress
         self.eos_token_ids = _eos_ids(self.tokenizer, self.model)  # decode stops on any unless ignore_eos
-        self.chat_template_applied = uses_chat_template(self.tokenizer, chat_template)
+        uses_chat_template(self.tokenizer, chat_template)  # a bad value, or "on" without a template, fails here
         self.chat_template = chat_template
         self.requests: list[_Request] = []
         self.metrics = RunMetrics("run")
@@ -178,9 +185,8 @@ class HFEngine:
     def eos_token_id(self, value: int | None) -> None:
         self.eos_token_ids = frozenset() if value is None else frozenset({int(value)})
 
-    def tokenize(self, prompts) -> list[list[int]]:
-        """Token ids of each prompt: a string, a `PromptRow`/dict with `prompt`, or a list of ids."""
-        return tokenize_prompts(self.tokenizer, prompts, self.model.config.vocab_size, chat=self.chat_template_applied)
+    def _vocab_size(self) -> int:
+        return self.model.config.vocab_size
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -282,32 +288,15 @@ class HFEngine:
             del cache
         bar.close()
         pm.requests, pm.tokens, pm.seconds, pm.ttft_s = len(ids), sum(map(len, ids)), time.perf_counter() - t0, ttft
-        return [r.kv for r in self.requests]
+        return [r.kv.shape[2] for r in self.requests]
 
     def kv(self, request_id: int) -> torch.Tensor:
         """The current KV `[2, L, T, D]` of one request (after `modify`, the edited one)."""
         return self.requests[request_id].kv
 
-    def capture_for(self, *drop_fns) -> int | None:
-        """Widen query capture to what `drop_fns` need before the next `prefill`; never narrows it.
-
-        `tdutils.policies.query_window_for` says what they need: nothing (query-free policies), the last `w`
-        prompt queries (SnapKV, R-KV, TOVA) or all of them (H2O: `[L, T, Hq*d]` per request, held until the
-        edit). Drop functions that do not say (a bare ModifyFn) change nothing. `run_once` and `compare`
-        call this, so a policy gets its queries whatever `query_window` the engine was opened with.
-
-        Returns:
-            The engine's `query_window` after the call (None = all prompt tokens).
-        """
-        from ..policies import query_window_for
-
-        need = query_window_for(*drop_fns, default=0)
-        if need == 0 or self.query_window is None or (need is not None and self.query_window >= need):
-            return self.query_window
+    def _prepare_capture(self, need, drop_fns) -> None:
         if self.query_window == 0:  # capture was never installed
             self.model.set_attn_implementation(capture_implementation(self.model.config._attn_implementation))
-        self.query_window = need
-        return need
 
     def query(self, request_id: int) -> torch.Tensor | None:
         """The captured query `[L, Tq, Hq*d]` of one request (rows aligned to the end of its KV), or None."""
@@ -362,93 +351,58 @@ class HFEngine:
         """The token ids the cache of one request holds."""
         return list(self.requests[request_id].tokens)
 
-    @torch.inference_mode()
-    def modify(self, drop_fn, *, positions: str | None = None, on_error: str = "raise") -> ModifyReport:
-        """Apply `drop_fn(tensors, tokens) -> (new_kv, new_tokens)` to every request's cache.
-
-        Args:
-            drop_fn: an LMCache-style ModifyFn (e.g. from `tdutils.make_drop_fn`). It receives
-                `{CacheKind.KV: kv [2, L, T, D], CacheKind.QUERY: q [L, Tq, Hq*d]}` (the query when
-                captured, i.e. before the first edit) and the T token ids.
-            positions: `"compact"` / `"original"`; default the engine's setting. A `DropFn` whose
-                `rerotate` disagrees (compact needs re-rotated keys, original needs untouched ones) is
-                refused before anything runs.
-            on_error: `"raise"` — if any request fails, no cache is changed and `DropFunctionError` lists
-                every failure; `"skip"` — failed requests keep their cache unchanged, the others are
-                edited, failures are returned in the report and warned about.
-
-        Raises:
-            RuntimeError: called before `prefill`.
-            ValueError: bad `positions` / `on_error`, or a `DropFn` whose `rerotate` contradicts positions.
-            DropFunctionError: with `on_error="raise"`, when the function raised or returned bad output.
-        """
-        if not self.requests:
-            raise RuntimeError("modify() needs prefilled requests; call prefill(prompts) first")
+    # ------------------------------------------------------------------ modify's hooks (the flow is Engine.modify)
+    def _check_modify(self, drop_fn, positions):
         positions = positions or self.positions
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         rerotate = getattr(drop_fn, "rerotate", None)
         if rerotate is not None and rerotate != (positions == "compact"):
             raise ValueError(f"positions={positions!r} needs a drop function with rerotate={positions == 'compact'}, "
                              f"got rerotate={rerotate}; build it with make_drop_fn(..., rerotate={positions == 'compact'})")
-        edit = getattr(drop_fn, "edit", None)  # DropFn.edit also returns the kept indices
-        mm = self.metrics.modify = ModifyMetrics()
-        t0 = time.perf_counter()
-        edits, failures = {}, []
-        for req in self.requests:
-            try:
-                # a copy: a drop function that edits its input in place and then fails must not touch the cache
-                tensors = {kind: t.clone() for kind, t in self.tensors(req.request_id).items()}
-                keep = None
-                if edit is not None:
-                    *result, keep = edit(tensors, list(req.tokens))
-                else:
-                    result = drop_fn(tensors, list(req.tokens))
-                new_kv, new_tokens = validate_drop_output(req.kv, req.tokens, result,
-                                                          vocab_size=self.model.config.vocab_size)
-                if keep is None and positions == "original":
-                    # decode refeeds the last kept token at its own position: any drop function's kept rows
-                    # must be known, not assumed to end at T - 1
-                    keep = kept_rows(req.kv, req.tokens, new_kv, new_tokens)
-                if keep is not None:
-                    old = req.positions if req.positions is not None else torch.arange(req.kv.shape[2])
-                    keep = old[keep.cpu()]  # positions of the kept rows (a second edit indexes the first's rows)
-                edits[req.request_id] = new_kv, new_tokens, keep
-            except Exception as exc:  # noqa: BLE001 (any failure of user code is reported below, never swallowed)
-                failures.append((req.request_id, f"{exc.__class__.__name__}: {exc}"))
-        mm.seconds = time.perf_counter() - t0
-        mm.tokens_before = sum(r.kv.shape[2] for r in self.requests)
-        if failures and on_error == "raise":
-            mm.failed = len(failures)
-            mm.tokens_after = mm.tokens_before
-            lines = "\n".join(f"  request {i}: {msg}" for i, msg in failures[:10])
-            raise DropFunctionError(f"the drop function failed on {len(failures)} of {len(self.requests)} requests; "
-                                    f"no cache was changed:\n{lines}")
-        for req in self.requests:
-            if req.request_id in edits:
-                new_kv, new_tokens, kept_pos = edits[req.request_id]
-                req.kv, req.tokens, req.edited = new_kv, new_tokens, True
-                req.query = None  # the captured rows belonged to the unedited prompt
-                # compact: the last kept token sits at k-1; original: its prompt position (T-1 when kept).
-                if positions == "compact":
-                    req.positions, req.refeed_pos = None, len(new_tokens) - 1
-                else:
-                    req.positions = kept_pos
-                    req.refeed_pos = int(kept_pos[-1])
-        mm.edited, mm.failed = len(edits), len(failures)
-        mm.tokens_after = sum(r.kv.shape[2] for r in self.requests)
-        if failures:
-            warnings.warn(f"drop function failed on {len(failures)} requests (caches left unchanged): {failures[:3]}",
-                          stacklevel=2)
-        return ModifyReport(edited=len(edits), failures=failures)
+        return positions
+
+    def _edit_input(self, request_id, drop_fn):
+        req = self.requests[request_id]
+        # a copy: a drop function that edits its input in place and then fails must not touch the cache
+        tensors = {kind: t.clone() for kind, t in self.tensors(request_id).items()}
+        return tensors, list(req.tokens), req.kv
+
+    def _edit_stage(self, request_id, new_kv, new_tokens, keep):
+        req = self.requests[request_id]
+        if keep is not None:
+            old = req.positions if req.positions is not None else torch.arange(req.kv.shape[2])
+            keep = old[keep.cpu()]  # positions of the kept rows (a second edit indexes the first's rows)
+        return new_kv, new_tokens, keep
+
+    def _edit_commit(self, request_id, staged, positions):
+        req = self.requests[request_id]
+        req.kv, req.tokens, kept_pos = staged
+        req.edited = True
+        req.query = None  # the captured rows belonged to the unedited prompt
+        # compact: the last kept token sits at k-1; original: its prompt position (T-1 when kept).
+        if positions == "compact":
+            req.positions, req.refeed_pos = None, len(req.tokens) - 1
+        else:
+            req.positions, req.refeed_pos = kept_pos, int(kept_pos[-1])
+
+    def modify(self, drop_fn, *, positions: str | None = None, on_error: str = "raise"):
+        """`Engine.modify` (all or nothing, per-request failures) with both position conventions.
+
+        `positions`: `"compact"` / `"original"`; default the engine's setting. A `DropFn` whose `rerotate`
+        disagrees (compact needs re-rotated keys, original needs untouched ones) is refused before anything
+        runs. Under `"original"` the kept positions come from `DropFn.edit`, or, for any other ModifyFn, from
+        its output rows (`tdutils.edit.kept_rows`; an output that is not an in-order selection of unchanged
+        rows fails that request).
+        """
+        with torch.inference_mode():
+            return super().modify(drop_fn, positions=positions, on_error=on_error)
 
     @torch.inference_mode()
-    def extend(self, prompts) -> list[torch.Tensor]:
+    def extend(self, prompts) -> list[int]:
         """Append tokens to every request and prefill them on top of its current (possibly edited) cache.
 
-        The query-agnostic flow (SPEC §3; kvpress' "query-agnostic" setting): `prefill(context)`,
+        The query-agnostic flow (docs/design.md §3; kvpress' "query-agnostic" setting): `prefill(context)`,
         `modify(drop_fn)` while the question is unknown, then `extend(questions)` and `decode`. Each extension
         is prefilled at the positions that follow the cache: `refeed_pos + 1, ...` — after a compacting edit
         (`positions="compact"`) that is `k, k+1, ...` for a cache of `k` kept tokens, on an unedited cache
@@ -474,7 +428,7 @@ class HFEngine:
                 text) or token-id list per request, in request order; each at least one token.
 
         Returns:
-            Each request's KV `[2, L, T + m, D]` (model dtype and device).
+            Each request's cache length `T + m` (its KV `[2, L, T + m, D]` is `kv(i)`).
 
         Raises:
             RuntimeError: called before `prefill`.
@@ -509,7 +463,7 @@ class HFEngine:
             r.kv, r.query = kv, query
             r.tokens, r.prompt_ids = r.tokens + x, r.prompt_ids + x  # new lists: snapshots of a request stay valid
             r.refeed_pos = first + len(x) - 1
-        return [r.kv for r in self.requests]
+        return [r.kv.shape[2] for r in self.requests]
 
     def _extend_batch(self, reqs: list[_Request], ext: list[list[int]]) -> list[tuple]:
         """One padded forward of `ext` over the caches of `reqs`; returns each request's new `(kv, query)`.

@@ -1,5 +1,5 @@
 """The `lmcache` engine: vLLM (OpenAI-compatible server, LMCache MP connector) + LMCache server, driven
-through LMCache's SDK (`lmcache.sdk`), with the same API as the embedded `hf` engine (SPEC §1, §6).
+through LMCache's SDK (`lmcache.sdk`), with the same API as the embedded `hf` engine (docs/design.md §1, §6).
 
 Phases:
 
@@ -42,7 +42,7 @@ plane `[1, L, T, H_kv * 2d]` whose rows are vLLM's block rows, not tokens (`tdut
 The engine converts them to `[2, L, T, D]` before the drop function and back before `store`
 (`fused_arrangement`: `"kt_v"` is vLLM-CPU's measured arrangement; `"auto"` picks the arrangement whose
 layer-0 keys match the model's own, recomputed from the checkpoint). The SDK needs lmcache's layout patch
-for such a cache (`python -m tdutils.patches apply --target lmcache`, SPEC §6).
+for such a cache (`python -m tdutils.patches apply --target lmcache`, docs/design.md §6).
 
 `lmcache` is imported only when an engine is opened; tests pass a stand-in `sdk`.
 """
@@ -62,99 +62,40 @@ from typing import ClassVar
 
 import torch
 
-from ..completion import CompletionError, make_post_completion
-from ..edit import CacheKind, DropFunctionError, check_kv, validate_drop_output
-from ..metrics import DecodeMetrics, ModifyMetrics, RunMetrics
+from ..edit import CacheKind, check_kv
+from ..metrics import DecodeMetrics, RunMetrics
 from ..models import bundled_model_path, model_facts
+from ..serving.completion import CompletionError, make_post_completion
+from ..serving.kvlayout import ARRANGEMENTS, FUSED_FORMATS, fused_to_kv, kv_to_fused
+from ..serving.probes import (  # noqa: F401 (re-exported: the engine's errors and start hints)
+    LMCACHE_START_HINT,
+    VLLM_START_HINT,
+    ServerError,
+    http_json,
+    lmcache_health,
+    lmcache_model_name,
+    registered_models,
+    served_models,
+)
 from ..textio import read_text
-from .base import (CountSetting, ModifyReport, RequestOutput, answer_text, check_count, check_engine_settings,
-                   check_seconds, check_temperature, tokenize_prompts)
-from .kvlayout import ARRANGEMENTS, FUSED_FORMATS, fused_to_kv, kv_to_fused
+from .base import (
+    CountSetting,
+    Engine,
+    RequestOutput,
+    answer_text,
+    check_count,
+    check_engine_settings,
+    check_seconds,
+    check_temperature,
+    register_engine,
+)
 
-LMCACHE_START_HINT = (
-    "start it with `lmcache server --l1-size-gb 40 --eviction-policy LRU --chunk-size 256 --port 6555 "
-    "--http-port 8080 --shm-name tdutils --no-l1-use-lazy --supported-transfer-mode auto --enable transfer_query` "
-    "(README, section 'On a GPU'), or point at it: lmcache_url= / lmcache_http_url= (command line: --lmcache-url / "
-    "--lmcache-http-url)")
-VLLM_START_HINT = (
-    "start it with `vllm serve MODEL --port 8000 --no-enable-prefix-caching --enforce-eager "
-    "--return-tokens-as-token-ids --max-num-batched-tokens 32768 --kv-transfer-config '{\"kv_connector\": \"LMCacheMPConnector\", \"kv_role\": "
-    "\"kv_both\", \"kv_connector_extra_config\": {\"lmcache.mp.port\": 6555, "
-    "\"lmcache.mp.transfer_intermediate_tensors\": true, \"lmcache.mp.q.ring_depth\": 2}}'` (README, section "
-    "'On a GPU'), or point at it: vllm_url= (command line: --vllm-url)")
 ALIGN = ("pad", "none")
 FUSED_ARRANGEMENTS = ("auto", *ARRANGEMENTS)
 
 
-class ServerError(ConnectionError):
-    """A server is down, unreachable, or not set up as the serving path needs (the message says the fix)."""
-
-
 class QueryCheckError(ValueError):
     """Retrieved query or key rows do not belong to the request's tokens (mixed-up or shifted rows)."""
-
-
-def http_json(method: str, url: str, *, timeout: float, body=None, what: str = "", hint: str = ""):
-    """One JSON request with a finite timeout; returns the decoded body.
-
-    Raises:
-        ServerError: connection refused / timeout (message names `what`, the URL and `hint`), an HTTP error
-            status (with the body), or a body that is not JSON.
-    """
-    import httpx
-
-    try:
-        resp = httpx.request(method, url, json=body, timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)))
-    except httpx.TimeoutException as exc:
-        raise ServerError(f"{what or url} did not answer within {timeout:g}s ({url}); {hint}") from exc
-    except httpx.HTTPError as exc:
-        raise ServerError(f"cannot reach {what or url} at {url} ({exc.__class__.__name__}: {exc}); {hint}") from exc
-    if resp.status_code >= 400:
-        raise ServerError(f"{method} {url} returned HTTP {resp.status_code}: {resp.text[:1000]}")
-    try:
-        return resp.json()
-    except ValueError as exc:
-        raise ServerError(f"{method} {url} did not return JSON: {resp.text[:300]!r}") from exc
-
-
-def served_models(vllm_url: str, *, timeout: float = 10.0) -> list[dict]:
-    """`GET /v1/models` of vLLM: the served models (`id`, `root`, `max_model_len`, ...)."""
-    data = http_json("GET", vllm_url.rstrip("/").removesuffix("/v1") + "/v1/models", timeout=timeout,
-                     what="vLLM", hint=VLLM_START_HINT)
-    models = data.get("data") if isinstance(data, dict) else None
-    if not isinstance(models, list):
-        raise ServerError(f"vLLM at {vllm_url} answered /v1/models without a 'data' list: {str(data)[:300]}")
-    return models
-
-
-def lmcache_health(http_url: str, *, timeout: float = 10.0) -> None:
-    """Raise ServerError unless LMCache's `GET /healthcheck` says healthy."""
-    data = http_json("GET", http_url.rstrip("/") + "/healthcheck", timeout=timeout, what="the LMCache server",
-                     hint=LMCACHE_START_HINT)
-    if not isinstance(data, dict) or data.get("status") != "healthy":
-        raise ServerError(f"LMCache at {http_url} is not healthy: {data}")
-
-
-def registered_models(status: dict) -> dict[str, dict]:
-    """Model name -> registration entry (its `kv_cache_layout`) from LMCache's `GET /status`."""
-    out = {}
-    for entry in (status.get("cache_context_meta") or {}).values():
-        if isinstance(entry, dict) and entry.get("model_name"):
-            out[entry["model_name"]] = entry
-    return out
-
-
-def lmcache_model_name(model: str, root: str | None, registered: dict) -> str | None:
-    """The name LMCache knows the served model by, or None when it has no registration for it.
-
-    vLLM's LMCache connector registers the KV layout under vLLM's model *path* (`--model`, which
-    `/v1/models` reports as `root`), not under `--served-model-name`; the two differ as soon as a server
-    names its model. So the served name is tried first, then the root.
-    """
-    for name in (model, root):
-        if name and name in registered:
-            return name
-    return None
 
 
 @dataclass
@@ -264,7 +205,8 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp_min(1e-12)
 
 
-class LMCacheEngine:
+@register_engine("lmcache")
+class LMCacheEngine(Engine):
     """Serving-path engine over vLLM + LMCache (see the module docstring for what each phase does).
 
     Args:
@@ -304,10 +246,6 @@ class LMCacheEngine:
         ValueError: bad settings, or a model that vLLM does not serve / LMCache has no layout for.
     """
 
-    kind = "lmcache"
-    kv_budget_tokens = CountSetting(1, none="unlimited")
-    max_batch_size = CountSetting(1, none="no cap")
-    query_window = CountSetting(0, none="all prompt tokens")
     check_rows = CountSetting(0)
 
     def __init__(self, model: str | None = None, *, vllm_url: str = "http://localhost:8000",
@@ -413,7 +351,7 @@ class LMCacheEngine:
                          f"{self.lmcache_model_name!r} (engine KV format {', '.join(formats) or 'unknown'}). "
                          f"For the fused K/V layout of vLLM's CPU backend (NL_X_NB_NH_BS_CS), lmcache 0.5.6 "
                          f"needs tdutils' layout patch in the environment of the LMCache server and of this "
-                         f"client: python -m tdutils.patches apply --target lmcache (SPEC §6).")
+                         f"client: python -m tdutils.patches apply --target lmcache (docs/design.md §6).")
             raise
         self.q_ctx = None
         self.query_unavailable = None
@@ -463,12 +401,6 @@ class LMCacheEngine:
                 raise ValueError("the tokenizer has neither a pad nor an EOS token; pass pad_token_id=")
             self.pad_token_id = int(pid)
         return self.pad_token_id
-
-    def tokenize(self, prompts) -> list[list[int]]:
-        """Token ids of each prompt: a string, a `PromptRow`/dict with `prompt`, or a list of ids."""
-        from ..chat import uses_chat_template
-
-        return tokenize_prompts(self.tokenizer, prompts, chat=uses_chat_template(self.tokenizer, self.chat_template))
 
     def _aligned(self, ids: list[int]) -> tuple[list[int], int]:
         """`ids` front-padded to a multiple of the chunk size (after a leading BOS), and the pad count."""
@@ -594,10 +526,6 @@ class LMCacheEngine:
                                    f"{self.retrieve_timeout:g}s (retrieve_timeout)")
             time.sleep(0.05)
 
-    def _require_requests(self, op: str):
-        if not self.requests:
-            raise RuntimeError(f"{op} needs prefilled requests; call prefill(prompts) first")
-
     def edit_salt(self, request_id: int) -> str:
         """The cache salt request `request_id`'s edited KV is stored under in this run: its own, never shared
         with another request (whose kept tokens may share leading chunks but not their KV) nor another run."""
@@ -617,31 +545,16 @@ class LMCacheEngine:
         kv = self._retrieve(self.kv_ctx, r.tokens[:r.cached], r.salt, rows, "KV")
         return self._check_kv_layout(self._from_lmcache(kv[:, :, :rows], r.tokens[:rows]))
 
-    def capture_for(self, *drop_fns) -> int | None:
-        """Widen the query rows drop functions receive to what `drop_fns` need; never narrows.
-
-        Query-free policies (`needs="kv"`) need nothing: they run without the vLLM query patch and without
-        LMCache's `transfer_query` (open the engine with `query_window=0`). Returns the new `query_window`.
-
-        Raises:
-            ValueError: a drop function needs queries but this engine has no query context (opened with
-                `query_window=0`, or query export is unavailable).
-        """
-        from ..policies import query_window_for
-
-        need = query_window_for(*drop_fns, default=0)
-        if need == 0:
-            return self.query_window
+    def _prepare_capture(self, need, drop_fns) -> None:
+        """Query-free policies (`needs="kv"`) need nothing: they run without the vLLM query patch and without
+        LMCache's `transfer_query` (open the engine with `query_window=0`); a policy that needs queries on an
+        engine without a query context raises ValueError."""
         if self.q_ctx is None:
             why = self.query_unavailable or "the engine was opened with query_window=0"
             names = [getattr(getattr(f, "drop_fn", f), "name", "?") for f in drop_fns if f is not None]
             raise ValueError(f"{', '.join(names)} needs query tensors, but this lmcache engine has none ({why}); "
                              f"use a query-free policy (tdutils.policies.policy_names('kv')) or open the engine with "
                              f"query_window=None or >= {need} against a patched vLLM and LMCache --enable transfer_query")
-        if self.query_window is None or (need is not None and self.query_window >= need):
-            return self.query_window
-        self.query_window = need
-        return need
 
     def query(self, request_id: int) -> torch.Tensor | None:
         """The request's query rows `[L, Tq, Hq*d]` (aligned to the end of its unedited KV), or None after an
@@ -687,7 +600,7 @@ class LMCacheEngine:
                         return kv
                 raise ValueError(f"the fused K/V cache LMCache returned matches no known arrangement (layer-0 key "
                                  f"cosine per arrangement: { {a: round(s, 3) for a, s in tried.items()} }); vLLM's CPU "
-                                 f"backend is known to pack float32 caches only: serve with --dtype float32 (SPEC §6)")
+                                 f"backend is known to pack float32 caches only: serve with --dtype float32 (docs/design.md §6)")
         return fused_to_kv(raw, arrangement=self.fused_arrangement, **geometry)
 
     def _to_lmcache(self, kv: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -724,7 +637,7 @@ class LMCacheEngine:
             raise ValueError(
                 f"LMCache returned KV of shape {tuple(kv.shape)}, expected [2, {f.num_layers}, T, {f.kv_dim}] for "
                 f"this model (LMCache's layout: engine KV format {self.engine_kv_format}, {self.block_size} tokens "
-                f"per block); a [1, L, T, 2D] tensor is a fused K/V layout (SPEC §6)")
+                f"per block); a [1, L, T, 2D] tensor is a fused K/V layout (docs/design.md §6)")
         return kv
 
     def _fetch_query(self, r: _Request, rows: int) -> torch.Tensor:
@@ -794,21 +707,21 @@ class LMCacheEngine:
                                           f"query rows are mixed up or shifted")
         return "layer0"
 
-    def modify(self, drop_fn, *, positions: str | None = None, on_error: str = "raise") -> ModifyReport:
-        """Apply `drop_fn(tensors, tokens) -> (new_kv, new_tokens)` to every request's cached KV.
+    def modify(self, drop_fn, *, positions: str | None = None, on_error: str = "raise"):
+        """`Engine.modify` on what LMCache holds.
 
         Per request: retrieve the KV `[2, L, T, D]` (T = the padded prompt; with `align="none"` its
         chunk-aligned prefix) and the last `query_window` query rows `[L, Tq, Hq*d]` (none for a query-free
         drop function, `needs="kv"`, which so never waits for queries an unpatched vLLM does not send), check rows
         (`check_query_rows`), call the drop function, validate its output (`validate_drop_output`) and
         store it under the request's own edit salt (`edit_salt`). Requests switch to their edited cache only after all of
-        them were processed (with `on_error="raise"`, only if none failed).
+        them were processed (with `on_error="raise"`, only if none failed). A prompt shorter than one LMCache
+        chunk has nothing cached: that request fails ("nothing to edit").
 
         Args:
             drop_fn: an LMCache-style ModifyFn (e.g. `tdutils.make_drop_fn(..., rerotate=True)`).
             positions: only `"compact"` (or None).
-            on_error: `"raise"` (any failure: no request changes, `DropFunctionError` lists the failures) or
-                `"skip"` (failed requests keep their cache; the report lists them).
+            on_error: as `Engine.modify`.
 
         Raises:
             RuntimeError: called before `prefill`, twice in one run, or after `extend` before `decode`.
@@ -817,11 +730,12 @@ class LMCacheEngine:
             TimeoutError: LMCache did not get the request's KV (or queries) within `retrieve_timeout`.
             DropFunctionError: with `on_error="raise"`.
         """
-        self._require_requests("modify()")
+        return super().modify(drop_fn, positions=positions, on_error=on_error)
+
+    # ------------------------------------------------------------------ modify's hooks (the flow is Engine.modify)
+    def _check_modify(self, drop_fn, positions):
         if positions not in (None, "compact"):
             raise ValueError(f"the lmcache engine supports positions='compact' only, got {positions!r}")
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if pending := [r.request_id for r in self.requests if len(r.tokens) > r.cached]:
             # The extension reaches LMCache only when decode sends it to vLLM: nothing to retrieve yet.
             raise RuntimeError(f"requests {pending} were extended and not decoded yet: the lmcache engine edits only what "
@@ -832,65 +746,53 @@ class LMCacheEngine:
         if any(r.edited for r in self.requests):
             raise RuntimeError("this run's caches were already modified; call prefill(prompts) to start a new run")
         # a query-free policy (needs="kv") never waits for query rows, which an unpatched vLLM never sends
-        reads_query = getattr(getattr(drop_fn, "drop_fn", drop_fn), "needs", None) != "kv"
-        mm = self.metrics.modify = ModifyMetrics()
-        t0 = time.perf_counter()
-        edits, failures = {}, []
-        before = 0
-        for r in self.requests:
-            rows = (len(r.tokens) // self.chunk_size) * self.chunk_size
-            before += len(r.tokens)
-            if rows == 0:  # shorter than one chunk: nothing is cached, nothing to edit
-                msg = f"prompt of {len(r.tokens)} tokens is shorter than one LMCache chunk ({self.chunk_size}); nothing to edit"
-                failures.append((r.request_id, msg))
-                continue
-            raw = self._retrieve(self.kv_ctx, r.tokens[:rows], r.salt, rows, "KV")[:, :, :rows]
-            kv = self._check_kv_layout(self._from_lmcache(raw, r.tokens[:rows]))
-            tokens = r.tokens[:rows]
-            check_kv(kv, tokens)
-            q = None
-            if self.q_ctx is not None and self.query_window != 0 and reads_query:
-                q = self._fetch_query(r, rows)
-            self.check_query_rows(kv, q, tokens)
-            tensors = {CacheKind.KV: kv}
-            if q is not None:
-                tensors[CacheKind.QUERY] = q
-            try:
-                new_kv, new_tokens = validate_drop_output(kv, tokens, drop_fn(tensors, list(tokens)))
-            except Exception as exc:  # noqa: BLE001 (a drop function may raise anything; reported below)
-                msg = f"{exc.__class__.__name__}: {exc}"
-                if q is None and self.query_unavailable:
-                    msg += f" [queries were not available: {self.query_unavailable}]"
-                failures.append((r.request_id, msg))
-                continue
-            # The request's edit salt is used by nobody until the switch below, so storing now changes nothing
-            # that anyone reads; a failure later leaves these entries unreachable (cleared next run).
-            if not self.kv_ctx.store(*self._to_lmcache(new_kv, new_tokens), self.edit_salt(r.request_id)):
-                warnings.warn(f"request {r.request_id}: LMCache reports the edited KV as already cached", stacklevel=2)
-            edits[r.request_id] = new_tokens + r.tokens[rows:]  # the unaligned tail (align="none") stays as is
-            del kv, q, tensors, new_kv
-        mm.seconds = time.perf_counter() - t0
-        mm.tokens_before = before
-        if failures and on_error == "raise":
-            mm.failed, mm.tokens_after = len(failures), before
-            lines = "\n".join(f"  request {i}: {msg}" for i, msg in failures[:10])
-            raise DropFunctionError(f"the drop function failed on {len(failures)} of {len(self.requests)} requests; "
-                                    f"no cache was changed:\n{lines}")
-        for r in self.requests:
-            if r.request_id in edits:
-                r.tokens = edits[r.request_id]
-                r.cached = len(r.tokens)
-                r.salt = self.edit_salt(r.request_id)
-                r.edited = True
-        mm.edited, mm.failed = len(edits), len(failures)
-        mm.tokens_after = sum(len(r.tokens) for r in self.requests)
-        if failures:
-            warnings.warn(f"drop function failed on {len(failures)} requests (caches left unchanged): {failures[:3]}",
-                          stacklevel=2)
-        return ModifyReport(edited=len(edits), failures=failures)
+        self._reads_query = getattr(getattr(drop_fn, "drop_fn", drop_fn), "needs", None) != "kv"
+        return "compact"
+
+    def _cache_length(self, request_id):
+        return len(self.requests[request_id].tokens)
+
+    def _edit_input(self, request_id, drop_fn):
+        r = self.requests[request_id]
+        rows = (len(r.tokens) // self.chunk_size) * self.chunk_size
+        if rows == 0:  # shorter than one chunk: nothing is cached, nothing to edit
+            return f"prompt of {len(r.tokens)} tokens is shorter than one LMCache chunk ({self.chunk_size}); nothing to edit"
+        raw = self._retrieve(self.kv_ctx, r.tokens[:rows], r.salt, rows, "KV")[:, :, :rows]
+        tokens = r.tokens[:rows]
+        kv = self._check_kv_layout(self._from_lmcache(raw, tokens))
+        check_kv(kv, tokens)
+        q = None
+        if self.q_ctx is not None and self.query_window != 0 and self._reads_query:
+            q = self._fetch_query(r, rows)
+        self.check_query_rows(kv, q, tokens)
+        tensors = {CacheKind.KV: kv}  # retrieved for this call only: the drop function may edit it
+        if q is not None:
+            tensors[CacheKind.QUERY] = q
+        return tensors, tokens, kv
+
+    def _failure_note(self, request_id, tensors):
+        if CacheKind.QUERY not in tensors and self.query_unavailable:
+            return f" [queries were not available: {self.query_unavailable}]"
+        return ""
+
+    def _edit_stage(self, request_id, new_kv, new_tokens, keep):
+        # The request's edit salt is used by nobody until the switch, so storing now changes nothing that anyone
+        # reads; a failure later leaves these entries unreachable (cleared next run).
+        if not self.kv_ctx.store(*self._to_lmcache(new_kv, new_tokens), self.edit_salt(request_id)):
+            warnings.warn(f"request {request_id}: LMCache reports the edited KV as already cached", stacklevel=3)
+        r = self.requests[request_id]
+        rows = (len(r.tokens) // self.chunk_size) * self.chunk_size
+        return new_tokens + r.tokens[rows:]  # the unaligned tail (align="none") stays as is
+
+    def _edit_commit(self, request_id, staged, positions):
+        r = self.requests[request_id]
+        r.tokens = staged
+        r.cached = len(r.tokens)
+        r.salt = self.edit_salt(request_id)
+        r.edited = True
 
     def extend(self, prompts) -> list[int]:
-        """Append tokens to every request (the query-agnostic flow, SPEC §3: prefill(context) -> modify ->
+        """Append tokens to every request (the query-agnostic flow, docs/design.md §3: prefill(context) -> modify ->
         extend(question) -> decode).
 
         Nothing is sent now: each request's decode prompt becomes its cached tokens (the kept tokens after an

@@ -2,7 +2,9 @@
 
 One file per policy; each registers itself with `register_policy` (see `registry`), which is how
 `tdutils.make_drop_fn`, the command line, `passkey_eval` and the notebooks find it. Policies import
-`tdutils.selection`, `tdutils.kvcache` and each other's public helpers, never `tdutils.edit`.
+`tdutils.selection`, `tdutils.kvcache`, `scoring` (attention from captured queries: window attention, GQA
+reduction, pooling, the model's attention spec), `params` (field checks) and each other's public helpers,
+never `tdutils.edit`. `cli` makes the command-line options from the parameter dataclasses.
 
 | name | needs | paper |
 |---|---|---|
@@ -27,6 +29,14 @@ from .h2o import H2OParams, h2o_keep, h2o_scores
 from .tova import TOVAParams, tova_keep, tova_scores
 from .knorm import KNormParams, knorm_keep, knorm_scores
 from .keydiff import KeyDiffParams, keydiff_keep, keydiff_scores
+
+# A policy added as a new file here registers without an edit to this file: every other module of the package
+# is imported after the ones above (in name order), so its `register_policy` call runs.
+import importlib as _importlib
+import pkgutil as _pkgutil
+
+for _module in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
+    _importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = ["NEEDS", "RKV_METHODS", "H2OParams", "KNormParams", "KeyDiffParams", "MiddleChunkParams", "Policy",
            "RKVParams", "RandomParams", "SnapKVParams", "StreamingLLMParams", "TOVAParams", "get_policy",

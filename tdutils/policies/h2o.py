@@ -5,7 +5,7 @@ arXiv:2306.14048.
 
 Definition: the score of token `j` is its attention accumulated over every query that can see it,
 `Σ_{i ≥ j} softmax_j(q_i · k_j / sqrt(d))` (causal), per head. Implemented here over all prompt queries,
-with the attention computed by the same helper as SnapKV (`snapkv.window_attention`, in blocks of query
+with the attention computed by the helper SnapKV uses (`scoring.window_attention`, in blocks of query
 rows so that no `[Hq, T, T]` tensor is formed), the `g` query heads of each GQA group averaged, then the
 KV heads and layers averaged into one score per token. Keep the `window` most recent tokens plus the
 `k - window` heavy hitters among the others (ties to the earlier token).
@@ -22,14 +22,14 @@ heavy hitters = `k // 2`); `n_sink=0`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..attention import AttentionSpec
 from ..selection import check_protected, keep_count, keep_top_scores, protected_mask
 from .registry import register_policy
-from .snapkv import _layers, check_query, model_attention, window_attention
+from .scoring import check_query, layer_attentions, model_attention, reduce_gqa, window_attention
 
 BLOCK_ELEMENTS = 1 << 24  # fp32 attention probabilities held per block of query rows (64 MiB)
 
@@ -38,8 +38,9 @@ BLOCK_ELEMENTS = 1 << 24  # fp32 attention probabilities held per block of query
 class H2OParams:
     """H2O parameters: recent `window` (None = half the keep count, the paper's split) and `n_sink`."""
 
-    window: int | None = None
-    n_sink: int = 0
+    window: int | None = field(default=None, metadata={
+        "help": "the most recent prompt tokens, always kept; unset: half the keep count (the paper's split)"})
+    n_sink: int = field(default=0, metadata={"help": "the first prompt tokens, always kept (attention sinks)"})
 
     def __post_init__(self):
         check_protected(self.n_sink, 0 if self.window is None else self.window)
@@ -67,7 +68,7 @@ def h2o_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, attention: A
     T = kv.shape[2]
     q = check_query(kv, q, T, head_dim, "H2O", what="the prompt length (H2O reads every prompt query)")
     L, h = kv.shape[1], kv.shape[3] // head_dim
-    layers = _layers(attention, L)
+    layers = layer_attentions(attention, L)
     hq = q.shape[2] // head_dim
     rows = max(1, BLOCK_ELEMENTS // (hq * T))
     total = torch.zeros(T, dtype=torch.float32, device=kv.device)
@@ -78,7 +79,7 @@ def h2o_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, attention: A
             b = min(T, a + rows)
             # rows a..b-1 are the last rows of the first b tokens: the window_attention layout
             acc[:, :b] += window_attention(kv[0, layer, :b], qs[a:b], h, layers[layer]).sum(dim=1)  # [Hq, b]
-        total += acc.view(h, hq // h, T).mean(dim=1).mean(dim=0)
+        total += reduce_gqa(acc, h, "mean").mean(dim=0)  # [Hq, T] -> [H, T] -> [T]
     return total / L
 
 

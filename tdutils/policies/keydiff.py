@@ -18,33 +18,36 @@ heads), as the serving path needs. Defaults: `window=0`, `n_sink=0` (kvpress pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
 from ..selection import check_protected, keep_count, keep_top_scores, protected_mask
 from .knorm import key_heads
+from .params import check_choice
 from .registry import register_policy
 
-ANCHORS = ("normalized", "raw")
+Anchor = Literal["normalized", "raw"]
+ANCHORS = get_args(Anchor)
 
 
 @dataclass
 class KeyDiffParams:
     """KeyDiff parameters: protected tokens (`window` last, `n_sink` first) and the anchor kind."""
 
-    window: int = 0
-    n_sink: int = 0
-    anchor: str = "normalized"
+    window: int = field(default=0, metadata={"help": "the most recent prompt tokens, always kept"})
+    n_sink: int = field(default=0, metadata={"help": "the first prompt tokens, always kept (attention sinks)"})
+    anchor: Anchor = field(default="normalized", metadata={
+        "help": "the anchor keys are compared with: the mean of the unit keys (normalized) or of the keys (raw)"})
 
     def __post_init__(self):
         check_protected(self.n_sink, self.window)
-        if self.anchor not in ANCHORS:
-            raise ValueError(f"anchor must be one of {ANCHORS}, got {self.anchor!r}")
+        check_choice(self.anchor, "anchor", ANCHORS)
 
 
-def keydiff_scores(kv: torch.Tensor, *, head_dim: int, anchor: str = "normalized") -> torch.Tensor:
+def keydiff_scores(kv: torch.Tensor, *, head_dim: int, anchor: Anchor = "normalized") -> torch.Tensor:
     """Mean cosine similarity of every key to its head's anchor (arXiv:2504.15364), over KV heads and layers.
 
     Args:
@@ -58,8 +61,12 @@ def keydiff_scores(kv: torch.Tensor, *, head_dim: int, anchor: str = "normalized
     Raises:
         ValueError: bad shapes or an unknown anchor.
     """
-    if anchor not in ANCHORS:
-        raise ValueError(f"anchor must be one of {ANCHORS}, got {anchor!r}")
+    check_choice(anchor, "anchor", ANCHORS)
+    return _scores(kv, head_dim, anchor)
+
+
+def _scores(kv: torch.Tensor, head_dim: int, anchor: Anchor) -> torch.Tensor:
+    # `anchor` checked (by `keydiff_scores`, or when the drop function was built)
     L = kv.shape[1]
     total = torch.zeros(kv.shape[2], dtype=torch.float32, device=kv.device)
     for layer in range(L):
@@ -71,20 +78,23 @@ def keydiff_scores(kv: torch.Tensor, *, head_dim: int, anchor: str = "normalized
 
 
 def keydiff_keep(kv: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int = 0, n_sink: int = 0,
-                 anchor: str = "normalized") -> torch.Tensor:
+                 anchor: Anchor = "normalized") -> torch.Tensor:
     """Kept indices: the protected tokens plus the keys least similar to the anchor, `keep_count(T, r)` in all.
 
-    Returns LongTensor [k], sorted ascending.
+    Returns LongTensor [k], sorted ascending. Raises ValueError for bad parameters (`KeyDiffParams`).
     """
+    return _keep(kv, drop_ratio, KeyDiffParams(window, n_sink, anchor), head_dim)
+
+
+def _keep(kv: torch.Tensor, drop_ratio: float, p: KeyDiffParams, head_dim: int) -> torch.Tensor:
     T = kv.shape[2]
-    scores = -keydiff_scores(kv, head_dim=head_dim, anchor=anchor).cpu()
-    return keep_top_scores(scores, keep_count(T, drop_ratio), protected_mask(T, n_sink=n_sink, window=window))
+    scores = -_scores(kv, head_dim, p.anchor).cpu()
+    return keep_top_scores(scores, keep_count(T, drop_ratio), protected_mask(T, n_sink=p.n_sink, window=p.window))
 
 
 register_policy(
     "keydiff", params=KeyDiffParams, needs="kv", builtin=True,
-    keep=lambda kv, q, r, *, params, facts: keydiff_keep(kv, r, head_dim=facts.head_dim, window=params.window,
-                                                           n_sink=params.n_sink, anchor=params.anchor),
+    keep=lambda kv, q, r, *, params, facts: _keep(kv, r, params, facts.head_dim),
     summary="the keys least similar (cosine) to the mean key direction",
     paper="Park et al. 2025, KeyDiff, arXiv:2504.15364")
 

@@ -17,7 +17,7 @@ question at the end of the prompt, `n_sink` the first tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,8 +29,8 @@ from .registry import register_policy
 class KNormParams:
     """KNorm parameters: protected most recent tokens (`window`) and first tokens (`n_sink`)."""
 
-    window: int = 0
-    n_sink: int = 0
+    window: int = field(default=0, metadata={"help": "the most recent prompt tokens, always kept"})
+    n_sink: int = field(default=0, metadata={"help": "the first prompt tokens, always kept (attention sinks)"})
 
     def __post_init__(self):
         check_protected(self.n_sink, self.window)

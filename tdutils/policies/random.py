@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ..selection import check_drop_ratio, keep_count, protected_mask
+from ..selection import check_drop_ratio, check_protected, keep_count, protected_mask
+from .params import check_int, is_int
 from .registry import register_policy
 
 
@@ -14,24 +15,25 @@ from .registry import register_policy
 class RandomParams:
     """Parameters of `random_keep`: RNG seed, attention sinks and observation window kept always."""
 
-    seed: int = 0
-    n_sink: int = 4
-    window: int = 16
+    seed: int = field(default=0, metadata={"help": "seed of the random sample (the same seed keeps the same tokens)"})
+    n_sink: int = field(default=4, metadata={"help": "the first prompt tokens, always kept (attention sinks)"})
+    window: int = field(default=16, metadata={"help": "the most recent prompt tokens, always kept"})
 
     def __post_init__(self):  # fail when the drop function is built, not on the first request
-        if self.n_sink < 0 or self.window < 0:
-            raise ValueError(f"n_sink and window must be >= 0, got n_sink={self.n_sink}, window={self.window}")
+        if not is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        check_protected(self.n_sink, self.window)
 
 
 @dataclass
 class MiddleChunkParams:
     """Parameters of `middle_chunk_keep`: the chunk size (tokens)."""
 
-    chunk_size: int = 256
+    chunk_size: int = field(default=256, metadata={
+        "help": "tokens per chunk; the middle of every chunk but the first and the last is dropped"})
 
     def __post_init__(self):
-        if int(self.chunk_size) != self.chunk_size or self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        check_int(self.chunk_size, "chunk_size", 1)
 
 
 def random_keep(n: int, drop_ratio: float, *, seed: int = 0, n_sink: int = 4, window: int = 16) -> torch.Tensor:
@@ -77,9 +79,11 @@ def middle_chunk_keep(n: int, drop_ratio: float = 0.5, *, chunk_size: int = 256)
     Raises:
         ValueError: drop_ratio outside [0, 1], or chunk_size < 1.
     """
-    r = check_drop_ratio(drop_ratio)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _middle_chunk_keep(n, check_drop_ratio(drop_ratio), MiddleChunkParams(chunk_size).chunk_size)
+
+
+def _middle_chunk_keep(n: int, r: float, chunk_size: int) -> torch.Tensor:
+    # `r` and `chunk_size` checked (by `middle_chunk_keep`, or when the drop function was built)
     keep = torch.ones(n, dtype=torch.bool)
     n_chunks = -(-n // chunk_size)  # the last chunk may be partial
     n_drop = round(chunk_size * r)
@@ -98,6 +102,6 @@ register_policy(
     paper="baseline")
 register_policy(
     "middle_chunk", params=MiddleChunkParams, needs="kv", needs_model=False, builtin=True,
-    keep=lambda kv, q, r, *, params, facts: middle_chunk_keep(kv.shape[2], r, chunk_size=params.chunk_size),
+    keep=lambda kv, q, r, *, params, facts: _middle_chunk_keep(kv.shape[2], r, params.chunk_size),
     summary="the middle round(chunk_size * r) tokens of every chunk but the first and last are dropped",
     paper="the LMCache token-dropping examples' 'random' notebook")

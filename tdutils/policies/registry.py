@@ -1,6 +1,7 @@
 """The policy registry: every token-selection policy is reachable by name through it.
 
-A policy declares its name, a parameters dataclass (fields with defaults; validated in `__post_init__`),
+A policy declares its name, a parameters dataclass (fields with defaults, each checked once in `__post_init__`;
+`field(metadata={"help": ...})` is its `--help` text, see `tdutils.policies.cli`),
 what it needs from the engine, and a `keep` function. `tdutils.make_drop_fn(name, ...)`, the command line
 (`python -m tdutils run --policy NAME`), `tdutils.evaluate.passkey_eval`, `tdutils.sweep` and the
 notebooks look policies up here, so a policy is one file that nothing else in the package has to know
@@ -218,7 +219,7 @@ def query_window_for(*drop_fns, default: int | None = 64) -> int | None:
     for fn in drop_fns:
         if fn is None:
             continue
-        fn = getattr(fn, "drop_fn", fn)  # wrappers such as rkv.TimedDropFn
+        fn = getattr(fn, "drop_fn", fn)  # wrappers such as tdutils.profiling.TimedDropFn
         need = getattr(fn, "query_rows", default) if getattr(fn, "needs", None) is not None else default
         if need is None:
             return None

@@ -45,19 +45,20 @@ Four ways to compute `R`, all `[..., H, n]` and all within fp32 rounding of each
 from __future__ import annotations
 
 import math
-import statistics
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 
 from ..attention import AttentionSpec, LayerAttention, masked_logits
+from ..profiling import TimedDropFn, kept_agreement, peak_memory, synthetic_keys, timed
 from ..selection import keep_count, keep_top_scores, protected_mask
+from .params import check_int, check_odd_kernel, is_number
 from .registry import register_policy
-from .snapkv import _check as _snapkv_check
-from .snapkv import _layers, model_attention, pool_tokens
+from .scoring import check_query, layer_attentions, model_attention, pool_tokens
 
-RKV_METHODS = ("reference", "exact", "tiled", "buffered")
+Redundancy = Literal["reference", "exact", "tiled", "buffered"]
+RKV_METHODS = get_args(Redundancy)
 
 # Tile parameters each method accepts, with their defaults (None = the keys' device).
 _METHOD_TILES = {
@@ -66,6 +67,7 @@ _METHOD_TILES = {
     "tiled": {"row_tile": 2048, "col_block": 1024, "first_block": 64, "device": None},
     "buffered": {"chunk_size": 512, "col_block": 1024, "first_block": 64, "device": None},
 }
+TILE_FIELDS = ("row_tile", "col_block", "first_block", "chunk_size", "device")
 
 
 @dataclass
@@ -82,49 +84,57 @@ class RKVParams:
         row_tile, col_block, first_block, chunk_size, device: tile settings (see `rkv_redundancy`).
     """
 
-    window: int = 16
-    kernel_size: int = 7
-    mix_lambda: float = 0.25
-    threshold: float = 0.5
-    redundancy: str = "exact"
-    eps: float = 1e-8
-    row_tile: int | None = None
-    col_block: int | None = None
-    first_block: int | None = None
-    chunk_size: int | None = None
-    device: str | None = None
+    window: int = field(default=16, metadata={
+        "help": "the observation window: the most recent prompt tokens, whose queries vote (always kept)"})
+    kernel_size: int = field(default=7, metadata={
+        "help": "odd max-pool kernel of the importance along tokens (1 = no pooling)"})
+    mix_lambda: float = field(default=0.25, metadata={
+        "help": "lambda in Z = lambda*I - (1 - lambda)*R: the weight of importance against redundancy, in [0, 1]"})
+    threshold: float = field(default=0.5, metadata={
+        "help": "cosine similarity above which two keys count as near-duplicates, in (-1, 1] (1 = none)"})
+    redundancy: Redundancy = field(default="exact", metadata={
+        "help": "how the redundancy is computed: reference (the literal formula, row tiles), exact (linear memory), "
+                "tiled (row tiles x column blocks, any device), buffered (within chunks, approximate)"})
+    eps: float = field(default=1e-8, metadata={"help": "added to key norms before normalising, > 0"})
+    row_tile: int | None = field(default=None, metadata={
+        "help": "rows of the key similarities per tile (reference, tiled; unset: the method's default)"})
+    col_block: int | None = field(default=None, metadata={
+        "help": "widest column block of the right-to-left scan (exact, tiled, buffered; unset: the method's "
+                "default)"})
+    first_block: int | None = field(default=None, metadata={
+        "help": "first, narrowest column block of that scan (exact, tiled, buffered; unset: the method's default)"})
+    chunk_size: int | None = field(default=None, metadata={
+        "help": "tokens per chunk of the buffered redundancy, similarities computed inside each (unset: 512)"})
+    # Not a command-line option: there `--device` places the engine, and the keys with it (None follows them).
+    device: str | None = field(default=None, metadata={
+        "help": "device the redundancy is computed on (unset: the keys' device)", "cli": False})
 
     def __post_init__(self):  # fail when the drop function is built, not on the first request
-        if not _is_number(self.window) or int(self.window) != self.window or self.window < 1:
-            raise ValueError(f"window must be a positive integer, got {self.window!r}")
-        if (not _is_number(self.kernel_size) or int(self.kernel_size) != self.kernel_size or self.kernel_size < 1
-                or self.kernel_size % 2 == 0):
-            raise ValueError(f"kernel_size must be an odd number >= 1 (1 = no pooling), got {self.kernel_size!r}")
-        if not _is_number(self.mix_lambda) or not 0.0 <= self.mix_lambda <= 1.0:
+        check_int(self.window, "window", 1)
+        check_odd_kernel(self.kernel_size)
+        if not is_number(self.mix_lambda) or not 0.0 <= self.mix_lambda <= 1.0:
             raise ValueError(f"mix_lambda must lie in [0, 1] (the weight of importance against redundancy in "
                              f"Z = λ·I − (1 − λ)·R), got {self.mix_lambda!r}")
-        if not _is_number(self.threshold) or not -1.0 < self.threshold <= 1.0:
+        if not is_number(self.threshold) or not -1.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must lie in (-1, 1]: it is the cosine similarity above which two keys count "
                              f"as near-duplicates, so at -1 or below every pair would (1 = none), got {self.threshold!r}")
-        if not _is_number(self.eps) or not self.eps > 0:
+        if not is_number(self.eps) or not self.eps > 0:
             raise ValueError(f"eps must be a number > 0 (it keeps zero-norm keys from dividing by zero), "
                              f"got {self.eps!r}")
         _method_settings(self.redundancy, self.tiles())  # a bad method or tile fails here, not on the first request
 
     def tiles(self) -> dict:
         """The tile settings that were set (non-None), as keyword arguments of `rkv_redundancy`."""
-        names = ("row_tile", "col_block", "first_block", "chunk_size", "device")
-        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        return {k: getattr(self, k) for k in TILE_FIELDS if getattr(self, k) is not None}
+
+    def settings(self) -> dict:
+        """Every tile setting of the chosen method: the ones set here over the method's defaults."""
+        return {**_METHOD_TILES[self.redundancy], **self.tiles()}
 
     def score_kwargs(self) -> dict:
         """Keyword arguments of `rkv_scores` / `rkv_keep` (everything but `head_dim`)."""
         return {"window": self.window, "kernel_size": self.kernel_size, "mix_lambda": self.mix_lambda,
                 "threshold": self.threshold, "redundancy": self.redundancy, "eps": self.eps, **self.tiles()}
-
-
-def _is_number(x) -> bool:
-    """A finite real number (not a bool or a string)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 # --------------------------------------------------------------------------------------------- redundancy
@@ -298,7 +308,11 @@ def rkv_redundancy(keys: torch.Tensor, *, method: str = "exact", threshold: floa
     threshold = float(threshold)
     if not math.isfinite(threshold):
         raise ValueError(f"threshold must be a finite number, got {threshold}")
-    settings = _method_settings(method, tiles)
+    return _redundancy(keys, method, threshold, eps, _method_settings(method, tiles))
+
+
+def _redundancy(keys: torch.Tensor, method: str, threshold: float, eps: float, settings: dict) -> torch.Tensor:
+    """`rkv_redundancy` with checked arguments: `settings` every tile of `method` (`RKVParams.settings`)."""
     out_device = keys.device
     device = torch.device(settings["device"]) if settings["device"] is not None else keys.device
     *lead, n, d = keys.shape
@@ -375,8 +389,8 @@ def rkv_importance(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, kernel_siz
 
 # --------------------------------------------------------------------------------------------- scores
 def rkv_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, window: int = 16, kernel_size: int = 7,
-               mix_lambda: float = 0.25, threshold: float = 0.5, redundancy: str = "exact", eps: float = 1e-8,
-               attention: AttentionSpec | None = None, **tiles) -> torch.Tensor:
+               mix_lambda: float = 0.25, threshold: float = 0.5, redundancy: Redundancy = "exact",
+               eps: float = 1e-8, attention: AttentionSpec | None = None, **tiles) -> torch.Tensor:
     """R-KV score of every token before the observation window (arXiv:2505.24133; SPEC §5).
 
     `Z = λ·I − (1 − λ)·R[:, :T−w]` per layer and KV head, averaged over heads, summed over layers.
@@ -396,172 +410,69 @@ def rkv_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, window: int 
         fp32 `[T - w]` scores on the KV's device (higher = keep); empty when `T <= w`.
 
     Raises:
-        ValueError: missing query, bad shapes, `Tq < window`, even kernel, `λ` outside [0, 1], unknown
-            redundancy method or tile.
+        ValueError: bad parameters (`RKVParams`: even kernel, `λ` outside [0, 1], unknown redundancy method
+            or tile, ...), missing query, bad shapes, `Tq < window`.
     """
-    if q is None:
-        raise ValueError("R-KV needs the query tensor (CacheKind.QUERY): the hf engine captures it at prefill "
-                         "when query_window >= window and discards it after the first modify (it belongs to the "
-                         "unedited prompt; prefill again to edit anew); the lmcache engine needs the vLLM query "
-                         "patch and transfer_query")
-    q = _snapkv_check(kv, q, window, head_dim, kernel_size, "max", "max")
-    if not 0.0 <= float(mix_lambda) <= 1.0:
-        raise ValueError(f"mix_lambda must lie in [0, 1], got {mix_lambda}")
-    _method_settings(redundancy, tiles)  # fail before any work on a bad method or tile
-    L, T = kv.shape[1], kv.shape[2]
-    n = T - window
-    if n <= 0:
-        return torch.zeros(0, dtype=torch.float32, device=kv.device)
-    h = kv.shape[3] // head_dim
-    layers = _layers(attention, L)
-    total = torch.zeros(n, dtype=torch.float32, device=kv.device)
-    for layer in range(L):
-        k = kv[0, layer]  # [T, H*d]
-        imp = rkv_importance(k, q[layer, -window:], h, kernel_size, layers[layer])  # [H, n]
-        red = rkv_redundancy(k.view(T, h, head_dim).transpose(0, 1), method=redundancy, threshold=threshold,
-                             eps=eps, **tiles)  # [H, T]: redundancy among all T keys, window included
-        z = mix_lambda * imp - (1.0 - mix_lambda) * red[:, :n]
-        total += z.mean(dim=0)
-    return total
+    return _scores(kv, q, _params(window, kernel_size, mix_lambda, threshold, redundancy, eps, tiles), head_dim,
+                   attention)
 
 
 def rkv_keep(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int = 16,
-             kernel_size: int = 7, mix_lambda: float = 0.25, threshold: float = 0.5, redundancy: str = "exact",
+             kernel_size: int = 7, mix_lambda: float = 0.25, threshold: float = 0.5, redundancy: Redundancy = "exact",
              eps: float = 1e-8, attention: AttentionSpec | None = None, **tiles) -> torch.Tensor:
     """Kept indices: the whole window plus the `keep_count(T, drop_ratio) − w` best-scored earlier tokens.
 
     Returns `arange(T)` when `T <= w` (nothing can be dropped). LongTensor [k] (CPU), sorted; ties go to
-    the earlier token. Arguments as `rkv_scores`.
+    the earlier token. Arguments and errors as `rkv_scores`.
     """
+    p = _params(window, kernel_size, mix_lambda, threshold, redundancy, eps, tiles)
+    return _keep_indices(kv, q, drop_ratio, p, head_dim, attention)
+
+
+def _params(window, kernel_size, mix_lambda, threshold, redundancy, eps, tiles: dict) -> RKVParams:
+    """The checked `RKVParams` of the public functions' keywords; a tile no method takes is named with what
+    this method takes (as `rkv_redundancy` names it), not as an unexpected keyword argument."""
+    if set(tiles) - set(TILE_FIELDS):
+        _method_settings(redundancy, tiles)  # raises
+    return RKVParams(window, kernel_size, mix_lambda, threshold, redundancy, eps, **tiles)
+
+
+# Below the public functions the parameters are a checked `RKVParams` (checked once, when built); the
+# request's tensors are checked per request.
+def _scores(kv: torch.Tensor, q: torch.Tensor, p: RKVParams, head_dim: int, attention: AttentionSpec | None
+            ) -> torch.Tensor:
+    q = check_query(kv, q, p.window, head_dim, "R-KV")
+    L, T = kv.shape[1], kv.shape[2]
+    n = T - p.window
+    if n <= 0:
+        return torch.zeros(0, dtype=torch.float32, device=kv.device)
+    h = kv.shape[3] // head_dim
+    layers = layer_attentions(attention, L)
+    settings = p.settings()
+    total = torch.zeros(n, dtype=torch.float32, device=kv.device)
+    for layer in range(L):
+        k = kv[0, layer]  # [T, H*d]
+        imp = rkv_importance(k, q[layer, -p.window:], h, p.kernel_size, layers[layer])  # [H, n]
+        # [H, T]: redundancy among all T keys, window included
+        red = _redundancy(k.view(T, h, head_dim).transpose(0, 1), p.redundancy, float(p.threshold), p.eps, settings)
+        z = p.mix_lambda * imp - (1.0 - p.mix_lambda) * red[:, :n]
+        total += z.mean(dim=0)
+    return total
+
+
+def _keep_indices(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, p: RKVParams, head_dim: int,
+                  attention: AttentionSpec | None) -> torch.Tensor:
     T = kv.shape[2]
     k = keep_count(T, drop_ratio)
-    if T <= window:
+    if T <= p.window:
         return torch.arange(T)
-    scores = rkv_scores(kv, q, head_dim=head_dim, window=window, kernel_size=kernel_size, mix_lambda=mix_lambda,
-                        threshold=threshold, redundancy=redundancy, eps=eps, attention=attention, **tiles)
-    full = torch.cat([scores.cpu(), torch.zeros(window)])  # window slots are protected below
-    return keep_top_scores(full, k, protected_mask(T, window=window))
+    full = torch.cat([_scores(kv, q, p, head_dim, attention).cpu(), torch.zeros(p.window)])  # window: protected
+    return keep_top_scores(full, k, protected_mask(T, window=p.window))
 
 
-# --------------------------------------------------------------------------------------------- helpers
-# Used by the R-KV notebooks and bench/rkv_bench.py; they hold no part of the algorithm.
-
-def synthetic_keys(heads: int, n: int, head_dim: int, *, kind: str = "random", seed: int = 0,
-                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> torch.Tensor:
-    """Keys `[heads, n, head_dim]` for tests and benchmarks.
-
-    `kind="random"`: i.i.d. N(0, 1) (almost no pair above a 0.5 cosine once `d` is large).
-    `kind="realistic"`: `0.6·μ_h + 0.4·N(0, 1)` with one N(0, 1) mean vector `μ_h` per head, like real
-    post-RoPE keys that share a large per-head component: most pairs are near-duplicates, so most rows
-    find their rightmost hit right next to the right edge. Filled in place (no full-size temporaries).
-    """
-    if kind not in ("random", "realistic"):
-        raise ValueError(f"kind must be 'random' or 'realistic', got {kind!r}")
-    g = torch.Generator(device=device).manual_seed(seed)
-    keys = torch.empty(heads, n, head_dim, dtype=torch.float32, device=device).normal_(generator=g)
-    if kind == "realistic":
-        mu = torch.empty(heads, 1, head_dim, dtype=torch.float32, device=device).normal_(generator=g)
-        keys.mul_(0.4).add_(mu, alpha=0.6)
-    return keys.to(dtype)
-
-
-def kept_agreement(keep: torch.Tensor, reference: torch.Tensor) -> float:
-    """Fraction of `reference`'s kept tokens that `keep` also keeps (1.0 = same set when sizes match)."""
-    ref = set(torch.as_tensor(reference).tolist())
-    if not ref:
-        return 1.0
-    return len(ref & set(torch.as_tensor(keep).tolist())) / len(ref)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def peak_memory(fn, *args, device: str | torch.device | None = None, **kwargs) -> tuple[object, int]:
-    """Run `fn(*args, **kwargs)` once; return `(result, peak bytes allocated by torch during the call)`.
-
-    CUDA: `torch.cuda.max_memory_allocated` minus what was allocated before the call. CPU: the torch
-    profiler's allocation events (`profile_memory=True`), replayed in time order; the peak of live bytes
-    allocated after the call started, the returned tensors included. Counts tensors only (not Python
-    objects, allocator slack, or memory freed but kept by the C allocator).
-    """
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        out = fn(*args, **kwargs)
-        torch.cuda.synchronize(device)
-        return out, torch.cuda.max_memory_allocated(device) - before
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn(*args, **kwargs)
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:  # + allocation, - free
-        live += nbytes
-        peak = max(peak, live)
-    return out, peak
-
-
-def timed(fn, *args, device: str | torch.device | None = None, repeats: int = 1, **kwargs) -> tuple[object, float]:
-    """`(result of the last call, median seconds over `repeats` calls)`, synchronising CUDA around each."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    times, out = [], None
-    for _ in range(max(1, repeats)):
-        _sync(device)
-        t0 = time.perf_counter()
-        out = fn(*args, **kwargs)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return out, statistics.median(times)
-
-
-class TimedDropFn:
-    """Wraps a `DropFn` and records, per request, the seconds spent choosing tokens (scoring) and applying
-    the choice (gathering K/V and RoPE re-rotation). Use it wherever the drop function goes
-    (`engine.modify`, `tdutils.run_once`, `tdutils.compare`); `split()` sums the two parts.
-    """
-
-    def __init__(self, drop_fn):
-        self.drop_fn = drop_fn
-        self.name = drop_fn.name
-        self.rerotate = drop_fn.rerotate  # engines check it against their positions setting
-        self.drop_ratio = drop_fn.drop_ratio
-        self.score_s: list[float] = []
-        self.rerotate_s: list[float] = []
-
-    def reset(self) -> None:
-        self.score_s.clear()
-        self.rerotate_s.clear()
-
-    def keep_indices(self, tensors, tokens) -> torch.Tensor:
-        return self.drop_fn.keep_indices(tensors, tokens)
-
-    def __call__(self, tensors, tokens):
-        from ..kvcache import apply_keep, check_kv, get_kv
-
-        kv = get_kv(tensors)
-        check_kv(kv, tokens)
-        if self.drop_ratio == 0.0:  # same shortcut as DropFn: unchanged, bit for bit
-            return kv.clone(), [int(t) for t in tokens]
-        _sync(kv.device)
-        t0 = time.perf_counter()
-        keep = self.drop_fn.select(tensors, tokens)
-        t1 = time.perf_counter()
-        out = apply_keep(kv, tokens, keep, rope_spec=self.drop_fn.rope_spec, rerotate=self.drop_fn.rerotate)
-        _sync(kv.device)
-        self.score_s.append(t1 - t0)
-        self.rerotate_s.append(time.perf_counter() - t1)
-        return out
-
-    def split(self) -> dict:
-        """Totals over the recorded requests: `score_s`, `rerotate_s` (gather + re-rotation), `requests`."""
-        return {"requests": len(self.score_s), "score_s": sum(self.score_s), "rerotate_s": sum(self.rerotate_s)}
-
+# --------------------------------------------------------------------------------------------- method table
+# `TimedDropFn`, `kept_agreement`, `peak_memory`, `synthetic_keys` and `timed` (tdutils.profiling) stay
+# importable from here: the README, notebooks, benches and tests import them so.
 
 def compare_redundancy_methods(tensors, tokens, *, drop_ratio: float, model_config, methods=RKV_METHODS,
                                method_tiles: dict | None = None, repeats: int = 1, **params):
@@ -601,7 +512,7 @@ def compare_redundancy_methods(tensors, tokens, *, drop_ratio: float, model_conf
         dev = torch.device(p.device) if p.device is not None else kv.device
 
         def score(p=p):
-            return rkv_keep(kv, q, drop_ratio, head_dim=head_dim, attention=attention, **p.score_kwargs())
+            return _keep_indices(kv, q, drop_ratio, p, head_dim, attention)
 
         keep, score_s = timed(score, device=dev, repeats=repeats)
         _, peak = peak_memory(score, device=dev)
@@ -618,9 +529,8 @@ def compare_redundancy_methods(tensors, tokens, *, drop_ratio: float, model_conf
     return table.loc[[m for m in methods if m in rows] + ([] if "exact" in methods else ["exact"])]
 
 
-
 def _keep(kv, q, drop_ratio, *, params: RKVParams, facts, attention=None):
-    return rkv_keep(kv, q, drop_ratio, head_dim=facts.head_dim, attention=attention, **params.score_kwargs())
+    return _keep_indices(kv, q, drop_ratio, params, facts.head_dim, attention)
 
 
 register_policy("rkv", params=RKVParams, needs="window", keep=_keep, builtin=True, setup=model_attention,

@@ -3,7 +3,8 @@
 Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv:2404.14469.
 
 Per layer: logits of the last `w` queries against all `n` keys, causal inside the window; softmax over
-the keys in fp32 — computed as the model computes them (`tdutils.attention.AttentionSpec`): its scale
+the keys in fp32 — computed as the model computes them (`scoring.window_attention` over the model's
+`tdutils.attention.AttentionSpec`): its scale
 (`q·k / sqrt(d)` for most families; Granite's `attention_multiplier`, Gemma's `query_pre_attn_scalar`),
 logit soft-capping (Gemma 2), learned sinks in the denominator (gpt-oss) and sliding window (a window
 query at position `p` votes only for keys at positions `> p - W`); the *vote* of each earlier token is its attention summed over the
@@ -17,159 +18,48 @@ whole window.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from ..attention import AttentionSpec, LayerAttention, masked_logits, softmax_with_sinks
+from ..attention import AttentionSpec
 from ..selection import keep_count, keep_top_scores, protected_mask
+from .params import check_choice, check_int, check_odd_kernel
 from .registry import register_policy
+from .scoring import (
+    GQA_REDUCTIONS,
+    POOLINGS,
+    GQAReduce,
+    Pooling,
+    check_query,
+    layer_attentions,
+    model_attention,
+    pool_tokens,
+    reduce_gqa,
+    window_attention,
+)
 
 
 @dataclass
 class SnapKVParams:
     """SnapKV parameters: observation window `w`, pooling kernel and kind, GQA reduction."""
 
-    window: int = 64
-    kernel_size: int = 5
-    pooling: str = "avg"
-    gqa_reduce: str = "mean"
+    window: int = field(default=64, metadata={
+        "help": "the observation window: the most recent prompt tokens, whose queries vote (always kept)"})
+    kernel_size: int = field(default=5, metadata={"help": "odd pooling kernel along tokens (1 = no pooling)"})
+    pooling: Pooling = field(default="avg", metadata={"help": "how the votes are pooled along tokens"})
+    gqa_reduce: GQAReduce = field(default="mean", metadata={
+        "help": "how the query heads of a GQA group combine their votes"})
 
     def __post_init__(self):  # fail when the drop function is built, not on the first request
-        if int(self.window) != self.window or self.window < 1:
-            raise ValueError(f"window must be a positive integer, got {self.window!r}")
-        if int(self.kernel_size) != self.kernel_size or self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be an odd number >= 1 (1 = no pooling), got {self.kernel_size!r}")
-        if self.pooling not in ("avg", "max"):
-            raise ValueError(f"pooling must be 'avg' or 'max', got {self.pooling!r}")
-        if self.gqa_reduce not in ("mean", "max"):
-            raise ValueError(f"gqa_reduce must be 'mean' or 'max', got {self.gqa_reduce!r}")
-
-
-def check_query(kv: torch.Tensor, q: torch.Tensor | None, rows: int, head_dim: int, who: str = "SnapKV",
-                what: str | None = None) -> torch.Tensor:
-    """Validate a request's KV and captured query for a query-aware policy; returns `q` as `[L, Tq, Hq*d]`.
-
-    Args:
-        kv: `[2, L, T, D]`.
-        q: `[L, Tq, Hq*d]` or `[1, L, Tq, Hq*d]` (LMCache's layout), or None.
-        rows: query rows the policy reads (the last `rows` prompt tokens), `Tq >= rows` required.
-        head_dim: `d`.
-        who: the policy's name, for messages.
-        what: what `rows` is called in the message (default: "the observation window").
-
-    Raises:
-        ValueError: no query (with how to capture it), bad shapes, too few rows, head counts that do not
-            divide (GQA).
-    """
-    if q is None:
-        raise ValueError(f"{who} needs the query tensor (CacheKind.QUERY): the hf engine captures it at prefill "
-                         f"when query_window >= {rows} (None: all prompt tokens) and discards it after the first "
-                         "modify (it belongs to the unedited prompt; prefill again to edit anew); the lmcache engine "
-                         "needs the vLLM query patch and transfer_query")
-    if q.dim() == 4 and q.shape[0] == 1:  # LMCache returns [1, L, Tq, Hq*d]
-        q = q[0]
-    if kv.dim() != 4 or kv.shape[0] != 2:
-        raise ValueError(f"kv must have shape [2, L, T, D], got {tuple(kv.shape)}")
-    if q.dim() != 3 or q.shape[0] != kv.shape[1]:
-        raise ValueError(f"q must have shape [L, Tq, Hq*d] with L = {kv.shape[1]}, got {tuple(q.shape)}")
-    if rows < 1:
-        raise ValueError(f"window must be >= 1, got {rows}")
-    if q.shape[1] < rows:
-        raise ValueError(f"the query holds {q.shape[1]} rows but {what or 'the observation window'} is {rows}; capture "
-                         f"at least {rows} final queries (hf engine: query_window >= {rows}, or None for all)")
-    if kv.shape[3] % head_dim or q.shape[2] % head_dim:
-        raise ValueError(f"head_dim {head_dim} divides neither D={kv.shape[3]} nor Hq*d={q.shape[2]}")
-    h, hq = kv.shape[3] // head_dim, q.shape[2] // head_dim
-    if hq % h:
-        raise ValueError(f"{hq} query heads are not a multiple of {h} KV heads (GQA)")
-    return q
-
-
-def _check(kv: torch.Tensor, q: torch.Tensor, window: int, head_dim: int, kernel_size: int, pooling: str,
-           gqa_reduce: str) -> torch.Tensor:
-    q = check_query(kv, q, window, head_dim, "SnapKV")
-    if kernel_size < 1 or kernel_size % 2 == 0:
-        raise ValueError(f"kernel_size must be an odd number >= 1 (1 = no pooling), got {kernel_size}")
-    if pooling not in ("avg", "max"):
-        raise ValueError(f"pooling must be 'avg' or 'max', got {pooling!r}")
-    if gqa_reduce not in ("mean", "max"):
-        raise ValueError(f"gqa_reduce must be 'mean' or 'max', got {gqa_reduce!r}")
-    return q
-
-
-def window_logits(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, layer: LayerAttention | None = None
-                  ) -> torch.Tensor:
-    """The model's attention logits of the window queries over all keys of one layer, masked to `-inf` where
-    the model's attention hides a key (causal inside the window; outside a sliding window).
-
-    Args:
-        k: `[T, H*d]` keys (any float dtype), key `j` at position `j` (an unedited cache).
-        q: `[w, Hq*d]` the last `w` queries (row `i` is token `T - w + i`).
-        n_kv_heads: `H`; query head `h` reads KV head `h // (Hq / H)`.
-        layer: the layer's `LayerAttention` (scale, soft-cap, sliding window); None = scale `d ** -0.5` only.
-
-    Returns:
-        fp32 `[Hq, w, T]`.
-    """
-    T, w = k.shape[0], q.shape[0]
-    if w > T:
-        raise ValueError(f"{w} window queries for {T} keys: the window queries are the last prompt tokens, so w <= T")
-    d = k.shape[1] // n_kv_heads
-    hq = q.shape[1] // d
-    g = hq // n_kv_heads
-    kh = k.float().view(T, n_kv_heads, d).transpose(0, 1)  # [H, T, d]
-    qh = q.float().view(w, hq, d).transpose(0, 1)  # [Hq, w, d]
-    # query head h reads KV head h // g: group the query heads instead of copying the keys g times
-    qk = (qh.reshape(n_kv_heads, g * w, d) @ kh.transpose(1, 2)).view(hq, w, T)  # [Hq, w, T]
-    if layer is None:
-        layer = LayerAttention(d ** -0.5)
-    pos = torch.arange(T, device=k.device)
-    return masked_logits(qk, layer, pos[T - w:], pos)
-
-
-def window_attention(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, layer: LayerAttention | None = None
-                     ) -> torch.Tensor:
-    """Attention probabilities of the window queries over all keys of one layer, as the model computes them.
-
-    Args:
-        k, q, n_kv_heads, layer: as `window_logits`.
-
-    Returns:
-        fp32 `[Hq, w, T]`: each row sums to 1, or to less when the layer has learned sinks (their share of
-        the softmax is dropped, as the model drops it).
-    """
-    logits = window_logits(k, q, n_kv_heads, layer)
-    return softmax_with_sinks(logits, None if layer is None else layer.sinks)
-
-
-def _layers(attention: AttentionSpec | None, num_layers: int) -> list:
-    """Per-layer `LayerAttention` (None entries = plain attention); checks the layer count and sink values."""
-    if attention is None:
-        return [None] * num_layers
-    if len(attention.layers) != num_layers:
-        raise ValueError(f"the attention spec has {len(attention.layers)} layers but the KV has {num_layers}")
-    attention.check_sinks()
-    return list(attention.layers)
-
-
-def pool_tokens(x: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
-    """Pool `[..., n]` along the last axis: stride 1, same padding (avg counts the zero padding, as SnapKV)."""
-    if kernel_size == 1:
-        return x
-    shape = x.shape
-    x = x.reshape(-1, 1, shape[-1])
-    pad = kernel_size // 2
-    if pooling == "avg":
-        x = F.avg_pool1d(x, kernel_size, stride=1, padding=pad)
-    else:
-        x = F.max_pool1d(x, kernel_size, stride=1, padding=pad)
-    return x.reshape(shape)
+        check_int(self.window, "window", 1)
+        check_odd_kernel(self.kernel_size)
+        check_choice(self.pooling, "pooling", POOLINGS)
+        check_choice(self.gqa_reduce, "gqa_reduce", GQA_REDUCTIONS)
 
 
 def snapkv_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, window: int = 64, kernel_size: int = 5,
-                  pooling: str = "avg", gqa_reduce: str = "mean", attention: AttentionSpec | None = None
+                  pooling: Pooling = "avg", gqa_reduce: GQAReduce = "mean", attention: AttentionSpec | None = None
                   ) -> torch.Tensor:
     """SnapKV score of every token before the observation window (arXiv:2404.14469).
 
@@ -188,57 +78,61 @@ def snapkv_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, window: i
         fp32 `[T - w]` scores (higher = keep); empty when `T <= w`.
 
     Raises:
-        ValueError: missing query, bad shapes, `Tq < window`, even kernel, unknown pooling / reduction, an
-            `attention` spec of another layer count or with unknown sink values.
+        ValueError: bad parameters (`SnapKVParams`), missing query, bad shapes, `Tq < window`, an `attention`
+            spec of another layer count or with unknown sink values.
     """
-    q = _check(kv, q, window, head_dim, kernel_size, pooling, gqa_reduce)
-    layers = _layers(attention, kv.shape[1])
+    return _scores(kv, q, SnapKVParams(window, kernel_size, pooling, gqa_reduce), head_dim, attention)
+
+
+def snapkv_keep(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int = 64,
+                kernel_size: int = 5, pooling: Pooling = "avg", gqa_reduce: GQAReduce = "mean",
+                attention: AttentionSpec | None = None) -> torch.Tensor:
+    """Kept indices: the whole window plus the `keep_count(T, drop_ratio) - w` best-scored earlier tokens.
+
+    Returns `arange(T)` when `T <= w` (nothing can be dropped). LongTensor [k], sorted. Arguments and errors
+    as `snapkv_scores`.
+    """
+    return _keep_indices(kv, q, drop_ratio, SnapKVParams(window, kernel_size, pooling, gqa_reduce), head_dim,
+                         attention)
+
+
+# Below the public functions the parameters are a checked `SnapKVParams` (checked once, when built); the
+# request's tensors are checked per request.
+def _scores(kv: torch.Tensor, q: torch.Tensor, p: SnapKVParams, head_dim: int, attention: AttentionSpec | None
+            ) -> torch.Tensor:
+    q = check_query(kv, q, p.window, head_dim, "SnapKV")
+    layers = layer_attentions(attention, kv.shape[1])
     L, T = kv.shape[1], kv.shape[2]
-    n = T - window
+    n = T - p.window
     if n <= 0:
         return torch.zeros(0, dtype=torch.float32, device=kv.device)
     h = kv.shape[3] // head_dim
     total = torch.zeros(n, dtype=torch.float32, device=kv.device)
     for layer in range(L):  # one layer at a time: the [Hq, w, T] probabilities are the big temporary
-        probs = window_attention(kv[0, layer], q[layer, -window:], h, layers[layer])  # [Hq, w, T]
-        vote = probs[:, :, :n].sum(dim=1)  # [Hq, n]
-        vote = vote.view(h, -1, n)  # [H, g, n]
-        vote = vote.mean(dim=1) if gqa_reduce == "mean" else vote.amax(dim=1)  # [H, n]
-        total += pool_tokens(vote, kernel_size, pooling).mean(dim=0)
+        probs = window_attention(kv[0, layer], q[layer, -p.window:], h, layers[layer])  # [Hq, w, T]
+        vote = reduce_gqa(probs[:, :, :n].sum(dim=1), h, p.gqa_reduce)  # [Hq, n] -> [H, n]
+        total += pool_tokens(vote, p.kernel_size, p.pooling).mean(dim=0)
     return total / L
 
 
-def snapkv_keep(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int = 64,
-                kernel_size: int = 5, pooling: str = "avg", gqa_reduce: str = "mean",
-                attention: AttentionSpec | None = None) -> torch.Tensor:
-    """Kept indices: the whole window plus the `keep_count(T, drop_ratio) - w` best-scored earlier tokens.
-
-    Returns `arange(T)` when `T <= w` (nothing can be dropped). LongTensor [k], sorted.
-    """
+def _keep_indices(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, p: SnapKVParams, head_dim: int,
+                  attention: AttentionSpec | None) -> torch.Tensor:
     T = kv.shape[2]
     k = keep_count(T, drop_ratio)
-    if T <= window:  # the whole prompt is the observation window
+    if T <= p.window:  # the whole prompt is the observation window
         return torch.arange(T)
-    scores = snapkv_scores(kv, q, head_dim=head_dim, window=window, kernel_size=kernel_size, pooling=pooling,
-                           gqa_reduce=gqa_reduce, attention=attention)
-    full = torch.cat([scores.cpu(), torch.zeros(window)])  # window slots are protected below
-    return keep_top_scores(full, k, protected_mask(T, window=window))
-
-
-def model_attention(model_config) -> dict:
-    """`setup` of the query-aware policies: the model's own attention (`tdutils.attention.scoring_attention`:
-    scale, soft-cap, sinks, sliding windows), computed once when the drop function is built."""
-    from ..attention import scoring_attention
-
-    return {"attention": scoring_attention(model_config)}
+    scores = _scores(kv, q, p, head_dim, attention)
+    full = torch.cat([scores.cpu(), torch.zeros(p.window)])  # window slots are protected below
+    return keep_top_scores(full, k, protected_mask(T, window=p.window))
 
 
 def _keep(kv, q, drop_ratio, *, params: SnapKVParams, facts, attention=None):
-    return snapkv_keep(kv, q, drop_ratio, head_dim=facts.head_dim, window=params.window,
-                       kernel_size=params.kernel_size, pooling=params.pooling, gqa_reduce=params.gqa_reduce,
-                       attention=attention)
+    return _keep_indices(kv, q, drop_ratio, params, facts.head_dim, attention)
 
 
 register_policy("snapkv", params=SnapKVParams, needs="window", keep=_keep, builtin=True, setup=model_attention,
                 summary="the observation window plus the earlier tokens its queries attend to most (pooled vote)",
                 paper="Li et al. 2024, SnapKV, arXiv:2404.14469")
+
+# `window_attention` (from `scoring`) stays importable from here: the hf engine, tests and notebooks import it so.
+__all__ = ["SnapKVParams", "snapkv_keep", "snapkv_scores", "window_attention"]

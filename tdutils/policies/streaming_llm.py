@@ -13,7 +13,7 @@ evicts the same positions in every layer and head).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,8 +25,8 @@ from .registry import register_policy
 class StreamingLLMParams:
     """StreamingLLM parameters: `n_sink` first tokens always kept; `window` recent tokens always kept."""
 
-    n_sink: int = 4
-    window: int = 0
+    n_sink: int = field(default=4, metadata={"help": "the first prompt tokens, always kept (attention sinks)"})
+    window: int = field(default=0, metadata={"help": "the most recent prompt tokens, always kept"})
 
     def __post_init__(self):
         check_protected(self.n_sink, self.window)

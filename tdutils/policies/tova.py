@@ -4,8 +4,8 @@ Oren et al., "Transformers are Multi-State RNNs" (Token Omission Via Attention),
 
 Definition in the paper: when the cache is full, drop the token with the lowest attention score of the
 current (last) query, averaged over the attention heads of the layer. Implemented here once, at the end of
-prefill: the attention of the last prompt query over all keys, computed by the same helper as SnapKV
-(`snapkv.window_attention`, so the model's attention arithmetic is shared), averaged over all query heads
+prefill: the attention of the last prompt query over all keys, computed by the helper SnapKV uses
+(`scoring.window_attention`, so the model's attention arithmetic is shared), averaged over all query heads
 and then over layers into one score per token; keep the `k` best (ties to the earlier token). It equals
 SnapKV with window 1, no pooling and the mean over each GQA group (tested).
 
@@ -18,22 +18,22 @@ kvpress's `TOVAPress`), `n_sink=0`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..attention import AttentionSpec
 from ..selection import check_protected, keep_count, keep_top_scores, protected_mask
 from .registry import register_policy
-from .snapkv import _layers, check_query, model_attention, window_attention
+from .scoring import check_query, layer_attentions, model_attention, window_attention
 
 
 @dataclass
 class TOVAParams:
     """TOVA parameters: protected most recent tokens (`window`) and first tokens (`n_sink`)."""
 
-    window: int = 1
-    n_sink: int = 0
+    window: int = field(default=1, metadata={"help": "the most recent prompt tokens, always kept"})
+    n_sink: int = field(default=0, metadata={"help": "the first prompt tokens, always kept (attention sinks)"})
 
     def __post_init__(self):
         check_protected(self.n_sink, self.window)
@@ -59,7 +59,7 @@ def tova_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, attention: 
     """
     q = check_query(kv, q, 1, head_dim, "TOVA")
     L, h = kv.shape[1], kv.shape[3] // head_dim
-    layers = _layers(attention, L)
+    layers = layer_attentions(attention, L)
     total = torch.zeros(kv.shape[2], dtype=torch.float32, device=kv.device)
     for layer in range(L):
         total += window_attention(kv[0, layer], q[layer, -1:], h, layers[layer])[:, 0].mean(dim=0)  # [Hq,1,T] -> [T]

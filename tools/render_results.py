@@ -1,0 +1,373 @@
+"""Write the results tables of the docs pages from the stored runs in `docs/results/*.json`.
+
+    python tools/render_results.py            # rewrite every generated block of the pages in place
+    python tools/render_results.py --check    # exit 1, with a diff, when a page is not what the JSON gives
+
+A page marks each generated block with a pair of HTML comments (invisible once rendered)::
+
+    <!-- generated: NAME -->
+    ... written by this script ...
+    <!-- end generated -->
+
+`NAME` is a key of `BLOCKS`: a function of the stored JSON files that returns markdown. The text between the
+markers is replaced; everything else on the page is left as it is. Tables come from the bench scripts' own
+summaries where they have one (`readme_summary` of `bench/accuracy.py`, `bench/rkv_bench.py`,
+`bench/rope_bench.py`, which is `tdutils.evaluate.task_markdown` for the RULER tasks), so a page shows exactly
+what `python bench/NAME.py --summary docs/results/RUN.json` prints. `tests/test_bench_results.py` checks that
+every page equals what this script makes of the stored JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib.util
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+PAGES = ("docs/results.md", "docs/real_models.md", "docs/policies.md")
+BEGIN = "<!-- generated: {} -->"
+END = "<!-- end generated -->"
+_BLOCK = re.compile(r"<!-- generated: ([\w-]+) -->\n(.*?)<!-- end generated -->", re.DOTALL)
+
+# RULER's own task order (Hsieh et al., arXiv:2404.06654), for tables over the registered `ruler_*` tasks.
+RULER_ORDER = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+               "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
+MODEL_NAMES = {"smollm2-135m": "SmolLM2-135M-Instruct", "gemma3-270m": "Gemma 3 270M"}
+
+
+def load(name: str) -> dict:
+    """The stored run `docs/results/NAME.json`."""
+    return json.loads((RESULTS / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def _bench(name: str):
+    """`bench/NAME.py` as a module (the scripts import `bench/_report.py` as a sibling)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return mod
+
+
+def _table(head, rows) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _seed(seed: int) -> str:
+    from tdutils.evaluate import DEV_SEED, HELDOUT_SEED
+
+    return {HELDOUT_SEED: f"held-out evaluation seed {seed}", DEV_SEED: f"development seed {seed}"}.get(seed, f"seed {seed}")
+
+
+def _source(stored: str, *facts: str) -> str:
+    return f"(`docs/results/{stored}.json`" + "".join(f"; {f}" for f in facts if f) + ")"
+
+
+def _threads(n: int) -> str:
+    return f"{n} torch thread{'' if n == 1 else 's'}"
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 600 else f"{seconds / 60:.0f} min"
+
+
+# ------------------------------------------------------------------------------------------ bundled models
+def passkey_accuracy() -> str:
+    report = load("accuracy")
+    m = report["meta"]
+    return "\n".join([
+        _bench("accuracy").readme_summary(report), "",
+        _source("accuracy", f"n = {m['n']} prompts per cell", _seed(m["seed"]), f"{m['max_tokens']} decode tokens",
+                "greedy; exact match of the five digits, 95% Wilson intervals in the JSON",
+                f"{_minutes(m['seconds'])} of wall time")])
+
+
+def _ruler(stored: str) -> str:
+    report = load(stored)
+    m = report["meta"]
+    return "\n".join([
+        _bench("accuracy").readme_summary(report), "",
+        _source(stored, f"model `{m['model']}`", _seed(m["seed"]), _threads(m["threads"]),
+                f"{_minutes(m['seconds'])} of wall time")])
+
+
+def ruler_full() -> str:
+    """Full-cache exact match pooled over the lengths, then per length."""
+    report = load("ruler_full")
+    rows = report["rows"]
+    lengths = sorted({r["context_length"] for r in rows})
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    acc = {(r["task"], r["context_length"]): 100 * r["correct"] / r["n"] for r in rows}
+    per_length = _table(["task", *(f"{n} tokens" for n in lengths)],
+                        [[f"`{t}`", *(f"{acc[t, n]:.1f}" for n in lengths)] for t in tasks])
+    return _ruler("ruler_full") + "\n\nPer length, exact match (%):\n\n" + per_length
+
+
+def ruler_policies_1024() -> str:
+    return _ruler("ruler_policies")
+
+
+def ruler_policies_4096() -> str:
+    return _ruler("ruler_policies_4096")
+
+
+def _tok_s(row) -> str:
+    return f"{row['decode_tok_s_median']:.0f} ({row['decode_tok_s_min']:.0f}–{row['decode_tok_s_max']:.0f})"
+
+
+def throughput() -> str:
+    report = load("throughput")
+    a = report["args"]
+    head = ["config", "decode tok/s median (min–max)", "peak batch", "modify s", "modify / baseline decode",
+            "speed-up", "limit 1/(1−r)", "of limit", "end to end"]
+    rows = []
+    for r in report["table"]:
+        base = r["config"] == "baseline"
+        rows.append([r["config"], _tok_s(r), r["peak_batch"], f"{r['modify_s']:.3f}",
+                     "–" if base else f"{r['modify_of_base_decode']:.1%}", f"{r['decode_speedup']:.2f}",
+                     f"{r['capacity_limit']:g}", "–" if base else f"{r['of_limit']:.2f}", f"{r['e2e_speedup']:.2f}"])
+    return "\n".join([_table(head, rows), "",
+                      _source("throughput", f"model `{a['model']}`, dataset `{a['dataset']}`",
+                              f"{a['num_requests']} requests, {a['max_tokens']} decode tokens each",
+                              f"KV budget {a['full_requests']:g} undropped requests", f"{a['repeats']} repeats")])
+
+
+# --------------------------------------------------------------------------------------------- the engine
+def engine() -> str:
+    report = load("engine")
+    head = ["batch × tokens", "engine ms/step", "with admission", "StaticCache loop ms/step",
+            "engine ÷ static, median (min–max)", "decode memory ÷ budget KV (engine / static)"]
+    rows = []
+    for p in report["points"]:
+        q = p["ratio"]
+        rows.append([f"{p['batch']} × {p['tokens']}", f"{1000 * p['engine_step_s']['median']:.0f}",
+                     f"{1000 * p['engine_step_with_admission_s']['median']:.0f}",
+                     f"{1000 * p['static_step_s']['median']:.0f}",
+                     f"{q['median']:.2f} ({q['min']:.2f}–{q['max']:.2f})",
+                     f"{p['engine_memory_of_budget']:.2f} / {p['static_memory_of_budget']:.2f}"])
+    a = report["args"]
+    return "\n".join([_table(head, rows), "",
+                      _source("engine", f"model `{a['model']}`", f"{a['steps']} steps, {a['repeats']} repeats",
+                              _threads(report["torch_threads"]),
+                              f"weights {report['points'][0]['weights_bytes'] / 2**20:.0f} MiB")])
+
+
+def engine_profile() -> str:
+    report = load("engine_profile")
+    prof = report["profile"]
+    ops = list(dict.fromkeys([*prof["engine"], *prof["static"]]))
+    ops = [o for o in ops if o != "total_cpu_s"]
+    rows = [[f"`{o}`", *(f"{100 * prof[arm][o]:.1f}%" if o in prof[arm] else "–" for arm in ("engine", "static"))]
+            for o in ops]
+    rows.append(["CPU seconds in all", *(f"{prof[arm]['total_cpu_s']:.2f}" for arm in ("engine", "static"))])
+    p = report["points"][0]
+    return "\n".join([_table(["op (share of CPU time)", "engine", "StaticCache loop"], rows), "",
+                      _source("engine_profile", f"{p['batch']} × {p['tokens']}, {p['steps']} steps",
+                              _threads(report["torch_threads"]), "the six largest ops of each arm")])
+
+
+def engine_vllm() -> str:
+    report = load("engine_vllm")
+    p = report["points"][0]
+    return (f"At {p['batch']} × {p['tokens']}: vLLM {1000 * p['vllm_step_s']['median']:.1f} ms/step, engine "
+            f"{1000 * p['engine_step_s']['median']:.1f}, StaticCache loop {1000 * p['static_step_s']['median']:.1f}: "
+            f"the engine's step is {p['engine_of_vllm']:.1f}× vLLM's " + _source("engine_vllm") + ".")
+
+
+def engine_throughput() -> str:
+    report = load("engine_throughput")
+    t = report["throughput"][0]
+    per_repeat = {}
+    for r in t["runs"]:
+        per_repeat.setdefault(r["run"], []).append(r["speedup"])
+    head = ["config", "decode tok/s median (min–max)", "peak batch", "speed-up per repeat", "median"]
+    rows = [[r["config"], _tok_s(r), r["peak_batch"],
+             "–" if r["config"] == "baseline" else ", ".join(f"{s:.2f}" for s in per_repeat[r["config"]]),
+             f"{r['decode_speedup']:.2f}"] for r in t["table"]]
+    return "\n".join([_table(head, rows), "",
+                      _source("engine_throughput", f"model `{report['args']['model']}`",
+                              f"{t['requests']} requests × {t['tokens']} tokens, {t['max_tokens']} decode tokens",
+                              f"KV budget {t['kv_budget_tokens']} tokens", _threads(report["torch_threads"]))])
+
+
+def rkv_bench() -> str:
+    return _bench("rkv_bench").readme_summary(load("rkv_bench")) + " " + _source("rkv_bench")
+
+
+def rope_bench() -> str:
+    return _bench("rope_bench").readme_summary(load("rope_bench")) + " " + _source("rope_bench")
+
+
+# ------------------------------------------------------------------------------------------------ policies
+def _correct(report: dict) -> dict:
+    return {r["policy"]: r for r in report["rows"] if r["drop_ratio"] == 0.5}
+
+
+def policies_accuracy() -> str:
+    """Every policy at drop 0.5: passkey on the bundled model (defaults, then window 64), SmolLM2's needle."""
+    plain, protected = load("policies_accuracy"), load("policies_accuracy_window64")
+    full = next(r for r in plain["rows"] if r["policy"] == "full")
+    a, b = _correct(plain), _correct(protected)
+    real = load("ruler_smollm2_2048")
+    needle = {(r["policy"], r["mode"]): r for r in real["rows"]
+              if r["task"] == "ruler_niah_single_1" and r["drop_ratio"] == 0.5}
+    real_full = next(r for r in real["rows"] if r["task"] == "ruler_niah_single_1" and r["policy"] == "full")
+
+    def count(r):
+        return f"{r['correct']}/{r['n']} ({100 * r['correct'] / r['n']:.1f}%)" if r else "–"
+
+    rows = []
+    for p in a:
+        aware, agnostic = needle.get((p, "aware")), needle.get((p, "agnostic"))
+        rows.append([f"`{p}`", count(a[p]), count(b.get(p)),
+                     f"{aware['correct']}/{aware['n']} / {agnostic['correct']}/{agnostic['n']}" if aware else "–"])
+    head = ["policy", "passkey @ 0.5 (defaults)", "passkey @ 0.5, `window=64`", "SmolLM2 needle @ 0.5, aware / agnostic"]
+    pm = plain["meta"]
+    return "\n".join([
+        _table(head, rows), "",
+        (f"Full cache: passkey {full['correct']}/{full['n']}, SmolLM2 needle {real_full['correct']}/{real_full['n']}. "
+          f"Sources: `docs/results/policies_accuracy.json` (`{pm['model']}`, {pm['n']} prompts of "
+         f"{pm['context_lengths'][0]} tokens, {_seed(pm['seed'])}, {_minutes(pm['seconds'])}), "
+         f"`docs/results/policies_accuracy_window64.json` ({_minutes(protected['meta']['seconds'])}), "
+         f"`docs/results/ruler_smollm2_2048.json` (`ruler_niah_single_1`, 2048 tokens).")])
+
+
+# -------------------------------------------------------------------------------------------- real models
+def _ruler_key(task: str):
+    short = task.removeprefix("ruler_")
+    return (RULER_ORDER.index(short) if short in RULER_ORDER else len(RULER_ORDER), short)
+
+
+def real_full_cache() -> str:
+    """Full-cache exact match per RULER template task and model (aware mode, 2048 tokens)."""
+    cells = {}
+    for r in load("ruler_full_real")["rows"]:
+        cells[r["task"], r["model"]] = r
+    lb = load("ruler_smollm2_2048")
+    for r in lb["rows"]:
+        if r["policy"] == "full" and r["mode"] == "aware":
+            cells.setdefault((r["task"], lb["meta"]["model"]), r)
+    models = [m for m in MODEL_NAMES if any(k[1] == m for k in cells)]
+    tasks = sorted({k[0] for k in cells}, key=_ruler_key)
+
+    def cell(r):
+        return f"{r['correct']}/{r['n']} (partial {100 * r['partial']:.0f}%)" if r else "–"
+
+    rows = [[t, *(cell(cells.get((t, m))) for m in models)] for t in tasks]
+    return "\n".join([_table(["task", *(MODEL_NAMES[m] for m in models)], rows), "",
+                      ("Sources: `docs/results/ruler_full_real.json` (one `eval` command per task and model, listed in "
+                       "its `meta`); the SmolLM2 cells missing there are the full-cache rows of "
+                       "`docs/results/ruler_smollm2_2048.json`. \"–\": not run.")])
+
+
+def real_leaderboard() -> str:
+    import pandas as pd
+
+    from tdutils.evaluate import task_markdown
+
+    report = load("ruler_smollm2_2048")
+    m = report["meta"]
+    return "\n".join([task_markdown(pd.DataFrame(report["rows"])), "",
+                      _source("ruler_smollm2_2048", f"model `{m['model']}`", f"chat template {m['chat_template']}",
+                              _seed(m["seed"]), f"{' s and '.join(str(s) for s in m['seconds'])} s of wall time")])
+
+
+def peer_kvpress() -> str:
+    report = load("peer_kvpress")
+    m = report["meta"]
+    head = ["kvpress press", "tdutils policy", "kvpress exact", "tdutils exact", "kvpress tok/s (batch 1)",
+            "tdutils tok/s (batched)", "overlap"]
+    rows = [[r["press"], r["policy"], f"{round(r['kv_em'] * r['n'])}/{r['n']}", f"{round(r['td_em'] * r['n'])}/{r['n']}",
+             f"{r['kv_tok_s']:.1f}", f"{r['td_tok_s']:.1f}", "–" if r["overlap"] is None else f"{r['overlap']:.3f}"]
+            for r in report["rows"]]
+    return "\n".join([_table(head, rows), "",
+                      _source("peer_kvpress", f"`{m['model']}`, `{m['task']}`, {m['n']} prompts of {m['context_length']} "
+                              f"tokens, drop ratio {', '.join(f'{x:g}' for x in m['ratios'])}", _seed(m["seed"]),
+                              f"kvpress {m['peer']['kvpress']} with transformers {m['peer']['transformers']}",
+                              f"tdutils {m['tdutils_seconds']:.0f} s, kvpress {m['kvpress_seconds']:.0f} s")])
+
+
+# name -> (function, the stored runs it reads)
+BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
+    "passkey_accuracy": (passkey_accuracy, ("accuracy",)),
+    "ruler_full": (ruler_full, ("ruler_full",)),
+    "ruler_policies_1024": (ruler_policies_1024, ("ruler_policies",)),
+    "ruler_policies_4096": (ruler_policies_4096, ("ruler_policies_4096",)),
+    "throughput": (throughput, ("throughput",)),
+    "engine": (engine, ("engine",)),
+    "engine_profile": (engine_profile, ("engine_profile",)),
+    "engine_vllm": (engine_vllm, ("engine_vllm",)),
+    "engine_throughput": (engine_throughput, ("engine_throughput",)),
+    "rkv_bench": (rkv_bench, ("rkv_bench",)),
+    "rope_bench": (rope_bench, ("rope_bench",)),
+    "policies_accuracy": (policies_accuracy, ("policies_accuracy", "policies_accuracy_window64", "ruler_smollm2_2048")),
+    "real_full_cache": (real_full_cache, ("ruler_full_real", "ruler_smollm2_2048")),
+    "real_leaderboard": (real_leaderboard, ("ruler_smollm2_2048",)),
+    "peer_kvpress": (peer_kvpress, ("peer_kvpress",)),
+}
+
+
+def blocks_in(text: str) -> list[str]:
+    """Names of the generated blocks a page holds, in page order."""
+    return [m.group(1) for m in _BLOCK.finditer(text)]
+
+
+def render(text: str, cache: dict | None = None) -> str:
+    """`text` with every generated block rewritten from the stored JSON.
+
+    Raises:
+        ValueError: a block name that `BLOCKS` does not know, or a begin marker without its end marker.
+    """
+    cache = {} if cache is None else cache
+    if text.count("<!-- generated: ") != len(blocks_in(text)):
+        raise ValueError("a '<!-- generated: NAME -->' marker has no '<!-- end generated -->' after it")
+
+    def fill(m):
+        name = m.group(1)
+        if name not in BLOCKS:
+            raise ValueError(f"unknown generated block {name!r}; known: {sorted(BLOCKS)}")
+        if name not in cache:
+            cache[name] = BLOCKS[name][0]().strip("\n")
+        return f"{BEGIN.format(name)}\n{cache[name]}\n{END}"
+
+    return _BLOCK.sub(fill, text)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="tools/render_results.py", description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 when a page differs")
+    args = ap.parse_args(argv)
+    cache: dict = {}
+    stale = []
+    for page in PAGES:
+        path = ROOT / page
+        old = path.read_text(encoding="utf-8")
+        new = render(old, cache)
+        if new == old:
+            continue
+        stale.append(page)
+        if args.check:
+            sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True), page, page + " (generated)"))
+        else:
+            path.write_text(new, encoding="utf-8")
+            print(f"wrote {page}")
+    if args.check and stale:
+        print(f"\n{', '.join(stale)}: not what docs/results/*.json gives; run python tools/render_results.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # `python tools/render_results.py` from a checkout imports this tdutils
+    sys.exit(main())
