@@ -41,3 +41,21 @@ def write_json(results: dict, dest: str) -> None:
     else:
         with open(dest, "w", encoding="utf-8") as f:
             f.write(text + "\n")
+
+
+def summary_or_check(parser, args, summary, example: str) -> bool:
+    """The start of a bench's `main`: with `--summary FILE` print `summary(read_json(FILE))` and return True;
+    otherwise check `--device` and `--json` before any work and return False. A bad value ends in one line,
+    exit status 2."""
+    from tdutils.models import check_device
+
+    try:
+        if args.summary:
+            print(summary(read_json(args.summary)))
+            return True
+        check_device(args.device)
+        if args.json is not None:
+            check_json_dest(args.json, example=example)
+    except ValueError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    return False

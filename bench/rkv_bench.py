@@ -54,10 +54,9 @@ import tempfile
 import time
 
 import torch
-from _report import check_json_dest, read_json, write_json  # bench/_report.py (this folder is on sys.path)
+from _report import summary_or_check, write_json  # bench/_report.py (this folder is on sys.path)
 
 from tdutils.cli_args import OneLineParser, count, drop_ratio, int_at_least, positive_int
-from tdutils.models import check_device
 from tdutils.policies.rkv import (
     kept_agreement,
     peak_memory,
@@ -279,15 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    try:  # bad values and files in one line, exit 2, before any child runs
-        if args.summary:
-            print(readme_summary(read_json(args.summary)))
-            return 0
-        check_device(args.device)
-        if args.json is not None:
-            check_json_dest(args.json, example="runs/rkv_bench.json")
-    except ValueError as exc:
-        p.exit(2, f"{p.prog}: error: {exc}\n")
+    if summary_or_check(p, args, readme_summary, "runs/rkv_bench.json"):  # bad values in one line, before any child runs
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.query_heads % args.heads:

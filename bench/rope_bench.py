@@ -39,11 +39,10 @@ import sys
 import time
 
 import torch
-from _report import check_json_dest, read_json, write_json  # bench/_report.py (this folder is on sys.path)
+from _report import summary_or_check, write_json  # bench/_report.py (this folder is on sys.path)
 
 from tdutils import rope as R
 from tdutils.cli_args import OneLineParser, positive_float, positive_int
-from tdutils.models import check_device
 from tdutils.rope import RopeSpec, rerotate_k_cache
 
 VARIANTS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -242,15 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    try:  # bad values and files in one line, exit 2, before any child runs
-        if args.summary:
-            print(readme_summary(read_json(args.summary)))
-            return 0
-        check_device(args.device)
-        if args.json is not None:
-            check_json_dest(args.json, example="runs/rope_bench.json")
-    except ValueError as exc:
-        p.exit(2, f"{p.prog}: error: {exc}\n")
+    if summary_or_check(p, args, readme_summary, "runs/rope_bench.json"):  # bad values in one line, before any child runs
+        return 0
     if args.head_dim % 2:
         p.error(f"--head-dim must be even (RoPE rotates pairs of dimensions), got {args.head_dim}")
     if args.dim % args.head_dim:
