@@ -1,4 +1,4 @@
-"""Accuracy benchmarks: passkey (issue 8) and RULER-style tasks in query-aware / query-agnostic mode (issue 17).
+"""Accuracy benchmarks: passkey and RULER-style tasks in query-aware / query-agnostic mode.
 
     python bench/accuracy.py                                   # passkey: n=200 per cell, 512/1024/2048 tokens
     python bench/accuracy.py --n 50 --context-lengths 512      # quicker
@@ -21,10 +21,9 @@ names run `tdutils.evaluate.task_eval` on `tiny-qwen3-ruler` with `--mode aware|
 defaults to `tdutils.evaluate.HELDOUT_SEED` (5_000_000), which no training, selection or test step uses
 (`tdutils.evaluate`, "Seeds"); `python -m tdutils eval` defaults to the development seed 0 instead.
 
-Targets (issue 8, n >= 200 per cell): full cache >= 98% at 512, 1024 and 2048 tokens; SnapKV and R-KV at
+Targets (n >= 200 per cell): full cache >= 98% at 512, 1024 and 2048 tokens; SnapKV and R-KV at
 drop ratio 0.5 >= 97%; at 0.75, report what they reach. Runtime: 467 s at n=200 with the policies full,
-random, snapkv and rkv on 2 quiet CPU cores, 3355 s on the same 2 cores shared with six other jobs (README,
-"Passkey accuracy of the bundled model"), most of it prefilling the 2048-token prompts.
+random, snapkv and rkv on 2 quiet CPU cores, 3355 s on the same 2 cores shared with six other jobs (docs/results.md), most of it prefilling the 2048-token prompts.
 """
 
 from __future__ import annotations

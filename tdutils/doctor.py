@@ -258,7 +258,7 @@ def _layout_readable(rep: Report, entry: dict, model: str) -> None:
     connect fails with "failed to decode KV cache layout" (tests/repro_lmcache_cpu_fused_layout.py): FAIL,
     the fix is tdutils' LMCache patch. A published fused layout is OK (the lmcache engine re-shapes its
     blocks, `tdutils.engines.kvlayout`), with a warning when it is not float32 (the only dtype whose CPU
-    packing was measured, SPEC §6).
+    packing was measured, docs/design.md §6).
     """
     from .serving.kvlayout import FUSED_FORMATS
 

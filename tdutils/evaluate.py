@@ -1,11 +1,11 @@
-"""Accuracy of token-dropping policies on CPU: passkey retrieval (issue 8) and RULER-style tasks in query-aware and
-query-agnostic modes (issue 17).
+"""Accuracy of token-dropping policies on CPU: passkey retrieval and RULER-style tasks in query-aware and
+query-agnostic modes.
 
 Passkey retrieval (Mohtashami & Jaggi, "Landmark Attention: Random-Access Infinite Context Length for
 Transformers", arXiv:2305.16300): a long filler context hides one needle `pass key = d d d d d .` at a
 random depth and ends with the question `pass key =`; the answer is the five digits. The bundled model
 `tiny-qwen3` is trained on exactly this task (`tools/train_tiny_model.py`), so a policy that drops the
-needle loses the answer and one that keeps it does not: accuracy separates policies sharply (SPEC §8).
+needle loses the answer and one that keeps it does not: accuracy separates policies sharply (docs/design.md §8).
 
 For every context length, `passkey_eval` builds `make_passkey_dataset(n, length, seed=seed)`, prefills
 each chunk of prompts once on the embedded `hf` engine, and then for every policy and drop ratio
@@ -16,8 +16,8 @@ restores the prefilled caches, applies `make_drop_fn(policy, drop_ratio=r, ...)`
 
 Policy names: `"full"` is the full cache (no `modify`; one row per length at drop ratio 0); any other
 name goes to `tdutils.make_drop_fn` as it is, so every policy it knows (`random`, `middle_chunk`,
-`snapkv`, and `rkv` once it lands) works here, and an unknown name fails with its error before anything
-runs. Ratio 0 runs the policy's drop function too (it must return the cache unchanged, SPEC §5), so its
+`snapkv`, `rkv`) works here, and an unknown name fails with its error before anything
+runs. Ratio 0 runs the policy's drop function too (it must return the cache unchanged, docs/design.md §5), so its
 row should equal the full cache's: a cheap check of that contract.
 
 RULER-style tasks (`task_eval`; Hsieh et al., "RULER", arXiv:2404.06654, the suite behind NVIDIA kvpress'
@@ -33,8 +33,8 @@ one drop ratio with 95% intervals of the exact match pooled over tasks (`noteboo
 Both benchmarks share `build_cells` / `run_cells` (prefill each chunk once, restore the prefilled caches per
 cell, one modify per policy x ratio, greedy decode).
 
-Command line (`python -m tdutils eval`, `bench/accuracy.py`): `--tasks passkey` (default, the issue-8
-benchmark with its model and defaults, unchanged) or `--tasks all` / task names (defaults
+Command line (`python -m tdutils eval`, `bench/accuracy.py`): `--tasks passkey` (default, the passkey
+benchmark with its model and defaults) or `--tasks all` / task names (defaults
 `DEFAULT_TASK_POLICIES`, drop ratios 0.25 / 0.5 / 0.75 / 0.9, lengths 1024 / 2048 / 4096, `--mode both`).
 
 Seeds (dataset seeds of `make_passkey_dataset` and `make_task_dataset`; each gives its own prompts), by use:
@@ -77,7 +77,7 @@ DEFAULT_DROP_RATIOS = (0.0, 0.25, 0.5, 0.75)
 DEFAULT_CONTEXT_LENGTHS = (512, 1024, 2048)
 COLUMNS = ("policy", "drop_ratio", "context_tokens", "n", "correct", "accuracy", "ci_low", "ci_high", "modify_s",
            "kept_tokens")
-# RULER-style tasks (issue 17): the model trained on them, and the leaderboard defaults.
+# RULER-style tasks: the model trained on them, and the leaderboard defaults.
 TASKS, MODES = RULER_TASKS, TASK_MODES
 PASSKEY = "passkey"  # command line: the passkey benchmark above, with its own model and defaults
 DEFAULT_TASK_POLICIES = ("full", "random", "streaming_llm", "knorm", "snapkv", "rkv")

@@ -28,7 +28,7 @@ from .gguf import progress_bars  # noqa: F401 (tdutils.models.progress_bars: whe
 ASSETS = Path(__file__).parent / "assets"
 TINY_MODEL_NAME = "tiny-qwen3"
 TINY_MODEL_DIR = ASSETS / TINY_MODEL_NAME
-# The RULER-task model (issue 17): 4 layers, the tokenizer of tiny-qwen3; trained by tools/train_ruler_model.py.
+# The RULER-task model: 4 layers, the tokenizer of tiny-qwen3; trained by tools/train_ruler_model.py.
 RULER_MODEL_NAME = "tiny-qwen3-ruler"
 RULER_MODEL_DIR = ASSETS / RULER_MODEL_NAME
 BUNDLED_MODELS = {TINY_MODEL_NAME: TINY_MODEL_DIR, RULER_MODEL_NAME: RULER_MODEL_DIR}

@@ -1,7 +1,7 @@
 """R-KV: keep tokens that are attended to *and* say something new (importance minus redundancy).
 
 Cai et al., "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models", arXiv:2505.24133
-(code: github.com/Zefan-Cai/R-KV). SPEC §5 "R-KV" is the definition implemented here.
+(code: github.com/Zefan-Cai/R-KV). docs/design.md §5 "R-KV" is the definition implemented here.
 
 Importance `I` (per layer, per KV head): the model's logits (`q·k / sqrt(d)` for most families; its own
 scale, soft-capping and sliding window as recorded in `tdutils.attention.AttentionSpec`) of the last `w`
@@ -72,7 +72,7 @@ TILE_FIELDS = ("row_tile", "col_block", "first_block", "chunk_size", "device")
 
 @dataclass
 class RKVParams:
-    """R-KV parameters (SPEC §5). Tile fields left at None take the chosen method's default.
+    """R-KV parameters (docs/design.md §5). Tile fields left at None take the chosen method's default.
 
     Attributes:
         window: `w`, the observation window (last `w` prompt tokens, always kept).
@@ -278,7 +278,7 @@ def _tiled(kh: torch.Tensor, threshold: float, row_tile: int, col_block: int, fi
 
 def rkv_redundancy(keys: torch.Tensor, *, method: str = "exact", threshold: float = 0.5, eps: float = 1e-8,
                    **tiles) -> torch.Tensor:
-    """R-KV redundancy of every key (arXiv:2505.24133; SPEC §5): `softmax_j(mean_i S̃[i, j])` per head.
+    """R-KV redundancy of every key (arXiv:2505.24133; docs/design.md §5): `softmax_j(mean_i S̃[i, j])` per head.
 
     Args:
         keys: `[H, n, d]` keys of one layer (any float dtype, any device; computed in fp32). Leading
@@ -391,7 +391,7 @@ def rkv_importance(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, kernel_siz
 def rkv_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, window: int = 16, kernel_size: int = 7,
                mix_lambda: float = 0.25, threshold: float = 0.5, redundancy: Redundancy = "exact",
                eps: float = 1e-8, attention: AttentionSpec | None = None, **tiles) -> torch.Tensor:
-    """R-KV score of every token before the observation window (arXiv:2505.24133; SPEC §5).
+    """R-KV score of every token before the observation window (arXiv:2505.24133; docs/design.md §5).
 
     `Z = λ·I − (1 − λ)·R[:, :T−w]` per layer and KV head, averaged over heads, summed over layers.
 
