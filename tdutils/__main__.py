@@ -305,9 +305,11 @@ def cmd_run(args) -> int:
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", _fmt):
         print(table[cols].T.to_string())
     print(f"\n{speedup_line(table, name)}")
-    for line in speedup_notes(table):
+    speed_notes = speedup_notes(table)
+    for line in speed_notes:
         print(f"note: {line}")
     accuracy, notes = _accuracy(rows, scored, results, random_weights, args.model, ruler_task)
+    notes = [*notes, *speed_notes]  # the JSON keeps every note the run printed
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"args": _args_dict(args), "interrupted": False, "decode_speedups": speedups,
               "decode_speedup_median": med, "accuracy": accuracy, "notes": notes,

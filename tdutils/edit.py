@@ -139,7 +139,8 @@ def kept_rows(kv: torch.Tensor, tokens: Sequence[int], new_kv: torch.Tensor, new
     if len(keep) != k or not torch.equal(old_rows[keep_t.to(kv.device)], new_rows):
         raise DropFunctionError(
             "positions='original' needs the kept positions, and the drop function's output is not an in-order "
-            "selection of unchanged cache rows (keys re-rotated, rows merged, reordered or edited), so they cannot "
+            "selection of unchanged cache rows with their own token ids (keys re-rotated, rows merged, reordered or "
+            "edited, or new_tokens[i] not the token of the row kept), so they cannot "
             "be recovered; use positions='compact' (with re-rotated keys), a drop function from "
             "tdutils.make_drop_fn, or one with an `edit(tensors, tokens) -> (new_kv, new_tokens, keep)` method")
     return keep_t

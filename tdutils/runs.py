@@ -9,6 +9,7 @@ ratios are taken per repeat, against the baseline of the same repeat. `tdutils.s
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -86,10 +87,10 @@ def run_once(engine, prompts, *, name: str = "baseline", drop_fn=None, max_token
 
 
 def _warmup_tokens(max_tokens):
-    """A few decode tokens for an untimed warm-up run (one int, or one per request)."""
-    if isinstance(max_tokens, int):
-        return min(4, max_tokens)
-    return [min(4, int(m)) for m in list(max_tokens)[:4]]
+    """A few decode tokens for an untimed warm-up run (one int, or one per request; checked by the caller)."""
+    if not isinstance(max_tokens, Iterable):
+        return min(4, int(max_tokens))
+    return [min(4, int(m)) for m in list(max_tokens.tolist() if hasattr(max_tokens, "tolist") else max_tokens)[:4]]
 
 
 def alternate_runs(engine, prompts, drop_fns: dict, *, max_tokens=64, repeats: int = 3, warmup: bool = True,
@@ -121,6 +122,9 @@ def alternate_runs(engine, prompts, drop_fns: dict, *, max_tokens=64, repeats: i
     if "baseline" in drop_fns:
         raise ValueError("a drop function is named 'baseline', the name of the run without dropping; rename it")
     ids = engine.tokenize(prompts) if hasattr(engine, "tokenize") else prompts
+    from .engines.base import check_max_tokens
+
+    check_max_tokens(max_tokens, len(ids))  # before the warm-up reads it: a clear error naming max_tokens
     fns = {"baseline": None, **drop_fns}
     if warmup:
         for name, fn in fns.items():

@@ -214,3 +214,29 @@ def test_chat_template_wraps_text_prompts_only_when_asked(tiny):
     assert chat.tokenize([text, {"prompt": text}]) == [tok(rendered, add_special_tokens=False)["input_ids"]] * 2
     assert raw.tokenize([text]) == [tok(text)["input_ids"]]
     assert chat.tokenize([[5, 6, 7]]) == [[5, 6, 7]]  # token ids are never wrapped
+
+
+# ---------------------------------------------------------------- found by a new user's trial
+
+@pytest.mark.parametrize("bad, error", [(3.0, TypeError), (None, TypeError), ("4", TypeError)])
+def test_compare_checks_max_tokens_before_its_warm_up(tiny, sample_ids, bad, error):
+    import tdutils
+
+    eng = _engine(tiny)
+    with pytest.raises(error, match="max_tokens must be an integer >= 1"):
+        tdutils.compare(eng, sample_ids[:2], {}, max_tokens=bad, repeats=1)
+
+
+@pytest.mark.parametrize("bad", ["garbage", [1, 2], None, 42, []])
+def test_restore_takes_only_a_snapshot_and_keeps_the_batch_otherwise(tiny, sample_ids, bad):
+    eng = _engine(tiny)
+    eng.prefill(sample_ids)
+    with pytest.raises(TypeError, match="restore\\(\\) takes what snapshot\\(\\) returned"):
+        eng.restore(bad)
+    assert [eng.tokens(i) for i in range(3)] == [list(x) for x in sample_ids]
+
+
+def test_a_model_that_is_none_is_named():
+    with pytest.raises(TypeError, match="model must be a model name, hub id, folder or a loaded transformers model, "
+                                        "got None"):
+        HFEngine(None, progress=False)

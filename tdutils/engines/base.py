@@ -405,7 +405,14 @@ class Engine(ABC):
         return [copy.copy(r) for r in self.requests]
 
     def restore(self, state) -> None:
-        """Go back to a `snapshot()`: the requests' caches as they were when it was taken."""
+        """Go back to a `snapshot()`: the requests' caches as they were when it was taken.
+
+        Raises:
+            TypeError: `state` is not a snapshot of this kind of engine (nothing is changed).
+        """
+        kind = type(self.requests[0]) if getattr(self, "requests", None) else None
+        if not isinstance(state, list) or not state or (kind is not None and not all(isinstance(r, kind) for r in state)):
+            raise TypeError(f"restore() takes what snapshot() returned on this engine, got {type(state).__name__}")
         self.requests = [copy.copy(r) for r in state]
 
     def modify(self, drop_fn, *, positions: str | None = None, on_error: str = "raise") -> ModifyReport:

@@ -142,6 +142,9 @@ class HFEngine(Engine):
             self.model, self.tokenizer = load_model(model, dtype=dtype, device=device, progress=progress,
                                                     attn_implementation=attn_implementation or "sdpa")
         else:
+            if model is None or not hasattr(model, "parameters"):
+                raise TypeError(f"model must be a model name, hub id, folder or a loaded transformers model, got "
+                                f"{model!r}")
             if tokenizer is None:
                 raise ValueError("pass tokenizer= together with a model object")
             _check_loaded_model_settings(model, dtype, device, attn_implementation)
