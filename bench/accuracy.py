@@ -5,12 +5,12 @@
     python bench/accuracy.py --policies full random snapkv rkv # R-KV too
     python bench/accuracy.py --policies full all --drop-ratios 0.5 --context-lengths 1024   # every policy
     python bench/accuracy.py --policies knorm keydiff --window 64   # protect the last 64 tokens (the question)
-    python bench/accuracy.py --summary docs/results/accuracy.json   # the README table of a stored run
+    python bench/accuracy.py --summary docs/results/accuracy.json   # the docs/results.md table of a stored run
     python bench/accuracy.py --tasks all --mode both --json runs/ruler.json --plot runs/ruler.png
                                                                # RULER leaderboard: 5 tasks x 2 modes, n=200,
                                                                # 1024/2048/4096 tokens, drop 0.25/0.5/0.75/0.9
     python bench/accuracy.py --tasks niah_multikey --mode agnostic --n 50 --context-lengths 1024   # quicker
-    python bench/accuracy.py --summary runs/ruler.json        # its per-task README table (markdown)
+    python bench/accuracy.py --summary runs/ruler.json        # its per-task table (markdown)
 
 A thin script over `tdutils.evaluate` (the same code as `python -m tdutils eval`): prints the table
 (exact match, 95% Wilson interval, modify seconds; RULER tasks also partial credit and the per-task markdown
@@ -40,7 +40,7 @@ NAMES = {"random": "random", "snapkv": "SnapKV", "rkv": "R-KV", "middle_chunk": 
 
 
 def readme_summary(report: dict) -> str:
-    """The README's accuracy table (markdown), written from a stored `--json` report. Passkey: one row per context
+    """The accuracy table of docs/results.md (markdown), written from a stored `--json` report. Passkey: one row per context
     length, the full cache, then each policy's accuracy (%) at its drop ratios > 0. RULER tasks (rows with a
     `task`): `tdutils.evaluate.task_markdown`, one row per mode and policy, one column per task."""
     rows = report["rows"]
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     ap.set_defaults(json_path="runs/accuracy.json", plot="runs/accuracy.png", seed=HELDOUT_SEED)
-    ap.add_argument("--summary", metavar="PATH", help="print the README table of a stored --json file and exit")
+    ap.add_argument("--summary", metavar="PATH", help="print the docs/results.md table of a stored --json file and exit")
     args = ap.parse_args(argv)
     try:
         if args.summary:

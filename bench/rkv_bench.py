@@ -30,7 +30,7 @@ Method, for every (distribution, n):
   events of one more call (`tdutils.policies.rkv.peak_memory`): the peak of live tensor bytes, an independent
   figure. CUDA: `torch.cuda.max_memory_allocated()` during one call minus what was allocated before.
 
-`--json docs/results/rkv_bench.json` stores every time, memory figure and ratio; the README's R-KV figures are
+`--json docs/results/rkv_bench.json` stores every time, memory figure and ratio; docs/results.md's R-KV figures are
 `readme_summary` of that file (`tests/test_bench_results.py` checks they match).
 
 On a CPU shared with other busy processes, use `--threads 1`: with more OpenMP threads than free cores every
@@ -39,7 +39,7 @@ parallel region can stall on a descheduled thread, which hits the methods made o
 
     python bench/rkv_bench.py                                   # full size, CPU or CUDA
     python bench/rkv_bench.py --sizes 1024 4096 --repeats 1 --json out.json
-    python bench/rkv_bench.py --summary docs/results/rkv_bench.json   # the README lines of a stored run
+    python bench/rkv_bench.py --summary docs/results/rkv_bench.json   # the docs/results.md lines of a stored run
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU: also measure the profiler's tensor peak for n up to this (one extra call)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON ('-' for stdout)")
-    p.add_argument("--summary", metavar="PATH", help="print the README lines of a stored --json file and exit")
+    p.add_argument("--summary", metavar="PATH", help="print the docs/results.md lines of a stored --json file and exit")
     p.add_argument("--_child", dest="child", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--_time-child", dest="time_child", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--_save-dir", dest="save_dir", default=None, help=argparse.SUPPRESS)
@@ -320,7 +320,7 @@ def main(argv=None) -> int:
     print_summary(results["summary"])
     if args.json is not None:
         write_json(results, args.json)
-        print(f"wrote {args.json}; README lines:\n{readme_summary(results)}")
+        print(f"wrote {args.json}; docs/results.md lines:\n{readme_summary(results)}")
     return 0
 
 
@@ -357,7 +357,7 @@ def summarize(kind: str, n: int, runs: dict, agree: dict | None) -> dict:
 
 
 def readme_summary(results: dict) -> str:
-    """The README's R-KV figures, written from a stored run (largest n; `realistic` keys, then `random`)."""
+    """The R-KV figures of docs/results.md, written from a stored run (largest n; `realistic` keys, then `random`)."""
     summary = results["summary"]
     n = max(s["n"] for s in summary)
     at = {s["kind"]: s for s in summary if s["n"] == n}

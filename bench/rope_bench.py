@@ -21,9 +21,9 @@ Memory ("extra" = beyond the input cache and the returned cache, which any non-m
 
     python bench/rope_bench.py                          # full size
     python bench/rope_bench.py --layers 8 --tokens 4096 --repeats 3 --json out.json
-    python bench/rope_bench.py --summary docs/results/rope_bench.json   # the README lines of a stored run
+    python bench/rope_bench.py --summary docs/results/rope_bench.json   # the docs/results.md lines of a stored run
 
-`--json docs/results/rope_bench.json` stores the run; the README's RoPE figures are `readme_summary` of that
+`--json docs/results/rope_bench.json` stores the run; docs/results.md's RoPE figures are `readme_summary` of that
 file (`tests/test_bench_results.py` checks they match).
 """
 
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' for stdout)")
-    p.add_argument("--summary", metavar="PATH", help="print the README lines of a stored --json file and exit")
+    p.add_argument("--summary", metavar="PATH", help="print the docs/results.md lines of a stored --json file and exit")
     p.add_argument("--_memory-child", dest="memory_child", choices=list(VARIANTS), help=argparse.SUPPRESS)
     return p
 
@@ -305,7 +305,7 @@ def main(argv=None) -> int:
     if args.json is not None:
         write_json(results, args.json)
         if args.json != "-":
-            print(f"wrote {args.json}; README lines:\n{readme_summary(results)}")
+            print(f"wrote {args.json}; docs/results.md lines:\n{readme_summary(results)}")
     return 0
 
 
@@ -318,7 +318,7 @@ def machine() -> dict:
 
 
 def readme_summary(results: dict) -> str:
-    """The README's RoPE figures, written from a stored run (`--json`)."""
+    """The RoPE figures of docs/results.md, written from a stored run (`--json`)."""
     fp32, bf16 = results["variants"]["fp32"], results["variants"]["bf16"]
     acc = results["accuracy_layer0_vs_fp64"]
     shape = "x".join(map(str, results["shape"]))

@@ -28,7 +28,7 @@ task runs in two modes: `aware` (prefill(prompt) -> modify -> decode: the questi
 when the cache is edited) and `agnostic` (prefill(context) -> modify -> extend(question) -> decode: the cache is
 edited before the question exists, as when a stored context serves many questions). `leaderboard`,
 `plot_leaderboard` and `task_markdown` summarise a table: mean exact match over tasks per policy and drop
-ratio, one panel per mode, and the README's per-task table; `rank_policies` / `plot_ranking` rank the policies at
+ratio, one panel per mode, and the per-task table of docs/results.md; `rank_policies` / `plot_ranking` rank the policies at
 one drop ratio with 95% intervals of the exact match pooled over tasks (`notebooks/compare_policies.ipynb`).
 Both benchmarks share `build_cells` / `run_cells` (prefill each chunk once, restore the prefilled caches per
 cell, one modify per policy x ratio, greedy decode).
@@ -616,7 +616,7 @@ def leaderboard(table):
 
 
 def task_markdown(table, *, context_length: int | None = None) -> str:
-    """The README's per-task table (markdown) of a `task_eval` table (or the `rows` of its JSON report, as a
+    """The per-task table (markdown, as in docs/results.md) of a `task_eval` table (or the `rows` of its JSON report, as a
     DataFrame): one row per (mode, policy), one column per task plus the average; a cell lists the exact match
     (%) at each drop ratio, `a / b / c` in ascending ratio order (the full cache: one figure). Cells of several
     context lengths are pooled (correct answers over examples) unless `context_length` picks one.

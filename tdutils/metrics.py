@@ -131,7 +131,7 @@ SPREAD_THRESHOLD = 0.2
 """Widest trustworthy spread of a decode-throughput ratio over repeats, as a fraction of its median:
 `(max − min) / median` of the per-repeat ratios. Each repeat runs the baseline and the dropped configuration back
 to back, so load that hits both alike cancels in their ratio; repeats that disagree by more than this mean the
-load changed within a repeat, and the median is a guess. For scale: on a quiet 2-core machine the README's three
+load changed within a repeat, and the median is a guess. For scale: on a quiet 2-core machine docs/results.md's three
 repeats of `python -m tdutils run` gave 1.98–2.13× (SnapKV) and 1.82–1.97× (random), spreads of 7–8%; with a
 dozen other processes on the same 2 cores, `run --num-requests 8 --max-tokens 16` gave 2.39×, 9.12× and 19.72×."""
 

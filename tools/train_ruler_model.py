@@ -48,7 +48,7 @@ run 8 (2676 steps in 55 min, beside CI)):
 | 2048 | 100 / 99 / 100 / 100 / 100 | 83 / 95 / 97 / 99 / 97 | 50 / 90 / 91 / 95 / 96 | 61 / 89 / 90 / 93 / 98 | 88 / 100 / 100 / 99 / 98 |
 | 4096 | 60 / 100 / 100 / 100 / 100 | 38 / 83 / 87 / 92 / 91 | 0 / 66 / 73 / 79 / 82 | 5 / 52 / 57 / 72 / 74 | 7 / 81 / 84 / 87 / 87 |
 
-(The README's table, on the held-out seed, agrees within a few points.) Run 5 trained at 1024-4096 tokens only,
+(docs/results.md's table, on the held-out seed, agrees within a few points.) Run 5 trained at 1024-4096 tokens only,
 with the pointer loss and the predecessor probe at every length (`PointerRows` made that affordable), and took
 2048 tokens from 50-100% to 89-100% on every task, 4096 from 0-60% to 52-100%; 1024 stayed within a few points.
 Its teacher-forced exact match at 4096 tokens (dev seed, n = 32) rose over the run, checkpoint by checkpoint: multi-key

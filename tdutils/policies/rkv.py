@@ -472,7 +472,7 @@ def _keep_indices(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, p: RKVPa
 
 # --------------------------------------------------------------------------------------------- method table
 # `TimedDropFn`, `kept_agreement`, `peak_memory`, `synthetic_keys` and `timed` (tdutils.profiling) stay
-# importable from here: the README, notebooks, benches and tests import them so.
+# importable from here: the docs, notebooks, benches and tests import them so.
 
 def compare_redundancy_methods(tensors, tokens, *, drop_ratio: float, model_config, methods=RKV_METHODS,
                                method_tiles: dict | None = None, repeats: int = 1, **params):
