@@ -30,12 +30,20 @@ def _quantile(xs: list[float], q: float) -> float:
 
 @dataclass
 class PrefillMetrics:
-    """Prefill phase: prompt tokens processed, wall seconds, and TTFT (s) of each request."""
+    """Prefill phase: prompt tokens processed, wall seconds, and TTFT (s) of each request.
+
+    `peak_cache_tokens` is the largest KV cache each request held during prefill (its prompt length, or at most
+    `budget + chunk` under chunked prefill with a budget); `cuts` / `cut_seconds` count the cuts to the budget
+    made during prefill and their time (included in `seconds`).
+    """
 
     requests: int = 0
     tokens: int = 0
     seconds: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
+    peak_cache_tokens: list[int] = field(default_factory=list)
+    cuts: int = 0
+    cut_seconds: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -67,6 +75,8 @@ class DecodeMetrics:
     `kv_storage_tokens` / `kv_storage_bytes` are the hf engine's decode storage at its largest (slots x width,
     `tdutils.engines.kvstore`); storage beyond `kv_peak_reserved_tokens` is padding. `preemptions` counts the
     requests moved out of the batch (and resumed later, unchanged) so that another one's next block fits.
+    With decode-time compression, `compressions` counts the cuts back to the budget and `compress_seconds` their
+    time (included in `seconds`); `kv_peak_cache_tokens` is the longest cache a request attended over.
     """
 
     output_tokens: int = 0
@@ -79,6 +89,9 @@ class DecodeMetrics:
     kv_storage_tokens: int = 0
     kv_storage_bytes: int = 0
     preemptions: int = 0
+    compressions: int = 0
+    compress_seconds: float = 0.0
+    kv_peak_cache_tokens: int = 0
 
     @property
     def tokens_per_s(self) -> float:

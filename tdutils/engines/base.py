@@ -46,6 +46,10 @@ class RequestOutput:
         ttft_s: time to first token from the start of prefill, seconds.
         tpot_s: mean seconds per output token after the first.
         logits: optional list of fp32 tensors [vocab], one per generated token (`keep_logits=True`).
+        compressions: with decode-time compression (`hf` engine, `decode(compression=...)`), one dict per cut:
+            `step` (tokens generated when it happened), `before` / `after` (cache entries), `kept` (the kept
+            entries' indices in the request's sequence: its cache at decode start, then its generated tokens);
+            None without compression.
     """
 
     request_id: int
@@ -58,6 +62,7 @@ class RequestOutput:
     ttft_s: float = float("nan")
     tpot_s: float = float("nan")
     logits: list | None = None
+    compressions: list | None = None
 
     def __post_init__(self):
         if self.answer is None:

@@ -48,12 +48,14 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
 from ..attention import AttentionSpec, QueryRecorder, capture_implementation, recording, register_live_model
 from ..chat import uses_chat_template
+from ..compression import BudgetDropFn, Compression
 from ..edit import CacheKind, check_kv
 from ..metrics import DecodeMetrics, RunMetrics
 from ..models import load_model, model_facts
@@ -234,17 +236,34 @@ class HFEngine(Engine):
 
     # ------------------------------------------------------------------ phases
     @torch.inference_mode()
-    def prefill(self, prompts) -> list[torch.Tensor]:
+    def prefill(self, prompts, *, chunk: int | None = None, compression: Compression | None = None) -> list[int]:
         """Prefill every prompt (in left-padded batches of `prefill_batch_size`); one cache per request.
 
         Args:
             prompts: strings, `PromptRow`s, dicts with `prompt`, or lists of token ids.
+            chunk: prefill `C` prompt tokens at a time: the first `C` as a prefill, each next `C` on top of the
+                cache (as `extend` does), so activations stay bounded; without `compression` the cache equals a
+                one-shot prefill's.
+            compression: a `tdutils.compression.Compression`: after every chunk (after the whole prompt without
+                `chunk`) each cache longer than `budget` is cut back to `budget` by its policy, scored by the
+                chunk's last queries (a stream's query-agnostic setting), at the engine's `positions`. A
+                request's cache never exceeds `budget + C` tokens; `metrics.prefill.peak_cache_tokens` has the
+                largest each request held.
 
         Returns:
-            List of each request's KV `[2, L, T, D]` (model dtype, model device). The engine keeps them;
-            `kv(i)` returns one again. Resets the engine's requests and metrics.
+            Each request's cache length `T` (its KV `[2, L, T, D]`, model dtype and device, is `kv(i)`). Resets
+            the engine's requests and metrics.
+
+        Raises:
+            TypeError / ValueError: bad prompts, a `chunk` that is not an integer >= 1, or `compression` not a
+            `Compression`.
         """
         ids = self.tokenize(prompts)
+        if chunk is None and compression is None:
+            return self._prefill_ids(ids)
+        return self._prefill_chunked(ids, chunk, compression)
+
+    def _prefill_ids(self, ids: list[list[int]]) -> list[int]:
         max_pos = getattr(self.model.config, "max_position_embeddings", None)
         if max_pos and max(map(len, ids)) > max_pos:
             warnings.warn(f"a prompt of {max(map(len, ids))} tokens is longer than the model's "
@@ -291,6 +310,51 @@ class HFEngine(Engine):
             del cache
         bar.close()
         pm.requests, pm.tokens, pm.seconds, pm.ttft_s = len(ids), sum(map(len, ids)), time.perf_counter() - t0, ttft
+        pm.peak_cache_tokens = list(map(len, ids))
+        return [r.kv.shape[2] for r in self.requests]
+
+    def _prefill_chunked(self, ids: list[list[int]], chunk: int | None, compression: Compression | None) -> list[int]:
+        """`prefill` by chunks of `chunk` tokens, cutting every cache to `compression.budget` after each."""
+        if compression is not None and not isinstance(compression, Compression):
+            raise TypeError(f"compression must be a tdutils.compression.Compression, got {type(compression).__name__}")
+        longest = max(map(len, ids))
+        size = longest if chunk is None else check_count(chunk, "chunk", 1)
+        cut = None
+        if compression is not None:
+            cut = compression.drop_fn(model_config=self.model, rerotate=self.positions == "compact")
+            self.capture_for(cut)  # the chunk's last queries score the cut
+        t0 = time.perf_counter()
+        self._prefill_ids([x[:size] for x in ids])
+        pm = self.metrics.prefill
+        peak = [len(x[:size]) for x in ids]
+        ttft = [float("nan")] * len(ids)
+        offset = size
+        while True:
+            if cut is not None:
+                self._cut(cut, [r for r in self.requests if len(r.tokens) > compression.budget])
+            for r, x in zip(self.requests, ids):
+                if len(x) <= offset and ttft[r.request_id] != ttft[r.request_id]:  # its prompt is all in: first token
+                    ttft[r.request_id] = time.perf_counter() - t0
+            todo = [(r, x[offset:offset + size]) for r, x in zip(self.requests, ids) if len(x) > offset]
+            if not todo:
+                break
+            for start in range(0, len(todo), self.prefill_batch_size):
+                batch = todo[start:start + self.prefill_batch_size]
+                # the chunk continues the prompt: at its prompt positions under "original" (a cut may have dropped
+                # the chunk's last token), right after the k kept tokens under "compact"
+                starts = [offset if self.positions == "original" else r.refeed_pos + 1 for r, _ in batch]
+                updates = self._extend_batch([r for r, _ in batch], [x for _, x in batch], starts)
+                for (r, x), first, (kv, query) in zip(batch, starts, updates):
+                    if r.positions is not None:
+                        r.positions = torch.cat([r.positions, torch.arange(first, first + len(x))])
+                    r.kv, r.query = kv, query
+                    r.tokens, r.prompt_ids = r.tokens + x, r.prompt_ids + x
+                    r.refeed_pos = first + len(x) - 1
+                    peak[r.request_id] = max(peak[r.request_id], kv.shape[2])
+            offset += size
+        pm.seconds, pm.tokens, pm.ttft_s, pm.peak_cache_tokens = time.perf_counter() - t0, sum(map(len, ids)), ttft, peak
+        for r, x in zip(self.requests, ids):
+            r.ttft_s = ttft[r.request_id]
         return [r.kv.shape[2] for r in self.requests]
 
     def kv(self, request_id: int) -> torch.Tensor:
@@ -389,6 +453,17 @@ class HFEngine(Engine):
         else:
             req.positions, req.refeed_pos = kept_pos, int(kept_pos[-1])
 
+    def _cut(self, cut: BudgetDropFn, reqs: list[_Request]) -> None:
+        """Cut each request's cache to `cut.budget` (chunked prefill); a failure raises and the batch is void."""
+        pm = self.metrics.prefill
+        t0 = time.perf_counter()
+        for r in reqs:
+            new_kv, new_tokens, keep = cut.edit(self.tensors(r.request_id), r.tokens)
+            staged = self._edit_stage(r.request_id, new_kv, new_tokens, keep)
+            self._edit_commit(r.request_id, staged, self.positions)
+            pm.cuts += 1
+        pm.cut_seconds += time.perf_counter() - t0
+
     def modify(self, drop_fn, *, positions: str | None = None, on_error: str = "raise"):
         """`Engine.modify` (all or nothing, per-request failures) with both position conventions.
 
@@ -468,8 +543,11 @@ class HFEngine(Engine):
             r.refeed_pos = first + len(x) - 1
         return [r.kv.shape[2] for r in self.requests]
 
-    def _extend_batch(self, reqs: list[_Request], ext: list[list[int]]) -> list[tuple]:
+    def _extend_batch(self, reqs: list[_Request], ext: list[list[int]], starts: list[int] | None = None
+                      ) -> list[tuple]:
         """One padded forward of `ext` over the caches of `reqs`; returns each request's new `(kv, query)`.
+
+        Extension `b` is fed at positions `starts[b], starts[b] + 1, ...` (default: `refeed_pos + 1`).
 
         Layout per row `b` (cache width `C = max T_b`, extension width `M = max m_b`): `[pad, cache_b, pad,
         ext_b]`, the padding masked out; masks are built by position (the slot store's rule), so sliding windows
@@ -487,7 +565,7 @@ class HFEngine(Engine):
         input_ids = torch.full((B, M), pad_id, dtype=torch.long)
         query_pos = torch.zeros((B, M), dtype=torch.long)
         for b, (r, x) in enumerate(zip(reqs, ext)):
-            T, m, first = lens[b], ms[b], r.refeed_pos + 1
+            T, m, first = lens[b], ms[b], r.refeed_pos + 1 if starts is None else starts[b]
             k, v = self._row_kv(r.kv)  # [L, H_kv, T, d]
             keys[:, b, :, C - T:], values[:, b, :, C - T:] = k, v
             key_pos[b, C - T:C] = r.positions if r.positions is not None else torch.arange(T)
@@ -546,7 +624,7 @@ class HFEngine(Engine):
         return out
     @torch.inference_mode()
     def decode(self, max_tokens: int | Sequence[int] = 64, *, temperature: float = 0.0, ignore_eos: bool = True, seed: int = 0,
-               keep_logits: bool = False) -> list[RequestOutput]:
+               keep_logits: bool = False, compression: Compression | None = None) -> list[RequestOutput]:
         """Batched decoding of every request under the KV budget; returns one `RequestOutput` per request.
 
         Requests are admitted first come first served while the sum of their reservations over the running
@@ -571,10 +649,22 @@ class HFEngine(Engine):
                 `eos_token_ids`: the tokenizer's EOS and every id in the model's `generation_config.eos_token_id`.
                 `RequestOutput.answer` holds the text before the first EOS either way.
             keep_logits: store each step's logits `[vocab]` (fp32, or the model dtype when wider) in the outputs.
+            compression: a `tdutils.compression.Compression(policy, budget=B, buffer=N, window=w)`: R-KV's
+                decode-time setting (arXiv:2505.24133). Each step also captures the fed token's query (after
+                q_norm and RoPE, as at prefill); when a request's cache reaches `B + N` entries and its last `w`
+                queries exist, the policy scores the cache with them and it is cut back to `B` in its slot, in
+                the batch (the other requests go on), at the engine's `positions` (compact: kept keys re-rotated
+                to `0..B-1`, decoding continues at `B`, so positions stay below `B + N` and the model's context
+                does not cap `max_tokens`; original: keys and positions unchanged). A request therefore reserves at
+                most `B + N + 1` KV tokens (more only while its first `w` queries are still missing, or when its
+                cache starts longer), so many more requests fit `kv_budget_tokens`; with `B + N` at least the final
+                length nothing is cut and the output is the uncompressed decode's. Each cut is in
+                `RequestOutput.compressions`; `metrics.decode.compressions` counts them.
 
         Raises:
             RuntimeError: called before `prefill`.
-            TypeError: `max_tokens` not an integer or one integer per request (a string, None, a float).
+            TypeError: `max_tokens` not an integer or one integer per request (a string, None, a float), or
+                `compression` not a `Compression`.
             ValueError: `max_tokens < 1`, a bad temperature, or a request that alone needs more KV tokens than
                 `kv_budget_tokens` (the message gives both numbers).
         """
@@ -585,7 +675,14 @@ class HFEngine(Engine):
         if temperature < GREEDY_BELOW:
             temperature = 0.0
         limit = {r.request_id: m for r, m in zip(self.requests, per_request)}
+        comp = None
+        if compression is not None:
+            if not isinstance(compression, Compression):
+                raise TypeError(f"compression must be a tdutils.compression.Compression, got {type(compression).__name__}")
+            comp = _DecodeCompressor(self, compression)
         max_pos = getattr(self.model.config, "max_position_embeddings", None)
+        if comp is not None and self.positions == "compact":
+            max_pos = None  # every cut renumbers the cache 0..B-1: positions stay below max(B + N, T) + 1
         if max_pos and not ignore_eos:
             # the last position fed is refeed_pos + limit - 1; stop at the model's context
             capped = {r.request_id: max(1, min(limit[r.request_id], max_pos - r.refeed_pos)) for r in self.requests}
@@ -596,14 +693,21 @@ class HFEngine(Engine):
                               f"with finish_reason 'length'", stacklevel=2)
                 limit = capped
         budget = self.kv_budget_tokens
-        need = {r.request_id: r.kv.shape[2] + limit[r.request_id] for r in self.requests}
+        # KV tokens a request may hold at once (+ 1, the token it generates last): all its tokens, or with
+        # compression at most its bound (B + N, or longer while it starts)
+        cap = {r.request_id: None if comp is None else comp.bound(r) + 1 for r in self.requests}
+
+        def capped(rid, n):
+            return n if cap[rid] is None else min(n, cap[rid])
+
+        need = {r.request_id: capped(r.request_id, r.kv.shape[2] + limit[r.request_id]) for r in self.requests}
         if budget is not None:
             for r in self.requests:
                 if need[r.request_id] > budget:
                     raise ValueError(
                         f"request {r.request_id} needs {need[r.request_id]} KV tokens ({r.kv.shape[2]} cached + "
-                        f"{limit[r.request_id]} to generate) but kv_budget_tokens is {budget}; raise kv_budget_tokens, "
-                        f"lower max_tokens, or drop more tokens")
+                        f"{limit[r.request_id]} to generate{'' if cap[r.request_id] is None else ', compressed'}) but "
+                        f"kv_budget_tokens is {budget}; raise kv_budget_tokens, lower max_tokens, or drop more tokens")
         if max_pos:
             # positions fed: the refeed (k-1 or T-1) and then max_tokens - 1 generated tokens
             last = max(r.refeed_pos + limit[r.request_id] - 1 for r in self.requests)
@@ -621,7 +725,7 @@ class HFEngine(Engine):
         grant = {rid: limit[rid] if block is None else min(limit[rid], block) for rid in limit}
 
         def reservation(r):
-            return r.kv.shape[2] + grant[r.request_id]
+            return capped(r.request_id, r.kv.shape[2] + grant[r.request_id])
 
         for r in self.requests:
             r.output_ids, r.token_times, r.finish_reason = [], [], "length"
@@ -629,7 +733,9 @@ class HFEngine(Engine):
             r.resume = None
 
         store = self._new_store([reservation(r) for r in self.requests], budget,
-                                max(need.values()) - 1 if block is None else None)
+                                max(need.values()) - 1 if block is None else None, positions=comp is not None)
+        if comp is not None:
+            comp.start(store)
         next_ids = torch.zeros(store.slots, dtype=torch.long, device=self.device)  # per slot: token fed next step
         next_pos = torch.zeros(store.slots, dtype=torch.long, device=self.device)  # and its position
         waiting = deque(self.requests)
@@ -637,6 +743,8 @@ class HFEngine(Engine):
 
         def preempt(slot):  # out of the batch with its cache and generated tokens; resumes where it stopped
             r = running.pop(slot)
+            if comp is not None:
+                comp.leave(slot, r)
             r.resume = (*store.take(slot), int(next_ids[slot]), int(next_pos[slot]))
             if len(r.output_ids) >= grant[r.request_id]:  # it used its block: resume with the next one
                 grant[r.request_id] = min(limit[r.request_id], grant[r.request_id] + block)
@@ -651,8 +759,11 @@ class HFEngine(Engine):
                     self.max_batch_size is None or len(running) < self.max_batch_size):
                 r = waiting.popleft()
                 store.grow(reservation(r) - 1)
+                resumed = r.resume is not None
                 slot = self._admit(store, r)
                 running[slot] = r
+                if comp is not None:
+                    comp.join(slot, r, resumed)
                 if r.resume is None:
                     next_ids[slot], next_pos[slot] = r.tokens[-1], r.refeed_pos
                 else:
@@ -665,8 +776,10 @@ class HFEngine(Engine):
 
             rows = store.rows
             store.begin_step(next_pos[:rows])
-            out = self._forward(next_ids[:rows, None], self._decode_masks(store, next_pos[:rows]),
-                                next_pos[:rows, None], store.cache())
+            fed = next_ids[:rows].tolist() if comp is not None else None
+            with comp.capture(rows) if comp is not None else nullcontext():
+                out = self._forward(next_ids[:rows, None], self._decode_masks(store, next_pos[:rows]),
+                                    next_pos[:rows, None], store.cache())
             store.end_step()
             logits = out.logits[:, -1, :]  # [rows, vocab]; idle rows (free slots) are ignored
             if logits.dtype in (torch.float16, torch.bfloat16):
@@ -696,6 +809,8 @@ class HFEngine(Engine):
                     r.finish_reason = "stop"
                     del running[slot]
                     store.release(slot)
+            if comp is not None:  # the fed tokens are cached now: cut the caches that reached B + N
+                comp.after_step(running, fed, next_pos, dm)
             # grant the next block to requests that used theirs, preempting the latest admitted others if needed
             for slot, r in list(running.items()):
                 rid = r.request_id
@@ -721,7 +836,8 @@ class HFEngine(Engine):
             outputs.append(RequestOutput(
                 request_id=r.request_id, prompt_tokens=len(r.prompt_ids), cached_tokens=r.kv.shape[2],
                 output_ids=list(r.output_ids), text=text, answer=answer_text(self.tokenizer, r.output_ids, eos, text),
-                finish_reason=r.finish_reason, ttft_s=r.ttft_s, tpot_s=tpot, logits=r.logits))
+                finish_reason=r.finish_reason, ttft_s=r.ttft_s, tpot_s=tpot, logits=r.logits,
+                compressions=None if comp is None else comp.events(r)))
         return outputs
 
     # ------------------------------------------------------------------ batch bookkeeping
@@ -732,14 +848,16 @@ class HFEngine(Engine):
         kv = kv.view(2, L, T, h, d).transpose(2, 3)  # [2, L, H_kv, T, d]
         return kv[0], kv[1]
 
-    def _new_store(self, needs: list[int], budget: int | None, width: int | None = None) -> SlotKVStore:
+    def _new_store(self, needs: list[int], budget: int | None, width: int | None = None, *, positions: bool = False
+                   ) -> SlotKVStore:
         """Decode storage for requests reserving `needs` KV tokens (see `engines.kvstore`), `width` tokens per
         slot (default: the largest need - 1; it grows when requests are granted more); it tracks each entry's
-        position when sliding-window layers need masks by position."""
+        position when sliding-window layers need masks by position, or when `positions` (compression)."""
         plan = plan_slots(needs, budget, self.max_batch_size)
         return SlotKVStore(num_layers=self.facts.num_layers, num_kv_heads=self.facts.num_kv_heads,
                            head_dim=self.facts.head_dim, slots=plan.slots, width=width or plan.width,
-                           dtype=self.model.dtype, device=self.device, track_positions=self._mask_windows is not None)
+                           dtype=self.model.dtype, device=self.device,
+                           track_positions=positions or self._mask_windows is not None)
 
     def _admit(self, store: SlotKVStore, r: _Request) -> int:
         """Copy a request's cache minus its last entry into a free slot (that entry's token is fed again at
@@ -765,6 +883,134 @@ class HFEngine(Engine):
         masks = {key: store.attention_mask(window=w, query_positions=query_positions, additive_dtype=self.model.dtype)
                  for key, w in self._mask_windows.items()}
         return masks[None] if None in masks else masks
+
+
+class _DecodeCompressor:
+    """Decode-time compression of one `decode` call (`HFEngine.decode(compression=...)`, R-KV's loop).
+
+    Per slot it keeps a ring of the last `w` fed tokens' queries `[S, L, w, Hq*d]` (written by the capture hook
+    during the forward); per request the token ids of its cached entries and their index in the request's
+    sequence (its cache at decode start, then its generated tokens), so each cut is reported by sequence index.
+    """
+
+    def __init__(self, engine: HFEngine, compression: Compression):
+        self.engine = engine
+        self.cut = compression.drop_fn(model_config=engine.model, rerotate=engine.positions == "compact")
+        self.budget, self.buffer, self.w = compression.budget, compression.buffer, self.cut.query_rows
+        self.compact = engine.positions == "compact"
+        f = engine.facts
+        self.L, self.h, self.d = f.num_layers, f.num_kv_heads, f.head_dim
+        self.state: dict[int, dict] = {}
+        if self.w:
+            engine._prepare_capture(self.w, ())  # the capture hook is installed even with query_window=0
+
+    def _prompt_rows(self, r: _Request) -> int:
+        """Rows of the captured prompt query usable as the ring's first rows (the refed token's own row is
+        computed again by the first step, so it is left out)."""
+        if not self.w or r.query is None:
+            return 0
+        return min(self.w, r.query.shape[1] - 1)
+
+    def bound(self, r: _Request) -> int:
+        """Most cache entries `r` holds at once: `B + N`, or its start cache (plus the steps until its first `w`
+        queries exist) when that is longer."""
+        T = r.kv.shape[2]
+        return max(self.budget + self.buffer, T, T - 1 + self.w - self._prompt_rows(r))
+
+    def start(self, store: SlotKVStore) -> None:
+        self.store = store
+        if self.w:
+            hq_d = self.engine.facts.num_query_heads * self.d
+            self.ring = torch.zeros((store.slots, self.L, self.w, hq_d), dtype=self.engine.model.dtype,
+                                    device=self.engine.device)
+        self.count = [0] * store.slots  # queries written to each slot's ring since it joined / was last cut
+
+    def join(self, slot: int, r: _Request, resumed: bool) -> None:
+        st = self.state.get(r.request_id)
+        if st is None:  # first admission: the cached entries are the start cache minus the refed token
+            T = r.kv.shape[2]
+            st = self.state[r.request_id] = {"tokens": list(r.tokens[:-1]), "seq": list(range(T - 1)), "next": T - 1,
+                                             "events": [], "saved": None}
+            a = self._prompt_rows(r)
+            if a:
+                self.ring[slot, :, :a] = r.query[:, -1 - a:-1].to(self.ring.dtype)
+            self.count[slot] = a
+        elif resumed and st["saved"] is not None:  # back from preemption with its ring
+            ring, self.count[slot] = st["saved"]
+            if self.w:
+                self.ring[slot] = ring
+            st["saved"] = None
+
+    def leave(self, slot: int, r: _Request) -> None:
+        st = self.state[r.request_id]
+        st["saved"] = (self.ring[slot].clone() if self.w else None, self.count[slot])
+
+    def capture(self, rows: int):
+        """Context manager for one step's forward: each layer's query of the fed tokens goes into the ring."""
+        from ..attention import recording
+
+        if not self.w:
+            return nullcontext()
+        cols = torch.tensor([c % self.w for c in self.count[:rows]], device=self.engine.device)
+        index = torch.arange(rows, device=self.engine.device)
+        ring = self.ring
+
+        class _Recorder:
+            def record(self, layer_idx, query, key, kwargs):  # query: [rows, Hq, 1, d]
+                ring[index, layer_idx, cols] = query[:, :, 0, :].reshape(query.shape[0], -1).to(ring.dtype)
+
+        return recording(_Recorder())
+
+    def after_step(self, running: dict, fed: list[int], next_pos: torch.Tensor, dm) -> None:
+        """Book the tokens the step cached; cut every cache that reached `B + N` (with its `w` queries)."""
+        B = self.budget
+        for slot, r in running.items():
+            st = self.state[r.request_id]
+            st["tokens"].append(fed[slot])
+            st["seq"].append(st["next"])
+            st["next"] += 1
+            self.count[slot] += 1
+            n = len(st["tokens"])
+            dm.kv_peak_cache_tokens = max(dm.kv_peak_cache_tokens, n)
+            assert n <= self.bound(r), (n, self.bound(r))  # the reservation admission counted on
+            if n >= B + self.buffer and self.count[slot] >= self.w:
+                t0 = time.perf_counter()
+                self._cut_slot(slot, r, st, n, next_pos)
+                dm.compressions += 1
+                dm.compress_seconds += time.perf_counter() - t0
+
+    def _cut_slot(self, slot: int, r: _Request, st: dict, n: int, next_pos: torch.Tensor) -> None:
+        store, L, h, d = self.store, self.L, self.h, self.d
+        keys = torch.stack([store.keys[i][slot, :, :n] for i in range(L)])  # [L, H_kv, n, d]
+        values = torch.stack([store.values[i][slot, :, :n] for i in range(L)])
+        kv = torch.stack([keys, values]).transpose(2, 3).reshape(2, L, n, h * d)  # [2, L, n, D]
+        tensors = {CacheKind.KV: kv}
+        if self.w:
+            c = self.count[slot]
+            order = [(c - self.w + i) % self.w for i in range(self.w)]  # oldest first: aligned to the KV's end
+            tensors[CacheKind.QUERY] = self.ring[slot][:, order]  # [L, w, Hq*d]
+        new_kv, new_tokens, keep = self.cut.edit(tensors, st["tokens"])
+        k = new_kv.shape[2]
+        assert k <= self.budget, (k, self.budget)  # BudgetDropFn refuses more; the budget is never exceeded
+        new = new_kv.view(2, L, k, h, d).transpose(2, 3)  # [2, L, H_kv, k, d]
+        for i in range(L):
+            store.keys[i][slot, :, :k] = new[0, i]
+            store.values[i][slot, :, :k] = new[1, i]
+        keep_list = keep.tolist()
+        if self.compact:  # kept keys now sit at 0..k-1; the token generated last is fed at k
+            store.positions[slot, :k] = torch.arange(k, device=store.positions.device)
+            next_pos[slot] = k
+        else:  # keys keep their rotation and positions
+            store.positions[slot, :k] = store.positions[slot, :n][keep.to(store.positions.device)].clone()
+        store.lengths[slot] = k
+        st["tokens"] = new_tokens
+        st["seq"] = [st["seq"][j] for j in keep_list]
+        st["events"].append({"step": len(r.output_ids), "before": n, "after": k, "kept": list(st["seq"])})
+        self.count[slot] = 0  # the ring's rows belong to the cache before the cut (compact: other positions)
+
+    def events(self, r: _Request) -> list[dict]:
+        st = self.state.get(r.request_id)
+        return [] if st is None else st["events"]
 
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
