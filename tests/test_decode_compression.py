@@ -271,3 +271,21 @@ def test_a_policy_that_keeps_more_than_the_budget_is_refused(tiny, sample_ids):
     eng.prefill([sample_ids[0][:40]])
     with pytest.raises(RuntimeError, match="more than the budget"):
         fn.edit(eng.tensors(0), eng.tokens(0))
+
+
+def test_teacher_forcing_a_models_own_greedy_output_gives_its_logits(tiny, sample_ids):
+    eng = _engine(tiny)
+    eng.prefill(sample_ids)
+    saved = eng.snapshot()
+    base = eng.decode(10, keep_logits=True)
+    eng.restore(saved)
+    forced = eng.decode(10, keep_logits=True, forced_ids=[o.output_ids for o in base])
+    for a, b in zip(base, forced):
+        assert a.output_ids == b.output_ids and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    eng.restore(saved)
+    other = [[5] * 10 for _ in sample_ids]
+    outs = eng.decode(10, keep_logits=True, forced_ids=other)
+    assert [o.output_ids for o in outs] == other
+    assert not torch.equal(outs[0].logits[1], base[0].logits[1])  # step 2 saw token 5, not the greedy one
+    with pytest.raises(ValueError, match="at least 10 token ids"):
+        eng.decode(10, forced_ids=[[5] * 9] * 3)

@@ -624,7 +624,8 @@ class HFEngine(Engine):
         return out
     @torch.inference_mode()
     def decode(self, max_tokens: int | Sequence[int] = 64, *, temperature: float = 0.0, ignore_eos: bool = True, seed: int = 0,
-               keep_logits: bool = False, compression: Compression | None = None) -> list[RequestOutput]:
+               keep_logits: bool = False, compression: Compression | None = None,
+               forced_ids: Sequence[Sequence[int]] | None = None) -> list[RequestOutput]:
         """Batched decoding of every request under the KV budget; returns one `RequestOutput` per request.
 
         Requests are admitted first come first served while the sum of their reservations over the running
@@ -660,17 +661,32 @@ class HFEngine(Engine):
                 cache starts longer), so many more requests fit `kv_budget_tokens`; with `B + N` at least the final
                 length nothing is cut and the output is the uncompressed decode's. Each cut is in
                 `RequestOutput.compressions`; `metrics.decode.compressions` counts them.
+            forced_ids: teacher forcing: one token-id list per request (at least its `max_tokens` long); step `s`
+                outputs and then feeds `forced_ids[i][s]` instead of the sampled token, while `keep_logits`
+                records the model's distribution at every step (fidelity to a reference generation: KL per step).
 
         Raises:
             RuntimeError: called before `prefill`.
             TypeError: `max_tokens` not an integer or one integer per request (a string, None, a float), or
                 `compression` not a `Compression`.
-            ValueError: `max_tokens < 1`, a bad temperature, or a request that alone needs more KV tokens than
-                `kv_budget_tokens` (the message gives both numbers).
+            ValueError: `max_tokens < 1`, a bad temperature, a request that alone needs more KV tokens than
+                `kv_budget_tokens` (the message gives both numbers), or `forced_ids` not one list of at least
+                `max_tokens` in-vocabulary ids per request.
         """
         if not self.requests:
             raise RuntimeError("decode() needs prefilled requests; call prefill(prompts) first")
         per_request = check_max_tokens(max_tokens, len(self.requests))
+        forced = None
+        if forced_ids is not None:
+            if isinstance(forced_ids, (str, bytes)) or len(forced_ids) != len(self.requests):
+                raise ValueError(f"forced_ids must hold one token-id list per request ({len(self.requests)})")
+            forced = {}
+            for r, m, ids in zip(self.requests, per_request, forced_ids):
+                ids = [int(t) for t in ids]
+                if len(ids) < m or any(not 0 <= t < self._vocab_size() for t in ids[:m]):
+                    raise ValueError(f"forced_ids[{r.request_id}] must hold at least {m} token ids in [0, "
+                                     f"{self._vocab_size()}), got {len(ids)} ids")
+                forced[r.request_id] = ids
         temperature = check_temperature(temperature)
         if temperature < GREEDY_BELOW:
             temperature = 0.0
@@ -791,6 +807,9 @@ class HFEngine(Engine):
                     new_ids[slot] = torch.multinomial(probs[slot], 1, generator=gens[r.request_id])[0]
             else:
                 new_ids = logits.argmax(dim=-1).cpu()
+            if forced is not None:  # teacher forcing: the given token is the output and is fed next
+                for slot, r in running.items():
+                    new_ids[slot] = forced[r.request_id][len(r.output_ids)]
             now = time.perf_counter() - t0
             dm.steps += 1
             bar.update(len(running))
