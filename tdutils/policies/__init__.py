@@ -1,21 +1,18 @@
 """Token-selection policies: each turns a request's KV (and queries) into the indices to keep.
 
-One file per policy; each registers itself with `register_policy` (see `registry`), which is how
-`tdutils.make_drop_fn`, the command line, `passkey_eval` and the notebooks find it. Policies import
-`tdutils.selection`, `tdutils.kvcache`, `scoring` (attention from captured queries: window attention, GQA
-reduction, pooling, the model's attention spec), `params` (field checks) and each other's public helpers,
-never `tdutils.edit`. `cli` makes the command-line options from the parameter dataclasses.
+One file per policy; each registers itself with `register_policy` (see `registry`; import order here is
+registration order), which is how `tdutils.make_drop_fn`, the command line, `passkey_eval` and the notebooks
+find it. Helpers: `scoring` (attention from captured queries), `params` (field checks), `cli` (command-line
+options from the parameter dataclasses). Policies never import `tdutils.edit` or the engines. By name (needs):
 
-| name | needs | paper |
-|---|---|---|
-| `snapkv` | last `window` queries | Li et al. 2024, arXiv:2404.14469 |
-| `rkv` | last `window` queries | Cai et al. 2025, arXiv:2505.24133 |
-| `random`, `middle_chunk` | nothing | baselines |
-| `streaming_llm` | nothing | Xiao et al. 2023, arXiv:2309.17453 |
-| `h2o` | all prompt queries | Zhang et al. 2023, arXiv:2306.14048 |
-| `tova` | the last query | Oren et al. 2024, arXiv:2401.06104 |
-| `knorm` | keys only | Devoto et al. 2024, arXiv:2406.11430 |
-| `keydiff` | keys only | Park et al. 2025, arXiv:2504.15364 |
+- `snapkv` (last `window` queries): Li et al. 2024, arXiv:2404.14469
+- `rkv` (last `window` queries): Cai et al. 2025, arXiv:2505.24133
+- `random`, `middle_chunk` (nothing): baselines
+- `streaming_llm` (nothing): Xiao et al. 2023, arXiv:2309.17453
+- `h2o` (all prompt queries): Zhang et al. 2023, arXiv:2306.14048
+- `tova` (the last query): Oren et al. 2024, arXiv:2401.06104
+- `knorm` (keys only): Devoto et al. 2024, arXiv:2406.11430
+- `keydiff` (keys only): Park et al. 2025, arXiv:2504.15364
 """
 
 # isort: skip_file

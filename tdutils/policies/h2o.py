@@ -3,21 +3,16 @@
 Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models",
 arXiv:2306.14048.
 
-Definition: the score of token `j` is its attention accumulated over every query that can see it,
-`Σ_{i ≥ j} softmax_j(q_i · k_j / sqrt(d))` (causal), per head. Implemented here over all prompt queries,
-with the attention computed by the helper SnapKV uses (`scoring.window_attention`, in blocks of query
-rows so that no `[Hq, T, T]` tensor is formed), the `g` query heads of each GQA group averaged, then the
-KV heads and layers averaged into one score per token. Keep the `window` most recent tokens plus the
-`k - window` heavy hitters among the others (ties to the earlier token).
+Score of token `j`: its attention accumulated over every prompt query that can see it,
+`Σ_{i ≥ j} softmax_j(q_i · k_j / sqrt(d))` (causal, per head; `scoring.window_attention` in blocks of query
+rows, so no `[Hq, T, T]` tensor is formed), the `g` query heads of each GQA group averaged, then the KV heads
+and layers averaged into one score per token. Keep the `window` most recent tokens plus the `k - window` heavy
+hitters among the others (ties to the earlier token). Needs the queries of *all* prompt tokens (`needs="all"`:
+`[L, T, Hq*d]` per request; its memory: docs/policies.md); scoring costs `O(L * Hq * T² * d)`.
 
-Needs the queries of *all* prompt tokens (`needs="all"`): the engines capture `[L, T, Hq*d]` per request,
-`L * T * Hq * d` elements (as large as the keys times the GQA group size; Qwen3-8B in bf16: 288 KiB per
-token), and the scoring costs `O(L * Hq * T² * d)`.
-
-Departures from the paper: the paper evicts greedily at every decode step, per layer and head; here the
-tokens are chosen once after prefill, and one set is kept per request (shared by all layers and heads), as
-the serving path needs. Defaults: `window=None`, the paper's even split of the budget (recent tokens =
-heavy hitters = `k // 2`); `n_sink=0`.
+Departures from the paper: it evicts greedily at every decode step, per layer and head; here the tokens are
+chosen once after prefill, one set per request (shared by all layers and heads), as the serving path needs.
+Defaults: `window=None`, the paper's even split (recent tokens = heavy hitters = `k // 2`); `n_sink=0`.
 """
 
 from __future__ import annotations

@@ -3,17 +3,16 @@
 Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in
 Resource-Constrained Environments", arXiv:2504.15364.
 
-Observation of the paper: keys that point away from the others (low cosine similarity to an anchor, the
-mean key direction) draw attention and are worth keeping; keys close to the anchor are redundant. Definition
-implemented here: per layer and KV head, the anchor `a = mean_t k̂_t` of the unit keys `k̂ = k / ‖k‖`
-(`anchor="normalized"`, as kvpress's `KeyDiffPress`; `anchor="raw"` uses the mean of the keys themselves),
-the score of token `t` is `cos(k_t, a)`; scores averaged over KV heads and layers; keep the `k` tokens with
-the lowest mean cosine (ties to the earlier token). Query-free: KV only (no query capture; on the serving
-path it runs on a stock vLLM) plus the model's `head_dim`.
+The paper observes that keys pointing away from the others (low cosine similarity to an anchor, the mean key
+direction) draw attention and are worth keeping; keys close to the anchor are redundant. Implemented here: per
+layer and KV head, the anchor `a = mean_t k̂_t` of the unit keys `k̂ = k / ‖k‖` (`anchor="normalized"`, as
+kvpress's `KeyDiffPress`; `anchor="raw"` uses the mean of the keys themselves), the score of token `t` is
+`cos(k_t, a)`; scores averaged over KV heads and layers; keep the `k` tokens with the lowest mean cosine (ties
+to the earlier token). Query-free: KV only (no query capture; a stock vLLM on the serving path) + `head_dim`.
 
-Departures from the paper: the paper evicts block by block while prefilling, per layer and head; here the
-whole prompt is scored at once after prefill, and one set is kept per request (shared by all layers and
-heads), as the serving path needs. Defaults: `window=0`, `n_sink=0` (kvpress protects no token).
+Departures from the paper: it evicts block by block while prefilling, per layer and head; here the whole
+prompt is scored at once after prefill, one set per request (shared by all layers and heads), as the serving
+path needs. Defaults: `window=0`, `n_sink=0` (kvpress protects no token).
 """
 
 from __future__ import annotations

@@ -1,42 +1,18 @@
 """The policy registry: every token-selection policy is reachable by name through it.
 
-A policy declares its name, a parameters dataclass (fields with defaults, each checked once in `__post_init__`;
-`field(metadata={"help": ...})` is its `--help` text, see `tdutils.policies.cli`),
-what it needs from the engine, and a `keep` function. `tdutils.make_drop_fn(name, ...)`, the command line
-(`python -m tdutils run --policy NAME`), `tdutils.evaluate.passkey_eval`, `tdutils.sweep` and the
-notebooks look policies up here, so a policy is one file that nothing else in the package has to know
-about. A user's own policy registers the same way (from a notebook cell, say) and is then picked up by
-`make_drop_fn`, `compare()` and `passkey_eval` without touching tdutils::
-
-    from dataclasses import dataclass
-    import torch
-    import tdutils
-    from tdutils.selection import keep_count, keep_top_scores, protected_mask
-
-    @dataclass
-    class ValueNormParams:
-        window: int = 16          # most recent tokens, always kept
-
-    def value_norm_keep(kv, q, drop_ratio, *, params, facts):
-        # kv [2, L, T, D]; q None (needs="kv"); returns sorted LongTensor [k]
-        T = kv.shape[2]
-        scores = kv[1].float().norm(dim=-1).mean(dim=0)          # [T]: value norm, mean over layers
-        return keep_top_scores(scores, keep_count(T, drop_ratio), protected_mask(T, window=params.window))
-
-    tdutils.policies.register_policy("value_norm", params=ValueNormParams, needs="kv",
-                                     keep=value_norm_keep, summary="largest value norms")
-    fn = tdutils.make_drop_fn("value_norm", drop_ratio=0.5, model_config=eng.config, window=32)
-
-What a policy needs (`needs`) decides what the engines capture at prefill:
-
-- `"kv"`: the KV cache only. Nothing is captured; on the serving path (`lmcache` engine) such policies run
+A policy declares its name, a parameters dataclass (fields with defaults, each checked once in
+`__post_init__`; `field(metadata={"help": ...})` is its `--help` text, see `tdutils.policies.cli`), what it
+needs from the engine, and `keep(kv [2, L, T, D], q [L, Tq, Hq*d] | None, drop_ratio, *, params, facts) ->
+sorted LongTensor [k]`. `tdutils.make_drop_fn(name, ...)`, `python -m tdutils run --policy NAME`,
+`passkey_eval`, `tdutils.sweep` and the notebooks look policies up here, so a policy is one file nothing else
+has to know about; a user's own registers the same way (example: docs/policies.md, section "Your own
+policy"). Errors: `ValueError` (unknown name or parameter, bad registration), `TypeError` (bad signature).
+What a policy needs (`needs`) decides what the engines capture at prefill (memory: docs/policies.md):
+- `"kv"`: the KV cache only; nothing is captured, and on the serving path (`lmcache` engine) the policy runs
   on a stock vLLM, without the query-export patch and without LMCache's `transfer_query`.
-- `"window"`: the queries of the last `w` prompt tokens, `[L, w, Hq*d]` (`w` from `query_rows(params)`,
-  by default `params.window`): SnapKV, R-KV, TOVA (`w = 1`).
-- `"all"`: the queries of every prompt token, `[L, T, Hq*d]` (H2O). Memory: `L * T * Hq * head_dim`
-  elements per request in the model dtype, as much as the keys of a model without GQA and `g` times the
-  keys with GQA groups of `g` (Qwen3-8B, bf16: 36 * 32 * 128 * 2 B = 288 KiB per token, 4.5 GiB for a
-  16k-token prompt), held until the request is edited.
+- `"window"`: the queries of the last `w` prompt tokens, `[L, w, Hq*d]` (`w = query_rows(params)`, by default
+  `params.window`): SnapKV, R-KV, TOVA (`w = 1`).
+- `"all"`: the queries of every prompt token, `[L, T, Hq*d]` (H2O), held until the request is edited.
 """
 
 from __future__ import annotations

@@ -1,45 +1,18 @@
 """R-KV: keep tokens that are attended to *and* say something new (importance minus redundancy).
 
-Cai et al., "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models", arXiv:2505.24133
-(code: github.com/Zefan-Cai/R-KV). docs/design.md §5 "R-KV" is the definition implemented here.
+Cai et al., "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models", arXiv:2505.24133 (code:
+github.com/Zefan-Cai/R-KV). docs/design.md §5 "R-KV" is the definition implemented here.
 
-Importance `I` (per layer, per KV head): the model's logits (`q·k / sqrt(d)` for most families; its own
-scale, soft-capping and sliding window as recorded in `tdutils.attention.AttentionSpec`) of the last `w`
-queries against the `n - w` earlier keys; the `g = Hq / H` query heads of a GQA group are reduced by **max of the logits**
-(as R-KV's `compute_attention_scores`); softmax over the `n - w` earlier keys only (fp32); mean over the
-`w` window rows; max-pool along tokens (`kernel_size=7`, stride 1, same padding).
-
-Redundancy `R` (per layer, per KV head, over all `n` keys): `k̂ = k / (‖k‖ + eps)` in fp32;
-`S = K̂ K̂ᵀ` with the diagonal set to 0; in each row `i` the rightmost column `j` with `S[i, j] >
-threshold` (the most recent near-duplicate; column 0 when there is none) is set to 0 — so of several
-copies of a key, the newest keeps the lowest redundancy; `R = softmax_j(mean_i S[i, j])`.
-
-Score `Z = λ·I − (1 − λ)·R[:, :n−w]`, averaged over KV heads and summed over layers: one kept set for the
-whole request (the serving path stores one token list). Keep the top `k − w` earlier tokens plus the
-window. Defaults `w=16, kernel_size=7, λ=0.25, threshold=0.5` (R-KV's own code: `w=8, λ=0.07`).
-
-Four ways to compute `R`, all `[..., H, n]` and all within fp32 rounding of each other except `buffered`:
-
-- `reference`: the literal formula, `row_tile` rows of `S` at a time (`[H, tile, n]` temporaries, the
-  `[H, tile, n]` int64 "rightmost hit" index of the original code included; never `[H, n, n]`). Peak extra
-  memory ≈ `4·G·n·d + 13·G·t·n` bytes (`G` heads, `t = min(row_tile, n)`).
-- `exact`: linear memory, one head at a time. Column sums without `S`:
-  `Σ_i S[i, j] = ⟨Σ_i k̂_i, k̂_j⟩ − ⟨k̂_j, k̂_j⟩`; then each row's retained entry is found by scanning
-  column blocks from the right (widths `first_block`, doubling up to `col_block`) and dropping rows from
-  the scan as soon as they hit; the retained entries are subtracted from their columns. Peak extra memory
-  ≈ `4·n·d` (one head's normalised keys) `+ 9·n·B` (the widest block reached, `B <= col_block`) `+ 8·G·n`.
-  Time: one `n × B` block product per block scanned, so it is fastest when rows hit near the right edge
-  (real keys); keys with no near-duplicates at all are scanned to the left edge (`n²·d` per head, as the
-  reference, without its memory).
-- `tiled`: the same rewrite over `row_tile` rows × column blocks for all heads at once, on any device
-  (`device="cuda"` moves the keys there); deterministic: every accumulation is a dense reduction or a
-  slice add, no atomic scatter. Peak extra memory ≈ `4·G·n·d` (fp32 normalised keys) `+ 9·G·t·B`
-  (per block: fp32 similarities, an int32 column index, two bool masks) `+ 12·G·n` (column sums,
-  retained sums, result) bytes, `G` = heads, `t = min(row_tile, n)`, `B = min(col_block, n)`.
-- `buffered` (approximate): similarities only inside consecutive chunks of `chunk_size` tokens (default
-  512): each key's column mean runs over the rows of its own chunk (divided by that chunk's length), the
-  rightmost hit is searched inside the chunk, and the softmax still runs over all `n` tokens so that `R`
-  keeps the scale of the exact one. `chunk_size >= n` is the exact method.
+Importance `I` (`rkv_importance`, per layer and KV head): the model's logits
+(`tdutils.attention.AttentionSpec`) of the last `w` queries against the `n - w` earlier keys; the `g = Hq / H`
+query heads of a GQA group reduced by **max of the logits** (as R-KV's `compute_attention_scores`); softmax
+over the earlier keys (fp32); mean over the window rows; max-pooled along tokens (`kernel_size=7`, stride 1,
+same padding). Redundancy `R` (`rkv_redundancy`, over all `n` keys): the softmax of each key's mean cosine
+similarity to the others, each row's newest near-duplicate left out. Score `Z = λ·I − (1 − λ)·R[:, :n−w]`,
+averaged over KV heads and summed over layers: one kept set for the whole request (the serving path stores one
+token list). Keep the top `k − w` earlier tokens plus the window. Defaults `w=16, kernel_size=7, λ=0.25,
+threshold=0.5` (R-KV's own code: `w=8, λ=0.07`). `R` has four methods, `reference`, `exact`, `tiled` and
+`buffered` (approximate): their algorithms and memory bounds are in `rkv_redundancy`'s docstring.
 """
 
 from __future__ import annotations
@@ -280,12 +253,40 @@ def rkv_redundancy(keys: torch.Tensor, *, method: str = "exact", threshold: floa
                    **tiles) -> torch.Tensor:
     """R-KV redundancy of every key (arXiv:2505.24133; docs/design.md §5): `softmax_j(mean_i S̃[i, j])` per head.
 
+    Definition (per layer, per KV head, over all `n` keys): `k̂ = k / (‖k‖ + eps)` in fp32;
+    `S = K̂ K̂ᵀ` with the diagonal set to 0; in each row `i` the rightmost column `j` with `S[i, j] >
+    threshold` (the most recent near-duplicate; column 0 when there is none) is set to 0 (`S̃`) — so of
+    several copies of a key, the newest keeps the lowest redundancy; `R = softmax_j(mean_i S̃[i, j])`.
+
+    Four ways to compute it, all `[..., H, n]` and all within fp32 rounding of each other except `buffered`:
+
+    - `reference`: the literal formula, `row_tile` rows of `S` at a time (`[H, tile, n]` temporaries, the
+      `[H, tile, n]` int64 "rightmost hit" index of the original code included; never `[H, n, n]`). Peak extra
+      memory ≈ `4·G·n·d + 13·G·t·n` bytes (`G` heads, `t = min(row_tile, n)`).
+    - `exact`: linear memory, one head at a time. Column sums without `S`:
+      `Σ_i S[i, j] = ⟨Σ_i k̂_i, k̂_j⟩ − ⟨k̂_j, k̂_j⟩`; then each row's retained entry is found by scanning
+      column blocks from the right (widths `first_block`, doubling up to `col_block`) and dropping rows from
+      the scan as soon as they hit; the retained entries are subtracted from their columns. Peak extra memory
+      ≈ `4·n·d` (one head's normalised keys) `+ 9·n·B` (the widest block reached, `B <= col_block`) `+ 8·G·n`.
+      Time: one `n × B` block product per block scanned, so it is fastest when rows hit near the right edge
+      (real keys); keys with no near-duplicates at all are scanned to the left edge (`n²·d` per head, as the
+      reference, without its memory).
+    - `tiled`: the same rewrite over `row_tile` rows × column blocks for all heads at once, on any device
+      (`device="cuda"` moves the keys there); deterministic: every accumulation is a dense reduction or a
+      slice add, no atomic scatter. Peak extra memory ≈ `4·G·n·d` (fp32 normalised keys) `+ 9·G·t·B`
+      (per block: fp32 similarities, an int32 column index, two bool masks) `+ 12·G·n` (column sums,
+      retained sums, result) bytes, `G` = heads, `t = min(row_tile, n)`, `B = min(col_block, n)`.
+    - `buffered` (approximate): similarities only inside consecutive chunks of `chunk_size` tokens (default
+      512): each key's column mean runs over the rows of its own chunk (divided by that chunk's length), the
+      rightmost hit is searched inside the chunk, and the softmax still runs over all `n` tokens so that `R`
+      keeps the scale of the exact one. `chunk_size >= n` is the exact method.
+
     Args:
         keys: `[H, n, d]` keys of one layer (any float dtype, any device; computed in fp32). Leading
             batch dims `[..., H, n, d]` are allowed: every head of every request is independent.
         method: `"reference"` (literal, row-tiled), `"exact"` (linear memory, per head), `"tiled"` (row
-            tiles × column blocks, any device, deterministic) or `"buffered"` (within chunks, approximate).
-            See the module docstring.
+            tiles × column blocks, any device, deterministic) or `"buffered"` (within chunks, approximate);
+            see above.
         threshold: cosine similarity above which a key counts as a near-duplicate of another.
         eps: added to the norm before normalising; must be > 0 (zero keys then normalise to 0).
         **tiles: per method — reference: `row_tile` (256); exact: `col_block` (256), `first_block` (64);

@@ -1,20 +1,17 @@
 """Attention from captured queries: the scoring arithmetic the query-aware policies share.
 
-SnapKV (Li et al. 2024, arXiv:2404.14469), R-KV (Cai et al. 2025, arXiv:2505.24133), H2O (Zhang et al. 2023,
-arXiv:2306.14048) and TOVA (Oren et al. 2024, arXiv:2401.06104) all score a token by the attention that some
-prompt queries pay it. They recompute that attention here from the KV cache (keys after RoPE) and the query
-rows the engine captured at prefill, as the model computes it (`tdutils.attention.AttentionSpec`: its scale,
-logit soft-capping, learned sinks and sliding windows), one layer at a time.
-
-Shapes: `kv [2, L, T, H*d]` (any float dtype), queries `q [L, Tq, Hq*d]` aligned to the end of the KV (row
-`i` is token `T - Tq + i`); GQA groups of `g = Hq / H` query heads share one KV head (query head `h` reads
-KV head `h // g`). Every probability is computed in fp32.
+SnapKV (Li et al. 2024, arXiv:2404.14469), R-KV (Cai et al. 2025, arXiv:2505.24133), H2O (Zhang et al.
+2023, arXiv:2306.14048) and TOVA (Oren et al. 2024, arXiv:2401.06104) all score a token by the attention
+that some prompt queries pay it, recomputed here from the KV cache (keys after RoPE) and the query rows the
+engine captured at prefill, as the model computes it (`tdutils.attention.AttentionSpec`: its scale, logit
+soft-capping, learned sinks and sliding windows), one layer at a time. Shapes: `kv [2, L, T, H*d]` (any
+float dtype), `q [L, Tq, Hq*d]` aligned to the end of the KV (row `i` is token `T - Tq + i`); query head `h`
+reads KV head `h // g`, `g = Hq / H`. Probabilities are fp32; bad shapes or no query raise `ValueError`.
 
 - `check_query`: a request's KV and captured query checked and put in the `[L, Tq, Hq*d]` layout.
-- `model_attention`: the `setup` of these policies (the model's attention, computed once per drop function);
-  `layer_attentions` splits it per layer.
-- `window_logits` / `window_attention`: logits / probabilities `[Hq, w, T]` of the last `w` queries.
-- `reduce_gqa`: `[Hq, ...] -> [H, ...]` over each GQA group (mean or max).
+- `model_attention`: these policies' `setup` (the model's attention, once per drop function), per layer
+  by `layer_attentions`; `window_logits` / `window_attention`: logits / probabilities `[Hq, w, T]` of the
+  last `w` queries; `reduce_gqa`: `[Hq, ...] -> [H, ...]` over each GQA group (mean or max).
 - `pool_tokens`: 1-D pooling along tokens (SnapKV's and R-KV's smoothing of the votes).
 """
 

@@ -2,18 +2,17 @@
 
 Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv:2404.14469.
 
-Per layer: logits of the last `w` queries against all `n` keys, causal inside the window; softmax over
-the keys in fp32 — computed as the model computes them (`scoring.window_attention` over the model's
-`tdutils.attention.AttentionSpec`): its scale
-(`q·k / sqrt(d)` for most families; Granite's `attention_multiplier`, Gemma's `query_pre_attn_scalar`),
-logit soft-capping (Gemma 2), learned sinks in the denominator (gpt-oss) and sliding window (a window
-query at position `p` votes only for keys at positions `> p - W`); the *vote* of each earlier token is its attention summed over the
-`w` window rows. The `g = Hq / H` query heads of a GQA group share one KV head (query head `h` reads KV
-head `h // g`), so their votes are reduced per group (`mean`, or `max`). Votes are pooled along tokens
-(`avg` or `max`, stride 1, same padding) so that neighbours of a voted token survive with it, then
-averaged over KV heads and layers into one score per token: one kept set for all layers and heads, as
-the serving path (one token list per request) needs. Keep the `k - w` best earlier tokens plus the
-whole window.
+Per layer: logits of the last `w` queries against all `n` keys, causal inside the window; softmax over the
+keys in fp32 — computed as the model computes them (`scoring.window_attention` over the model's
+`tdutils.attention.AttentionSpec`): its scale (`q·k / sqrt(d)` for most families; Granite's
+`attention_multiplier`, Gemma's `query_pre_attn_scalar`), logit soft-capping (Gemma 2), learned sinks in the
+denominator (gpt-oss) and sliding window (a window query at position `p` votes only for keys at positions
+`> p - W`); the *vote* of each earlier token is its attention summed over the `w` window rows. The
+`g = Hq / H` query heads of a GQA group share one KV head (query head `h` reads KV head `h // g`), so their
+votes are reduced per group (`mean`, or `max`). Votes are pooled along tokens (`avg` or `max`, stride 1, same
+padding) so that neighbours of a voted token survive with it, then averaged over KV heads and layers into one
+score per token: one kept set for all layers and heads, as the serving path (one token list per request)
+needs. Keep the `k - w` best earlier tokens plus the whole window.
 """
 
 from __future__ import annotations

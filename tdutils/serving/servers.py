@@ -1,27 +1,18 @@
 """Run the serving stack (LMCache server + vLLM) as background processes: start, wait for health, stop.
 
-The `lmcache` engine talks to two servers (docs/design.md §6). A notebook (the Colab T4 notebooks' optional
-section) or a test session starts them here instead of in two terminals:
-
-    lm = start_server("lmcache", lmcache_server_command(port=6555, http_port=8080),
-                      health_url="http://127.0.0.1:8080/healthcheck", log_path="lmcache.log")
-    vl = start_server("vllm", vllm_server_command("Qwen/Qwen3-1.7B", port=8000, lmcache_port=6555),
-                      health_url="http://127.0.0.1:8000/health", log_path="vllm.log")
-    try:
-        wait_healthy([lm, vl], timeout_s=900)
-        ...
-    finally:
-        stop_servers([vl, lm])   # also removes the /dev/shm files the two stacks made
+The `lmcache` engine talks to two servers (docs/design.md §6); a notebook (the Colab T4 notebooks' optional
+section) or a test session starts them here instead of in two terminals (example: docs/engines_and_serving.md,
+section "Starting the servers from Python"). `lmcache_server_command` / `vllm_server_command` build their
+command lines; `start_server(name, command, health_url=, log_path=) -> Server`, `wait_healthy(servers,
+timeout_s=)`, `stop_servers(servers)` (returns the /dev/shm files removed); `serving_stack(model, python=,
+log_dir=)` does all three around a `with` block and yields the URLs `open_engine("lmcache", ...)` takes.
 
 Each server runs in its own session (process group), so stopping it by its recorded process id also stops
-the workers it forked; its output goes to a log file whose tail is shown when it fails to come up.
-
-Shared memory: vLLM's workers and LMCache leave files in /dev/shm when they are killed (LMCache's L1 pool,
-Python shared-memory blocks `psm_*`, POSIX semaphores `sem.mp-*`). tdutils removes only the files of the
-servers it started: LMCache's segments by the server's own `--shm-name`, and every other file that the
-server's processes held open or mapped (read from `/proc/PID/fd` and `/proc/PID/maps` when the server became
-healthy and again just before it is stopped) — never a bare name pattern, so another program's (or another
-test session's) shared memory is never touched. A file some other live process still holds is left too.
+the workers it forked; its output goes to a log file whose tail is shown when it fails to come up. Only the
+/dev/shm files of the servers tdutils started are removed (LMCache's segments by the server's `--shm-name`,
+what its processes held open or mapped), never by a bare name pattern, none another live process holds.
+Errors: `ServerStartError` (a `RuntimeError`: a server exited or was not healthy in time, with its log tail),
+`FileNotFoundError` (the program is not installed), `ValueError` (bad URL, unwritable log), `TypeError`.
 """
 
 from __future__ import annotations
