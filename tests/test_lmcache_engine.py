@@ -546,3 +546,41 @@ def test_a_fused_cache_of_unknown_packing_is_refused(tiny, sample_ids):
         with pytest.raises(ValueError, match=r"matches no known arrangement \(layer-0 key cosine per arrangement: "
                                              r"\{'kt_v': -?\d\.\d+, 'k_v': -?\d\.\d+\}\)"):
             eng.kv(0)
+
+
+# ---------------------------------------------------------------- decode-time compression: the multi-round flow
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "knorm"])
+def test_multi_round_compression_cuts_what_the_hf_engine_cuts(tiny, sample_ids, policy):
+    """decode -> prefill of what was fed -> retrieve KV and queries -> cut to B -> store -> continue: with chunk
+    size 1 every cached entry is LMCache's, so each round keeps the sequence indices the hf engine's in-batch cut
+    keeps, and the greedy tokens are the same."""
+    from tdutils.compression import Compression
+
+    model, tok = tiny
+    ids = [x[:n] for x, n in zip(sample_ids, (40, 30, 52))]
+    comp = Compression(policy, budget=24, buffer=10, window=4)
+    hf = HFEngine(model, tokenizer=tok, progress=False)
+    hf.prefill(ids)
+    want = hf.decode(40, compression=comp)
+    with engine(tiny, 1) as eng:
+        eng.prefill(ids)
+        got = eng.decode(40, compression=comp)
+        assert eng.metrics.decode.compressions == sum(len(o.compressions) for o in got) >= 3 * 3
+    for a, b in zip(want, got):
+        assert [e["kept"] for e in a.compressions] == [e["kept"] for e in b.compressions], policy
+        assert [(e["step"], e["before"], e["after"]) for e in a.compressions] == [
+            (e["step"], e["before"], e["after"]) for e in b.compressions]
+        assert a.output_ids == b.output_ids, policy
+
+
+def test_multi_round_compression_refuses_sampling_and_a_small_budget(tiny, sample_ids):
+    from tdutils.compression import Compression
+
+    with engine(tiny, 1, kv_budget_tokens=30) as eng:
+        eng.prefill([x[:20] for x in sample_ids])
+        with pytest.raises(ValueError, match="greedy only"):
+            eng.decode(8, temperature=0.7, compression=Compression("knorm", budget=16, buffer=4))
+        with pytest.raises(ValueError, match="needs 31 KV tokens"):
+            eng.decode(8, compression=Compression("knorm", budget=20, buffer=10))

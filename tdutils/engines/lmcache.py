@@ -833,23 +833,35 @@ class LMCacheEngine(Engine):
         return [len(r.tokens) for r in self.requests]
 
     def decode(self, max_tokens: int = 64, *, temperature: float = 0.0, ignore_eos: bool = True, seed: int = 0,
-               keep_logits: bool = False) -> list[RequestOutput]:
+               keep_logits: bool = False, compression=None) -> list[RequestOutput]:
         """Decode `max_tokens` per request on vLLM from the (edited) caches; one `RequestOutput` per request.
 
         Each request's prompt is its current token list (kept tokens after an edit) with its current salt;
         vLLM loads the cached chunks from LMCache and recomputes the rest, so the first generated token
         already sees the edited cache.
 
+        `compression` (a `tdutils.compression.Compression`, greedy only) runs the multi-round flow of LMCache's
+        SDK, the `hf` engine's decode-time compression on the serving path: decode until a request's cache
+        would hold `budget + buffer` entries, prefill what it fed on top of its cache (vLLM stores the new
+        chunks' KV and queries in LMCache), retrieve them, cut to `budget` with the policy, store the kept KV
+        under a new salt and continue from it with the last generated token. The kept prefix's query rows are
+        stored as zeros (vLLM computes none for loaded chunks; the policy reads only the last `w`, computed ones).
+        Exact on the `hf` engine's cuts when `budget + buffer` and `budget` are multiples of the chunk size
+        (LMCache stores whole chunks; a tail is recomputed by vLLM).
+
         Raises:
             RuntimeError: called before `prefill`.
             ValueError: `max_tokens < 1`, negative temperature, `keep_logits=True` (vLLM does not return
-                logits), or a request that alone needs more than `kv_budget_tokens`.
+                logits), a request that alone needs more than `kv_budget_tokens`, or `compression` with
+                sampling or with a query-aware policy and no query context.
         """
         self._require_requests("decode()")
         max_tokens = check_count(max_tokens, "max_tokens", 1)
         temperature = check_temperature(temperature)
         if keep_logits:
             raise ValueError("keep_logits is not available on the lmcache engine (vLLM streams token ids only)")
+        if compression is not None:
+            return self._decode_rounds(max_tokens, compression, temperature, ignore_eos)
         needs = [len(r.tokens) + int(max_tokens) for r in self.requests]
         budget = self.kv_budget_tokens
         if budget is not None:
@@ -866,10 +878,7 @@ class LMCacheEngine(Engine):
         dm = self.metrics.decode = DecodeMetrics(kv_budget_tokens=budget)
         dm.seconds, dm.peak_batch_size = seconds, peak
         dm.kv_peak_reserved_tokens = peak_reserved
-        # EOS ids as vLLM stops on them: the tokenizer's and the checkpoint config's (an int or a list)
-        config_eos = getattr(self.config, "eos_token_id", None)
-        eos = {self.tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, (list, tuple)) else [config_eos])}
-        eos.discard(None)
+        eos = self._eos_ids()
         outputs = []
         for r, stream, perf in zip(self.requests, streams, perfs):
             r.output_ids = [int(t) for t in stream.tokens[len(r.tokens):]]
@@ -885,6 +894,119 @@ class LMCacheEngine(Engine):
                 finish_reason="length" if len(r.output_ids) >= max_tokens else "stop",
                 ttft_s=r.ttft_s, tpot_s=r.tpot_s))
         return outputs
+
+    def _eos_ids(self) -> set[int]:
+        """EOS ids as vLLM stops on them: the tokenizer's and the checkpoint config's (an int or a list)."""
+        config_eos = getattr(self.config, "eos_token_id", None)
+        eos = {self.tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, (list, tuple)) else [config_eos])}
+        eos.discard(None)
+        return eos
+
+    def _decode_rounds(self, max_tokens: int, compression, temperature: float, ignore_eos: bool) -> list[RequestOutput]:
+        """`decode(compression=...)`: rounds of decode -> prefill of what was fed -> cut -> store (see `decode`)."""
+        from ..compression import Compression
+
+        if not isinstance(compression, Compression):
+            raise TypeError(f"compression must be a tdutils.compression.Compression, got {type(compression).__name__}")
+        if temperature > 0:
+            raise ValueError("decode-time compression on the lmcache engine is greedy only: every round is a new vLLM "
+                             "request, whose sampler would restart from its seed; use temperature=0")
+        cut = compression.drop_fn(model_config=self.config, rerotate=True)
+        self._reads_query = cut.needs != "kv"
+        if self._reads_query and (self.q_ctx is None or self.query_window == 0):
+            raise ValueError(f"{cut.name} needs query tensors, but this lmcache engine has none "
+                             f"({self.query_unavailable or 'query_window=0'})")
+        top = compression.budget + compression.buffer  # cache entries at which a request is cut
+        budget = self.kv_budget_tokens
+        if budget is not None and top + 1 > budget:
+            raise ValueError(f"a request needs {top + 1} KV tokens (budget {compression.budget} + buffer "
+                             f"{compression.buffer} + 1, compressed) but kv_budget_tokens is {budget}")
+        eos = self._eos_ids()
+        dm = self.metrics.decode = DecodeMetrics(kv_budget_tokens=budget)
+        state = {r.request_id: {"seq": list(range(len(r.tokens))), "T": len(r.tokens), "out": [], "events": [],
+                                "done": False} for r in self.requests}
+        rounds = 0
+        while active := [r for r in self.requests if not state[r.request_id]["done"]]:
+            # tokens each request generates before its cache (all it fed: its tokens, then all but the last
+            # generated) holds `top` entries, or until it has max_tokens
+            plan = {r.request_id: min(max(1, top - len(r.tokens) + 1), max_tokens - len(state[r.request_id]["out"]))
+                    for r in active}
+            for n in sorted(set(plan.values())):
+                group = [r for r in active if plan[r.request_id] == n]
+                needs = [len(r.tokens) + n for r in group]
+                params = {"max_tokens": n, "temperature": 0.0, "ignore_eos": bool(ignore_eos)}
+                streams, _, _, seconds, peak, peak_reserved = self._run_streams(
+                    [(r.tokens, r.salt) for r in group], params, needs if budget is not None else None, "decode")
+                dm.seconds += seconds
+                dm.peak_batch_size = max(dm.peak_batch_size, peak)
+                dm.kv_peak_reserved_tokens = max(dm.kv_peak_reserved_tokens, peak_reserved)
+                for r, stream in zip(group, streams):
+                    st = state[r.request_id]
+                    gen = [int(t) for t in stream.tokens[len(r.tokens):]]
+                    st["round_start"] = len(st["out"])
+                    st["out"] += gen
+                    stop = not ignore_eos and any(t in eos for t in gen)
+                    st["done"] = stop or len(st["out"]) >= max_tokens
+                    st["fed"], st["pending"] = r.tokens + gen[:-1], gen[-1] if gen else None
+            cuts = [r for r in active if not state[r.request_id]["done"]]
+            if not cuts:
+                break
+            rounds += 1
+            # vLLM stores the KV (and queries) of everything the requests fed, on top of their caches
+            fed = [(state[r.request_id]["fed"], r.salt) for r in cuts]
+            _, _, _, seconds, _, _ = self._run_streams(fed, {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True},
+                                                        None, "decode (prefill of a round)")
+            dm.seconds += seconds
+            t1 = time.perf_counter()
+            for r in cuts:
+                st = state[r.request_id]
+                r.tokens, r.cached = st["fed"], len(st["fed"])
+                self._cut_request(r, cut, st, rounds)
+            dm.compressions += len(cuts)
+            dm.compress_seconds += time.perf_counter() - t1
+            dm.seconds += time.perf_counter() - t1
+        outputs = []
+        for r in self.requests:
+            st = state[r.request_id]
+            ids = st["out"][:max_tokens]
+            r.output_ids = ids
+            r.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            dm.output_tokens += len(ids)
+            outputs.append(RequestOutput(
+                request_id=r.request_id, prompt_tokens=len(r.prompt_ids) + r.pad, cached_tokens=len(st["seq"]),
+                output_ids=list(ids), text=r.text, answer=answer_text(self.tokenizer, ids, eos, r.text),
+                finish_reason="length" if len(ids) >= max_tokens else "stop", ttft_s=r.ttft_s,
+                compressions=st["events"]))
+        return outputs
+
+    def _cut_request(self, r: _Request, cut, st: dict, round_no: int) -> None:
+        """Retrieve the request's fed entries, cut them to the budget, store the kept KV under a new salt."""
+        from ..edit import validate_drop_output
+
+        got = self._edit_input(r.request_id, cut)
+        if isinstance(got, str):  # nothing cached to cut (a cache shorter than one LMCache chunk)
+            raise RuntimeError(f"request {r.request_id}: {got}")  # noqa: TRY004 (a state error, not a type)
+        tensors, tokens, reference = got
+        new_kv, new_tokens, keep = cut.edit(tensors, list(tokens))
+        new_kv, new_tokens = validate_drop_output(reference, tokens, (new_kv, new_tokens), vocab_size=self._vocab_size())
+        salt = f"{self.edit_salt(r.request_id)}-round-{round_no}"  # kept sets of rounds may share leading tokens
+        kv, kv_tokens = self._to_lmcache(new_kv, new_tokens)
+        self.kv_ctx.store(kv, kv_tokens, salt)
+        if self._reads_query:  # placeholder rows for the kept prefix: vLLM computes queries for new chunks only
+            rows = (len(new_tokens) // self.chunk_size) * self.chunk_size
+            if rows:
+                f = self.facts
+                self.q_ctx.store(torch.zeros((1, f.num_layers, rows, f.num_query_heads * f.head_dim),
+                                             dtype=new_kv.dtype), list(new_tokens[:rows]), salt)
+        rows, n = len(tokens), len(r.tokens)
+        # sequence indices (the cache at decode start, then the generated tokens) of the entries fed
+        fed_seq = st["seq"] + [st["T"] + j for j in range(st["round_start"], len(st["out"]) - 1)]
+        assert len(fed_seq) == n, (len(fed_seq), n)
+        kept = [fed_seq[j] for j in keep.tolist()] + fed_seq[rows:]
+        st["events"].append({"step": len(st["out"]), "before": n, "after": len(kept), "kept": list(kept)})
+        st["seq"] = kept + [st["T"] + len(st["out"]) - 1]  # the kept entries, then the pending token
+        r.tokens = list(new_tokens) + list(r.tokens[rows:]) + [st["pending"]]
+        r.cached, r.salt, r.edited = len(new_tokens), salt, True
 
     def close(self) -> None:
         """Close the HTTP client and the SDK contexts."""
