@@ -5,6 +5,7 @@ surviving keys' RoPE, and decode more requests per batch. See README.md and docs
 """
 
 from . import policies  # the policy registry: tdutils.policies.register_policy, policy_names
+from .compression import Compression
 from .edit import CacheKind, DropFn, DropFunctionError, make_drop_fn
 from .engines import compare, default_kv_budget, open_engine, run_once
 from .selection import keep_count
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
            "CacheKind",
+           "Compression",
            "DropFn",
            "DropFunctionError",
            "__version__",

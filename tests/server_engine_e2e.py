@@ -9,7 +9,9 @@ drop half of every request's tokens with SnapKV, store the result under each req
 let vLLM decode greedily from the edited caches. The same padded prompts go through the `hf` engine in
 float32 (prefill, SnapKV, compact positions, greedy decode); the report carries both engines' kept indices
 and output ids and the largest differences of the tensors SnapKV read. Then the same for R-KV (key
-redundancy + window attention), under `"rkv"`.
+redundancy + window attention), under `"rkv"`; then decode-time compression (`decode(compression=...)`: cut to
+one LMCache chunk every chunk of generated tokens, SnapKV scoring with the last 8 tokens' queries) on both
+engines, under `"rounds"`.
 """
 
 import argparse
@@ -24,11 +26,13 @@ def main() -> int:
     ap.add_argument("--lmcache-http-url", required=True)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--round-tokens", type=int, default=300)
     args = ap.parse_args()
 
     import tdutils
     from tdutils.data import load_prompts
     from tdutils.edit import CacheKind
+    from tdutils.compression import Compression
     from tdutils.policies import snapkv_scores
 
     eng = tdutils.open_engine("lmcache", vllm_url=args.vllm_url, lmcache_url=args.lmcache_url,
@@ -52,6 +56,15 @@ def main() -> int:
         eng.modify(rkv)
         rkv_kept_lm = [eng.tokens(i) for i in range(len(padded))]
         rkv_out = [o.output_ids for o in eng.decode(max_tokens=args.max_tokens)]
+        # decode-time compression, LMCache's multi-round flow: cut to one chunk every chunk of new tokens
+        comp = Compression("snapkv", budget=eng.chunk_size, buffer=eng.chunk_size, window=8)
+        eng.prefill(ids)
+        rounds_out = eng.decode(max_tokens=args.round_tokens, compression=comp)
+        rounds_rep = {"events": [[{k: e[k] for k in ("step", "before", "after")} for e in o.compressions]
+                                 for o in rounds_out],
+                      "kept": [[e["kept"] for e in o.compressions] for o in rounds_out],
+                      "output_ids": [o.output_ids for o in rounds_out],
+                      "compressions": eng.metrics.decode.compressions}
         rep = {"engine_kv_format": eng.engine_kv_format, "block_size": eng.block_size,
                "fused_arrangement": eng.fused_arrangement, "chunk_size": eng.chunk_size,
                "prompt_lengths": [len(x) for x in ids], "padded_lengths": lengths,
@@ -93,6 +106,13 @@ def main() -> int:
     rep["rkv"] = {"keep_lmcache": rkv_keep_lm, "keep_hf": keep_hf,
                   "kept_equal": [ref.tokens(i) == rkv_kept_lm[i] for i in range(len(padded))],
                   "output_ids": rkv_out, "output_ids_hf": [o.output_ids for o in ref.decode(max_tokens=args.max_tokens)]}
+    ref.prefill(padded)
+    hf_rounds = ref.decode(max_tokens=args.round_tokens, compression=comp)
+    rounds_rep["events_hf"] = [[{k: e[k] for k in ("step", "before", "after")} for e in o.compressions]
+                               for o in hf_rounds]
+    rounds_rep["kept_hf"] = [[e["kept"] for e in o.compressions] for o in hf_rounds]
+    rounds_rep["output_ids_hf"] = [o.output_ids for o in hf_rounds]
+    rep["rounds"] = rounds_rep
     print(json.dumps(rep))
     return 0
 

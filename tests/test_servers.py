@@ -301,7 +301,7 @@ def test_the_layout_patch_fixes_the_upstream_error(servers):
 def test_lmcache_engine_end_to_end(servers):
     """prefill -> retrieve KV and queries through the SDK -> SnapKV drops half -> store under each request's
     edit salt -> vLLM decodes; the hf engine on the same padded prompts keeps the same tokens and decodes the
-    same greedy tokens (float32 on both sides). Then R-KV the same way."""
+    same greedy tokens (float32 on both sides). Then R-KV the same way, and decode-time compression in rounds."""
     log = servers.workdir / "lmcache-main.log"
     loads_before = _vllm_loads(log, 512)
     proc = _in_server_venv(servers, ["tests/server_engine_e2e.py", "--vllm-url", servers.vllm_url, "--lmcache-url",
@@ -337,6 +337,15 @@ def test_lmcache_engine_end_to_end(servers):
     rkv = rep["rkv"]
     assert rkv["keep_lmcache"] == rkv["keep_hf"] and rkv["kept_equal"] == [True, True], out
     assert rkv["output_ids"] == rkv["output_ids_hf"] and [len(x) for x in rkv["output_ids"]] == [8, 8], out
+    # Decode-time compression, LMCache's multi-round flow (decode, prefill what was fed, retrieve KV and the last
+    # queries, cut to one chunk, store, continue): the hf engine's in-batch cuts keep the same sequence indices at
+    # every round, and the greedy tokens are the same.
+    rounds = rep["rounds"]
+    c = rep["chunk_size"]
+    assert rounds["compressions"] == 4 and rounds["events"] == rounds["events_hf"], out
+    assert all([e["after"] for e in ev] == [c, c] and ev[1]["before"] == 2 * c for ev in rounds["events"]), out
+    assert rounds["kept"] == rounds["kept_hf"], out
+    assert rounds["output_ids"] == rounds["output_ids_hf"] and [len(x) for x in rounds["output_ids"]] == [300, 300], out
     # vLLM decoded from the edited caches: LMCache served it the 512 kept tokens of each request.
     loads = _vllm_loads(log, 512) - loads_before
     assert loads >= 2, f"LMCache log shows {loads} loads of 512 tokens into vLLM:\n{servers.log_tails()}"

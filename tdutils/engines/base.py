@@ -345,8 +345,10 @@ class Engine(ABC):
 
     @abstractmethod
     def decode(self, max_tokens=64, *, temperature: float = 0.0, ignore_eos: bool = True, seed: int = 0,
-               keep_logits: bool = False) -> list[RequestOutput]:
-        """Generate `max_tokens` per request from the current caches, batched under `kv_budget_tokens`."""
+               keep_logits: bool = False, compression=None) -> list[RequestOutput]:
+        """Generate `max_tokens` per request from the current caches, batched under `kv_budget_tokens`;
+        with `compression` (`tdutils.compression.Compression`) each cache is cut back to its budget whenever it
+        grows by the buffer (R-KV's decode-time setting), the cuts reported in `RequestOutput.compressions`."""
 
     @abstractmethod
     def tensors(self, request_id: int) -> dict:
