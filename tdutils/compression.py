@@ -7,7 +7,8 @@ any registered policy whose inputs exist during decoding (the KV, or the queries
 is the drop function that cuts one cache of `T > B` tokens to `B` (a `ModifyFn`, docs/design.md §3).
 `HFEngine.decode(compression=...)` runs it inside the batch; `HFEngine.prefill(prompts, chunk=C,
 compression=...)` cuts after every chunk of `C` prompt tokens, so a prompt's cache never exceeds `B + C`.
-`cache_sizes` turns a request's compression events into its cache length after every decode step.
+`cache_sizes` turns a request's compression events into its cache length after every decode step; `fidelity`
+(`kl_per_step`, `greedy_agreement`) compares a teacher-forced compressed decode with the full cache's.
 """
 
 from __future__ import annotations
@@ -172,4 +173,103 @@ def cache_sizes(output) -> list[int]:
     return sizes
 
 
-__all__ = ["DEFAULT_WINDOW", "BudgetDropFn", "Compression", "cache_sizes"]
+# ---------------------------------------------------------------- fidelity to the full cache (teacher forcing)
+def kl_per_step(reference_logits, logits) -> torch.Tensor:
+    """`KL(P_ref || P)` in nats at every step: how far a compressed cache's next-token distribution is from the
+    full cache's.
+
+    Args:
+        reference_logits: the full cache's logits, a `[steps, vocab]` tensor or a sequence of `[vocab]` tensors
+            (`RequestOutput.logits` of `decode(keep_logits=True)`).
+        logits: the compressed run's logits at the same steps, same form; teacher-forced with the reference's
+            tokens (`decode(forced_ids=...)`), so both distributions condition on the same prefix.
+
+    Returns:
+        A float64 tensor `[steps]`, each entry >= 0 (rounding below zero is clamped); 0 where the distributions
+        are identical. Computed in float64 from log-softmax; tokens the reference gives probability 0 add 0.
+
+    Raises:
+        ValueError: different numbers of steps or vocabulary sizes, or no steps.
+    """
+    ref, mine = _logit_rows(reference_logits, "reference_logits"), _logit_rows(logits, "logits")
+    if ref.shape != mine.shape:
+        raise ValueError(f"reference_logits {tuple(ref.shape)} and logits {tuple(mine.shape)} must have the same "
+                         "[steps, vocab] shape")
+    log_p = torch.log_softmax(ref.double(), dim=-1)
+    log_q = torch.log_softmax(mine.double(), dim=-1)
+    p = log_p.exp()
+    terms = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))
+    return terms.sum(dim=-1).clamp_min(0.0)
+
+
+def _logit_rows(logits, name: str) -> torch.Tensor:
+    if isinstance(logits, torch.Tensor):
+        rows = logits
+    else:
+        rows = torch.stack([torch.as_tensor(x) for x in logits]) if len(logits) else torch.empty(0, 0)
+    if rows.ndim != 2 or rows.shape[0] == 0:
+        raise ValueError(f"{name} must be [steps, vocab] (or one [vocab] tensor per step) with steps >= 1, got "
+                         f"shape {tuple(rows.shape)}")
+    return rows
+
+
+def greedy_agreement(reference_ids: Sequence[int], ids: Sequence[int]) -> int:
+    """Tokens two generations share before their first difference (the length of their common prefix): the
+    greedy agreement of a compressed decode with the full cache's. Equal sequences give their length."""
+    n = 0
+    for a, b in zip(reference_ids, ids):
+        if int(a) != int(b):
+            break
+        n += 1
+    return n
+
+
+def fidelity(reference, forced) -> dict:
+    """Fidelity of a compressed decode to the full cache's, over a batch: greedy agreement and per-step KL.
+
+    Args:
+        reference: the full cache's `RequestOutput`s of a greedy `decode(..., keep_logits=True)`.
+        forced: the compressed decode of the same requests teacher-forced with the reference's tokens
+            (`decode(..., compression=..., keep_logits=True, forced_ids=[o.output_ids for o in reference])`).
+
+    The greedy agreement is read from the forced run: the steps before its argmax first differs from the
+    reference's token. A free-running greedy compressed decode feeds the very same tokens up to that step (and
+    makes the same cuts, scored by the same queries), so it is the number of tokens the free-running decode
+    shares with the reference (`greedy_agreement` of the two; tests/test_decode_compression.py checks it).
+
+    Returns:
+        `agreement` (per request), `agreement_mean`, `agreement_min`, `identical` (fraction of requests whose
+        every token agrees), `kl_mean` / `kl_max` (nats, over every step of every request), `kl_mean_after_cut`
+        (over the steps that attended over a cut cache: after each request's first cut; before it the caches
+        are the full one's and the KL is 0; 0.0 when nothing was cut), `steps` (per request), `cuts` (total)
+        and `first_cut` (the earliest step any request was cut at; None when none was).
+
+    Raises:
+        ValueError: different request counts, outputs without logits, or different step counts.
+    """
+    if len(reference) != len(forced) or not reference:
+        raise ValueError(f"reference and forced must hold the same requests, got {len(reference)} and {len(forced)}")
+    agreement, kls, after, steps, first, cuts = [], [], [], [], [], 0
+    for ref, out in zip(reference, forced):
+        if ref.logits is None or out.logits is None:
+            raise ValueError(f"request {ref.request_id}: decode with keep_logits=True for both runs")
+        kl = kl_per_step(ref.logits, out.logits)
+        agreement.append(greedy_agreement(ref.output_ids, [int(x.argmax()) for x in out.logits]))
+        events = out.compressions or []
+        cuts += len(events)
+        if events:
+            first.append(events[0]["step"])
+            after.append(kl[events[0]["step"]:])  # step s's logits were computed before its cut
+        kls.append(kl)
+        steps.append(len(kl))
+    every = torch.cat(kls)
+    after = torch.cat(after) if after else torch.zeros(0, dtype=torch.float64)
+    return {"agreement": agreement, "agreement_mean": sum(agreement) / len(agreement),
+            "agreement_min": min(agreement), "identical": sum(a == n for a, n in zip(agreement, steps)) / len(steps),
+            "kl_mean": float(every.mean()), "kl_max": float(every.max()),
+            "kl_mean_after_cut": float(after.mean()) if after.numel() else 0.0, "steps": steps, "cuts": cuts,
+            "first_cut": min(first, default=None)}
+
+
+__all__ = ["DEFAULT_WINDOW", "BudgetDropFn", "Compression", "cache_sizes", "fidelity", "greedy_agreement",
+           "kl_per_step"]

@@ -289,3 +289,68 @@ def test_teacher_forcing_a_models_own_greedy_output_gives_its_logits(tiny, sampl
     assert not torch.equal(outs[0].logits[1], base[0].logits[1])  # step 2 saw token 5, not the greedy one
     with pytest.raises(ValueError, match="at least 10 token ids"):
         eng.decode(10, forced_ids=[[5] * 9] * 3)
+
+
+def test_kl_per_step_is_the_kl_of_the_softmaxes():
+    from tdutils.compression import kl_per_step
+
+    g = torch.Generator().manual_seed(0)
+    ref, other = torch.randn(5, 11, generator=g), torch.randn(5, 11, generator=g)
+    p, log_q = torch.softmax(ref.double(), -1), torch.log_softmax(other.double(), -1)
+    expected = (p * (p.log() - log_q)).sum(-1)
+    torch.testing.assert_close(kl_per_step(ref, other), expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(kl_per_step(list(ref), list(other)), expected, atol=1e-12, rtol=0)  # [vocab] per step
+    assert torch.equal(kl_per_step(ref, ref), torch.zeros(5, dtype=torch.float64))
+    masked = ref.clone()
+    masked[:, 3] = float("-inf")  # a token the reference rules out adds nothing (0 * log 0, not NaN)
+    kl = kl_per_step(masked, other)
+    assert torch.isfinite(kl).all() and (kl >= 0).all()
+    with pytest.raises(ValueError, match="same"):
+        kl_per_step(ref, other[:4])
+    with pytest.raises(ValueError, match="steps >= 1"):
+        kl_per_step([], [])
+
+
+def test_greedy_agreement_counts_the_common_prefix():
+    from tdutils.compression import greedy_agreement
+
+    assert greedy_agreement([1, 2, 3, 4], [1, 2, 5, 4]) == 2
+    assert greedy_agreement([7, 8], [7, 8]) == 2
+    assert greedy_agreement([1], [2, 3]) == 0
+    assert greedy_agreement(torch.tensor([4, 5, 6]), [4, 5]) == 2
+
+
+def test_fidelity_reads_the_free_running_agreement_from_the_forced_run(tiny, sample_ids):
+    """The forced run's first argmax difference is where a free-running compressed greedy decode leaves the full
+    cache's tokens (same tokens fed and same cuts until then); before the first cut the KL is exactly 0."""
+    from tdutils.compression import fidelity, greedy_agreement, kl_per_step
+
+    eng = _engine(tiny)
+    ids = [x[:40] for x in sample_ids]
+    eng.prefill(ids)
+    saved = eng.snapshot()
+    steps = 48
+    full = eng.decode(steps, keep_logits=True)
+    comp = Compression("rkv", budget=24, buffer=8, window=4)
+    eng.restore(saved)
+    free = eng.decode(steps, compression=comp)
+    eng.restore(saved)
+    forced = eng.decode(steps, keep_logits=True, compression=comp, forced_ids=[o.output_ids for o in full])
+    f = fidelity(full, forced)
+    assert f["agreement"] == [greedy_agreement(a.output_ids, b.output_ids) for a, b in zip(full, free)]
+    assert f["first_cut"] == 1 and f["cuts"] == sum(len(o.compressions) for o in forced) > 0  # 40 > B + N: cut at once
+    assert f["agreement_min"] >= 1 and f["steps"] == [steps] * 3
+    for a, b in zip(full, forced):
+        kl = kl_per_step(a.logits, b.logits)
+        assert float(kl[0]) == 0.0  # step 1 is computed before its cut
+    assert 0 < f["kl_mean"] <= f["kl_mean_after_cut"] <= f["kl_max"]
+    eng.restore(saved)
+    same = eng.decode(steps, keep_logits=True, compression=Compression("rkv", budget=80, buffer=8, window=4),
+                      forced_ids=[o.output_ids for o in full])
+    g = fidelity(full, same)  # B + N holds the final length: nothing cut, nothing differs
+    assert (g["cuts"], g["first_cut"], g["identical"], g["kl_max"]) == (0, None, 1.0, 0.0)
+    assert g["agreement"] == [steps] * 3
+    with pytest.raises(ValueError, match="keep_logits"):
+        fidelity(full, free)
+    with pytest.raises(ValueError, match="same requests"):
+        fidelity(full, forced[:2])

@@ -121,6 +121,47 @@ def check_rkv(method):
     return check
 
 
+def check_decode_time(c):
+    s, cache = c["settings"], c["cache"]
+    B, N, steps, n = s["budget"], s["buffer"], s["max_tokens"], s["requests"]
+    assert len(set(s["prompt_tokens"])) == 1, s["prompt_tokens"]  # prompts cut to one length: the same cuts for all
+    T = s["prompt_tokens"][0]
+
+    def cut_steps(budget):  # a cache of T entries at step 1 grows by one a step; cut at B + N, then every N steps
+        return list(range(max(1, budget + N - T + 1), steps, N))  # (the last step cuts nothing)
+
+    # the full cache's line: T entries at step 1 (T - 1 cached and the refed token), one more every step
+    assert (cache["full_first"], cache["full_last"]) == (T, T + steps - 1)
+    # the sawtooth: cut back to B at B + N, then between B and B + N - 1 entries
+    assert cache["cut_steps"] == cut_steps(B) and cut_steps(B), cache
+    assert set(cache["cut_after"]) == {B}
+    assert (cache["min_after_cut"], cache["max_after_cut"]) == (B, B + N - 1)
+    assert cache["kv_peak_cache_tokens"] == max(T, B + N) and cache["compressions"] == n * len(cut_steps(B))
+    for name, f in c["fidelity"].items():
+        cuts = cut_steps(f["budget"])
+        assert (f["first_cut"], f["cuts"]) == (cuts[0], n * len(cuts)), name
+        # the tokens up to the first cut are the full cache's, so they agree; then the caches differ
+        assert cuts[0] <= f["agreement_min"] <= f["agreement_mean"] <= steps and 0 <= f["identical"] <= 1, name
+        assert 0 <= f["kl_mean"] <= f["kl_max"], name
+        # before the first cut the KL is 0: the mean over every step is the after-cut mean diluted by those steps
+        assert f["kl_mean"] * steps == pytest.approx(f["kl_mean_after_cut"] * (steps - cuts[0]), rel=1e-6, abs=1e-12)
+    # greedy agreement read from the teacher-forced run equals the free-running decode's
+    assert c["free_agreement"] == c["forced_agreement"] and len(c["free_agreement"]) == n
+    t = c["throughput"]
+    budget, full, comp = t["kv_budget_tokens"], t["full"], t["compressed"]
+    # "a full-cache request reserves its whole final length; a compressed one at most B + N + 1 (or its prompt)"
+    assert full["peak_batch"] == min(n, budget // (T + steps))
+    assert comp["peak_batch"] == min(n, budget // (max(T, B + N) + 1)) > full["peak_batch"]
+    assert max(full["kv_peak_reserved_tokens"], comp["kv_peak_reserved_tokens"]) <= budget
+    assert comp["compressions"] == cache["compressions"] and full["compressions"] == 0
+    assert min(full["decode_tok_s"], comp["decode_tok_s"]) > 0
+    p = c["prefill"]
+    # one shot: a cache of the whole prompt; chunked under the budget: never more than budget + chunk
+    assert p["one_shot_peak"] == p["prompt_tokens"]
+    assert p["chunked_peak"] == [min(x, p["budget"] + p["chunk"]) for x in p["prompt_tokens"]]
+    assert p["chunked_lens"] == [min(x, p["budget"]) for x in p["prompt_tokens"]]
+
+
 # notebook -> (small parameters, check of the recorded claims, text the executed notebook must show)
 NOTEBOOKS = {
     "notebooks/get_query_tensor.ipynb": ({"num_requests": 2, "query_window": 16, "window": 8}, check_query, []),
@@ -131,6 +172,10 @@ NOTEBOOKS = {
         {"tasks": ["niah_multikey"], "n": 30, "policies": ["full", "random", "snapkv"],
          "drop_ratios": [0.75], "rank_ratio": 0.75, "num_requests": 6, "max_tokens": 8, "repeats": 1},
         check_compare, []),
+    "notebooks/decode_time_compression.ipynb": (
+        {"num_requests": 6, "prompt_tokens": 48, "max_tokens": 64, "budget": 24, "buffer": 16, "window": 4,
+         "policies": ["rkv", "knorm"], "budgets": [16, 24], "repeats": 1, "prefill_requests": 2,
+         "prefill_budget": 64, "prefill_chunk": 64}, check_decode_time, []),
     "notebooks/random_token_dropping.ipynb": ({"num_requests": 6, "max_tokens": 8}, check_random, []),
     "notebooks/rkv_token_dropping.ipynb": ({"num_requests": 4, "max_tokens": 8}, check_rkv("reference"), []),
     "notebooks/rkv_variants/rkv_variant_cpu_exact.ipynb": ({"num_requests": 4, "max_tokens": 8}, check_rkv("exact"), []),
