@@ -9,10 +9,10 @@ def check_json_dest(dest: str, option: str = "--json", example: str = "runs/benc
     """Check before any work that `dest` ("-" for stdout, else a file path) can be written.
 
     Raises:
-        ValueError: an empty or unwritable path (`tdutils.evaluate.check_output_path`).
+        ValueError: an empty or unwritable path (`tdutils.eval.check_output_path`).
     """
     if dest != "-":
-        from tdutils.evaluate import check_output_path
+        from tdutils.eval import check_output_path
 
         check_output_path(dest, option, example=example)
 

@@ -12,14 +12,14 @@
     python bench/accuracy.py --tasks niah_multikey --mode agnostic --n 50 --context-lengths 1024   # quicker
     python bench/accuracy.py --summary runs/ruler.json        # its per-task table (markdown)
 
-A thin script over `tdutils.evaluate` (the same code as `python -m tdutils eval`): prints the table
+A thin script over `tdutils.eval` (the same code as `python -m tdutils eval`): prints the table
 (exact match, 95% Wilson interval, modify seconds; RULER tasks also partial credit and the per-task markdown
 table), writes it as JSON and a plot as PNG (defaults `runs/accuracy.json`, `runs/accuracy.png`): passkey
 accuracy vs drop ratio per length, or the RULER leaderboard (mean exact match over tasks vs drop ratio, one
 panel per mode). `--tasks passkey` (default) runs the passkey benchmark on `tiny-qwen3`; `--tasks all` or task
-names run `tdutils.evaluate.task_eval` on `tiny-qwen3-ruler` with `--mode aware|agnostic|both` (default both). Its dataset seed
-defaults to `tdutils.evaluate.HELDOUT_SEED` (5_000_000), which no training, selection or test step uses
-(`tdutils.evaluate`, "Seeds"); `python -m tdutils eval` defaults to the development seed 0 instead.
+names run `tdutils.eval.task_eval` on `tiny-qwen3-ruler` with `--mode aware|agnostic|both` (default both). Its dataset seed
+defaults to `tdutils.eval.HELDOUT_SEED` (5_000_000), which no training, selection or test step uses
+(`tdutils.eval.common`, "Seeds"); `python -m tdutils eval` defaults to the development seed 0 instead.
 
 Targets (n >= 200 per cell): full cache >= 98% at 512, 1024 and 2048 tokens; SnapKV and R-KV at
 drop ratio 0.5 >= 97%; at 0.75, report what they reach. Runtime: 467 s at n=200 with the policies full,
@@ -34,7 +34,7 @@ import sys
 from _report import read_json  # bench/_report.py (this folder is on sys.path)
 
 from tdutils.cli_args import OneLineParser
-from tdutils.evaluate import FULL, HELDOUT_SEED, add_arguments, run, task_markdown
+from tdutils.eval import FULL, HELDOUT_SEED, add_arguments, run, task_markdown
 
 NAMES = {"random": "random", "snapkv": "SnapKV", "rkv": "R-KV", "middle_chunk": "middle-chunk"}
 
@@ -42,7 +42,7 @@ NAMES = {"random": "random", "snapkv": "SnapKV", "rkv": "R-KV", "middle_chunk": 
 def readme_summary(report: dict) -> str:
     """The accuracy table of docs/results.md (markdown), written from a stored `--json` report. Passkey: one row per context
     length, the full cache, then each policy's accuracy (%) at its drop ratios > 0. RULER tasks (rows with a
-    `task`): `tdutils.evaluate.task_markdown`, one row per mode and policy, one column per task."""
+    `task`): `tdutils.eval.task_markdown`, one row per mode and policy, one column per task."""
     rows = report["rows"]
     if rows and "task" in rows[0]:
         import pandas as pd

@@ -47,7 +47,7 @@ import torch
 
 from tdutils.cli_args import OneLineParser, drop_ratios, positive_int
 from tdutils.engines.hf import HFEngine, _Request
-from tdutils.evaluate import check_output_path
+from tdutils.eval import check_output_path
 from tdutils.models import load_model, model_facts
 
 STEP_TARGET = 1.10

@@ -94,7 +94,7 @@ PRESSES = {
 }
 FULL = "none"  # the full-cache row on both sides
 DEFAULT_OUT = "docs/results/peer_kvpress.json"
-DEFAULT_SEED = 5_000_000  # tdutils.evaluate.HELDOUT_SEED (not imported: the worker runs without tdutils)
+DEFAULT_SEED = 5_000_000  # tdutils.eval.HELDOUT_SEED (not imported: the worker runs without tdutils)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -247,7 +247,7 @@ def run_tdutils(engine, prompts, policies, ratios, *, max_tokens, batch_size) ->
     "kept"}}; policy FULL at ratio 0."""
     import copy
 
-    from tdutils.evaluate import build_cells
+    from tdutils.eval import build_cells
 
     cells = [(FULL, 0.0, None)] + [c for c in build_cells(engine, policies, ratios, {}) if c[0] != FULL]
     res = {(p, r): {"texts": [], "keep": [], "tokens": 0, "seconds": 0.0, "kept": []} for p, r, _ in cells}
@@ -368,7 +368,7 @@ def run(args) -> int:
     from tdutils.answers import wilson_interval
     from tdutils.cli_args import usable_cores
     from tdutils.engines.hf import HFEngine
-    from tdutils.evaluate import check_output_path
+    from tdutils.eval import check_output_path
     from tdutils.gguf import resolve
     from tdutils.policies import policy_names
     from tdutils.policies.registry import get_policy

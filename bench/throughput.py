@@ -31,7 +31,7 @@ import torch
 import tdutils
 from tdutils.cli_args import OneLineParser, drop_ratios, positive_int
 from tdutils.data import load_prompts
-from tdutils.evaluate import check_output_path, check_plot_path
+from tdutils.eval import check_output_path, check_plot_path
 from tdutils.metrics import speedup_notes
 from tdutils.runs import DEFAULT_FULL_REQUESTS
 from tdutils.sweep import SweepConfig, throughput_sweep

@@ -23,8 +23,8 @@ from .cli_args import INTERRUPTED, OneLineParser, UsageError, drop_ratio, positi
 # Subcommands defined in other modules: name -> (module, help). Each module provides
 # `add_arguments(parser)` and `run(args) -> int` (exit status).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "eval": ("tdutils.evaluate", "accuracy of policies x drop ratios x context lengths: passkey, or RULER-style tasks "
-                                 "in query-aware / query-agnostic mode"),
+    "eval": ("tdutils.eval.cli", ("accuracy of policies x drop ratios x context lengths: passkey, or RULER-style "
+                                  "tasks in query-aware / query-agnostic mode")),
     "doctor": ("tdutils.doctor", "check a vLLM + LMCache serving setup end to end and print what to fix"),
 }
 
@@ -185,7 +185,7 @@ def cmd_run(args) -> int:
 
     from . import make_drop_fn, open_engine
     from .data import load_prompts
-    from .evaluate import check_output_path
+    from .eval.common import check_output_path
     from .metrics import phase_table, repeat_ratios, speedup_line, speedup_notes
     from .runs import RunResult, alternate_runs, default_kv_budget
 
@@ -208,8 +208,8 @@ def cmd_run(args) -> int:
         # model gets a task it can do (a RULER needle: SmolLM2-135M scores chance on the multiple-choice sample)
         local = bundled_model_path(args.model) is not None or parse_random_name(args.model) is not None
         args.dataset = SAMPLE_NAME if local else REAL_MODEL_DATASET
+    from .eval.tasks import task_names
     from .models import parse_random_name
-    from .tasks import task_names
 
     ruler_task = args.dataset if args.dataset in task_names("ruler") else None
     if ruler_task is not None and parse_random_name(args.model) is not None:

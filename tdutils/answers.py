@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 # The official LongBench-v2 0-shot template (THUDM/LongBench, prompts/0shot.txt), word for word: the
@@ -460,12 +460,27 @@ def score_task(task: str, values: Sequence[str], response: str | None) -> tuple[
     return (found == len(gold) and not remaining), found / len(gold)
 
 
+def task_scorer(task) -> Callable[[Sequence[str], str | None], tuple[bool, float]] | None:
+    """`scorer(values, response) -> (exact, partial)` of a built-in task's rows: a word-level RULER-style task
+    (`score_task`) or a RULER template `ruler_<task>` (`tdutils.ruler.score_ruler`); None for any other name."""
+    from .data import RULER_TASKS, ruler_template
+
+    if task in RULER_TASKS:
+        return lambda values, response: score_task(task, values, response)
+    name = ruler_template(task)
+    if name is None:
+        return None
+    from .ruler import score_ruler
+
+    return lambda values, response: score_ruler(name, values, response)
+
+
 def score_rows(rows, responses: Sequence[str | None], *, mode: str = "official") -> ScoreReport:
     """Score responses against dataset rows, choosing the scoring their gold answers call for.
 
-    Rows of a registered task (`meta["task"]`, e.g. `load_prompts("ruler_niah_single_1", model=...)`) are scored by
-    that task's scorer (RULER: every reference in the response); passkey rows (gold answers made of digits, e.g. the
-    bundled `sample`) by `score_passkey`;
+    Rows of a built-in task (`meta["task"]`, e.g. `load_prompts("ruler_niah_single_1", model=...)`) are scored by
+    that task's scorer (`task_scorer`; RULER: every reference in the response); passkey rows (gold answers made of
+    digits, e.g. the bundled `sample`) by `score_passkey`;
     multiple-choice rows (gold `A`..`D`, e.g. the demo datasets or `mc-sample`) by `score_answers` with
     `mode`, using the rows' `difficulty` / `length` labels when present.
 
@@ -481,16 +496,14 @@ def score_rows(rows, responses: Sequence[str | None], *, mode: str = "official")
             return row.get(name)
         return getattr(row, name, None) if name == "answer" else getattr(row, "meta", {}).get(name)
 
-    from .tasks import get_task, task_names
-
     if isinstance(responses, str):
         raise TypeError("responses must be a list with one text per row, not a single string")
     metas = [(r.get("meta") if isinstance(r, Mapping) else getattr(r, "meta", None)) or {} for r in rows]
-    if rows and all("values" in m and m.get("task") in task_names() for m in metas):
-        # rows of registered tasks (data.load_prompts("ruler_...")): each row by its task's own scorer
+    if rows and all("values" in m and task_scorer(m.get("task")) is not None for m in metas):
+        # rows of built-in tasks (data.load_prompts("ruler_...")): each row by its task's own scorer
         if len(responses) != len(rows):
             raise ValueError(f"{len(responses)} responses for {len(rows)} rows: pass one response per row")
-        ok = [get_task(m["task"]).score(m["values"], t)[0] for m, t in zip(metas, responses)]
+        ok = [task_scorer(m["task"])(m["values"], t)[0] for m, t in zip(metas, responses)]
         names = ", ".join(dict.fromkeys(m["task"] for m in metas))
         return ScoreReport(mode=f"{names}: every reference", correct=sum(ok), total=len(ok), unparsed=0,
                            is_correct=ok)

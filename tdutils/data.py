@@ -101,7 +101,7 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
 
     Args:
         dataset: `"sample"` (bundled: 16 passkey prompts of ~1k tokens), `"mc-sample"` (bundled English
-            multiple-choice prompts, see `load_mc_sample`), a RULER template task of `tdutils.tasks` such as
+            multiple-choice prompts, see `load_mc_sample`), a RULER template task (`ruler_` + a name of `tdutils.ruler`) such as
             `"ruler_niah_single_1"` (made for a real model's tokenizer: pass `model` or `tokenizer`), a local
             `.jsonl`/`.json`/`.csv`/`.parquet` file, or a hub id such as `raniayu/token-dropping-demo-short`.
         num_requests: keep the first `num_requests` rows (None: all; RULER tasks: 16). Fewer rows than asked is an
@@ -132,9 +132,7 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
     """
     if num_requests is not None and num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
-    from .tasks import task_names
-
-    if isinstance(dataset, str) and dataset in task_names("ruler"):
+    if ruler_template(dataset) is not None:
         return _ruler_rows(dataset, 16 if num_requests is None else num_requests, model=model, tokenizer=tokenizer,
                            context_tokens=context_tokens, chat_template=chat_template, seed=seed)
     rows = _read_rows(dataset, split)
@@ -167,9 +165,23 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
     return out
 
 
+RULER_PREFIX = "ruler_"  # dataset and task names of RULER's templates: "ruler_" + RULER's own task name (two of
+# which, niah_multivalue and niah_multiquery, are also names of word-level tasks)
+
+
+def ruler_template(dataset) -> str | None:
+    """RULER's own task name (`tdutils.ruler.RULER_TEMPLATE_TASKS`) of a dataset or task name `ruler_<task>`, else
+    None."""
+    from .ruler import RULER_TEMPLATE_TASKS
+
+    if isinstance(dataset, str) and dataset.startswith(RULER_PREFIX) and dataset[len(RULER_PREFIX):] in RULER_TEMPLATE_TASKS:
+        return dataset[len(RULER_PREFIX):]
+    return None
+
+
 def _ruler_rows(task: str, n: int, *, model, tokenizer, context_tokens: int, chat_template, seed: int) -> list[PromptRow]:
     from .models import BUNDLED_MODELS, load_tokenizer
-    from .tasks import get_task
+    from .ruler import make_ruler_dataset
 
     if tokenizer is None:
         if model is None:
@@ -179,7 +191,8 @@ def _ruler_rows(task: str, n: int, *, model, tokenizer, context_tokens: int, cha
             raise ValueError(f"dataset {task!r}: RULER's templates need a real model and tokenizer (e.g. "
                              f"'smollm2-135m'); {model!r} reads only its own word-level vocabulary")
         tokenizer = load_tokenizer(model)
-    examples = get_task(task).make_dataset(n, context_tokens, tokenizer, seed, chat_template)
+    examples = make_ruler_dataset(ruler_template(task), n, context_tokens, tokenizer=tokenizer, seed=seed,
+                                  chat_template=chat_template)
     return [PromptRow(prompt=list(e["prompt_ids"]), answer=", ".join(e["values"]),
                       meta={"task": task, "values": list(e["values"]), "chat_template": e["chat_template"]})
             for e in examples]
@@ -539,7 +552,7 @@ def make_task_dataset(task: str, n: int, context_tokens: int, *, tokenizer, seed
     """`n` examples of `task` (`make_task_example`) of `context_tokens` tokens each, reproducible from `seed`.
 
     Each (task, seed) pair is its own stream: `random.Random(f"{task}:{seed}")`. Use seeds disjoint from those
-    a model was trained on when evaluating it (`tdutils.evaluate`, "Seeds").
+    a model was trained on when evaluating it (`tdutils.eval.common`, "Seeds").
 
     Raises:
         ValueError: an unknown task, `n < 1`, or a context too short for the task.

@@ -1,5 +1,5 @@
 """Accuracy regressions on the trained bundled models: passkey (issue 8, tiny-qwen3) and the RULER-style tasks
-(issue 17, tiny-qwen3-ruler; bounds and measurements at the end of this file), and the pieces of `tdutils.evaluate`.
+(issue 17, tiny-qwen3-ruler; bounds and measurements at the end of this file), and the pieces of `tdutils.eval`.
 
 The regression bounds (small n, fixed seeds, a length the model was trained at): full cache >= 95%;
 SnapKV and R-KV at drop ratio 0.5 within 5 points of the full cache (the issue gives R-KV SnapKV's
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tdutils.data import make_passkey_dataset
-from tdutils.evaluate import COLUMNS, TRAIN_SEED_BASE, add_arguments, passkey_eval, run, wilson_interval
+from tdutils.eval import COLUMNS, TRAIN_SEED_BASE, add_arguments, passkey_eval, run, wilson_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 REGRESSION_LENGTH = 512  # trained at 64..2048; 512 keeps the test fast
@@ -194,7 +194,7 @@ def ruler():
     import pandas as pd
 
     from tdutils.engines.hf import HFEngine
-    from tdutils.evaluate import task_eval
+    from tdutils.eval import task_eval
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

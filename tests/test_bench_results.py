@@ -73,7 +73,7 @@ def test_results_page_shows_the_bench_summaries(script, stored):
 
 
 def test_published_accuracy_is_on_the_held_out_seed():
-    from tdutils.evaluate import DEV_SEED, HELDOUT_SEED, TRAIN_SEED_BASE
+    from tdutils.eval import DEV_SEED, HELDOUT_SEED, TRAIN_SEED_BASE
 
     for stored in ("accuracy.json", "ruler_policies.json", "ruler_policies_4096.json", "ruler_full.json"):
         meta = json.loads((DOCS / "results" / stored).read_text())["meta"]
@@ -90,7 +90,7 @@ def test_training_script_refuses_to_report_on_the_held_out_seed(capsys, tmp_path
     spec = importlib.util.spec_from_file_location("train_tiny_model", ROOT / "tools" / "train_tiny_model.py")
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
-    from tdutils.evaluate import HELDOUT_SEED
+    from tdutils.eval import HELDOUT_SEED
 
     with pytest.raises(SystemExit) as exit_info:
         # were the seed accepted, these options would finish at once (no training step, one report prompt) with 0
@@ -140,7 +140,7 @@ def test_real_model_tables_are_the_stored_runs():
     and docs/results/peer_kvpress.json hold."""
     import pandas as pd
 
-    from tdutils.evaluate import task_markdown
+    from tdutils.eval import task_markdown
 
     stored = json.loads((DOCS / "results" / "ruler_smollm2_2048.json").read_text())
     table = pd.DataFrame(stored["rows"])

@@ -257,7 +257,7 @@ def test_eval_output_paths_are_checked_before_any_work(tmp_path):
     import uuid
     from pathlib import Path
 
-    from tdutils.evaluate import check_output_path, check_plot_path
+    from tdutils.eval import check_output_path, check_plot_path
 
     at_root = Path("/") / f"tdutils-test-{uuid.uuid4().hex}" / "dir" / "x.json"
     with pytest.raises(ValueError) as e:

@@ -79,7 +79,7 @@ def test_a_near_miss_of_the_bundled_model_fails_at_once():
 
 
 def test_eval_refuses_contexts_past_the_models_positions():
-    from tdutils.evaluate import passkey_eval
+    from tdutils.eval import passkey_eval
 
     with pytest.raises(ValueError, match=r"context length 6000 \+ max_tokens 10 exceeds the model's 4096 positions"):
         passkey_eval(policies=["full"], drop_ratios=[0.0], context_lengths=[6000], n=2)

@@ -310,7 +310,7 @@ def test_a_sweep_at_drop_ratio_one_plots(tiny, sample_ids, agg):
 def test_the_other_plot_helpers_take_drop_ratio_one(agg):
     import pandas as pd
 
-    from tdutils.evaluate import plot_accuracy
+    from tdutils.eval import plot_accuracy
     from tdutils.metrics import plot_decode_throughput, ratio_caveats
 
     phases = pd.DataFrame({"decode_tok_s": [100.0, 250.0], "decode_speedup": [1.0, 2.5]}, index=["baseline", "r1"])

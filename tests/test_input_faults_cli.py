@@ -164,7 +164,7 @@ def test_eval_refuses_negative_seeds_on_the_command_line(capsys):
 @pytest.mark.parametrize("seed,match", [(-10_000_000, "seed must be >= 0, got -10000000"), (-1, "got -1"),
                                         (1.5, "seed must be an integer >= 0, got 1.5"), (True, "got True")])
 def test_the_python_api_refuses_negative_and_non_integer_seeds(seed, match):
-    from tdutils.evaluate import check_seed, passkey_eval, task_eval
+    from tdutils.eval import check_seed, passkey_eval, task_eval
 
     for fn in (passkey_eval, task_eval):  # before any model loads
         with pytest.raises(ValueError, match=match):
@@ -389,7 +389,7 @@ def test_run_scores_answers_up_to_the_first_eos(tmp_path, capsys, monkeypatch):
 def test_eval_scores_answers_up_to_the_first_eos():
     """`run_cells` hands the scorers `RequestOutput.answer`, never the text generated after EOS."""
     from tdutils.engines.base import RequestOutput
-    from tdutils.evaluate import run_cells
+    from tdutils.eval import run_cells
 
     class Engine:  # prefill and decode only: the full cache needs nothing else
         requests = None
@@ -441,7 +441,7 @@ def test_wilson_interval_refuses_impossible_counts(correct, n, match):
 def test_wilson_interval_checks_z_and_keeps_its_edges():
     import numpy as np
 
-    from tdutils import evaluate
+    import tdutils.eval as evaluate
 
     for z in (0, -1.96, float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="z must be a finite number > 0"):
@@ -496,9 +496,9 @@ def test_ctrl_c_before_any_run_finished_writes_nothing(tmp_path, capsys, monkeyp
 
 
 def test_ctrl_c_during_eval_keeps_the_finished_cells(tmp_path, capsys, monkeypatch):
-    from tdutils import evaluate
+    from tdutils.eval import runner
 
-    real, calls = evaluate.run_cells, []
+    real, calls = runner.run_cells, []
 
     def interrupt_the_second_length(*a, **k):
         calls.append(1)
@@ -506,7 +506,7 @@ def test_ctrl_c_during_eval_keeps_the_finished_cells(tmp_path, capsys, monkeypat
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(evaluate, "run_cells", interrupt_the_second_length)
+    monkeypatch.setattr(runner, "run_cells", interrupt_the_second_length)
     out = tmp_path / "eval.json"
     rc = cli.main(["eval", "--policies", "full", "random", "--drop-ratios", "0.5", "--context-lengths", "128", "256",
                    "--n", "2", "--max-tokens", "6", "--json", str(out), "--quiet"])

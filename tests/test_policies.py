@@ -289,7 +289,7 @@ def test_a_users_policy_registered_in_a_cell_reaches_make_drop_fn_compare_and_ev
         prompts = [tok(r.prompt)["input_ids"][:64] for r in load_prompts("sample", num_requests=2)]
         _, table = tdutils.compare(eng, prompts, {"every_other": fn}, max_tokens=2)
         assert table.loc["every_other", "kv_tokens_after"] == 2 * 33
-        from tdutils.evaluate import passkey_eval
+        from tdutils.eval import passkey_eval
 
         t = passkey_eval(policies=["full", "every_other"], drop_ratios=[0.5], context_lengths=[128], n=2,
                          max_tokens=6, engine=eng)
@@ -372,7 +372,7 @@ def test_cli_options_come_from_every_policys_parameters():
     import argparse
 
     from tdutils.__main__ import build_parser
-    from tdutils.evaluate import add_arguments
+    from tdutils.eval import add_arguments
 
     run = build_parser()._subparsers._group_actions[0].choices["run"]
     ev = argparse.ArgumentParser()

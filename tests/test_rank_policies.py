@@ -1,11 +1,11 @@
-"""`tdutils.evaluate.rank_policies`: pooled exact match per (mode, policy) at one drop ratio, its Wilson interval,
+"""`tdutils.eval.rank_policies`: pooled exact match per (mode, policy) at one drop ratio, its Wilson interval,
 ranks and the separations it reports, on a hand-made `task_eval`-shaped table."""
 
 import pandas as pd
 import pytest
 
 from tdutils.answers import wilson_interval
-from tdutils.evaluate import rank_policies
+from tdutils.eval import rank_policies
 
 
 def _table():
@@ -60,7 +60,7 @@ def test_plot_ranking_draws_every_policy_even_at_zero(tmp_path):
     import matplotlib
 
     matplotlib.use("Agg")
-    from tdutils.evaluate import plot_ranking
+    from tdutils.eval import plot_ranking
 
     t = _table()
     # 0 of 250: the Wilson interval's low end is 8.7e-19, above the accuracy (0) by rounding

@@ -307,7 +307,7 @@ ACC_FULL_MIN, ACC_SNAPKV_SLACK, ACC_RANDOM_MAX = 7, 1, 2
 def test_snapkv_keeps_a_real_needle_where_random_loses_it():
     """On SmolLM2: full cache solves the set, SnapKV at 0.5 stays within the measured slack of it, random at 0.75
     falls clearly below (exact match of RULER's string_match_all on the same prompts, both modes' aware flow)."""
-    from tdutils.evaluate import task_eval
+    from tdutils.eval import task_eval
 
     model, tok = _load("smollm2-135m")
     eng = _engine(model, tok, query_window=0)

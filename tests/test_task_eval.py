@@ -1,4 +1,4 @@
-"""The RULER-style task benchmark's machinery (`tdutils.evaluate.task_eval`, its summaries and command line).
+"""The RULER-style task benchmark's machinery (`tdutils.eval.task_eval`, its summaries and command line).
 
 These tests check the flow and the bookkeeping with the bundled passkey model (same tokenizer; it is not trained
 on the tasks, so its answers are wrong, but the same token sequence must still give the same answer): the
@@ -14,8 +14,15 @@ import pandas as pd
 import pytest
 
 from tdutils.data import RULER_TASKS, make_task_dataset
-from tdutils.evaluate import (TASK_COLUMNS, add_arguments, leaderboard, run, split_question, task_eval,
-                              task_markdown)
+from tdutils.eval import (
+    TASK_COLUMNS,
+    add_arguments,
+    leaderboard,
+    run,
+    split_question,
+    task_eval,
+    task_markdown,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread (tiny models, shared cores)
 

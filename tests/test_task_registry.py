@@ -1,5 +1,5 @@
-"""The task registry (`tdutils.tasks`) and the command lines' handling of real-model tasks: names, suites, defaults,
-refusals and the notes for accuracies that measure nothing. No model is loaded."""
+"""The task registry (`tdutils.eval.tasks`) and the command lines' handling of real-model tasks: names, suites,
+defaults, refusals and the notes for accuracies that measure nothing. One small run loads the bundled model."""
 
 import pandas as pd
 import pytest
@@ -7,9 +7,9 @@ import pytest
 from tdutils.__main__ import accuracy_notes, main
 from tdutils.answers import ScoreReport
 from tdutils.data import RULER_TASKS
-from tdutils.evaluate import parse_tasks, weak_task_notes
+from tdutils.eval import parse_tasks, weak_task_notes
+from tdutils.eval.tasks import Task, get_task, register_task, task_names
 from tdutils.ruler import RULER_TEMPLATE_TASKS
-from tdutils.tasks import Task, get_task, register_task, task_names
 
 
 def test_both_suites_are_registered_without_clashes():
@@ -77,3 +77,62 @@ def test_a_real_model_on_word_level_tasks_is_warned(capsys):
     err = capsys.readouterr().err
     assert "tdutils: warning: --model smollm2-135m meets tasks in the bundled models' word-level format" in err, err
     assert "(--tasks ruler)" in err, err
+
+
+def test_the_former_module_names_are_the_same_objects():
+    """`tdutils.evaluate` and `tdutils.tasks` stay importable as the same module objects as their new homes, so an
+    import, an attribute or a monkeypatch through the old name reaches the code."""
+    import tdutils.eval
+    import tdutils.eval.tasks
+    import tdutils.evaluate
+    import tdutils.tasks
+
+    assert tdutils.evaluate is tdutils.eval and tdutils.tasks is tdutils.eval.tasks
+    from tdutils.evaluate import passkey_eval, task_eval
+    from tdutils.tasks import get_task as old_get_task
+
+    assert passkey_eval is tdutils.eval.runner.passkey_eval and task_eval is tdutils.eval.runner.task_eval
+    assert old_get_task("passkey").defaults.layout == "lengths"
+
+
+def test_passkey_is_a_registration_with_its_own_defaults():
+    """Passkey is a task like the others: aware mode only (no split), its own model, decode length and layout."""
+    task = get_task("passkey")
+    assert task.suite == "passkey" and task.split is None and "passkey" not in task_names("word")
+    assert (task.defaults.model, task.defaults.modes, task.defaults.max_tokens) == ("tiny-qwen3", ("aware",), 10)
+    assert parse_tasks(["passkey"]) == ["passkey"]
+
+
+def test_drop_ratios_are_checked_once_per_path(monkeypatch):
+    """`DropRatios` checks each ratio once; handing a checked tuple on checks nothing again."""
+    from tdutils import selection
+    from tdutils.eval.common import DropRatios
+
+    calls, real = [], selection.check_drop_ratio
+    monkeypatch.setattr(selection, "check_drop_ratio", lambda r: calls.append(r) or real(r))
+    ratios = DropRatios([0.5, 0.75])
+    assert DropRatios(ratios) is ratios and ratios == (0.5, 0.75) and calls == [0.5, 0.75]
+    with pytest.raises(ValueError, match=r"--drop-ratios: drop_ratio must lie in \[0, 1\].*give fractions"):
+        DropRatios([0.5, 1.5], option="--drop-ratios")
+
+
+def test_a_registered_task_reaches_the_command_line_with_its_defaults(tmp_path):
+    """A task is one registration: `eval --tasks NAME` runs it with the defaults it registered (model, policies,
+    drop ratios, context lengths, n, modes), with no other edit (the bundled tiny-qwen3-ruler, 96 tokens)."""
+    import json
+    from dataclasses import replace
+
+    from tdutils.eval.tasks import WORD_DEFAULTS, unregister_task
+
+    defaults = replace(WORD_DEFAULTS, policies=("full", "random"), drop_ratios=(0.5,), context_lengths=(96,), n=2,
+                       modes=("aware",))
+    register_task(replace(get_task("niah_single"), name="niah_single_small", defaults=defaults))
+    out = tmp_path / "eval.json"
+    try:
+        assert main(["eval", "--tasks", "niah_single_small", "--json", str(out), "--quiet", "--threads", "1"]) == 0
+    finally:
+        unregister_task("niah_single_small")
+    meta = json.loads(out.read_text(encoding="utf-8"))["meta"]
+    got = tuple(meta[k] for k in ("model", "policies", "drop_ratios", "context_lengths", "n", "modes"))
+    assert got == ("tiny-qwen3-ruler", ["full", "random"], [0.5], [96], 2, ["aware"]), meta
+    assert "niah_single_small" not in task_names()

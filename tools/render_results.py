@@ -12,7 +12,7 @@ A page marks each generated block with a pair of HTML comments (invisible once r
 `NAME` is a key of `BLOCKS`: a function of the stored JSON files that returns markdown. The text between the
 markers is replaced; everything else on the page is left as it is. Tables come from the bench scripts' own
 summaries where they have one (`readme_summary` of `bench/accuracy.py`, `bench/rkv_bench.py`,
-`bench/rope_bench.py`, which is `tdutils.evaluate.task_markdown` for the RULER tasks), so a page shows exactly
+`bench/rope_bench.py`, which is `tdutils.eval.task_markdown` for the RULER tasks), so a page shows exactly
 what `python bench/NAME.py --summary docs/results/RUN.json` prints. `tests/test_bench_results.py` checks that
 every page equals what this script makes of the stored JSON.
 """
@@ -65,7 +65,7 @@ def _table(head, rows) -> str:
 
 
 def _seed(seed: int) -> str:
-    from tdutils.evaluate import DEV_SEED, HELDOUT_SEED
+    from tdutils.eval import DEV_SEED, HELDOUT_SEED
 
     return {HELDOUT_SEED: f"held-out evaluation seed {seed}", DEV_SEED: f"development seed {seed}"}.get(seed, f"seed {seed}")
 
@@ -274,7 +274,7 @@ def real_full_cache() -> str:
 def real_leaderboard() -> str:
     import pandas as pd
 
-    from tdutils.evaluate import task_markdown
+    from tdutils.eval import task_markdown
 
     report = load("ruler_smollm2_2048")
     m = report["meta"]

@@ -37,7 +37,7 @@ Training:
   only at the longest length lets the shorter ones drift, so every evaluated length is trained last.
 
 Dropped-cache augmentation (`--drop-aug`, default 0.5): the benchmark edits the cache after prefill and
-decodes from what is left (`tdutils.evaluate`). A model trained only on whole contexts is brittle to
+decodes from what is left (`tdutils.eval`). A model trained only on whole contexts is brittle to
 that even when every needle token is kept: measured with plain training (all lengths ~100% on the full
 cache), SnapKV at drop ratio 0.5 kept all nine needle tokens of every 512-token prompt, yet only ~65%
 were answered, nearly always failing on the last digit; keeping the positions of the kept tokens
@@ -61,18 +61,18 @@ needle digits are replaced by other random digits: copies there point to wrong d
 needle itself holds the answer.
 
 Batch accuracy is exact match: with teacher forcing, "every digit is the argmax" is exactly "greedy
-decoding produces the five digits", so it is the metric of `tdutils.evaluate` on the full cache.
+decoding produces the five digits", so it is the metric of `tdutils.eval` on the full cache.
 
 Fine-tuning (`--init-from DIR`): the weights of DIR's model.safetensors, no curriculum, the consolidation phase
 over `--lengths` (a repeated length is trained more often) with a fresh AdamW state and a linear warm-up.
 
 Seeds: training examples come from one `random.Random` stream seeded with `TRAIN_SEED_BASE + --seed`
-(>= 10_000_000); evaluation datasets (`tdutils.data.make_passkey_dataset`, `tdutils.evaluate`, the
+(>= 10_000_000); evaluation datasets (`tdutils.data.make_passkey_dataset`, `tdutils.eval`, the
 tests) use seeds below 10_000_000 (small seeds such as 0, 1, 2), so no evaluation stream is a training
 stream. The final report of this script evaluates on the evaluation seed `--eval-seed` (0 by default),
-the default dataset of `tdutils.evaluate.passkey_eval`; it never trains on it. The bundled weights were chosen
+the default dataset of `tdutils.eval.passkey_eval`; it never trains on it. The bundled weights were chosen
 on that report, so seed 0 is a development seed; the published accuracy table uses the held-out seed
-`tdutils.evaluate.HELDOUT_SEED`, which this script refuses as `--eval-seed`.
+`tdutils.eval.HELDOUT_SEED`, which this script refuses as `--eval-seed`.
 
 Time budget `--max-minutes` (wall clock; a 2048-token step costs ~0.5-3 s on 2 shared cores, so the
 budget, not the step count, usually binds): the curriculum may use at most `--curriculum-share` of it
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.eval_seed >= TRAIN_SEED_BASE:
         ap.error(f"--eval-seed must be below {TRAIN_SEED_BASE} (training streams start there)")
-    from tdutils.evaluate import HELDOUT_SEED
+    from tdutils.eval import HELDOUT_SEED
 
     if args.eval_seed == HELDOUT_SEED:
         ap.error(f"--eval-seed {HELDOUT_SEED} is the held-out seed of the published accuracy table; choosing weights "

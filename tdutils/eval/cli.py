@@ -1,0 +1,361 @@
+"""`python -m tdutils eval` (and `bench/accuracy.py`): options, task names, the run, its table, JSON and plot.
+
+`add_arguments(parser)` adds the options and `run(args) -> exit status` runs them (the `SUBCOMMANDS` contract of
+`tdutils.__main__`). Every option left unset takes its default from the registration of the run's tasks
+(`tdutils.eval.tasks.Defaults`: model, policies, drop ratios, context lengths, n, modes, decode tokens, layout);
+`--tasks` unset runs the tasks registered for `--model` (none given: the passkey benchmark of `tiny-qwen3`; a model
+that is not bundled: RULER's templates). Everything that can be checked without the model is checked before any
+work; bad values raise ValueError (the command line prints one line, exit status 2), and Ctrl-C writes the cells
+that finished to `--json`, marked `"interrupted": true` (exit status 130).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from .common import (
+    DEV_SEED,
+    FULL,
+    HELDOUT_SEED,
+    TRAIN_SEED_BASE,
+    DropRatios,
+    check_output_path,
+    check_plot_path,
+    check_seed,
+)
+from .report import (
+    format_table,
+    format_task_table,
+    plot_accuracy,
+    plot_leaderboard,
+    task_markdown,
+    weak_task_notes,
+    write_json,
+)
+from .runner import COLUMNS, TASK_COLUMNS, _open_engine, lengths_eval, task_eval
+from .tasks import GROUPS, MODES, RULER, SUITE_LABELS, SUITES, Defaults, get_task, task_names
+
+ALL = "all"  # --policies: every registered policy; --tasks: every word-level task
+RULER_SUITE = "ruler"  # --tasks: every RULER template task
+CHAT_TEMPLATES = ("auto", "none")
+SCORED_TEXT = ("each response up to its first EOS token (RequestOutput.answer): decoding ignores EOS so every cell "
+               "decodes the same number of tokens, and what follows an EOS is not the model's answer")
+# Policy parameters that are not `eval` options: its --seed is the dataset's seed (the random policy keeps its own).
+POLICY_OPTION_SKIP = ("seed",)
+
+
+def _split(values: Iterable[str], cast, what: str) -> list:
+    """Accept `--x a b c`, `--x a,b,c` and mixtures."""
+    import argparse
+
+    out = []
+    for v in values:
+        for part in str(v).split(","):
+            if part.strip():
+                try:
+                    out.append(cast(part.strip()))
+                except ValueError:
+                    raise argparse.ArgumentTypeError(f"bad {what} {part!r}") from None
+    return out
+
+
+def _seed_option(text: str) -> int:
+    """argparse type of `--seed`: `check_seed` on the command line's text."""
+    import argparse
+
+    try:
+        return check_seed(int(text))
+    except ValueError as exc:
+        msg = str(exc) if text.strip().lstrip("+-").isdigit() else f"expected an integer >= 0, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+
+
+def _suite_defaults() -> list[tuple[str, Defaults]]:
+    """`(label, defaults)` of each suite's first task, in `SUITES` order (for `--help`)."""
+    return [(SUITE_LABELS[s], get_task(task_names(s)[0]).defaults) for s in SUITES if task_names(s)]
+
+
+def _group_word(suite: str) -> str:
+    """What `--tasks` takes to run `suite`: its group word, else its first task's name."""
+    return next((word for word, s in GROUPS.items() if s == suite), task_names(suite)[0])
+
+
+def add_arguments(parser) -> None:
+    """Options of `python -m tdutils eval` (added to an argparse parser). Options left unset take the defaults of
+    the registration of the tasks `--tasks` picks (`tdutils.eval.tasks.Defaults`)."""
+    def each(field):
+        return "; ".join(f"{label} {' '.join(map(str, getattr(d, field)))}" for label, d in _suite_defaults())
+
+    suites = "; ".join(f"'{_group_word(s)}': {SUITE_LABELS[s]} ({', '.join(task_names(s))})" for s in SUITES
+                       if task_names(s))
+    parser.add_argument("--tasks", nargs="+", default=None,
+                        help=f"task names or whole suites: {suites}. Default: the tasks of --model ('{task_names()[0]}' "
+                             f"without one; '{RULER_SUITE}' for a --model that is not bundled)")
+    parser.add_argument("--chat-template", choices=CHAT_TEMPLATES, default="auto",
+                        help="RULER template tasks: 'auto' (default) wraps each prompt in the tokenizer's chat template "
+                             "when it has one; 'none' feeds the raw template")
+    parser.add_argument("--mode", choices=("aware", "agnostic", "both"), default=None,
+                        help="'aware' (question in the prompt when the cache is edited), 'agnostic' (cache edited on "
+                             "the context alone, question prefilled after the edit) or 'both'; default: the modes the "
+                             "tasks run in (passkey: aware only; RULER tasks: both)")
+    parser.add_argument("--policies", nargs="+", default=None,
+                        help="'full' (no dropping) and/or registered policy names, space- or comma-separated; "
+                             f"'all' for every registered policy (default: {each('policies')})")
+    parser.add_argument("--drop-ratios", nargs="+", default=None,
+                        help=f"fractions dropped, each in [0, 1] (default: {each('drop_ratios')})")
+    parser.add_argument("--context-lengths", nargs="+", default=None,
+                        help=f"prompt lengths in tokens (default: {each('context_lengths')})")
+    parser.add_argument("--n", type=int, default=None,
+                        help="prompts per context length and task (default: "
+                             f"{'; '.join(f'{label} {d.n}' for label, d in _suite_defaults())})")
+    parser.add_argument("--seed", type=_seed_option, default=DEV_SEED,
+                        help=f"dataset seed, below {TRAIN_SEED_BASE} (training streams); {DEV_SEED} is the development "
+                             f"seed, {HELDOUT_SEED} the held-out seed of the published table (default: %(default)s)")
+    parser.add_argument("--model", default=None,
+                        help="bundled model, packaged real model (smollm2-135m, gemma3-270m), .gguf file, hub id or "
+                             "local folder (default: the tasks' own: "
+                             f"{'; '.join(f'{label} {d.model}' for label, d in _suite_defaults())})")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="greedy decode tokens per request (default: passkey 10; RULER tasks the longest answer "
+                             "of each task plus 2, RULER templates their own)")
+    parser.add_argument("--json", dest="json_path", default="runs/eval.json",
+                        help="where to write the table as JSON (default: runs/eval.json); a run stopped with Ctrl-C "
+                             "writes the cells it finished there, marked \"interrupted\": true")
+    parser.add_argument("--plot", default=None,
+                        help="also save a plot to this path (PNG, SVG, ...): passkey accuracy per length, or the RULER "
+                             "leaderboard (mean exact match over tasks vs drop ratio, one panel per mode)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (torch.set_num_threads; default: torch's choice). The bundled models "
+                             "are tiny: 1 thread per run is fastest when several runs share a machine")
+    parser.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
+    from ..policies.cli import policy_arguments
+
+    policy_arguments(parser, skip=POLICY_OPTION_SKIP)  # --window, --n-sink, ...: each reaches every policy with it
+
+
+def parse_tasks(values: Iterable[str]) -> list[str]:
+    """`--tasks` values as a list: a suite's word (`'all'`: the word-level tasks, `'ruler'`: RULER's templates)
+    expands to its tasks; a task whose layout is `"lengths"` (`passkey`) must stand alone.
+
+    Raises:
+        ValueError: an unknown task, or a `"lengths"` task mixed with other tasks (its table has no task column).
+    """
+    import argparse
+
+    try:
+        tasks = _split(values, str, "task")
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(str(exc)) from None
+    tasks = list(dict.fromkeys(t for x in tasks for t in (task_names(GROUPS[x]) if x in GROUPS else (x,))))
+    unknown = [t for t in tasks if t not in task_names()]
+    if unknown:
+        choices = []
+        for suite in SUITES:
+            names = task_names(suite)
+            if suite in GROUPS.values():
+                choices.append(f"{_group_word(suite)!r} ({SUITE_LABELS[suite]}: {', '.join(names)})")
+            else:
+                choices += [repr(t) for t in names]
+        raise ValueError(f"--tasks: unknown {', '.join(map(repr, unknown))}; choose "
+                         f"{', '.join(choices[:-1])} or {choices[-1]}")
+    alone = [t for t in tasks if get_task(t).defaults.layout == "lengths"]
+    if alone and len(tasks) > 1:
+        model = get_task(alone[0]).defaults.model
+        raise ValueError(f"--tasks: {alone[0]!r} runs alone (its model, {model}, is trained on it alone, and its "
+                         f"table has no task column); run it and the other tasks as separate commands")
+    if not tasks:
+        raise ValueError("--tasks needs at least one task")
+    return tasks
+
+
+def default_tasks(model: str | None) -> list[str]:
+    """The tasks `eval` runs without `--tasks`: those registered with `model` as their default model (no model: the
+    first registered task's, `passkey` on `tiny-qwen3`); for a model that is not bundled, the tasks that need a real
+    model. A `"lengths"` task runs alone, so only the first of those is taken."""
+    from ..models import BUNDLED_MODELS
+
+    if model is None:
+        model = get_task(task_names()[0]).defaults.model
+    if model not in BUNDLED_MODELS:
+        return [t for t in task_names() if get_task(t).defaults.real_model]
+    own = [t for t in task_names() if get_task(t).defaults.model == model] or list(task_names()[:1])
+    return own[:1] if get_task(own[0]).defaults.layout == "lengths" else own
+
+
+def run(args) -> int:
+    """Run the benchmark for parsed `args` (see `add_arguments`): print the table, write JSON and plot.
+
+    Returns the exit status: 0, or `cli_args.INTERRUPTED` (130) when Ctrl-C stopped it; then the cells that
+    finished are written to `--json` with `"interrupted": true` in its meta, and one line says so. Raises
+    ValueError for bad values (the CLI prints it as an error).
+    """
+    import argparse
+    import sys
+
+    from ..models import BUNDLED_MODELS
+
+    model_arg = getattr(args, "model", None)
+    tasks = parse_tasks(getattr(args, "tasks", None) or default_tasks(model_arg))
+    specs = [get_task(t) for t in tasks]
+    # the run's defaults: those of its first task that runs on a bundled model, else of its first task
+    d = next((s.defaults for s in specs if not s.defaults.real_model), specs[0].defaults)
+    lengths_layout = d.layout == "lengths"
+    mode = getattr(args, "mode", None)
+    modes = list(d.modes) if mode is None else (list(MODES) if mode == "both" else [mode])
+    if len(d.modes) == 1 and mode not in (None, *d.modes):
+        raise ValueError(f"--mode {mode}: {d.title} runs in {d.modes[0]} mode only; use RULER tasks "
+                         f"(--tasks {ALL}) for the query-agnostic mode")
+
+    def pick(value, default):
+        return value if value is not None else [str(x) for x in default]
+
+    try:
+        policies = _split(pick(args.policies, d.policies), str, "policy")
+        ratios = _split(pick(args.drop_ratios, d.drop_ratios), float,
+                        "--drop-ratios value (fractions such as 0.25 0.5 0.75)")
+        lengths = _split(pick(args.context_lengths, d.context_lengths), int,
+                         "--context-lengths value (whole numbers of tokens such as 1024 2048)")
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(str(exc)) from None
+    ratios = DropRatios(ratios, option="--drop-ratios")  # checked here once; the runner does not check them again
+    model = args.model or d.model
+    args.n = args.n if args.n is not None else d.n
+    if d.real_model and model in BUNDLED_MODELS:
+        raise ValueError(f"--model {model}: the bundled models know only their own word-level vocabulary; RULER's "
+                         f"templates need a real tokenizer and model (e.g. --model {d.model}), or use the "
+                         f"word-level tasks ({ALL!r})")
+    max_tokens = args.max_tokens if args.max_tokens is not None else d.max_tokens
+    if model in BUNDLED_MODELS and model != d.model:  # a bundled model on tasks it was never trained on
+        owner = next((get_task(t) for t in task_names() if get_task(t).defaults.model == model), None)
+        trained_for = "other tasks" if owner is None else f"{owner.defaults.title} (--tasks {_group_word(owner.suite)})"
+        print(f"tdutils: warning: --model {model} was trained only on {trained_for}, not on {d.title}: its "
+              f"accuracy there says nothing about the policies; omit --model to use {d.model}", file=sys.stderr,
+              flush=True)
+    if model not in BUNDLED_MODELS and not d.real_model:  # a real model on the bundled models' word-level formats
+        print(f"tdutils: warning: --model {model} meets tasks in the bundled models' word-level format "
+              f"(needles 'pass key ...'), which real models were never taught; RULER's own templates measure them "
+              f"(--tasks {_group_word(RULER)})", file=sys.stderr, flush=True)
+    # Everything that can be checked without the model, before any work.
+    from ..policies import policy_names
+
+    if ALL in policies:  # every registered policy, in registration order, after "full" when given
+        policies = list(dict.fromkeys(p for q in policies for p in ([*policy_names()] if q == ALL else [q])))
+    unknown = [p for p in policies if p not in (FULL, *policy_names())]
+    if unknown:
+        raise ValueError(f"--policies: unknown {', '.join(map(repr, unknown))}; choose from {[FULL, *policy_names()]} "
+                         f"or {ALL!r}")
+    for option, value in (("--n", args.n), ("--max-tokens", 1 if max_tokens is None else max_tokens)):
+        if value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}")
+    if not policies or not ratios or not lengths:
+        raise ValueError("give at least one value to each of --policies, --drop-ratios and --context-lengths")
+    bad_lengths = [x for x in lengths if x < 1]
+    if bad_lengths:
+        raise ValueError(f"--context-lengths must be >= 1 tokens, got {bad_lengths}")
+    threads = getattr(args, "threads", None)
+    from ..cli_args import usable_cores
+
+    cores = usable_cores()
+    if threads is not None and not 1 <= threads <= cores:
+        raise ValueError(f"--threads must be between 1 and the {cores} CPU core(s) this process may use, got {threads} "
+                         "(more threads than cores only wait on each other)")
+    # "" is checked too (and refused, as `run --json ""`), never read as "no file"
+    if args.json_path is not None:
+        check_output_path(args.json_path, "--json", example="runs/eval.json")
+    if args.plot is not None:
+        check_plot_path(args.plot, "--plot")
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    log = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    from ..policies.cli import policy_params
+
+    window = getattr(args, "window", None)
+    if window is not None and (window < 0 or window >= min(lengths)):
+        # the window is always kept: at or past the prompt length nothing would be dropped, and the table
+        # would show full-cache accuracy under a policy's name (as `run` refuses it)
+        raise ValueError(f"--window {window} must be >= 0 and shorter than the shortest context length "
+                         f"({min(lengths)} tokens): the window is always kept, so nothing would be dropped; give a "
+                         "smaller --window")
+    given = {p: policy_params(args, p, skip=POLICY_OPTION_SKIP, strict=False) for p in policies if p != FULL}
+    params = {p: values for p, values in given.items() if values}
+    chat = getattr(args, "chat_template", "auto") or "auto"
+    meta = {"model": model, "tasks": tasks, "modes": modes, "policies": policies,
+            # no ratio was run when only the full cache was asked for (it ignores them)
+            "drop_ratios": list(ratios) if any(p != FULL for p in policies) else [], "context_lengths": lengths,
+            "n": args.n, "seed": args.seed, "max_tokens": max_tokens, "policy_params": params,
+            "threads": torch.get_num_threads(), "interrupted": False, "scored": SCORED_TEXT}
+    finished: list[dict] = []  # the cells scored so far, kept when Ctrl-C stops the run
+    common = {"n": args.n, "seed": args.seed, "max_tokens": max_tokens, "log": log, "policy_params": params,
+              "partial": finished, "chat_template": chat}
+    try:
+        engine = _open_engine(None, model, args.seed)
+        used_chat = d.chat_template and _uses_chat(engine.tokenizer, chat)
+        if lengths_layout:
+            table = lengths_eval(tasks[0], model, policies, ratios, lengths, engine=engine, **common)
+        else:
+            table = task_eval(model, tasks, modes, policies, ratios, lengths, engine=engine, **common)
+    except KeyboardInterrupt:
+        return _interrupted(finished, COLUMNS if lengths_layout else TASK_COLUMNS, args.json_path, meta, t0)
+    chat_part = f", chat template {'applied' if used_chat else 'not applied'}" if d.chat_template else ""
+    if lengths_layout:
+        print(format_table(table))
+        what = f"{d.label}, model={model}, n={args.n} per length"
+    else:
+        print(format_task_table(table))
+        print()
+        print(task_markdown(table))
+        notes = weak_task_notes(table)
+        for line in notes:
+            print(line)
+        meta["notes"] = notes
+        if d.chat_template:
+            meta["chat_template"] = "applied (the tokenizer's own)" if used_chat else "none"
+        what = f"{d.label}, model={model}{chat_part}, n={args.n} per task and length"
+    meta["metric"] = d.metric
+    seconds = time.perf_counter() - t0
+    meta["seconds"] = seconds
+    print(f"\n{what}, seed={args.seed}, {seconds:.0f} s")
+    if args.json_path is not None:
+        print(f"wrote {write_json(table, args.json_path, meta=meta)}")
+    if args.plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")  # a command line needs no display
+        (plot_accuracy if lengths_layout else plot_leaderboard)(table, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _interrupted(finished: list[dict], columns, json_path, meta: dict, t0: float) -> int:
+    """Ctrl-C stopped `run`: write the `finished` cells as JSON (meta `"interrupted": true`), say in one line where
+    they went, and return `cli_args.INTERRUPTED`."""
+    import sys
+
+    import pandas as pd
+
+    from ..cli_args import INTERRUPTED
+
+    if not finished:
+        where = "no cell had finished; nothing was written"
+    elif json_path is None:
+        where = f"{len(finished)} cell(s) had finished (no --json to write them to)"
+    else:
+        meta = {**meta, "interrupted": True, "seconds": time.perf_counter() - t0}
+        path = write_json(pd.DataFrame(finished, columns=list(columns)), json_path, meta=meta)
+        where = f"the {len(finished)} finished cell(s) are in {path} (\"interrupted\": true in its meta)"
+    print(f"tdutils: interrupted; {where}", file=sys.stderr, flush=True)
+    return INTERRUPTED
+
+
+def _uses_chat(tokenizer, chat_template) -> bool:
+    from ..ruler import uses_chat_template
+
+    return uses_chat_template(tokenizer, chat_template)
+
+
+__all__ = ["ALL", "CHAT_TEMPLATES", "POLICY_OPTION_SKIP", "RULER_SUITE", "SCORED_TEXT",
+           "add_arguments", "default_tasks", "parse_tasks", "run"]

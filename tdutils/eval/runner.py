@@ -1,0 +1,439 @@
+"""The accuracy runner: every (context length, task, mode, policy, drop ratio) cell of registered tasks on one engine.
+
+`run_tasks` is the one loop: per context length and task, `make_dataset(n, length, ...)` gives `n` examples, the same
+for every mode and cell; per mode `run_cells` prefills each chunk once and, per cell of `build_cells` (`"full"`: no
+edit, one cell at ratio 0), restores the prefilled caches (`Engine.snapshot` / `restore`), edits them (`modify`),
+in the agnostic mode extends them with the question (prefill(context) -> modify -> extend(question) -> decode; aware:
+prefill(prompt) -> modify -> decode), decodes greedily with EOS ignored and scores each answer (the text up to its
+first EOS) with the task's scorer and a 95% Wilson interval. `task_eval` returns its rows (`TASK_COLUMNS`);
+`passkey_eval` runs the passkey task in the layout of its own (`COLUMNS`: one row per length, policy and ratio).
+Ratio 0 runs the policy's drop function too, so its row should equal the full cache's (docs/design.md §5).
+
+Both entry points check their drop ratios once (`DropRatios`), then names, counts and the seed (`check_seed`; a
+training seed with a bundled model is refused), and every policy's drop function is built before any work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from ..data import RULER_TASKS
+from ..models import RULER_MODEL_NAME as RULER_MODEL
+from ..models import TINY_MODEL_NAME as TINY_MODEL
+from .common import DEV_SEED, FULL, TRAIN_SEED_BASE, DropRatios, check_seed, wilson_interval
+from .tasks import MODES, PASSKEY, PASSKEY_DEFAULTS, RULER_DEFAULTS, WORD_DEFAULTS, Task, get_task, task_names
+
+COLUMNS = ("policy", "drop_ratio", "context_tokens", "n", "correct", "accuracy", "ci_low", "ci_high", "modify_s",
+           "kept_tokens")
+TASK_COLUMNS = ("task", "mode", "policy", "drop_ratio", "context_length", "n", "correct", "accuracy", "ci_low",
+                "ci_high", "partial", "kept_tokens", "modify_s", "max_tokens")
+# The defaults of the two entry points: those the passkey and word-level registrations give the command line.
+DEFAULT_POLICIES = PASSKEY_DEFAULTS.policies
+DEFAULT_DROP_RATIOS = PASSKEY_DEFAULTS.drop_ratios
+DEFAULT_CONTEXT_LENGTHS = PASSKEY_DEFAULTS.context_lengths
+DEFAULT_N = PASSKEY_DEFAULTS.n
+TASKS = RULER_TASKS
+DEFAULT_TASK_POLICIES = WORD_DEFAULTS.policies
+DEFAULT_TASK_DROP_RATIOS = WORD_DEFAULTS.drop_ratios
+DEFAULT_TASK_CONTEXT_LENGTHS = WORD_DEFAULTS.context_lengths
+DEFAULT_REAL_DROP_RATIOS = RULER_DEFAULTS.drop_ratios
+DEFAULT_REAL_CONTEXT_LENGTHS = RULER_DEFAULTS.context_lengths
+DEFAULT_REAL_N = RULER_DEFAULTS.n
+
+
+def passkey_eval(
+    model=TINY_MODEL,
+    policies: Sequence[str] = DEFAULT_POLICIES,
+    drop_ratios: Sequence[float] = DEFAULT_DROP_RATIOS,
+    context_lengths: Sequence[int] = DEFAULT_CONTEXT_LENGTHS,
+    *,
+    n: int = 200,
+    seed: int = DEV_SEED,
+    max_tokens: int = 10,
+    policy_params: Mapping[str, Mapping] | None = None,
+    engine=None,
+    batch_size: int = 50,
+    device=None,
+    dtype="auto",
+    log: Callable[[str], None] | None = None,
+    responses: dict | None = None,
+    partial: list | None = None,
+):
+    """Exact-match passkey accuracy for every (policy, drop ratio, context length) cell (the `passkey` task).
+
+    Args:
+        model: bundled name (`"tiny-qwen3"`), hub id or local folder; ignored when `engine` is given.
+        policies: `"full"` (no dropping) and/or registered policy names for `tdutils.make_drop_fn`
+            (`tdutils.policies.policy_names()`, including policies a user registered in this process).
+        drop_ratios: fractions dropped, each in [0, 1]; `"full"` ignores them (one row at 0).
+        context_lengths: prompt lengths in tokens (`make_passkey_dataset` fills to exactly this many with
+            the bundled tokenizer; never more).
+        n: prompts per context length (the same prompts for every policy and ratio).
+        seed: dataset seed, an integer >= 0 (`check_seed`); must be below `TRAIN_SEED_BASE` for the bundled model.
+            `DEV_SEED` (default) for development, `HELDOUT_SEED` for published figures only
+            (`tdutils.eval.common`, "Seeds").
+        max_tokens: greedy decode tokens per request, EOS ignored (the answer is 5 tokens).
+        policy_params: extra `make_drop_fn` keywords per policy, e.g. `{"snapkv": {"window": 32}}`.
+        engine: an `HFEngine` to reuse (tests load the model once); else one is opened for `model`.
+        batch_size: prompts prefilled and decoded together (bounds memory: each 2048-token request holds
+            a ~2 MiB fp32 cache with the bundled model).
+        device, dtype: for the engine opened here.
+        log: called with one progress line per finished cell (e.g. `print`).
+        responses: when a dict is given, filled with `{(policy, ratio, length): [answers]}`, each the decoded text
+            up to its first EOS token (`RequestOutput.answer`), what is scored.
+        partial: when a list is given, each cell's row (a dict of the table's columns) is appended to it as soon
+            as the cell is scored, so a caller keeps the finished cells of a run stopped by KeyboardInterrupt.
+
+    Returns:
+        pandas DataFrame, one row per cell, in the order length → policy → ratio, with columns `policy`,
+        `drop_ratio`, `context_tokens`, `n`, `correct`, `accuracy` (fraction in [0, 1]), `ci_low`,
+        `ci_high` (95% Wilson), `modify_s` (seconds in `modify` for the cell's n requests; 0 for full),
+        `kept_tokens` (mean KV tokens per request after modify).
+
+    Raises:
+        ValueError: no policies / ratios / lengths, a ratio outside [0, 1], `n < 1`, an unknown policy or
+            parameter (from `make_drop_fn`), a negative seed, a training seed with the bundled model, or a
+            context length too short for a passkey prompt.
+    """
+    return lengths_eval(PASSKEY, model, policies, drop_ratios, context_lengths, n=n, seed=seed, max_tokens=max_tokens,
+                        policy_params=policy_params, engine=engine, batch_size=batch_size, device=device, dtype=dtype,
+                        log=log, responses=responses, partial=partial, caller="passkey_eval")
+
+
+def lengths_eval(task: str, model, policies: Sequence[str], drop_ratios: Sequence[float],
+                 context_lengths: Sequence[int], *, n: int, seed: int, max_tokens: int | None,
+                 policy_params: Mapping[str, Mapping] | None = None, engine=None, batch_size: int = 50, device=None,
+                 dtype="auto", log: Callable[[str], None] | None = None, responses: dict | None = None,
+                 partial: list | None = None, chat_template: str | bool = "auto", caller: str = "lengths_eval"):
+    """`passkey_eval` for any registered `task`, aware mode: one `COLUMNS` row per (length, policy, ratio); the
+    layout `"lengths"` of `tdutils.eval.tasks.Defaults`. `max_tokens` None: the task's own. Arguments, returns and
+    errors as `passkey_eval` (`caller` names the function in the message for empty lists)."""
+    import pandas as pd
+
+    spec = get_task(task)
+    policies, lengths = list(policies), [int(x) for x in context_lengths]
+    ratios = DropRatios(drop_ratios)
+    if not policies or not ratios or not lengths:
+        raise ValueError(f"{caller} needs at least one policy, one drop ratio and one context length")
+    for name, value in (("n", n), ("batch_size", batch_size), ("max_tokens", 1 if max_tokens is None else max_tokens)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    params = {k: dict(v) for k, v in (policy_params or {}).items()}
+    engine = _open_engine(engine, model, seed, device=device, dtype=dtype)
+    max_pos = getattr(engine.config, "max_position_embeddings", None)
+    if max_tokens is not None and max_pos and max(lengths) + max_tokens > max_pos:
+        raise ValueError(f"context length {max(lengths)} + max_tokens {max_tokens} exceeds the model's {max_pos} "
+                         f"positions (max_position_embeddings); use shorter context lengths")
+    cells = build_cells(engine, policies, ratios, params)
+    rows: list[dict] = []
+
+    def cell(row, texts):
+        rows.append({"policy": row["policy"], "drop_ratio": row["drop_ratio"], "context_tokens": row["context_length"],
+                     **{c: row[c] for c in ("n", "correct", "accuracy", "ci_low", "ci_high", "modify_s",
+                                            "kept_tokens")}})
+        if partial is not None:
+            partial.append(rows[-1])
+        if responses is not None:
+            responses[row["policy"], row["drop_ratio"], row["context_length"]] = list(texts)
+        if log is not None:
+            c, low, high = row["correct"], row["ci_low"], row["ci_high"]
+            log(f"{row['context_length']:>6} tokens  {row['policy']:>12} @ {row['drop_ratio']:<4g}  {c:>4}/{n}  "
+                f"({100 * c / n:5.1f}%, 95% CI {100 * low:.1f}-{100 * high:.1f})")
+
+    def group(cells_rows, seconds):
+        if log is not None:
+            log(f"{cells_rows[0]['context_length']:>6} tokens done in {seconds:.1f} s")
+
+    run_tasks(engine, [spec], ["aware"], cells, lengths, n=n, seed=seed, max_tokens=max_tokens, batch_size=batch_size,
+              chat_template=chat_template, on_cell=cell, on_group=group)
+    return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def task_eval(
+    model=RULER_MODEL,
+    tasks: Sequence[str] = TASKS,
+    modes: Sequence[str] = MODES,
+    policies: Sequence[str] = DEFAULT_TASK_POLICIES,
+    drop_ratios: Sequence[float] = DEFAULT_TASK_DROP_RATIOS,
+    context_lengths: Sequence[int] = DEFAULT_TASK_CONTEXT_LENGTHS,
+    *,
+    n: int = 200,
+    seed: int = DEV_SEED,
+    max_tokens: int | None = None,
+    policy_params: Mapping[str, Mapping] | None = None,
+    engine=None,
+    batch_size: int = 25,
+    device=None,
+    dtype="auto",
+    log: Callable[[str], None] | None = None,
+    responses: dict | None = None,
+    chat_template: str | bool = "auto",
+    partial: list | None = None,
+):
+    """Exact match on registered tasks (Hsieh et al., "RULER", arXiv:2404.06654; `tdutils.eval.tasks`) for every
+    (task, mode, context length, policy, drop ratio) cell — the query-aware and query-agnostic leaderboard.
+
+    Per context length and task, the task's `make_dataset(n, length, ...)` gives `n` examples, the same for every
+    mode, policy and ratio. Modes:
+    - `"aware"`: prefill(prompt) -> modify -> decode: the question ends the prompt, so it sits in the observation
+      window when the cache is edited;
+    - `"agnostic"`: prefill(context) -> modify -> extend(question) -> decode: the cache is edited before the
+      question exists (a stored context reused for many questions, LMCache's case; kvpress' query-agnostic
+      setting). The question's tokens are the aware prompt's tokens after the context's, so both modes read the
+      same token sequence; the full cache is prefill(context) -> extend(question) -> decode.
+    Each chunk of `batch_size` examples is prefilled once per mode (`run_cells`); responses are decoded greedily
+    (EOS ignored) and scored with the task's scorer (word-level tasks: `tdutils.answers.score_task`).
+
+    Args:
+        model: bundled name (default `"tiny-qwen3-ruler"`), packaged real model (`"smollm2-135m"`), `.gguf` file,
+            hub id or local folder; ignored when `engine` is given.
+        tasks: registered task names (`tdutils.eval.tasks.task_names()`): the word-level tasks of the bundled model
+            (`tdutils.data.RULER_TASKS`, the default), RULER's own templates for real tokenizers
+            (`ruler_` + `tdutils.ruler.RULER_TEMPLATE_TASKS`) and `passkey` (aware mode only).
+        modes: `"aware"` and/or `"agnostic"` (`tdutils.data.TASK_MODES`).
+        policies: `"full"` and/or registered policy names (`tdutils.policies.policy_names()`).
+        drop_ratios: fractions dropped, each in [0, 1]; `"full"` ignores them (one row at 0).
+        context_lengths: prompt lengths in tokens, context and question together (exact with the bundled
+            tokenizer).
+        n: examples per (task, length).
+        seed: dataset seed, an integer >= 0 (`check_seed`); below `TRAIN_SEED_BASE` for a bundled model
+            (`tdutils.eval.common`, "Seeds").
+        max_tokens: greedy decode tokens per request; None (default): per task, its own `Task.max_tokens` (word
+            tasks: the longest gold answer plus 2 tokens, room to show an extra item, which exact match counts as
+            wrong; RULER templates: `tdutils.ruler.RULER_CPU_MAX_TOKENS`).
+        policy_params: extra `make_drop_fn` keywords per policy, e.g. `{"snapkv": {"window": 32}}`.
+        engine: an `HFEngine` (or any engine with `extend`) to reuse; else one is opened for `model`.
+        batch_size: examples prefilled and decoded together (a 4096-token request of the bundled model holds an
+            8 MiB fp32 cache).
+        device, dtype: for the engine opened here.
+        log: called with one progress line per finished (task, mode, length) group of cells.
+        responses: when a dict is given, filled with `{(task, mode, policy, ratio, length): [answers]}`, each the
+            decoded text up to its first EOS token (`RequestOutput.answer`), what is scored.
+        chat_template: RULER template tasks: `"auto"` (default) wraps each prompt in the tokenizer's chat template
+            when it has one, `"none"` never (`tdutils.ruler.uses_chat_template`); word-level tasks ignore it.
+        partial: when a list is given, each cell's row (a dict of `TASK_COLUMNS`) is appended to it as soon as the
+            cell is scored, so a caller keeps the finished cells of a run stopped by KeyboardInterrupt.
+
+    Returns:
+        pandas DataFrame, one row per cell, ordered length -> task -> mode -> policy -> ratio, with columns
+        `TASK_COLUMNS`: `task`, `mode`, `policy`, `drop_ratio`, `context_length`, `n`, `correct`, `accuracy`
+        (exact-match fraction), `ci_low`, `ci_high` (95% Wilson interval of `accuracy`), `partial` (mean fraction
+        of gold items listed, RULER's partial credit), `kept_tokens` (mean KV tokens per request at decode:
+        after the edit, the question included), `modify_s` (seconds in `modify` for the cell's n requests; 0 for
+        the full cache), `max_tokens`.
+
+    Raises:
+        ValueError: no tasks / modes / policies / ratios / lengths, an unknown task or mode, the agnostic mode for a
+            task without a context/question split, a ratio outside [0, 1], `n < 1`, an unknown policy or parameter,
+            a negative seed, a training seed with a bundled model, a context length too short for a task or too
+            long for the model, or the agnostic mode on an engine without `extend`.
+    """
+    import pandas as pd
+
+    tasks, modes, policies = list(tasks), list(modes), list(policies)
+    lengths = [int(x) for x in context_lengths]
+    ratios = DropRatios(drop_ratios)
+    if not (tasks and modes and policies and ratios and lengths):
+        raise ValueError("task_eval needs at least one task, mode, policy, drop ratio and context length")
+    bad = [t for t in tasks if t not in task_names()]
+    if bad:
+        raise ValueError(f"unknown task(s) {bad}; choose from {', '.join(task_names())}")
+    specs = [get_task(t) for t in tasks]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    aware_only = [t.name for t in specs if t.split is None]
+    if "agnostic" in modes and aware_only:
+        raise ValueError(f"task(s) {aware_only} have no context/question split, so they run in aware mode only "
+                         f"(use modes=('aware',))")
+    for name, value in (("n", n), ("batch_size", batch_size), ("max_tokens", 1 if max_tokens is None else max_tokens)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    engine = _open_engine(engine, model, seed, device=device, dtype=dtype)
+    if "agnostic" in modes and not callable(getattr(engine, "extend", None)):
+        raise ValueError(f"the query-agnostic mode needs an engine with extend(); {type(engine).__name__} has none "
+                         f"(use modes=('aware',))")
+    params = {k: dict(v) for k, v in (policy_params or {}).items()}
+    cells = build_cells(engine, policies, ratios, params)
+    max_pos = getattr(engine.config, "max_position_embeddings", None)
+    too_long = [x for x in lengths if max_pos and x >= max_pos]
+    if too_long:  # before any prompt is made (a 100k-token prompt takes a while to build)
+        raise ValueError(f"context length(s) {too_long} leave no room to decode within the model's {max_pos} positions "
+                         f"(max_position_embeddings); use shorter context lengths")
+    # Every (task, length) must fit before the first cell runs (a too-short length would fail mid-run).
+    for spec in specs:
+        try:
+            spec.make_dataset(1, min(lengths), engine.tokenizer, seed, chat_template)
+        except ValueError as exc:
+            raise ValueError(f"{exc}; raise the shortest context length (context_lengths / --context-lengths)") from None
+
+    def cell(row, texts):
+        if partial is not None:
+            partial.append(row)
+        if responses is not None:
+            responses[row["task"], row["mode"], row["policy"], row["drop_ratio"], row["context_length"]] = list(texts)
+
+    def group(rows, seconds):
+        if log is not None:
+            summary = ", ".join(f"{r['policy']}@{r['drop_ratio']:g} {100 * r['accuracy']:.0f}%" for r in rows)
+            log(f"{rows[0]['context_length']:>6} tokens {rows[0]['task']:>17} {rows[0]['mode']:>8}: {summary} "
+                f"({seconds:.1f} s)")
+
+    rows = run_tasks(engine, specs, modes, cells, lengths, n=n, seed=seed, max_tokens=max_tokens,
+                     batch_size=batch_size, chat_template=chat_template, on_cell=cell, on_group=group)
+    return pd.DataFrame(rows, columns=list(TASK_COLUMNS))
+
+
+def run_tasks(engine, tasks: Sequence[Task], modes: Sequence[str], cells: Sequence[tuple], lengths: Sequence[int], *,
+              n: int, seed: int, max_tokens: int | None, batch_size: int, chat_template: str | bool = "auto",
+              on_cell: Callable[[dict, list], None] | None = None,
+              on_group: Callable[[list[dict], float], None] | None = None) -> list[dict]:
+    """The benchmark loop: every (length, task, mode, cell) on `engine`, scored, in that order; nothing is checked
+    here but that each length leaves room for the decode (the entry points check the rest first).
+
+    Args:
+        tasks: registered `Task`s; modes: `"aware"` / `"agnostic"` (the latter needs `Task.split`).
+        cells: `(policy, ratio, drop_fn or None)` from `build_cells`.
+        n, seed, chat_template: for each task's `make_dataset`; max_tokens: decode tokens (None: `Task.max_tokens`).
+        on_cell: called with each cell's row and its answers as soon as it is scored.
+        on_group: called with the rows of each (length, task, mode) and the seconds they took (datasets excluded).
+
+    Returns:
+        The rows, one dict of `TASK_COLUMNS` per cell.
+
+    Raises:
+        ValueError: a length plus the decode tokens past the model's positions; a dataset maker's ValueError.
+    """
+    tok = engine.tokenizer
+    max_pos = getattr(engine.config, "max_position_embeddings", None)
+    rows: list[dict] = []
+    for length in lengths:
+        for task in tasks:
+            data = task.make_dataset(n, length, tok, seed, chat_template)
+            decode_tokens = task.max_tokens(data, tok) if max_tokens is None else int(max_tokens)
+            if max_pos and length + decode_tokens > max_pos:
+                raise ValueError(f"context length {length} + {decode_tokens} decode tokens exceeds the model's "
+                                 f"{max_pos} positions (max_position_embeddings); use shorter context lengths")
+            for mode in modes:
+                t0 = time.perf_counter()
+                if mode == "aware":
+                    prompts, extensions = [d.get("prompt_ids", d["prompt"]) for d in data], None
+                else:
+                    prompts, extensions = zip(*(task.split(tok, d) for d in data))
+                texts, modify_s, kept = run_cells(engine, prompts, cells, max_tokens=decode_tokens,
+                                                  batch_size=batch_size, extensions=extensions)
+                group = []
+                for policy, r, _ in cells:
+                    scores = [task.score(d["values"], t) for d, t in zip(data, texts[policy, r])]
+                    correct = sum(exact for exact, _ in scores)
+                    low, high = wilson_interval(correct, n)
+                    group.append({"task": task.name, "mode": mode, "policy": policy, "drop_ratio": r,
+                                  "context_length": length, "n": n, "correct": correct, "accuracy": correct / n,
+                                  "ci_low": low, "ci_high": high, "partial": sum(p for _, p in scores) / n,
+                                  "kept_tokens": kept[policy, r] / n, "modify_s": modify_s[policy, r],
+                                  "max_tokens": decode_tokens})
+                    if on_cell is not None:
+                        on_cell(group[-1], texts[policy, r])
+                rows += group
+                if on_group is not None:
+                    on_group(group, time.perf_counter() - t0)
+    return rows
+
+
+def _open_engine(engine, model, seed: int, *, device=None, dtype="auto"):
+    """`engine`, or an `HFEngine` opened for `model` (no progress bars, query capture off until `build_cells`
+    widens it); refuses a negative seed (`check_seed`) and a training seed with a bundled model."""
+    from ..models import bundled_model_path
+
+    seed = check_seed(seed)
+    name = model if engine is None else getattr(engine, "model_name", None)
+    if isinstance(name, str) and bundled_model_path(name) is not None and seed >= TRAIN_SEED_BASE:
+        raise ValueError(f"seed {seed} is a training stream of the bundled model {name!r} (>= {TRAIN_SEED_BASE}); "
+                         f"evaluate with a seed below it")
+    if engine is not None:
+        return engine
+    from ..engines.hf import HFEngine
+
+    return HFEngine(model, device=device, dtype=dtype, kv_budget_tokens=None, prefill_batch_size=8,
+                    query_window=0, progress=False)
+
+
+def build_cells(engine, policies: Sequence[str], ratios: Sequence[float], params: Mapping[str, Mapping]) -> list:
+    """Every `(policy, drop ratio, drop function)` cell (`"full"`: one cell at ratio 0 with no function), built
+    before any work so that a bad name or parameter fails fast; widens the engine's query capture to what the
+    policies read (none, a window, or all queries for H2O)."""
+    from ..edit import make_drop_fn
+
+    cells: list[tuple[str, float, object]] = []
+    for policy in policies:
+        if policy == FULL:
+            cells.append((FULL, 0.0, None))
+            continue
+        for r in ratios:
+            cells.append((policy, r, make_drop_fn(policy, drop_ratio=r, model_config=engine.config,
+                                                  **params.get(policy, {}))))
+    if hasattr(engine, "capture_for"):
+        engine.capture_for(*(fn for _, _, fn in cells))
+    return cells
+
+
+def run_cells(engine, prompts: Sequence, cells: Sequence[tuple], *, max_tokens: int, batch_size: int,
+              extensions: Sequence | None = None) -> tuple[dict, dict, dict]:
+    """Greedy responses of every cell on the same prompts: each chunk of `batch_size` prompts is prefilled once,
+    then per cell the prefilled caches are restored, edited with the cell's drop function (`modify`; none for
+    the full cache), extended with `extensions` when given (`extend`, the query-agnostic flow: the edit never
+    saw them) and decoded (`max_tokens` tokens, greedy, EOS ignored so every cell decodes the same count; each
+    response is its answer, the text up to its first EOS token, so what follows an EOS is never scored).
+
+    Args:
+        engine: an open engine (`HFEngine` restores its prefilled state per cell; others prefill again).
+        prompts: what `prefill` takes (strings, dicts with `prompt`, token-id lists).
+        cells: `(policy, ratio, drop_fn or None)` from `build_cells`.
+        extensions: None, or one extension (text or token ids) per prompt.
+
+    Returns:
+        `(texts, modify_s, kept)`, dicts keyed by `(policy, ratio)`: answers (`RequestOutput.answer`: decoded up
+        to the first EOS token) in prompt order, seconds in `modify` summed over chunks, and KV tokens per request
+        at decode summed over requests (cache after the edit, extension included).
+    """
+    texts = {(p, r): [] for p, r, _ in cells}
+    modify_s = {(p, r): 0.0 for p, r, _ in cells}
+    kept = {(p, r): 0 for p, r, _ in cells}
+    for start in range(0, len(prompts), batch_size):
+        chunk = list(prompts[start:start + batch_size])
+        engine.prefill(chunk)
+        saved = _snapshot(engine)
+        for policy, r, fn in cells:
+            _restore(engine, saved, chunk)
+            if fn is not None:
+                engine.modify(fn)
+                modify_s[policy, r] += engine.metrics.modify.seconds
+            if extensions is not None:
+                engine.extend(list(extensions[start:start + batch_size]))
+            outs = engine.decode(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            texts[policy, r] += [o.answer for o in outs]
+            kept[policy, r] += sum(o.cached_tokens for o in outs)
+    return texts, modify_s, kept
+
+
+def _snapshot(engine):
+    """The engine's prefilled state (`Engine.snapshot`), so every policy starts from the same caches: prefilling
+    once per chunk instead of once per cell saves most of the benchmark's time. An object that is not an
+    `Engine` gives None and is prefilled again."""
+    from ..engines.base import Engine
+
+    return engine.snapshot() if isinstance(engine, Engine) else None
+
+
+def _restore(engine, saved, prompts) -> None:
+    if saved is None:
+        engine.prefill(prompts)
+    else:
+        engine.restore(saved)
+
+
+__all__ = ["COLUMNS", "DEFAULT_CONTEXT_LENGTHS", "DEFAULT_DROP_RATIOS", "DEFAULT_N", "DEFAULT_POLICIES",
+           "DEFAULT_REAL_CONTEXT_LENGTHS", "DEFAULT_REAL_DROP_RATIOS", "DEFAULT_REAL_N", "DEFAULT_TASK_CONTEXT_LENGTHS",
+           "DEFAULT_TASK_DROP_RATIOS", "DEFAULT_TASK_POLICIES", "RULER_MODEL", "TASKS", "TASK_COLUMNS", "TINY_MODEL",
+           "build_cells", "lengths_eval", "passkey_eval", "run_cells", "run_tasks", "task_eval"]
