@@ -38,8 +38,12 @@ class Compression:
         window: `w`, passed as the policy's `window` parameter (the most recent tokens it always keeps; for
             snapkv and rkv also the queries that vote). Default 8, R-KV's decode setting; None keeps the
             policy's own default; policies without a `window` parameter ignore it.
-        params: the policy's other parameters (`{"mix_lambda": 0.1}`).
-        rerotate: None = follow the engine's `positions` (compact re-rotates kept keys); engines check it.
+        params: the policy's other parameters (`{"mix_lambda": 0.1}`); `window` belongs in `window`.
+
+    Engines build the cut with the engine's positions (compact: kept keys re-rotated) and, before anything runs,
+    try it once on a random cache of `budget + buffer` tokens (`BudgetDropFn.check`): a policy whose keep count
+    does not follow its drop ratio (`middle_chunk`, a user policy that keeps a fixed share) or whose protected
+    tokens exceed the budget is refused there.
 
     Raises:
         ValueError: an unknown policy, a policy needing every prompt query, bad sizes, or bad `params` (the
@@ -62,6 +66,9 @@ class Compression:
             check_count(self.window, "window", 0)
         if not isinstance(self.params, Mapping):
             raise TypeError(f"params must be a mapping of the policy's parameters, got {type(self.params).__name__}")
+        if "window" in self.params and self.window is not None:
+            raise ValueError(f"window given twice (window={self.window}, params['window']={self.params['window']}); "
+                             "pass it as window= only")
         pol = get_policy(self.policy)  # ValueError naming the known policies
         if pol.needs == "all":
             raise ValueError(f"policy {self.policy!r} scores with every prompt query; they do not exist while the "
@@ -125,6 +132,32 @@ class BudgetDropFn:
         self.needs = get_policy(compression.policy).needs
         self.query_rows = compression.query_rows
         self._fns: dict[int, object] = {}
+        self.check()
+
+    def check(self) -> None:
+        """Cut a random cache of `budget + buffer` tokens once (seeded; the model's shapes from `model_config`)
+        and check that the policy keeps exactly `budget`, so a policy that cannot hold the budget fails before
+        anything is prefilled or decoded.
+
+        Raises:
+            ValueError: the policy kept another number of tokens (the message says why that can be).
+        """
+        from .edit import CacheKind
+        from .models import model_facts
+
+        f = model_facts(self.model_config)
+        n = self.budget + self.compression.buffer
+        g = torch.Generator().manual_seed(0)
+        tensors = {CacheKind.KV: torch.randn((2, f.num_layers, n, f.num_kv_heads * f.head_dim), generator=g)}
+        if self.query_rows:
+            tensors[CacheKind.QUERY] = torch.randn((f.num_layers, self.query_rows, f.num_query_heads * f.head_dim),
+                                                   generator=g)
+        _, _, keep = self._fn(n).edit(tensors, list(range(n)))
+        if keep.numel() != self.budget:
+            raise ValueError(f"policy {self.name!r} kept {keep.numel()} of {n} tokens at drop ratio "
+                             f"{1 - self.budget / n:.4f} where the budget is {self.budget}: a cut must keep exactly "
+                             f"the budget, so the policy's keep count has to follow its drop ratio (middle_chunk's "
+                             f"does not) and its protected tokens (window, sinks) must fit the budget")
 
     def _fn(self, n: int):
         fn = self._fns.get(n)
@@ -150,7 +183,8 @@ class BudgetDropFn:
         new_kv, new_tokens, keep = self._fn(n).edit(tensors, tokens)
         if keep.numel() > self.budget:
             raise RuntimeError(f"policy {self.name!r} kept {keep.numel()} tokens of {n}, more than the budget "
-                               f"{self.budget} (its protected tokens: window, sinks); lower them or raise the budget")
+                               f"{self.budget} (its protected tokens, window and sinks, or a keep rule that does not "
+                               f"follow the drop ratio); lower them or raise the budget")
         return new_kv, new_tokens, keep
 
     def __call__(self, tensors: Mapping, tokens: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
@@ -159,17 +193,19 @@ class BudgetDropFn:
 
 
 def cache_sizes(output) -> list[int]:
-    """A request's KV length after each decode step, from `RequestOutput.compressions` (for plots).
+    """A request's KV length at each decode step, from `RequestOutput.compressions` (for plots).
 
-    Entry `s` is the number of cache entries the request's step `s + 1` attended over (the cache it started
-    decoding from, minus the refed token, plus one per step), after any cut that step made. Without
-    compression it grows by one per step from `cached_tokens`.
+    Entry `s - 1` is the number of cache entries step `s` attended over: the cache it started decoding from
+    (`cached_tokens`, the refed token included) at step 1, one more every step, back to `after + 1` on the step
+    after a cut. So with compression it is a sawtooth from `budget + 1` up to `budget + buffer` (the cut steps);
+    its maximum over a decode is `metrics.decode.kv_peak_cache_tokens`.
     """
-    sizes, n = [], output.cached_tokens
+    sizes, n = [], output.cached_tokens - 1
     events = {e["step"]: e["after"] for e in (output.compressions or [])}
     for step in range(1, len(output.output_ids) + 1):
-        n = events.get(step, n if step == 1 else n + 1)
+        n += 1
         sizes.append(n)
+        n = events.get(step, n)
     return sizes
 
 
@@ -248,7 +284,8 @@ def fidelity(reference, forced) -> dict:
         ValueError: different request counts, outputs without logits, or different step counts.
     """
     if len(reference) != len(forced) or not reference:
-        raise ValueError(f"reference and forced must hold the same requests, got {len(reference)} and {len(forced)}")
+        raise ValueError(f"reference and forced must hold the same requests (at least one), got {len(reference)} and "
+                         f"{len(forced)}")
     agreement, kls, after, steps, first, cuts = [], [], [], [], [], 0
     for ref, out in zip(reference, forced):
         if ref.logits is None or out.logits is None:

@@ -191,14 +191,14 @@ def test_a_batch_under_the_budget_decodes_what_each_request_decodes_alone(tiny, 
     for i, (x, out) in enumerate(zip(ids, outs)):
         assert len(out.compressions) == 3  # at 64 cached entries: steps 5, 21, 37
         assert all(e["before"] == B + N and e["after"] == B for e in out.compressions)
-        assert max(cache_sizes(out)) < B + N
+        assert max(cache_sizes(out)) == B + N
         alone = _engine(tiny)
         alone.prefill([x])
         single = alone.decode(steps, compression=comp)[0]
         assert out.output_ids == single.output_ids, i
         assert [e["kept"] for e in out.compressions] == [e["kept"] for e in single.compressions], i
     eng.kv_budget_tokens = B + N  # one request's bound (B + N entries + the token generated last) does not fit
-    with pytest.raises(ValueError, match=r"needs 65 KV tokens .*compressed"):
+    with pytest.raises(ValueError, match=r"needs 65 KV tokens at once under compression .* lower the compression"):
         eng.decode(steps, compression=comp)
 
 
@@ -207,9 +207,9 @@ def test_cache_sizes_follow_the_cuts(tiny, sample_ids):
     eng.prefill([sample_ids[1][:20]])
     out = eng.decode(30, compression=Compression("knorm", budget=16, buffer=4))[0]
     sizes = cache_sizes(out)
-    # 19 entries + the refed token at step 1 = 20 = B + N: cut to 16; then +1 per step, cut again at 20
-    assert sizes[:6] == [16, 17, 18, 19, 16, 17]
-    assert max(sizes) == 19 and min(sizes) == 16
+    # step 1 attends 19 entries + the refed token = 20 = B + N and cuts to 16; then 17, 18, 19, 20 (cut) ...
+    assert sizes[:6] == [20, 17, 18, 19, 20, 17]
+    assert max(sizes) == 20 == eng.metrics.decode.kv_peak_cache_tokens and min(sizes) == 17
     assert [e["step"] for e in out.compressions] == list(range(1, 31, 4))
 
 
@@ -264,13 +264,10 @@ def test_bad_settings_fail_before_anything_runs(tiny, sample_ids):
     assert eng.tokens(0) == sample_ids[0]  # nothing was lost
 
 
-def test_a_policy_that_keeps_more_than_the_budget_is_refused(tiny, sample_ids):
-    fn = Compression("streaming_llm", budget=16, buffer=8, window=4, params={"n_sink": 14}).drop_fn(
-        model_config=tiny[0].config)
-    eng = _engine(tiny)
-    eng.prefill([sample_ids[0][:40]])
-    with pytest.raises(RuntimeError, match="more than the budget"):
-        fn.edit(eng.tensors(0), eng.tokens(0))
+def test_a_policy_that_keeps_more_than_the_budget_is_refused(tiny):
+    comp = Compression("streaming_llm", budget=16, buffer=8, window=4, params={"n_sink": 14})
+    with pytest.raises(ValueError, match="kept 18 of 24 tokens .* where the budget is 16"):
+        comp.drop_fn(model_config=tiny[0].config)
 
 
 def test_teacher_forcing_a_models_own_greedy_output_gives_its_logits(tiny, sample_ids):
@@ -287,7 +284,7 @@ def test_teacher_forcing_a_models_own_greedy_output_gives_its_logits(tiny, sampl
     outs = eng.decode(10, keep_logits=True, forced_ids=other)
     assert [o.output_ids for o in outs] == other
     assert not torch.equal(outs[0].logits[1], base[0].logits[1])  # step 2 saw token 5, not the greedy one
-    with pytest.raises(ValueError, match="at least 10 token ids"):
+    with pytest.raises(ValueError, match="needs at least 10"):
         eng.decode(10, forced_ids=[[5] * 9] * 3)
 
 
@@ -354,3 +351,73 @@ def test_fidelity_reads_the_free_running_agreement_from_the_forced_run(tiny, sam
         fidelity(full, free)
     with pytest.raises(ValueError, match="same requests"):
         fidelity(full, forced[:2])
+
+
+def test_forced_ids_are_integer_ids_of_the_vocabulary(tiny, sample_ids):
+    eng = _engine(tiny)
+    eng.prefill(sample_ids)
+    ok = [[5] * 4] * 3
+    for bad, err, match in ((["1234"] * 3, TypeError, "must be a list of token ids"),
+                            ([[1.7] * 4] * 3, TypeError, r"forced_ids\[0\]\[0\] = 1.7 is not an integer"),
+                            ([[True] * 4] * 3, TypeError, "is not an integer"),
+                            ([[5, 5, -1, 5]] * 3, ValueError, r"forced_ids\[0\]\[2\] = -1 lies outside"),
+                            ([[5, 5, 5, 10**6]] * 3, ValueError, "lies outside the vocabulary"),
+                            ([None] * 3, TypeError, "must be a list of token ids"),
+                            (iter(ok), TypeError, "one token-id list per request"),
+                            (ok[:2], ValueError, r"one token-id list per request \(3\), got 2")):
+        with pytest.raises(err, match=match):
+            eng.decode(4, forced_ids=bad)
+    assert [o.output_ids for o in eng.decode(4, forced_ids=ok)] == ok
+
+
+def test_chunks_end_with_the_query_rows_a_cut_needs(tiny, sample_ids):
+    """A last chunk shorter than the policy's query rows takes tokens from the one before (1024 = 4 * 255 + 4),
+    a failed chunked prefill leaves no batch, and a chunk too short for the rows is refused up front."""
+    from tdutils.engines.hf import _chunk_bounds
+
+    assert _chunk_bounds(1024, 255, 8)[-2:] == [(765, 1016), (1016, 1024)]
+    assert _chunk_bounds(1024, 256, 8) == [(0, 256), (256, 512), (512, 768), (768, 1024)]
+    assert _chunk_bounds(100, 256, 8) == [(0, 100)]
+    eng = _engine(tiny)
+    x = sample_ids[2][:260]  # 255 + 5: the last chunk borrows 3 tokens
+    assert eng.prefill([x], chunk=255, compression=Compression("snapkv", budget=128)) == [128]
+    assert eng.metrics.prefill.peak_cache_tokens == [252]  # the first chunk, shortened by 3; then 128 + 8
+    with pytest.raises(ValueError, match="chunk 12 is too short .* use chunk >= 16"):
+        eng.prefill([x], chunk=12, compression=Compression("rkv", budget=32, buffer=16, window=8))
+    assert eng.tokens(0) == eng.requests[0].tokens  # refused before anything ran: the last batch is intact
+
+    def failing(kv, q, drop_ratio, *, params, facts):  # keeps exactly its share on the check, fails on real caches
+        if kv.shape[2] != 48:
+            raise RuntimeError("boom")
+        from tdutils.selection import keep_count
+        return torch.arange(keep_count(kv.shape[2], drop_ratio))
+
+    from dataclasses import dataclass
+
+    from tdutils.policies import register_policy, unregister_policy
+
+    @dataclass
+    class NoParams:
+        pass
+
+    register_policy("fails_later", params=NoParams, needs="kv", keep=failing, needs_model=False)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            eng.prefill([x], chunk=64, compression=Compression("fails_later", budget=32, buffer=16, window=None))
+        with pytest.raises(RuntimeError, match="call prefill"):
+            eng.decode(4)
+    finally:
+        unregister_policy("fails_later")
+
+
+def test_a_policy_that_cannot_hold_the_budget_is_refused_before_anything_runs(tiny, sample_ids):
+    eng = _engine(tiny)
+    eng.prefill(sample_ids)
+    for comp in (Compression("middle_chunk", budget=16, buffer=16, window=None),
+                 Compression("streaming_llm", budget=16, buffer=16, window=8, params={"n_sink": 12})):
+        with pytest.raises(ValueError, match="kept .* where the budget is 16"):
+            eng.decode(8, compression=comp)
+        with pytest.raises(ValueError, match="kept .* where the budget is 16"):
+            eng.prefill(sample_ids, chunk=64, compression=comp)
+    with pytest.raises(ValueError, match="window given twice"):
+        Compression("rkv", window=8, params={"window": 4})

@@ -132,10 +132,10 @@ def check_decode_time(c):
 
     # the full cache's line: T entries at step 1 (T - 1 cached and the refed token), one more every step
     assert (cache["full_first"], cache["full_last"]) == (T, T + steps - 1)
-    # the sawtooth: cut back to B at B + N, then between B and B + N - 1 entries
+    # the sawtooth: a step attends B + N entries and cuts back to B; the next ones attend B + 1 .. B + N
     assert cache["cut_steps"] == cut_steps(B) and cut_steps(B), cache
     assert set(cache["cut_after"]) == {B}
-    assert (cache["min_after_cut"], cache["max_after_cut"]) == (B, B + N - 1)
+    assert (cache["min_after_cut"], cache["max_after_cut"]) == (B + 1, B + N)
     assert cache["kv_peak_cache_tokens"] == max(T, B + N) and cache["compressions"] == n * len(cut_steps(B))
     for name, f in c["fidelity"].items():
         cuts = cut_steps(f["budget"])

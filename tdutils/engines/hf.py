@@ -243,7 +243,9 @@ class HFEngine(Engine):
             prompts: strings, `PromptRow`s, dicts with `prompt`, or lists of token ids.
             chunk: prefill `C` prompt tokens at a time: the first `C` as a prefill, each next `C` on top of the
                 cache (as `extend` does), so activations stay bounded; without `compression` the cache equals a
-                one-shot prefill's.
+                one-shot prefill's. With a query-aware policy `C` must be at least twice its query rows (a last
+                chunk shorter than them takes tokens from the one before). A prompt past the model's context warns
+                only under `positions="original"` (compact cuts renumber positions).
             compression: a `tdutils.compression.Compression`: after every chunk (after the whole prompt without
                 `chunk`) each cache longer than `budget` is cut back to `budget` by its policy, scored by the
                 chunk's last queries (a stream's query-agnostic setting), at the engine's `positions`. A
@@ -255,8 +257,10 @@ class HFEngine(Engine):
             the engine's requests and metrics.
 
         Raises:
-            TypeError / ValueError: bad prompts, a `chunk` that is not an integer >= 1, or `compression` not a
-            `Compression`.
+            TypeError / ValueError: bad prompts, a `chunk` that is not an integer >= 1 (or too short for the
+            policy's query rows), `compression` not a `Compression`, or a policy that cannot keep exactly the
+            budget (`BudgetDropFn.check`). A failure during the chunks leaves no batch (`decode` asks for a
+            `prefill`), not a half-prefilled one.
         """
         ids = self.tokenize(prompts)
         if chunk is None and compression is None:
@@ -314,46 +318,66 @@ class HFEngine(Engine):
         return [r.kv.shape[2] for r in self.requests]
 
     def _prefill_chunked(self, ids: list[list[int]], chunk: int | None, compression: Compression | None) -> list[int]:
-        """`prefill` by chunks of `chunk` tokens, cutting every cache to `compression.budget` after each."""
+        """`prefill` by chunks of `chunk` tokens, cutting every cache to `compression.budget` after each; a failure
+        leaves no batch (`decode` then asks for a prefill), never a half-prefilled one."""
         if compression is not None and not isinstance(compression, Compression):
             raise TypeError(f"compression must be a tdutils.compression.Compression, got {type(compression).__name__}")
-        longest = max(map(len, ids))
-        size = longest if chunk is None else check_count(chunk, "chunk", 1)
-        cut = None
+        size = max(map(len, ids)) if chunk is None else check_count(chunk, "chunk", 1)
+        cut, rows = None, 0
         if compression is not None:
             cut = compression.drop_fn(model_config=self.model, rerotate=self.positions == "compact")
+            rows = cut.query_rows
+            if chunk is not None and rows and size < 2 * rows:
+                raise ValueError(f"chunk {size} is too short for the {rows} query rows {cut.name!r} scores a cut with "
+                                 f"(its window): each chunk's last {rows} queries score the cut after it, and a short "
+                                 f"last chunk borrows tokens from the one before; use chunk >= {2 * rows}")
             self.capture_for(cut)  # the chunk's last queries score the cut
+        max_pos = getattr(self.model.config, "max_position_embeddings", None)
+        longest = max(map(len, ids))
+        if max_pos and longest > max_pos and (cut is None or self.positions == "original"):
+            warnings.warn(f"a prompt of {longest} tokens is longer than the model's max_position_embeddings {max_pos}: "
+                          f"positions past it are extrapolation", stacklevel=3)
+        bounds = [_chunk_bounds(len(x), size, rows) for x in ids]
+        try:
+            return self._run_chunks(ids, bounds, cut, compression)
+        except BaseException:
+            self.requests, self.metrics = [], RunMetrics("run")  # no half-built batch survives a failure
+            raise
+
+    def _run_chunks(self, ids, bounds, cut, compression) -> list[int]:
         t0 = time.perf_counter()
-        self._prefill_ids([x[:size] for x in ids])
+        with warnings.catch_warnings():  # the first chunks are short: _prefill_ids' context warning is prefill's
+            warnings.simplefilter("ignore", UserWarning)
+            self._prefill_ids([x[:b[0][1]] for x, b in zip(ids, bounds)])
         pm = self.metrics.prefill
-        peak = [len(x[:size]) for x in ids]
+        peak = [b[0][1] for b in bounds]
         ttft = [float("nan")] * len(ids)
-        offset = size
+        k = 1
         while True:
             if cut is not None:
                 self._cut(cut, [r for r in self.requests if len(r.tokens) > compression.budget])
-            for r, x in zip(self.requests, ids):
-                if len(x) <= offset and ttft[r.request_id] != ttft[r.request_id]:  # its prompt is all in: first token
+            for r, b in zip(self.requests, bounds):
+                if len(b) == k:  # its prompt is all in: its first token comes next
                     ttft[r.request_id] = time.perf_counter() - t0
-            todo = [(r, x[offset:offset + size]) for r, x in zip(self.requests, ids) if len(x) > offset]
+            todo = [(r, x[b[k][0]:b[k][1]], b[k][0]) for r, x, b in zip(self.requests, ids, bounds) if len(b) > k]
             if not todo:
                 break
             for start in range(0, len(todo), self.prefill_batch_size):
                 batch = todo[start:start + self.prefill_batch_size]
                 # the chunk continues the prompt: at its prompt positions under "original" (a cut may have dropped
                 # the chunk's last token), right after the k kept tokens under "compact"
-                starts = [offset if self.positions == "original" else r.refeed_pos + 1 for r, _ in batch]
-                updates = self._extend_batch([r for r, _ in batch], [x for _, x in batch], starts)
-                for (r, x), first, (kv, query) in zip(batch, starts, updates):
+                starts = [at if self.positions == "original" else r.refeed_pos + 1 for r, _, at in batch]
+                updates = self._extend_batch([r for r, _, _ in batch], [x for _, x, _ in batch], starts)
+                for (r, x, _), first, (kv, query) in zip(batch, starts, updates):
                     if r.positions is not None:
                         r.positions = torch.cat([r.positions, torch.arange(first, first + len(x))])
                     r.kv, r.query = kv, query
                     r.tokens, r.prompt_ids = r.tokens + x, r.prompt_ids + x
                     r.refeed_pos = first + len(x) - 1
                     peak[r.request_id] = max(peak[r.request_id], kv.shape[2])
-            offset += size
+            k += 1
         pm.seconds, pm.tokens, pm.ttft_s, pm.peak_cache_tokens = time.perf_counter() - t0, sum(map(len, ids)), ttft, peak
-        for r, x in zip(self.requests, ids):
+        for r in self.requests:
             r.ttft_s = ttft[r.request_id]
         return [r.kv.shape[2] for r in self.requests]
 
@@ -454,7 +478,7 @@ class HFEngine(Engine):
             req.positions, req.refeed_pos = kept_pos, int(kept_pos[-1])
 
     def _cut(self, cut: BudgetDropFn, reqs: list[_Request]) -> None:
-        """Cut each request's cache to `cut.budget` (chunked prefill); a failure raises and the batch is void."""
+        """Cut each request's cache to `cut.budget` (chunked prefill); a failure raises (the caller drops the batch)."""
         pm = self.metrics.prefill
         t0 = time.perf_counter()
         for r in reqs:
@@ -657,8 +681,9 @@ class HFEngine(Engine):
                 the batch (the other requests go on), at the engine's `positions` (compact: kept keys re-rotated
                 to `0..B-1`, decoding continues at `B`, so positions stay below `B + N` and the model's context
                 does not cap `max_tokens`; original: keys and positions unchanged). A request therefore reserves at
-                most `B + N + 1` KV tokens (more only while its first `w` queries are still missing, or when its
-                cache starts longer), so many more requests fit `kv_budget_tokens`; with `B + N` at least the final
+                most `B + N + 1` KV tokens (more while its first `w` queries are still missing, and, for the whole
+                decode, a cache that starts longer than `B + N`: cut such prompts at prefill with
+                `prefill(..., compression=...)`), so many more requests fit `kv_budget_tokens`; with `B + N` at least the final
                 length nothing is cut and the output is the uncompressed decode's. Each cut is in
                 `RequestOutput.compressions`; `metrics.decode.compressions` counts them.
             forced_ids: teacher forcing: one token-id list per request (at least its `max_tokens` long); step `s`
@@ -676,17 +701,8 @@ class HFEngine(Engine):
         if not self.requests:
             raise RuntimeError("decode() needs prefilled requests; call prefill(prompts) first")
         per_request = check_max_tokens(max_tokens, len(self.requests))
-        forced = None
-        if forced_ids is not None:
-            if isinstance(forced_ids, (str, bytes)) or len(forced_ids) != len(self.requests):
-                raise ValueError(f"forced_ids must hold one token-id list per request ({len(self.requests)})")
-            forced = {}
-            for r, m, ids in zip(self.requests, per_request, forced_ids):
-                ids = [int(t) for t in ids]
-                if len(ids) < m or any(not 0 <= t < self._vocab_size() for t in ids[:m]):
-                    raise ValueError(f"forced_ids[{r.request_id}] must hold at least {m} token ids in [0, "
-                                     f"{self._vocab_size()}), got {len(ids)} ids")
-                forced[r.request_id] = ids
+        forced = None if forced_ids is None else _check_forced_ids(forced_ids, self.requests, per_request,
+                                                                   self._vocab_size())
         temperature = check_temperature(temperature)
         if temperature < GREEDY_BELOW:
             temperature = 0.0
@@ -720,10 +736,17 @@ class HFEngine(Engine):
         if budget is not None:
             for r in self.requests:
                 if need[r.request_id] > budget:
+                    if cap[r.request_id] is not None and need[r.request_id] == cap[r.request_id]:
+                        raise ValueError(
+                            f"request {r.request_id} needs {need[r.request_id]} KV tokens at once under compression "
+                            f"(the largest cache it holds, max(budget + buffer = {compression.budget + compression.buffer}"
+                            f", its {r.kv.shape[2]} cached entries), + 1) but kv_budget_tokens is {budget}; raise "
+                            f"kv_budget_tokens, lower the compression's budget or buffer, or cut the prompt at prefill "
+                            f"(prefill(..., compression=...))")
                     raise ValueError(
                         f"request {r.request_id} needs {need[r.request_id]} KV tokens ({r.kv.shape[2]} cached + "
-                        f"{limit[r.request_id]} to generate{'' if cap[r.request_id] is None else ', compressed'}) but "
-                        f"kv_budget_tokens is {budget}; raise kv_budget_tokens, lower max_tokens, or drop more tokens")
+                        f"{limit[r.request_id]} to generate) but kv_budget_tokens is {budget}; raise kv_budget_tokens, "
+                        f"lower max_tokens, or drop more tokens")
         if max_pos:
             # positions fed: the refeed (k-1 or T-1) and then max_tokens - 1 generated tokens
             last = max(r.refeed_pos + limit[r.request_id] - 1 for r in self.requests)
@@ -815,7 +838,8 @@ class HFEngine(Engine):
             bar.update(len(running))
             next_ids[:rows] = new_ids.to(self.device)
             next_pos[:rows] += 1
-            for slot, r in list(running.items()):
+            stepped = list(running.items())  # every request this step fed, including those that finish now
+            for slot, r in stepped:
                 tok = int(new_ids[slot])
                 r.output_ids.append(tok)
                 r.token_times.append(now)
@@ -829,7 +853,7 @@ class HFEngine(Engine):
                     del running[slot]
                     store.release(slot)
             if comp is not None:  # the fed tokens are cached now: cut the caches that reached B + N
-                comp.after_step(running, fed, next_pos, dm)
+                comp.after_step(stepped, running, fed, next_pos, dm)
             # grant the next block to requests that used theirs, preempting the latest admitted others if needed
             for slot, r in list(running.items()):
                 rid = r.request_id
@@ -843,6 +867,8 @@ class HFEngine(Engine):
             dm.kv_storage_bytes = max(dm.kv_storage_bytes, store.bytes)
         dm.seconds = time.perf_counter() - t0
         bar.close()
+        if comp is None:  # the step that fed a request's last token attended over its whole cache
+            dm.kv_peak_cache_tokens = max(r.kv.shape[2] - 1 + len(r.output_ids) for r in self.requests)
 
         outputs = []
         for r in self.requests:
@@ -980,10 +1006,11 @@ class _DecodeCompressor:
 
         return recording(_Recorder())
 
-    def after_step(self, running: dict, fed: list[int], next_pos: torch.Tensor, dm) -> None:
-        """Book the tokens the step cached; cut every cache that reached `B + N` (with its `w` queries)."""
+    def after_step(self, stepped: list, running: dict, fed: list[int], next_pos: torch.Tensor, dm) -> None:
+        """Book the tokens the step cached (every request in `stepped`); cut every cache still `running` that
+        reached `B + N` (with its `w` queries)."""
         B = self.budget
-        for slot, r in running.items():
+        for slot, r in stepped:
             st = self.state[r.request_id]
             st["tokens"].append(fed[slot])
             st["seq"].append(st["next"])
@@ -992,7 +1019,7 @@ class _DecodeCompressor:
             n = len(st["tokens"])
             dm.kv_peak_cache_tokens = max(dm.kv_peak_cache_tokens, n)
             assert n <= self.bound(r), (n, self.bound(r))  # the reservation admission counted on
-            if n >= B + self.buffer and self.count[slot] >= self.w:
+            if slot in running and n >= B + self.buffer and self.count[slot] >= self.w:
                 t0 = time.perf_counter()
                 self._cut_slot(slot, r, st, n, next_pos)
                 dm.compressions += 1
@@ -1033,6 +1060,54 @@ class _DecodeCompressor:
 
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _chunk_bounds(n: int, size: int, rows: int) -> list[tuple[int, int]]:
+    """`[start, end)` of each chunk of a prompt of `n` tokens: `size` tokens each, except that a last chunk shorter
+    than `rows` (the query rows a cut is scored with) takes tokens from the one before it, so that every chunk
+    after which a cut may come ends with `rows` queries of its own (`size >= 2 * rows` keeps both long enough)."""
+    bounds = [(a, min(a + size, n)) for a in range(0, n, size)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < rows:
+        (a, _), (_, end) = bounds[-2], bounds[-1]
+        split = end - rows
+        bounds[-2:] = [(a, split), (split, end)]
+    return bounds
+
+
+def _check_forced_ids(forced_ids, requests, per_request: list[int], vocab_size: int) -> dict[int, list[int]]:
+    """`decode(forced_ids=...)` checked: one list of at least `max_tokens` integer ids in the vocabulary per request.
+
+    Raises:
+        TypeError: not a sequence of sequences of integers (a string, a float or bool id, a generator).
+        ValueError: another number of lists than requests, a list shorter than its `max_tokens`, an id outside
+            `[0, vocab_size)` (the message names the list, the index and the id).
+    """
+    import operator
+
+    if isinstance(forced_ids, (str, bytes)) or not isinstance(forced_ids, Sequence):
+        raise TypeError(f"forced_ids must be a list with one token-id list per request, got {type(forced_ids).__name__}")
+    if len(forced_ids) != len(requests):
+        raise ValueError(f"forced_ids must hold one token-id list per request ({len(requests)}), got {len(forced_ids)}")
+    out = {}
+    for r, m, ids in zip(requests, per_request, forced_ids):
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, torch.Tensor)):
+            raise TypeError(f"forced_ids[{r.request_id}] must be a list of token ids, got {type(ids).__name__}")
+        clean = []
+        for j, t in enumerate(ids[:m]):
+            if isinstance(t, (bool, float, str, bytes)) or (isinstance(t, torch.Tensor) and t.is_floating_point()):
+                raise TypeError(f"forced_ids[{r.request_id}][{j}] = {t!r} is not an integer token id")
+            try:
+                t = operator.index(t)
+            except TypeError:
+                raise TypeError(f"forced_ids[{r.request_id}][{j}] = {t!r} is not an integer token id") from None
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"forced_ids[{r.request_id}][{j}] = {t} lies outside the vocabulary [0, {vocab_size})")
+            clean.append(t)
+        if len(clean) < m:
+            raise ValueError(f"forced_ids[{r.request_id}] holds {len(clean)} token ids; decode generates {m} for this "
+                             f"request, so it needs at least {m}")
+        out[r.request_id] = clean
+    return out
 
 
 def _check_loaded_model_settings(model, dtype, device, attn_implementation) -> None:
