@@ -292,7 +292,7 @@ def test_apply_patches_vllm_0_32_and_lmcache_side_by_side(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "vLLM 0.32.0 at" in out and "LMCache 0.5.6 at" in out, out
     assert "lmcache/sdk/context.py: patched (4 hunks, +12 lines)" in out, out
-    assert "lmcache/sdk/wrapper/contiguous.py: patched (1 hunk, +4 lines)" in out, out
+    assert "lmcache/sdk/wrapper/contiguous.py: patched (2 hunks, +8 lines)" in out, out
     assert "lmcache/v1/gpu_connector/utils.py: patched (1 hunk, +3 lines)" in out, out
     assert f"{BASE}: patched (1 hunk, +11 lines)" in out, out
     assert '"CS": shape_desc.hs,' in (root / "lmcache/v1/gpu_connector/utils.py").read_text()
