@@ -81,6 +81,26 @@ def run_one(args) -> dict:
             "threads": args.threads}
 
 
+def markdown(report: dict) -> str:
+    """The stored run as a markdown table with its legend (what docs/decode_compression.md shows)."""
+    rows = report["rows"]
+    head = ("prompt tokens", "prefill", "peak cache / request", "cache at decode", "peak memory above the model, MiB",
+            "prefill s (cut s)", "needle")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        mode = "one shot" if r["mode"] == "one-shot" else f"chunk {r['chunk']}, B = {r['budget']} ({r['policy']})"
+        lines.append(f"| {r['prompt_tokens']} | {mode} | {r['peak_cache_tokens']} | {r['final_cache_tokens']} | "
+                     f"{r['peak_rss_above_load_mib']} | {r['prefill_s']:.1f} ({r['cut_s']:.1f}) | "
+                     f"{'found' if r['correct'] else 'missed'} |")
+    r0 = rows[0]
+    lines.append("")
+    lines.append(f"Model `{r0['model']}`, one `ruler_niah_single_1` prompt per length (held-out seed), each "
+                 f"configuration in a fresh process; memory: the process's resident set sampled every 5 ms during "
+                 f"prefill, above what it held just before (model loaded, {r0['rss_before_prefill_mib']} MiB); "
+                 f"{r0['threads']} torch thread, 2 shared cores. One shot above 8192 tokens not run.")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gemma3-270m")
@@ -93,9 +113,13 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=5_000_000)
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--summary", help="print the markdown table of a stored run (RUN.json) and exit")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # internal: run one configuration
     ap.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.summary:
+        print(markdown(json.loads(Path(args.summary).read_text())))
+        return 0
     if args.one:
         print(json.dumps(run_one(args)))
         return 0

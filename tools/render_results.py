@@ -318,6 +318,29 @@ BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
 }
 
 
+# ------------------------------------------------------------ compression while the cache grows (issue 33, item 5)
+PAGES += ("docs/decode_compression.md",)
+
+
+def _decode_compression(*stored: str) -> str:
+    """`bench/decode_compression.py --summary` of the stored run (several runs of one part: one table)."""
+    reports = [load(name) for name in stored]
+    return _bench("decode_compression").markdown(reports[0] if len(reports) == 1 else reports)
+
+
+DECODE_COMPRESSION_BLOCKS = {
+    "decode_compression_throughput": ("decode_compression_throughput",),
+    "decode_compression_fidelity": ("decode_compression_fidelity",),
+    "decode_compression_fidelity_gemma3": ("decode_compression_fidelity_gemma3",),
+    "decode_compression_ruler": ("decode_compression_ruler_snapkv", "decode_compression_ruler_knorm"),
+    "decode_compression_kvpress": ("decode_compression_kvpress",),
+}
+BLOCKS.update({name: (lambda stored=stored: _decode_compression(*stored), stored)
+               for name, stored in DECODE_COMPRESSION_BLOCKS.items()})
+BLOCKS["chunked_prefill"] = (lambda: _bench("chunked_prefill").markdown(load("chunked_prefill_gemma3")),
+                             ("chunked_prefill_gemma3",))
+
+
 def blocks_in(text: str) -> list[str]:
     """Names of the generated blocks a page holds, in page order."""
     return [m.group(1) for m in _BLOCK.finditer(text)]

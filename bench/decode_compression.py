@@ -1,0 +1,799 @@
+"""Compression while the cache grows (issue 33, item 5): R-KV's decode-time setting and chunked prefill, measured.
+
+    python bench/decode_compression.py throughput --json docs/results/decode_compression_throughput.json
+    python bench/decode_compression.py fidelity --model smollm2-135m --json docs/results/decode_compression_fidelity.json
+    python bench/decode_compression.py ruler --policies snapkv --json docs/results/decode_compression_ruler.json
+    python bench/decode_compression.py kvpress --json docs/results/decode_compression_kvpress.json
+    python bench/decode_compression.py --summary docs/results/decode_compression_fidelity.json   # a stored run's table
+
+R-KV (Cai et al. 2025, arXiv:2505.24133) holds each request's cache at a budget `B` while it decodes: generated
+tokens fill a buffer `N`, and when the cache reaches `B + N` the queries of the last `w` tokens score it and it is
+cut back to `B` (`tdutils.compression.Compression(policy, budget=B, buffer=N, window=w)`, run inside the batch
+by `HFEngine.decode(compression=...)`). Four parts, each printing a table and, with `--json`, writing a run:
+
+- `throughput`: a fixed KV budget (`tdutils.default_kv_budget`, 4.25 full-cache requests: the full cache decodes
+  4 at a time) with short prompts and long outputs (greedy, EOS ignored, fixed lengths); the full cache and
+  decode-time compression at each budget `B` (buffer `N`, window 8) on the same prompts, alternated in every
+  repeat (forward, then backward order); per repeat the ratio of decode tokens/s to the full cache's. Columns:
+  requests decoded together (peak batch), decode tok/s, the ratio, the cuts and their share of decode seconds,
+  the largest cache a request held and the largest reserved KV sum.
+- `fidelity`: per policy and budget, against the full-cache greedy generation of the same prompts: greedy
+  agreement (tokens generated before the first difference; mean and median over requests) and teacher-forced KL
+  (the compressed run is fed the full-cache tokens, `decode(forced_ids=...)`; KL(full || compressed) of the
+  next-token distributions, mean over every generated token), plus the top-1 rate (steps whose argmax is the
+  full-cache token). Both come from the teacher-forced run: until its first mismatch it is the free greedy run
+  (same tokens in, same cuts), so the first step whose argmax differs from the full-cache token is where the
+  free greedy generation first differs; `--check-free POLICY` also runs that policy's free greedy decode at
+  every budget and stores both counts (they must be equal).
+- `ruler`: RULER exact match (`ruler_niah_single_1`, the model's chat template) with chunked prefill under a
+  budget (`prefill(chunk=C, compression=...)`: cut back to `B` after every chunk, before the question exists
+  unless it is in that chunk) against one-shot compression to the same final cache (the whole prompt, then one
+  cut to `B`: `modify` with the policy's `BudgetDropFn` on the full cache's prefill, bit for bit what
+  `prefill(compression=...)` computes, without prefilling again), the full cache as the reference; the policies'
+  own windows. One run per `--policies` list; several runs render as one table (`markdown([...])`).
+- `kvpress`: NVIDIA kvpress' `DecodingPress` (experimental, batch 1: every `compression_interval` decode steps the
+  scorer press cuts each layer's cache to `target_size`, per KV head, keys at their original positions) on the
+  same model and prompts, beside tdutils' decode-time compression with the same `B`, `N`, window and prompt
+  length `B` (so both cut first when the cache reaches `B + N` and every `N` steps after), in both position modes:
+  greedy agreement with each side's own full-cache generation. kvpress runs in its own venv
+  (`bench/_peer_venv.py`, the pin of `bench/peer_kvpress.py`); `--worker` runs this file there.
+
+Prompts (`throughput`, `fidelity`, `kvpress`): continuation prompts from the RULER essay haystack (Alice's
+Adventures in Wonderland, ch. 1-6, `tdutils/assets/ruler/`): `n` passages starting at evenly spaced words,
+`--prompt-tokens` tokens each (the tokenizer's leading special tokens included), no chat template: the model
+continues the text, so every generated token is ordinary text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PARTS = ("throughput", "fidelity", "ruler", "kvpress")
+FIDELITY_POLICIES = ("rkv", "snapkv", "tova", "knorm", "streaming_llm", "random")
+# kvpress press class -> (tdutils policy, tdutils window, kvpress constructor keyword arguments). Windows follow
+# kvpress' own behaviour: SnapKV scores with (and keeps) the last w queries (w = the run's window on both sides);
+# TOVA keeps and scores with the last token; Knorm and StreamingLLM (4 sinks) keep no extra window.
+KVPRESS_PRESSES = {
+    "snapkv": ("SnapKVPress", "snapkv", None, ("window_size",)),
+    "tova": ("TOVAPress", "tova", 1, ()),
+    "knorm": ("KnormPress", "knorm", 0, ()),
+    "streaming_llm": ("StreamingLLMPress", "streaming_llm", 0, ()),
+}
+ESSAY = Path(__file__).resolve().parents[1] / "tdutils" / "assets" / "ruler" / "alice_ch1-6.txt"
+
+
+# ------------------------------------------------------------------------------------------ pure functions
+def first_difference(reference, output) -> int:
+    """Tokens of `output` equal to `reference` before the first difference (`tdutils.compression.greedy_agreement`)."""
+    from tdutils.compression import greedy_agreement
+
+    return greedy_agreement(reference, output)
+
+
+def top1_rate(reference_ids, logits) -> float:
+    """Fraction of a teacher-forced run's steps whose argmax is the reference token (`logits`: `[steps, vocab]`
+    or one `[vocab]` tensor per step)."""
+    import torch
+
+    top = (logits if isinstance(logits, torch.Tensor) else torch.stack(list(logits))).argmax(-1).tolist()
+    if not top:
+        raise ValueError("no steps")
+    return sum(int(a) == b for a, b in zip(reference_ids, top)) / len(top)
+
+
+def p90(values) -> float:
+    """The 90th percentile (nearest rank) of a non-empty list of numbers."""
+    values = sorted(float(v) for v in values)
+    return values[min(len(values) - 1, math.ceil(0.9 * len(values)) - 1)]
+
+
+def loop_start(ids, max_period: int = 64, min_repeats: int = 2) -> int | None:
+    """The first index from which `ids` only repeats itself: the smallest `s` such that `ids[s:]` is periodic
+    with some period `p <= max_period` (`ids[i] == ids[i - p]` for every `i >= s + p`) and holds at least
+    `min_repeats` whole periods; None when no such tail exists. Greedy decoding of a small model often ends in
+    such a loop, and a compressed cache that still holds the loop's text keeps generating it."""
+    ids = [int(t) for t in ids]
+    n, best = len(ids), None
+    for p in range(1, min(max_period, n // min_repeats) + 1):
+        i = n - 1
+        while i - p >= 0 and ids[i] == ids[i - p]:
+            i -= 1
+        s = i - p + 1 if i - p >= 0 else 0  # ids[s:] has period p
+        s = max(s, 0)
+        if n - s >= min_repeats * p and (best is None or s < best):
+            best = s
+    return best
+
+
+def summary_stats(values) -> dict:
+    """mean, median, min and max of a non-empty list of numbers."""
+    values = [float(v) for v in values]
+    return {"mean": statistics.fmean(values), "median": statistics.median(values), "min": min(values),
+            "max": max(values)}
+
+
+def alternating_orders(names, repeats: int) -> list[list[str]]:
+    """Run order of every repeat: `names` forward, then backward, then forward ... (machine drift hits all alike)."""
+    names = list(names)
+    return [names if r % 2 == 0 else names[::-1] for r in range(repeats)]
+
+
+def ratio_stats(runs: list[dict], baseline: str = "full") -> dict[str, dict]:
+    """Per configuration, decode tok/s over the repeats and its ratio to the baseline's in the same repeat."""
+    by = {}
+    for r in runs:
+        by.setdefault(r["config"], {})[r["repeat"]] = r
+    out = {}
+    for config, reps in by.items():
+        tok = [reps[k]["decode_tok_s"] for k in sorted(reps)]
+        ratio = [reps[k]["decode_tok_s"] / by[baseline][k]["decode_tok_s"] for k in sorted(reps)]
+        out[config] = {"tok_s": summary_stats(tok), "ratio": summary_stats(ratio), "ratios": ratio}
+    return out
+
+
+def essay_prompts(tokenizer, n: int, tokens: int) -> list[list[int]]:
+    """`n` continuation prompts of exactly `tokens` token ids from the RULER essay haystack: passages starting at
+    evenly spaced words of the text, each led by the tokenizer's own leading special tokens (BOS where it adds one).
+
+    Raises:
+        ValueError: the text cannot give `n` distinct passages of that many tokens.
+    """
+    import re
+
+    words = re.sub(r"\s+", " ", ESSAY.read_text(encoding="utf-8")).strip().split(" ")
+    lead = list(tokenizer("", add_special_tokens=True)["input_ids"])
+    body = tokens - len(lead)
+    span = 2 * body + 16  # words: more than enough for `body` tokens of English prose
+    if body < 1 or n * span > len(words):
+        raise ValueError(f"the essay text ({len(words)} words) cannot give {n} passages of {tokens} tokens")
+    step = (len(words) - span) // max(n - 1, 1)
+    out = []
+    for i in range(n):
+        ids = tokenizer(" ".join(words[i * step:i * step + span]), add_special_tokens=False)["input_ids"]
+        if len(ids) < body:
+            raise ValueError(f"passage {i} has {len(ids)} tokens, fewer than {body}")
+        out.append(lead + list(ids[:body]))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ tables
+def _fmt(x, spec=".2f"):
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _md(head, rows) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def _threads(n):
+    return f"{n} torch thread{'' if n == 1 else 's'}"
+
+
+def throughput_table(report: dict) -> str:
+    m = report["meta"]
+    head = ["config", "requests decoded together", "decode tok/s, median (min–max)",
+            "÷ full cache, per repeat", "cuts", "cut seconds ÷ decode seconds", "largest cache / request",
+            "peak reserved KV"]
+    rows = []
+    for r in report["rows"]:
+        full = r["config"] == "full"
+        t = r["tok_s"]
+        rows.append([r["config"], r["peak_batch"], f"{t['median']:.1f} ({t['min']:.1f}–{t['max']:.1f})",
+                     "1" if full else ", ".join(f"{x:.2f}" for x in r["ratios"]),
+                     "–" if full else r["compressions"], "–" if full else f"{r['compress_share']:.1%}",
+                     r["kv_peak_cache_tokens"], r["kv_peak_reserved_tokens"]])
+    return _md(head, rows) + "\n\n" + (
+                      f"Model `{m['model']}`, {m['num_requests']} requests × {m['prompt_tokens']}-token prompts × "
+                      f"{m['max_tokens']} generated tokens (greedy, EOS ignored), KV budget {m['kv_budget_tokens']} "
+                      f"tokens ({m['full_requests']:g} full-cache requests), buffer N = {m['buffer']}, window "
+                      f"{m['window']}, policy `{m['policy']}`, positions `{m['positions']}`; {m['repeats']} repeats "
+                      f"alternated ({' / '.join(' → '.join(o) for o in m['orders'])}); {_threads(m['threads'])}, "
+                      f"{m['machine']}; {m['seconds']:.0f} s of wall time.")
+
+
+def fidelity_table(report: dict) -> str:
+    m = report["meta"]
+    head = ["policy", "budget B", "first cut at step", "agreement mean", "agreement median (min–max)", "top-1 rate",
+            "KL mean (nats)", "KL after the first cut", "KL p90", "cuts / request", "mean cache ÷ full"]
+    rows = []
+    for r in report["rows"]:
+        a = r["agreement"]
+        steps = sorted({s for s in r["first_cut_steps"] if s is not None})
+        first = "–" if not steps else str(steps[0]) if len(steps) == 1 else f"{steps[0]}–{steps[-1]}"
+        rows.append([f"`{r['policy']}`", r["budget"], first, f"{a['mean']:.1f}",
+                     f"{a['median']:.1f} ({a['min']:.0f}–{a['max']:.0f})", f"{r['top1_rate']:.3f}",
+                     f"{r['kl_mean']:.4f}", f"{r['kl_mean_after_cut']:.4f}", f"{r['kl_p90']:.4f}",
+                     f"{r['cuts_per_request']:.1f}",
+                     f"{r['mean_cache_of_full']:.2f}"])
+    loops = [loop_start(ids) for ids in report["full_cache_ids"]]
+    loops = ", ".join("–" if x is None else str(x) for x in loops)
+    checks = [c for c in report.get("free_checks", [])]
+    check = ""
+    if checks:
+        same = sum(c["free"] == c["forced"] for c in checks)
+        check = (f" Free greedy runs of `{'`, `'.join(sorted({c['policy'] for c in checks}))}` at every budget: "
+                 f"{same}/{len(checks)} requests first differ at the step the teacher-forced run predicts.")
+    return _md(head, rows) + "\n\n" + (
+                      f"Model `{m['model']}`, {m['num_requests']} requests × {m['prompt_tokens']}-token prompts × "
+                      f"{m['max_tokens']} generated tokens ({m['num_requests'] * m['max_tokens']} per row), greedy, "
+                      f"EOS ignored; buffer N = {m['buffer']}, window {m['window']}, positions `{m['positions']}`; "
+                      f"agreement = tokens before the first difference from the full-cache generation (max "
+                      f"{m['max_tokens']}), KL(full ‖ compressed) teacher-forced on the full-cache tokens, over every "
+                      f"generated token and over the tokens after each request's first cut; "
+                      f"{_threads(m['threads'])}, {m['machine']}; {m['seconds']:.0f} s of wall time." + check +
+                      f" Token from which each full-cache generation only repeats a phrase (`loop_start`, period "
+                      f"≤ 64; – = never): {loops}.")
+
+
+def ruler_table(report) -> str:
+    """The table of one `ruler` run, or of several (a list: e.g. one run per policy, each with its own full-cache
+    row, shown once when they agree)."""
+    reports = report if isinstance(report, list) else [report]
+    m = reports[0]["meta"]
+    head = ["policy", "prefill", "exact match", "95% CI", "partial", "cache at decode", "peak cache / request",
+            "prefill (+ cut) s"]
+    rows, fulls = [], []
+    for rep in reports:
+        for r in rep["rows"]:
+            if r["policy"] == "full":
+                fulls.append(r["correct"])
+                if len(fulls) > 1:
+                    continue
+            ci = r["ci"]
+            rows.append([f"`{r['policy']}`", r["mode"], f"{r['correct']}/{r['n']}",
+                         "–" if ci is None else f"{ci[0]:.2f}–{ci[1]:.2f}", f"{r['partial']:.2f}",
+                         f"{r['cache_tokens']:.0f}", r["peak_cache_tokens"], f"{r['prefill_s']:.0f}"])
+    windows = {k: v for rep in reports for k, v in rep["meta"]["windows"].items()}
+    runs = "; ".join(f"`{rep['meta']['command']}`: {rep['meta']['seconds']:.0f} s" for rep in reports)
+    same = "" if len(set(fulls)) <= 1 else f" (the full-cache row differs between runs: {fulls})"
+    return _md(head, rows) + "\n\n" + (
+                      f"Model `{m['model']}`, `{m['task']}` at {m['context_length']} tokens (chat template: "
+                      f"{m['chat_template']}), n = {m['n']}, seed {m['seed']}, {m['max_tokens']} greedy decode tokens "
+                      f"(EOS ignored, scored up to the first EOS: every reference in the answer); budget B = "
+                      f"{m['budget']}. `chunk C`: prefilled C tokens at a time and cut back to B after each chunk; "
+                      f"`one-shot`: the whole prompt, then one cut to B (`modify` on the full prefill, the same cut "
+                      f"`prefill(compression=...)` makes); the policies' own windows "
+                      f"({', '.join(f'{k} {v}' for k, v in windows.items())}); {_threads(m['threads'])}, "
+                      f"{m['machine']}. Runs: {runs}{same}.")
+
+
+def kvpress_table(report: dict) -> str:
+    m = report["meta"]
+    head = ["press / policy", "kvpress DecodingPress, agreement mean (median)", "tdutils compact", "tdutils original",
+            "kvpress tok/s (batch 1)"]
+    rows = []
+    for r in report["rows"]:
+        if "error" in r:
+            rows.append([f"{r['press']} / `{r['policy']}`", "FAILED: " + r["error"][:80], "", "", ""])
+            continue
+        cells = [f"{r[k]['mean']:.1f} ({r[k]['median']:.1f})" for k in ("kvpress", "compact", "original")]
+        rows.append([f"{r['press']} / `{r['policy']}`", *cells, f"{r['kv_tok_s']:.1f}"])
+    x = report["cross"]
+    return _md(head, rows) + "\n\n" + (
+                      f"Model `{m['model']}`, {m['num_requests']} prompts × {m['prompt_tokens']} tokens × "
+                      f"{m['max_tokens']} generated (greedy, EOS ignored); B = {m['budget']}, N = {m['buffer']} "
+                      f"(kvpress `target_size` {m['budget']}, `compression_interval` {m['buffer']}, "
+                      f"`hidden_states_buffer_size` {m['buffer']}), SnapKV window {m['window']} on both sides; "
+                      f"agreement = tokens before the first difference from the same side's full-cache generation "
+                      f"(max {m['max_tokens']}). The two full caches (kvpress {m['peer']['kvpress']} with "
+                      f"transformers {m['peer']['transformers']}, tdutils with transformers {m['transformers']}) agree "
+                      f"for {x['mean']:.1f} tokens on average (median {x['median']:.1f}). {_threads(m['threads'])}, "
+                      f"{m['machine']}; tdutils {m['tdutils_seconds']:.0f} s, kvpress {m['kvpress_seconds']:.0f} s.")
+
+
+TABLES = {"throughput": throughput_table, "fidelity": fidelity_table, "ruler": ruler_table, "kvpress": kvpress_table}
+
+
+def markdown(report) -> str:
+    """The markdown table (and its one-paragraph legend) of a stored run of any part (`ruler`: also a list of
+    runs, shown as one table)."""
+    first = report[0] if isinstance(report, list) else report
+    return TABLES[first["part"]](report)
+
+
+# ------------------------------------------------------------------------------------------ shared setup
+def _meta(args, part: str, **extra) -> dict:
+    import torch
+    import transformers
+
+    return {"part": part, "command": " ".join(["bench/decode_compression.py"] + sys.argv[1:]),
+            "model": args.model, "threads": torch.get_num_threads(), "machine": _machine(),
+            "platform": platform.platform(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M"), **extra}
+
+
+def _machine() -> str:
+    cores = os.cpu_count()
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model or platform.processor() or platform.machine()}, {cores} cores (shared)"
+
+
+def _engine(args, **kw):
+    import tdutils
+
+    return tdutils.open_engine("hf", model=args.model, progress=False, **kw)
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ------------------------------------------------------------------------------------------ throughput
+def run_throughput(args) -> dict:
+    import tdutils
+    from tdutils.compression import Compression
+
+    t_start = time.perf_counter()
+    eng = _engine(args)
+    prompts = essay_prompts(eng.tokenizer, args.num_requests, args.prompt_tokens)
+    eng.kv_budget_tokens = tdutils.default_kv_budget(map(len, prompts), args.max_tokens, args.full_requests)
+    configs = {"full": None}
+    for b in args.budgets:
+        configs[f"B={b}"] = Compression(args.policy, budget=b, buffer=args.buffer, window=args.window)
+    eng.prefill(prompts)
+    saved = eng.snapshot()
+    orders = alternating_orders(configs, args.repeats)
+    _log(f"model={args.model} requests={len(prompts)} prompt_tokens={args.prompt_tokens} max_tokens={args.max_tokens} "
+         f"kv_budget_tokens={eng.kv_budget_tokens} policy={args.policy} N={args.buffer} w={args.window}")
+    runs = []
+    for rep, order in enumerate(orders):
+        for name in order:
+            eng.restore(saved)
+            outs = eng.decode(args.max_tokens, ignore_eos=True, compression=configs[name])
+            dm = eng.metrics.decode
+            got = sum(len(o.output_ids) for o in outs)
+            if got != len(prompts) * args.max_tokens:
+                raise RuntimeError(f"{name}: decoded {got} tokens, not {len(prompts) * args.max_tokens}")
+            run = {"config": name, "repeat": rep, "decode_tok_s": dm.tokens_per_s, "decode_s": dm.seconds,
+                   "steps": dm.steps, "peak_batch": dm.peak_batch_size, "compressions": dm.compressions,
+                   "compress_s": dm.compress_seconds, "kv_peak_cache_tokens": dm.kv_peak_cache_tokens or
+                   max(o.cached_tokens + len(o.output_ids) - 1 for o in outs),
+                   "kv_peak_reserved_tokens": dm.kv_peak_reserved_tokens, "preemptions": dm.preemptions}
+            runs.append(run)
+            _log(f"  repeat {rep} {name:>7}: {run['decode_tok_s']:.1f} tok/s, batch {run['peak_batch']}, "
+                 f"{run['decode_s']:.1f} s, {run['compressions']} cuts ({run['compress_s']:.2f} s)")
+    stats = ratio_stats(runs)
+    rows = []
+    for name, comp in configs.items():
+        mine = [r for r in runs if r["config"] == name]
+        decode_s = sum(r["decode_s"] for r in mine)
+        rows.append({"config": name, "budget": None if comp is None else comp.budget,
+                     "peak_batch": max(r["peak_batch"] for r in mine), "tok_s": stats[name]["tok_s"],
+                     "ratio": stats[name]["ratio"], "ratios": stats[name]["ratios"],
+                     "compressions": mine[0]["compressions"],
+                     "compress_share": sum(r["compress_s"] for r in mine) / decode_s,
+                     "kv_peak_cache_tokens": max(r["kv_peak_cache_tokens"] for r in mine),
+                     "kv_peak_reserved_tokens": max(r["kv_peak_reserved_tokens"] for r in mine)})
+    meta = _meta(args, "throughput", num_requests=len(prompts), prompt_tokens=args.prompt_tokens,
+                 max_tokens=args.max_tokens, kv_budget_tokens=eng.kv_budget_tokens, full_requests=args.full_requests,
+                 budgets=args.budgets, buffer=args.buffer, window=args.window, policy=args.policy,
+                 positions=eng.positions, repeats=args.repeats, orders=orders,
+                 seconds=time.perf_counter() - t_start)
+    return {"part": "throughput", "meta": meta, "rows": rows, "runs": runs}
+
+
+# ------------------------------------------------------------------------------------------ fidelity
+def fidelity_summary(reference, forced) -> dict:
+    """`tdutils.compression.fidelity(reference, forced)` plus `kl`, the KL of every step of every request (for
+    its percentiles), computing each request's KL once (a 262k-token vocabulary makes that the costly part)."""
+    from tdutils.compression import greedy_agreement, kl_per_step
+
+    if len(reference) != len(forced) or not reference:
+        raise ValueError(f"reference and forced must hold the same requests, got {len(reference)} and {len(forced)}")
+    agreement, kls, after, cuts = [], [], [], 0
+    for ref, out in zip(reference, forced):
+        kl = kl_per_step(ref.logits, out.logits)
+        agreement.append(greedy_agreement(ref.output_ids, [int(x.argmax()) for x in out.logits]))
+        events = out.compressions or []
+        cuts += len(events)
+        if events:
+            after += kl[events[0]["step"]:].tolist()  # step s's logits were computed before its cut
+        kls.append(kl.tolist())
+    every = [x for kl in kls for x in kl]
+    return {"agreement": agreement, "identical": sum(a == len(k) for a, k in zip(agreement, kls)) / len(kls),
+            "kl_mean": statistics.fmean(every), "kl_max": max(every),
+            "kl_mean_after_cut": statistics.fmean(after) if after else 0.0, "cuts": cuts, "kl": every}
+
+
+def run_fidelity(args) -> dict:
+    from tdutils.compression import Compression, cache_sizes
+
+    t_start = time.perf_counter()
+    eng = _engine(args, positions=args.positions)
+    prompts = essay_prompts(eng.tokenizer, args.num_requests, args.prompt_tokens)
+    eng.prefill(prompts)
+    saved = eng.snapshot()
+    t0 = time.perf_counter()
+    full = eng.decode(args.max_tokens, ignore_eos=True, keep_logits=True)
+    ref_ids = [o.output_ids for o in full]
+    full_cache = [statistics.fmean(cache_sizes(o)) for o in full]
+    _log(f"model={args.model} requests={len(prompts)} prompt_tokens={args.prompt_tokens} max_tokens={args.max_tokens} "
+         f"N={args.buffer} w={args.window} positions={args.positions}; full cache {time.perf_counter() - t0:.0f} s")
+    rows, checks = [], []
+    for policy in args.policies:
+        for b in args.budgets:
+            comp = Compression(policy, budget=b, buffer=args.buffer, window=args.window)
+            eng.restore(saved)
+            t0 = time.perf_counter()
+            outs = eng.decode(args.max_tokens, ignore_eos=True, keep_logits=True, compression=comp, forced_ids=ref_ids)
+            seconds = time.perf_counter() - t0
+            f = fidelity_summary(full, outs)  # `tdutils.compression.fidelity`'s figures, and every step's KL
+            kls = f["kl"]
+            row = {"policy": policy, "budget": b, "agreement": summary_stats(f["agreement"]),
+                   "agreements": f["agreement"], "identical": f["identical"],
+                   "top1_rate": statistics.fmean(top1_rate(r, o.logits) for r, o in zip(ref_ids, outs)),
+                   "kl_mean": f["kl_mean"], "kl_mean_after_cut": f["kl_mean_after_cut"], "kl_p90": p90(kls),
+                   "kl_max": f["kl_max"], "cuts_per_request": f["cuts"] / len(outs),
+                   "first_cut_steps": [o.compressions[0]["step"] if o.compressions else None for o in outs],
+                   "mean_cache_of_full": statistics.fmean(statistics.fmean(cache_sizes(o)) / c
+                                                          for o, c in zip(outs, full_cache)),
+                   "tokens": len(kls), "seconds": seconds}
+            del outs
+            if policy in args.check_free:
+                eng.restore(saved)
+                free = eng.decode(args.max_tokens, ignore_eos=True, compression=comp)
+                for i, o in enumerate(free):
+                    checks.append({"policy": policy, "budget": b, "request": i, "forced": f["agreement"][i],
+                                   "free": first_difference(ref_ids[i], o.output_ids)})
+            rows.append(row)
+            _log(f"  {policy:>13} B={b:<4}: agreement mean {row['agreement']['mean']:.1f} median "
+                 f"{row['agreement']['median']:.1f}, top-1 {row['top1_rate']:.3f}, KL {row['kl_mean']:.4f} "
+                 f"(after the first cut {row['kl_mean_after_cut']:.4f}), {row['cuts_per_request']:.1f} cuts, "
+                 f"{seconds:.0f} s")
+    bad = [c for c in checks if c["free"] != c["forced"]]
+    if bad:
+        _log(f"WARNING: {len(bad)} free greedy runs differ from the teacher-forced prediction: {bad[:3]}")
+    meta = _meta(args, "fidelity", num_requests=len(prompts), prompt_tokens=args.prompt_tokens,
+                 max_tokens=args.max_tokens, budgets=args.budgets, buffer=args.buffer, window=args.window,
+                 positions=args.positions, policies=args.policies, seconds=time.perf_counter() - t_start)
+    return {"part": "fidelity", "meta": meta, "rows": rows, "free_checks": checks, "full_cache_ids": ref_ids}
+
+
+# ------------------------------------------------------------------------------------------ ruler
+def run_ruler(args) -> dict:
+    from tdutils import ruler
+    from tdutils.answers import score_rows, wilson_interval
+    from tdutils.compression import Compression
+    from tdutils.data import load_prompts
+    from tdutils.policies import get_policy
+
+    t_start = time.perf_counter()
+    eng = _engine(args, prefill_batch_size=args.prefill_batch_size)
+    rows_in = load_prompts(f"ruler_{args.task}", model=args.model, tokenizer=eng.tokenizer, num_requests=args.n,
+                           context_tokens=args.context_length, seed=args.seed)
+    max_tokens = args.max_tokens or ruler.RULER_CPU_MAX_TOKENS[args.task]
+    chat = rows_in[0].meta.get("chat_template")
+    _log(f"model={args.model} task={args.task} n={len(rows_in)} T={args.context_length} B={args.budget} "
+         f"max_tokens={max_tokens} chat_template={chat}")
+    rows, details = [], []
+
+    def score(policy, mode, chunk, comp, lengths, peak, prefill_s):
+        outs = eng.decode(max_tokens, ignore_eos=True)
+        report = score_rows(rows_in, [o.answer for o in outs])  # the task's scorer: every reference present
+        partial = statistics.fmean(ruler.score_ruler(args.task, r.meta["values"], o.answer)[1]
+                                   for r, o in zip(rows_in, outs))
+        row = {"policy": policy, "mode": mode, "chunk": chunk, "budget": None if comp is None else args.budget,
+               "n": len(rows_in), "correct": report.correct, "accuracy": report.correct / len(rows_in),
+               "ci": wilson_interval(report.correct, len(rows_in)), "partial": partial,
+               "cache_tokens": statistics.fmean(lengths), "peak_cache_tokens": peak, "prefill_s": prefill_s,
+               "decode_s": eng.metrics.decode.seconds}
+        rows.append(row)
+        details.append({"policy": policy, "mode": mode, "answers": [o.answer for o in outs],
+                        "exact": list(report.is_correct)})
+        _log(f"  {policy:>7} {mode:>10}: {row['correct']}/{row['n']} (partial {partial:.2f}), cache "
+             f"{row['cache_tokens']:.0f}, peak {row['peak_cache_tokens']}, prefill {prefill_s:.0f} s")
+
+    # The full prefill serves the full-cache row and every policy's one-shot row: one-shot compression is the
+    # whole prompt's cache cut once to B, which `modify` with the same drop function computes bit for bit as
+    # `prefill(compression=...)` does (same `BudgetDropFn`, same captured queries), without prefilling again.
+    t0 = time.perf_counter()
+    full_lengths = eng.prefill(rows_in)
+    full_s = time.perf_counter() - t0
+    saved = eng.snapshot()
+    score("full", "full", None, None, full_lengths, max(full_lengths), full_s)
+    for policy in args.policies:
+        comp = Compression(policy, budget=args.budget, window=None)
+        eng.restore(saved)
+        t0 = time.perf_counter()
+        eng.modify(comp.drop_fn(model_config=eng.model, rerotate=eng.positions == "compact"))
+        cut_s = time.perf_counter() - t0
+        score(policy, "one-shot", None, comp, [len(eng.tokens(i)) for i in range(len(rows_in))], max(full_lengths),
+              full_s + cut_s)
+        for c in args.chunks:
+            t0 = time.perf_counter()
+            lengths = eng.prefill(rows_in, chunk=c, compression=comp)
+            score(policy, f"chunk {c}", c, comp, lengths, max(eng.metrics.prefill.peak_cache_tokens),
+                  time.perf_counter() - t0)
+        del comp
+    windows = {p: get_policy(p).defaults().get("window") for p in args.policies}
+    meta = _meta(args, "ruler", task=f"ruler_{args.task}", context_length=args.context_length, n=len(rows_in),
+                 seed=args.seed, budget=args.budget, chunks=args.chunks, policies=args.policies,
+                 max_tokens=max_tokens, chat_template="the tokenizer's own" if chat else "none",
+                 windows=windows, prefill_batch_size=args.prefill_batch_size, seconds=time.perf_counter() - t_start)
+    return {"part": "ruler", "meta": meta, "rows": rows, "answers": details,
+            "gold": [r.meta["values"] for r in rows_in]}
+
+
+# ------------------------------------------------------------------------------------------ kvpress
+def worker(spec_path: str, out_path: str) -> None:
+    """Runs in the peer venv (torch, transformers < 5.3, kvpress); must not import tdutils."""
+    import importlib.metadata
+
+    import kvpress
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    transformers.utils.logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32, attn_implementation="sdpa").eval()
+
+    def make(key):
+        name, _, _, keywords = KVPRESS_PRESSES[key]
+        kw = {k: spec["window"] for k in keywords}
+        base = getattr(kvpress, name)(**kw)
+        return kvpress.DecodingPress(base_press=base, compression_interval=spec["buffer"],
+                                     target_size=spec["budget"], hidden_states_buffer_size=spec["buffer"])
+
+    def generate(ids, press):
+        """Greedy, EOS ignored: prefill the whole prompt (DecodingPress does nothing there), then feed each
+        generated token at its original position, as kvpress' pipeline does (`generate_answer`)."""
+        cache = DynamicCache()
+        t = len(ids)
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([ids]), past_key_values=cache, logits_to_keep=1)
+            gen = [int(out.logits[0, -1].argmax())]
+            lengths = []
+            t0 = time.perf_counter()
+            for step in range(spec["max_tokens"] - 1):
+                out = model(input_ids=torch.tensor([[gen[-1]]]), past_key_values=cache,
+                            position_ids=torch.tensor([[t + step]]))
+                gen.append(int(out.logits[0, -1].argmax()))
+                lengths.append(cache.layers[0].keys.shape[2])
+            seconds = time.perf_counter() - t0
+        return gen, seconds, lengths
+
+    results = []
+    for key in ["full"] + spec["presses"]:
+        row = {"press": key, "requests": []}
+        try:
+            for i, ids in enumerate(spec["prompts"]):
+                if key == "full":
+                    gen, seconds, lengths = generate(ids, None)
+                else:
+                    press = make(key)
+                    with press(model):
+                        gen, seconds, lengths = generate(ids, press)
+                row["requests"].append({"output_ids": gen, "decode_s": seconds, "max_cache": max(lengths),
+                                        "min_cache_after_first": min(lengths[spec["buffer"]:] or lengths),
+                                        "last_cache": lengths[-1]})
+                print(f"[kvpress] {key} prompt {i + 1}/{len(spec['prompts'])}: {len(gen) / seconds:.1f} tok/s, "
+                      f"cache max {max(lengths)} last {lengths[-1]}", file=sys.stderr, flush=True)
+        except Exception as exc:  # noqa: BLE001 (a press that cannot run is reported; the others go on)
+            row = {"press": key, "error": f"{type(exc).__name__}: {exc}"[:500]}
+            print(f"[kvpress] {key} FAILED: {row['error']}", file=sys.stderr, flush=True)
+        results.append(row)
+    info = {"torch": torch.__version__, "transformers": transformers.__version__,
+            "kvpress": importlib.metadata.version("kvpress")}
+    Path(out_path).write_text(json.dumps({"info": info, "rows": results}))
+
+
+def run_kvpress(args) -> dict:
+    import transformers
+
+    from tdutils.compression import Compression
+    from tdutils.gguf import resolve
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _peer_venv
+
+    t_start = time.perf_counter()
+    folder = str(resolve(args.model))
+    B, N, w = args.budget, args.buffer, args.window
+    prompt_tokens = args.prompt_tokens or B  # T = B: both sides cut first when the cache reaches B + N
+    td = {}
+    for positions in ("compact", "original"):
+        eng = _engine(args, positions=positions)
+        prompts = essay_prompts(eng.tokenizer, args.num_requests, prompt_tokens)
+        eng.prefill(prompts)
+        saved = eng.snapshot()
+        full = [o.output_ids for o in eng.decode(args.max_tokens, ignore_eos=True)]
+        td[positions, "full"] = full
+        for key in args.presses:
+            _, policy, window, _ = KVPRESS_PRESSES[key]
+            eng.restore(saved)
+            comp = Compression(policy, budget=B, buffer=N, window=w if window is None else window)
+            outs = eng.decode(args.max_tokens, ignore_eos=True, compression=comp)
+            td[positions, key] = [first_difference(f, o.output_ids) for f, o in zip(full, outs)]
+            _log(f"  tdutils {positions:>8} {key:>13}: agreement {td[positions, key]}")
+        del eng
+    td_s = time.perf_counter() - t_start
+
+    py = _peer_venv.ensure_venv(log=lambda m: print(m, file=sys.stderr, flush=True))
+    with tempfile.TemporaryDirectory(prefix="decode_kvpress_") as tmp:
+        spec = {"folder": folder, "prompts": prompts, "presses": args.presses, "budget": B, "buffer": N, "window": w,
+                "max_tokens": args.max_tokens, "threads": args.threads}
+        spec_path, res_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps(spec))
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env.update(OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+        t1 = time.perf_counter()
+        subprocess.run([str(py), str(Path(__file__).resolve()), "--worker", str(spec_path), str(res_path)],
+                       check=True, env=env)
+        kv_s = time.perf_counter() - t1
+        peer = json.loads(res_path.read_text())
+    kv_full = [r["output_ids"] for r in peer["rows"][0]["requests"]]
+    cross = [first_difference(a, b) for a, b in zip(td["compact", "full"], kv_full)]
+    rows = []
+    for prow in peer["rows"][1:]:
+        key = prow["press"]
+        name, policy, window, _ = KVPRESS_PRESSES[key]
+        row = {"press": name, "policy": policy, "tdutils_window": w if window is None else window}
+        if "error" in prow:
+            rows.append({**row, "error": prow["error"]})
+            continue
+        kv_agree = [first_difference(f, r["output_ids"]) for f, r in zip(kv_full, prow["requests"])]
+        row.update(kvpress=summary_stats(kv_agree), kvpress_agreements=kv_agree,
+                   compact=summary_stats(td["compact", key]), compact_agreements=td["compact", key],
+                   original=summary_stats(td["original", key]), original_agreements=td["original", key],
+                   kv_tok_s=sum(len(r["output_ids"]) - 1 for r in prow["requests"]) /
+                   sum(r["decode_s"] for r in prow["requests"]),
+                   kv_max_cache=max(r["max_cache"] for r in prow["requests"]),
+                   kv_vs_td_full=[first_difference(a, r["output_ids"]) for a, r in zip(td["compact", "full"],
+                                                                                      prow["requests"])])
+        rows.append(row)
+    meta = _meta(args, "kvpress", num_requests=len(prompts), prompt_tokens=prompt_tokens, max_tokens=args.max_tokens,
+                 budget=B, buffer=N, window=w, presses=args.presses, folder=folder, peer=peer["info"],
+                 peer_venv=_peer_venv.venv_info(), tdutils_seconds=td_s, kvpress_seconds=kv_s,
+                 seconds=time.perf_counter() - t_start)
+    meta["transformers"] = transformers.__version__
+    return {"part": "kvpress", "meta": meta, "rows": rows, "cross": summary_stats(cross), "cross_agreements": cross}
+
+
+# ------------------------------------------------------------------------------------------ command line
+def _ints(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated integers, e.g. 64,128") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give integers >= 1")
+    return out
+
+
+def _names(choices, allow_none: bool = False):
+    def parse(text: str) -> list[str]:
+        if allow_none and text.strip().lower() == "none":
+            return []
+        out = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in out if x not in choices]
+        if bad or not out:
+            raise argparse.ArgumentTypeError(f"unknown name {bad[0] if bad else text!r}; choose from {', '.join(choices)}")
+        return out
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tdutils.cli_args import OneLineParser, positive_int, usable_cores
+    from tdutils.policies import policy_names
+
+    ap = OneLineParser(prog="bench/decode_compression.py", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--summary", default=None, metavar="RUN.json", help="print the table of a stored run and exit")
+    sub = ap.add_subparsers(dest="part")
+
+    def common(p, model="smollm2-135m"):
+        p.add_argument("--model", default=model)
+        p.add_argument("--threads", type=positive_int, default=usable_cores(), help="torch threads (default: cores)")
+        p.add_argument("--json", default=None, metavar="PATH", help="write the run here")
+
+    p = sub.add_parser("throughput", help="full cache vs decode-time compression at a fixed KV budget")
+    common(p)
+    p.add_argument("--num-requests", type=positive_int, default=16)
+    p.add_argument("--prompt-tokens", type=positive_int, default=128)
+    p.add_argument("--max-tokens", type=positive_int, default=384, help="generated tokens per request (the issue: 2048)")
+    p.add_argument("--budgets", type=_ints, default=[64, 128], help="budgets B (default 64,128)")
+    p.add_argument("--buffer", type=positive_int, default=64, help="buffer N (default 64)")
+    p.add_argument("--window", type=int, default=8)
+    p.add_argument("--policy", default="rkv", choices=policy_names())
+    p.add_argument("--full-requests", type=float, default=4.25, help="KV budget in full-cache requests")
+    p.add_argument("--repeats", type=positive_int, default=2)
+
+    p = sub.add_parser("fidelity", help="greedy agreement and teacher-forced KL against the full cache")
+    common(p)
+    p.add_argument("--policies", type=_names(policy_names()), default=list(FIDELITY_POLICIES))
+    p.add_argument("--num-requests", type=positive_int, default=4)
+    p.add_argument("--prompt-tokens", type=positive_int, default=128)
+    p.add_argument("--max-tokens", type=positive_int, default=256)
+    p.add_argument("--budgets", type=_ints, default=[32, 64, 128])
+    p.add_argument("--buffer", type=positive_int, default=64)
+    p.add_argument("--window", type=int, default=8)
+    p.add_argument("--positions", choices=("compact", "original"), default="compact")
+    p.add_argument("--check-free", type=_names(policy_names(), allow_none=True), default=["rkv"],
+                   help="policies whose free greedy decode also runs, to check the teacher-forced agreement "
+                        "(default rkv; none: no check)")
+
+    p = sub.add_parser("ruler", help="RULER exact match: chunked prefill under a budget vs one-shot compression")
+    common(p)
+    p.add_argument("--task", default="niah_single_1")
+    p.add_argument("--context-length", type=positive_int, default=2048)
+    p.add_argument("--n", type=positive_int, default=20)
+    p.add_argument("--seed", type=int, default=5_000_000, help="dataset seed (default: the held-out seed)")
+    p.add_argument("--budget", type=positive_int, default=512)
+    p.add_argument("--chunks", type=_ints, default=[256, 512])
+    p.add_argument("--policies", type=_names(policy_names()), default=["snapkv", "knorm"])
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="default: the task's CPU default")
+    p.add_argument("--prefill-batch-size", type=positive_int, default=4)
+
+    p = sub.add_parser("kvpress", help="kvpress' DecodingPress beside tdutils' decode-time compression")
+    common(p)
+    p.add_argument("--presses", type=_names(tuple(KVPRESS_PRESSES)), default=list(KVPRESS_PRESSES))
+    p.add_argument("--num-requests", type=positive_int, default=4)
+    p.add_argument("--prompt-tokens", type=positive_int, default=None, help="default: the budget")
+    p.add_argument("--max-tokens", type=positive_int, default=256)
+    p.add_argument("--budget", type=positive_int, default=128)
+    p.add_argument("--buffer", type=positive_int, default=64)
+    p.add_argument("--window", type=int, default=8)
+    return ap
+
+
+RUNNERS = {"throughput": run_throughput, "fidelity": run_fidelity, "ruler": run_ruler, "kvpress": run_kvpress}
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.summary:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from _report import read_json
+
+        try:
+            print(markdown(read_json(args.summary)))
+        except (ValueError, KeyError) as exc:
+            ap.exit(2, f"{ap.prog}: error: {exc}\n")
+        return 0
+    if args.part is None:
+        ap.error(f"choose a part: {', '.join(PARTS)} (or --summary RUN.json)")
+    if args.json is not None:
+        from tdutils.eval import check_output_path
+
+        try:
+            check_output_path(args.json, "--json", example=f"docs/results/decode_compression_{args.part}.json")
+        except ValueError as exc:
+            ap.exit(2, f"{ap.prog}: error: {exc}\n")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    report = RUNNERS[args.part](args)
+    print(markdown(report))
+    if args.json is not None:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3])
+        sys.exit(0)
+    sys.exit(main())
