@@ -1,21 +1,12 @@
 """LongBench-v2 prompts, answer extraction and scoring (docs/design.md §7).
 
-LongBench v2 (Bai et al., "LongBench v2: Towards Deeper Understanding and Reasoning on Realistic
-Long-context Multitasks", arXiv:2412.15204; code: github.com/THUDM/LongBench) asks four-choice questions
-about long documents. Its 0-shot prompt (`prompts/0shot.txt` there) puts the document inside `<text>`
-tags, then the question and the choices `(A)`-`(D)`, and asks the model to answer as
-`The correct answer is (X)`. Its `pred.py` cuts an over-long prompt in the middle, keeping the first and
-last halves of the token budget, and parses answers with two regular expressions after removing `*`.
-
-This module reproduces those rules (`build_prompt`, `extract_answer(mode="official")`) so accuracy
-figures compare with published ones, and adds what the official scripts lack:
-
-- a `lenient` extraction mode, always reported separately, never mixed into `official`;
-- honest scoring (`score_answers`): every response counts in the denominator (empty and unparsed ones
-  count as wrong, and the unparsed ones are reported as their own number), per-difficulty and per-length
-  buckets each with its own `n`, and a 95% Wilson score interval, since 30 questions give wide error bars;
-- `score_passkey`: exact match of the digits of a passkey answer, the scoring used with the bundled tiny
-  model, which reads no English (docs/design.md §8).
+LongBench v2 (Bai et al., arXiv:2412.15204; code: github.com/THUDM/LongBench) asks four-choice questions about long
+documents; `build_prompt` and `extract_answer(mode="official")` reproduce its 0-shot prompt, middle truncation and
+answer parsing, so accuracy figures compare with published ones. Added: a `lenient` extraction mode (reported
+separately, never mixed into `official`); `score_answers`, where every response counts in the denominator (empty
+and unparsed ones count as wrong and are reported), with per-difficulty and per-length buckets and 95% Wilson
+intervals; `score_passkey` (exact digits, the bundled model's task, §8); `score_rows` / `task_scorer`, which score
+rows of the built-in tasks (RULER templates, word-level tasks) by their own scorer.
 """
 
 from __future__ import annotations

@@ -4,18 +4,13 @@ Contract (docs/design.md §3, LMCache's `ModifyFnType`)::
 
     fn(tensors: Mapping[CacheKind, Tensor], tokens: Sequence[int]) -> (new_kv, new_tokens)
 
-`tensors[CacheKind.KV]` is `[2, L, T, D]` (0 = keys after RoPE, 1 = values; `D = H_kv * head_dim`);
-`tensors[CacheKind.QUERY]`, when present, is `[L, Tq, Hq * head_dim]` aligned to the end of the KV.
-The result is `new_kv [2, L, k, D]` with `new_tokens` a list of `k` ints: kept indices `keep` sorted
-ascending, `new_tokens[i] = tokens[keep[i]]`, V rows gathered as they are, K rows gathered and (with
-`rerotate=True`) moved by RoPE from position `keep[i]` to position `i` ("compact positions").
-
-A drop function never mutates its input and validates shapes first; the engines validate its output
-(`validate_drop_output`) and keep a request's cache unchanged when it fails.
-
-`make_drop_fn` finds policies by name in the registry of `tdutils.policies` (`register_policy`); this module
-knows no policy. The cache-tensor helpers (`CacheKind`, `get_kv`, `get_query`, `check_kv`, `check_keep`,
-`apply_keep`) live in `tdutils.kvcache`, under both this module and the policies, and are re-exported here.
+`tensors[CacheKind.KV]` is `[2, L, T, D]` (keys after RoPE, values; `D = H_kv * head_dim`), `tensors[CacheKind.QUERY]`
+`[L, Tq, Hq * head_dim]` aligned to the end of the KV. The result is `new_kv [2, L, k, D]` and `k` ids: kept
+indices sorted ascending, values gathered, keys gathered and (with `rerotate=True`) moved by RoPE from position
+`keep[i]` to `i`. A drop function never mutates its input; engines validate its output (`validate_drop_output`)
+and keep a request's cache unchanged when it fails. `make_drop_fn` finds policies by name in `tdutils.policies`;
+`kept_rows` recovers the kept indices of any ModifyFn's output. The tensor helpers live in `tdutils.kvcache` and
+are re-exported here.
 """
 
 from __future__ import annotations

