@@ -901,6 +901,17 @@ class HFEngine(Engine):
         return masks[None] if None in masks else masks
 
 
+class _RingRecorder:
+    """Capture hook of one decode step: each layer's query of the fed tokens `[rows, Hq, 1, d]` goes into its
+    row's ring slot (`ring [S, L, w, Hq*d]`, column `cols[row]`)."""
+
+    def __init__(self, ring: torch.Tensor, index: torch.Tensor, cols: torch.Tensor):
+        self.ring, self.index, self.cols = ring, index, cols
+
+    def record(self, layer_idx, query, key, kwargs):
+        self.ring[self.index, layer_idx, self.cols] = query[:, :, 0, :].reshape(query.shape[0], -1).to(self.ring.dtype)
+
+
 class _DecodeCompressor:
     """Decode-time compression of one `decode` call (`HFEngine.decode(compression=...)`, R-KV's loop).
 
@@ -968,14 +979,7 @@ class _DecodeCompressor:
         if not self.w:
             return nullcontext()
         cols = torch.tensor([c % self.w for c in self.count[:rows]], device=self.engine.device)
-        index = torch.arange(rows, device=self.engine.device)
-        ring = self.ring
-
-        class _Recorder:
-            def record(self, layer_idx, query, key, kwargs):  # query: [rows, Hq, 1, d]
-                ring[index, layer_idx, cols] = query[:, :, 0, :].reshape(query.shape[0], -1).to(ring.dtype)
-
-        return recording(_Recorder())
+        return recording(_RingRecorder(self.ring, torch.arange(rows, device=self.engine.device), cols))
 
     def after_step(self, stepped: list, running: dict, fed: list[int], next_pos: torch.Tensor, dm) -> None:
         """Book the tokens the step cached (every request in `stepped`); cut every cache still `running` that
