@@ -3,7 +3,6 @@ repacked after an in-place weight edit, and the engine's greedy decode unchanged
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tdutils.engines.packed import PackedLinears, packing_available
