@@ -47,6 +47,7 @@ import torch
 
 from tdutils.cli_args import OneLineParser, drop_ratios, positive_int
 from tdutils.engines.hf import HFEngine, _Request
+from tdutils.engines.packed import packing_available
 from tdutils.eval import check_output_path
 from tdutils.models import load_model, model_facts
 
@@ -174,41 +175,82 @@ def _spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "values": xs}
 
 
+ENGINE_ARMS = {"engine": {}, "engine_unpacked": {"packed_linears": False}}  # arm -> HFEngine settings
+
+
 def measure_point(model, tok, batch: int, tokens: int, steps: int, repeats: int, log) -> dict:
+    """Decode step of every arm at `batch x tokens`: the engine (default settings: prepacked linears where
+    available), the engine without them (what packing buys), and the StaticCache loop; arms rotate each repeat."""
     f = model_facts(model.config, model.dtype)
     kv = random_kv(model, tokens)
     budget = batch * (tokens + steps)
-    eng = HFEngine(model, tokenizer=tok, kv_budget_tokens=budget, query_window=0, progress=False)
-    install_requests(eng, kv, batch)
-    feed = [r.tokens[-1] for r in eng.requests]
-    engine_step(eng, 2), static_step(model, kv, batch, 2, feed)  # warm-up
-    eng_s, eng_all, st_s, ratios = [], [], [], []
-    for rep in range(repeats):  # A B, B A, A B, ...: neither arm always runs first
-        if rep % 2:
-            s = static_step(model, kv, batch, steps, feed)
-            e, e_all = engine_step(eng, steps)
-        else:
-            e, e_all = engine_step(eng, steps)
-            s = static_step(model, kv, batch, steps, feed)
-        eng_s.append(e), eng_all.append(e_all), st_s.append(s), ratios.append(e / s)
-        log(f"  {batch}x{tokens} repeat {rep + 1}/{repeats}: engine {e * 1e3:7.1f} ms/step ({e_all * 1e3:.1f} with "
-            f"admission), static {s * 1e3:7.1f} ms/step, ratio {e / s:.2f}")
+    engines = {}
+    for arm, settings in ENGINE_ARMS.items():
+        if arm != "engine" and settings.get("packed_linears") is False and not packing_available(model):
+            continue  # the same engine twice
+        engines[arm] = HFEngine(model, tokenizer=tok, kv_budget_tokens=budget, query_window=0, progress=False,
+                                **settings)
+        install_requests(engines[arm], kv, batch)
+    feed = [r.tokens[-1] for r in engines["engine"].requests]
+    runs = {arm: (lambda e=e: engine_step(e, steps)) for arm, e in engines.items()}
+    runs["static"] = lambda: (static_step(model, kv, batch, steps, feed),) * 2
+    for e in engines.values():
+        engine_step(e, 2)  # warm-up
+    static_step(model, kv, batch, 2, feed)
+    arms = list(runs)
+    step = {arm: [] for arm in arms}
+    step_all = {arm: [] for arm in arms}
+    for rep in range(repeats):  # rotate the order: no arm always runs first
+        for arm in arms[rep % len(arms):] + arms[:rep % len(arms)]:
+            s, s_all = runs[arm]()
+            step[arm].append(s), step_all[arm].append(s_all)
+        log(f"  {batch}x{tokens} repeat {rep + 1}/{repeats}: " + ", ".join(
+            f"{arm} {step[arm][-1] * 1e3:.1f}" for arm in arms) + " ms/step")
+    eng = engines["engine"]
     with PeakRSS() as mem_engine:
         eng.decode(max_tokens=steps)
     with PeakRSS() as mem_static:
         static_step(model, kv, batch, steps, feed)
     budget_bytes = budget * f.kv_bytes_per_token
     d = eng.metrics.decode
-    return {
+    ratios = [e / s for e, s in zip(step["engine"], step["static"])]
+    out = {
         "batch": batch, "tokens": tokens, "steps": steps, "repeats": repeats,
-        "engine_step_s": _spread(eng_s), "engine_step_with_admission_s": _spread(eng_all), "static_step_s": _spread(st_s), "ratio": _spread(ratios),
+        "engine_step_s": _spread(step["engine"]), "engine_step_with_admission_s": _spread(step_all["engine"]),
+        "static_step_s": _spread(step["static"]), "ratio": _spread(ratios),
         "kv_budget_tokens": budget, "kv_budget_bytes": budget_bytes,
         "engine_storage_tokens": d.kv_storage_tokens, "engine_storage_bytes": d.kv_storage_bytes,
         "engine_decode_peak_bytes": mem_engine.growth, "static_decode_peak_bytes": mem_static.growth,
         "engine_memory_of_budget": mem_engine.growth / budget_bytes,
         "static_memory_of_budget": mem_static.growth / budget_bytes,
         "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "packed_bytes": eng._packed.bytes if eng._packed is not None else 0,
     }
+    if "engine_unpacked" in step:
+        out["engine_unpacked_step_s"] = _spread(step["engine_unpacked"])
+        out["packing_gain"] = _spread([u / e for u, e in zip(step["engine_unpacked"], step["engine"])])
+    return out
+
+
+def prefill_point(model, tok, batch: int, tokens: int, repeats: int, log) -> dict:
+    """Prefill tokens/s of `batch` random prompts of `tokens` tokens, without query capture (`query_window=0`)
+    and with the default capture (64 query rows per layer, what SnapKV / TOVA / R-KV need), alternated."""
+    g = torch.Generator().manual_seed(2)
+    ids = [torch.randint(10, model.config.vocab_size - 10, (tokens,), generator=g).tolist() for _ in range(batch)]
+    engines = {"no_capture": HFEngine(model, tokenizer=tok, query_window=0, progress=False),
+               "capture": HFEngine(model, tokenizer=tok, progress=False)}
+    secs = {k: [] for k in engines}
+    for rep in range(repeats):
+        for name in (list(engines) if rep % 2 == 0 else list(engines)[::-1]):
+            t0 = time.perf_counter()
+            engines[name].prefill(ids)
+            secs[name].append(time.perf_counter() - t0)
+        log(f"  prefill {batch}x{tokens} repeat {rep + 1}/{repeats}: " + ", ".join(
+            f"{k} {v[-1]:.1f} s" for k, v in secs.items()))
+    return {"batch": batch, "tokens": tokens, "prefill_batch_size": engines["capture"].prefill_batch_size,
+            "no_capture_s": _spread(secs["no_capture"]), "capture_s": _spread(secs["capture"]),
+            "tok_s": batch * tokens / statistics.median(secs["no_capture"]),
+            "capture_overhead": _spread([c / n - 1 for c, n in zip(secs["capture"], secs["no_capture"])])}
 
 
 def profile_point(model, tok, batch: int, tokens: int, steps: int, top: int = 6) -> dict:
@@ -230,37 +272,59 @@ def profile_point(model, tok, batch: int, tokens: int, steps: int, top: int = 6)
 
 
 VLLM_SCRIPT = textwrap.dedent("""
-    import json, sys, time, statistics
+    import json, random, sys, time
     from vllm import LLM, SamplingParams, TokensPrompt
-    folder, batch, tokens, steps, repeats = sys.argv[1], *map(int, sys.argv[2:6])
-    llm = LLM(model=folder, dtype="float32", enforce_eager=True, max_model_len=tokens + steps + 8,
-              max_num_seqs=batch, enable_prefix_caching=False, seed=0)
-    import random
+    folder, mode, points = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    steps, repeats, vocab = map(int, sys.argv[4:7])
+    t0 = time.perf_counter()
+    # "compiled": vLLM's default (torch.compile with Inductor over its CPU model); "eager": enforce_eager=True
+    llm = LLM(model=folder, dtype="float32", enforce_eager=mode == "eager",
+              max_model_len=max(t for _, t in points) + steps + 8, max_num_seqs=max(b for b, _ in points),
+              enable_prefix_caching=False, seed=0)
+    init_s = time.perf_counter() - t0
     random.seed(0)
-    prompts = [TokensPrompt(prompt_token_ids=[random.randrange(1000, 100000) for _ in range(tokens)])
-               for _ in range(batch)]
-    def run(n):
-        p = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0)
-        t0 = time.perf_counter(); llm.generate(prompts, p, use_tqdm=False); return time.perf_counter() - t0
-    run(2)
-    steps_s = []
-    for _ in range(repeats):
-        a = run(steps); b = run(1)
-        steps_s.append((a - b) / (steps - 1))
-    print("VLLM_RESULT " + json.dumps({"step_s": steps_s}))
+    out = []
+    for batch, tokens in points:
+        prompts = [TokensPrompt(prompt_token_ids=[random.randrange(10, vocab - 10) for _ in range(tokens)])
+                   for _ in range(batch)]
+        def run(n):
+            p = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0)
+            t0 = time.perf_counter(); llm.generate(prompts, p, use_tqdm=False); return time.perf_counter() - t0
+        run(2)
+        step_s, prefill_s = [], []
+        for _ in range(repeats):
+            a = run(steps); b = run(1)
+            step_s.append((a - b) / (steps - 1))
+            prefill_s.append(b)
+        out.append({"batch": batch, "tokens": tokens, "step_s": step_s, "prefill_s": prefill_s})
+    print("VLLM_RESULT " + json.dumps({"init_s": init_s, "points": out}))
 """)
 
+VLLM_MODES = ("compiled", "eager")
 
-def vllm_point(python: str, folder: str, batch: int, tokens: int, steps: int, repeats: int, timeout: float) -> dict:
-    """vLLM-CPU's decode step on the same model, in the Python that has vLLM (a subprocess)."""
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(max(1, (batch * (tokens + steps) * 2 ** 15) // 2 ** 30 + 1)))
+
+def vllm_run(python: str, folder: str, mode: str, points: list[tuple[int, int]], steps: int, repeats: int,
+             vocab: int, kv_bytes_per_token: int, timeout: float) -> dict:
+    """vLLM-CPU's offline `LLM.generate` on the same model (float32) at every `B x T` point, in the Python that
+    has vLLM (one subprocess per mode): `mode` "compiled" (its default) or "eager" (`enforce_eager=True`).
+
+    Returns `{"init_s": s, "points": [{"batch", "tokens", "step_s", "prefill_s"}]}`: `init_s` is the
+    `LLM(...)` constructor (load, memory profiling and, compiled, the torch.compile of its graphs: excluded
+    from both figures); step = (time for `steps` tokens - time for 1) / (steps - 1) and prefill = the time for 1
+    token of the B prompts (`_spread`s over `repeats`). Raises RuntimeError (its stderr's last lines) or
+    subprocess.TimeoutExpired after `timeout` seconds.
+    """
+    kv_gib = max(b * (t + steps + 16) for b, t in points) * kv_bytes_per_token // 2 ** 30 + 1
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_gib))
     env.pop("PYTHONPATH", None)
-    proc = subprocess.run([python, "-c", VLLM_SCRIPT, folder, str(batch), str(tokens), str(steps), str(repeats)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run([python, "-c", VLLM_SCRIPT, folder, mode, json.dumps(points), str(steps), str(repeats),
+                           str(vocab)], check=False, capture_output=True, text=True, timeout=timeout, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("VLLM_RESULT "):
-            return _spread(json.loads(line[len("VLLM_RESULT "):])["step_s"])
-    raise RuntimeError(f"vLLM run failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-3:]}")
+            r = json.loads(line[len("VLLM_RESULT "):])
+            return {"init_s": r["init_s"], "points": [
+                {**p, "step_s": _spread(p["step_s"]), "prefill_s": _spread(p["prefill_s"])} for p in r["points"]]}
+    raise RuntimeError(f"vLLM ({mode}) failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-3:]}")
 
 
 def save_model(model, tok, folder: str) -> None:
@@ -289,18 +353,26 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:qwen3-0.6b:4L",
                     help="any model load_model takes (default random:qwen3-0.6b:4L, for throughput only)")
-    ap.add_argument("--points", type=_points, default="4x1024,8x2048,8x8192", help="BATCHxTOKENS, comma-separated")
+    ap.add_argument("--points", type=_points, default="4x1024,8x2048",
+                    help="decode-step points BATCHxTOKENS, comma-separated (default 4x1024,8x2048)")
+    ap.add_argument("--prefill", type=_points, default="8x2048",
+                    help="prefill points BATCHxTOKENS (default 8x2048; '' for none): tokens/s with and without query "
+                         "capture, and vLLM-CPU's on the same sizes with --vllm-python")
     ap.add_argument("--steps", type=positive_int, default=32, help="decode steps per timed run (default 32)")
     ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--throughput", action="store_true",
                     help="also measure SnapKV drop 0.5 / 0.75 decode throughput (see --throughput-requests)")
     ap.add_argument("--throughput-requests", type=_counts, default="8,16",
-                    help="request counts of the throughput sweeps, 1024-token prompts, 32 tokens (default 8,16)")
+                    help="request counts of the throughput sweeps (default 8,16)")
+    ap.add_argument("--throughput-tokens", type=positive_int, default=1024, help="prompt tokens (default 1024)")
+    ap.add_argument("--throughput-max-tokens", type=positive_int, default=32, help="decode tokens (default 32)")
     ap.add_argument("--throughput-repeats", type=positive_int, default=3)
     ap.add_argument("--throughput-drop-ratios", type=drop_ratios, default="0.5,0.75",
                     help="SnapKV drop ratios of the throughput sweeps (default 0.5,0.75)")
     ap.add_argument("--vllm-python", default=None, help="a Python with vLLM (e.g. the server tier's venv)")
-    ap.add_argument("--vllm-timeout", type=positive_int, default=900, help="seconds per vLLM point")
+    ap.add_argument("--vllm-modes", default="compiled,eager",
+                    help="vLLM modes, comma-separated: compiled (its default, torch.compile) and/or eager")
+    ap.add_argument("--vllm-timeout", type=positive_int, default=1800, help="seconds per vLLM mode (all points)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile a few steps of both arms at the first point (torch profiler, top ops by CPU "
                          "time): what a step is made of")
@@ -315,6 +387,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 2:
         ap.error("--steps must be >= 2")
+    modes = [m.strip() for m in args.vllm_modes.split(",") if m.strip()]
+    if not modes or set(modes) - set(VLLM_MODES):
+        ap.error(f"--vllm-modes {args.vllm_modes!r}: give compiled and/or eager, comma-separated")
     if args.vllm_python and not Path(args.vllm_python).is_file():
         ap.error(f"--vllm-python {args.vllm_python!r} is not a file; give the python of a venv with vLLM")
     if args.json_path is not None:  # before the model loads, not after every measurement
@@ -351,44 +426,81 @@ def main(argv=None) -> int:
     for b, t in args.points:
         results["points"].append(measure_point(model, tok, b, t, args.steps, args.repeats, log))
         save()
+    results["prefill"] = []
+    for b, t in args.prefill:
+        results["prefill"].append(prefill_point(model, tok, b, t, max(2, args.repeats - 1), log))
+        save()
     if args.vllm_python:
         with tempfile.TemporaryDirectory(prefix="tdutils-engine-bench-") as folder:
             save_model(model, tok, folder)
-            for p in results["points"]:
+            points = sorted({(p["batch"], p["tokens"]) for p in results["points"]} | set(args.prefill))
+            results["vllm"] = {}
+            for mode in modes:
+                log(f"vLLM-CPU {mode} at {points} ...")
                 try:
-                    p["vllm_step_s"] = vllm_point(args.vllm_python, folder, p["batch"], p["tokens"], 64,
-                                                  args.repeats, args.vllm_timeout)
-                    p["engine_of_vllm"] = p["engine_step_s"]["median"] / p["vllm_step_s"]["median"]
+                    run = vllm_run(args.vllm_python, folder, mode, points, 32, args.repeats, model.config.vocab_size,
+                                   f.kv_bytes_per_token, args.vllm_timeout)
                 except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                    p["vllm_error"] = str(exc)
-        results["vllm"] = "measured"
+                    results["vllm"][mode] = {"error": str(exc)}
+                    log(f"  {exc}")
+                    continue
+                results["vllm"][mode] = run
+                got = {(v["batch"], v["tokens"]): v for v in run["points"]}
+                for p in results["points"]:
+                    v = got[(p["batch"], p["tokens"])]
+                    p[f"vllm_{mode}_step_s"] = v["step_s"]
+                    p[f"engine_of_vllm_{mode}"] = p["engine_step_s"]["median"] / v["step_s"]["median"]
+                for p in results["prefill"]:
+                    v = got[(p["batch"], p["tokens"])]
+                    p[f"vllm_{mode}_prefill_s"] = v["prefill_s"]
+                    p[f"engine_of_vllm_{mode}"] = p["tok_s"] / (p["batch"] * p["tokens"] / v["prefill_s"]["median"])
+                save()
     else:
         results["vllm"] = "not run: pass --vllm-python PATH (a Python with vllm-cpu) to compare with vLLM"
     if args.throughput:
         results["throughput"] = []
         for n in args.throughput_requests:
-            results["throughput"].append(throughput(model, tok, requests=n, tokens=1024, max_tokens=32,
+            results["throughput"].append(throughput(model, tok, requests=n, tokens=args.throughput_tokens,
+                                                    max_tokens=args.throughput_max_tokens,
                                                     repeats=args.throughput_repeats, log=log,
                                                     drop_ratios=args.throughput_drop_ratios))
             save()
 
-    print(f"\n{'point':>8} {'engine ms':>10} {'static ms':>10} {'ratio (min-max)':>18} {'decode mem/budget KV':>21} "
-          f"{'static mem/budget':>18}")
     ok = True
+    vllm = results["vllm"] if isinstance(results["vllm"], dict) else {}
+    print(f"\ndecode step, ms (median of {args.repeats}; ratios per repeat for the static loop, of medians for vLLM)")
+    print(f"{'point':>8} {'engine':>8} {'unpacked':>9} {'static':>8} {'engine/static (min-max)':>24} "
+          + "".join(f"{'vLLM ' + m:>14} {'engine/vLLM':>12}" for m in vllm) + f" {'mem/budget KV':>14}")
     for p in results["points"]:
         r = p["ratio"]
-        print(f"{p['batch']}x{p['tokens']:<6} {p['engine_step_s']['median'] * 1e3:10.1f} "
-              f"{p['static_step_s']['median'] * 1e3:10.1f} {r['median']:7.2f} ({r['min']:.2f}-{r['max']:.2f}) "
-              f"{p['engine_memory_of_budget']:21.2f} {p['static_memory_of_budget']:18.2f}")
+        unpacked = p.get("engine_unpacked_step_s", {}).get("median")
+        line = (f"{p['batch']}x{p['tokens']:<6} {p['engine_step_s']['median'] * 1e3:8.1f} "
+                f"{unpacked * 1e3 if unpacked else float('nan'):9.1f} {p['static_step_s']['median'] * 1e3:8.1f} "
+                f"{r['median']:12.2f} ({r['min']:.2f}-{r['max']:.2f}) ")
+        for m in vllm:
+            if f"vllm_{m}_step_s" in p:
+                line += f"{p[f'vllm_{m}_step_s']['median'] * 1e3:14.1f} {p[f'engine_of_vllm_{m}']:12.2f}"
+            else:
+                line += f"{'failed':>14} {'':>12}"
+        print(line + f" {p['engine_memory_of_budget']:14.2f}")
         ok &= r["median"] <= STEP_TARGET and p["engine_memory_of_budget"] <= MEMORY_TARGET
-        if "vllm_step_s" in p:
-            print(f"         vLLM-CPU {p['vllm_step_s']['median'] * 1e3:.1f} ms/step; engine / vLLM "
-                  f"{p['engine_of_vllm']:.2f}")
-        elif "vllm_error" in p:
-            print(f"         vLLM-CPU: {p['vllm_error']}")
+    for m, run in vllm.items():
+        print(f"vLLM-CPU {m}: " + (f"LLM(...) took {run['init_s']:.0f} s (load{' + torch.compile' if m == 'compiled' else ''}"
+                                   f"; not in any figure)" if "error" not in run else run["error"]))
+    for p in results["prefill"]:
+        line = (f"prefill {p['batch']}x{p['tokens']}: engine {p['tok_s']:.0f} tok/s (batches of "
+                f"{p['prefill_batch_size']}); query capture +{p['capture_overhead']['median']:.1%} "
+                f"(min {p['capture_overhead']['min']:.1%}, max {p['capture_overhead']['max']:.1%})")
+        for m in vllm:
+            if f"vllm_{m}_prefill_s" in p:
+                v = p["batch"] * p["tokens"] / p[f"vllm_{m}_prefill_s"]["median"]
+                line += f"; vLLM {m} {v:.0f} tok/s, engine/vLLM {p[f'engine_of_vllm_{m}']:.2f}"
+        print(line)
     print(f"targets: engine step <= {STEP_TARGET}x static, decode memory <= {MEMORY_TARGET}x the budget's KV bytes: "
-          f"{'met' if ok else 'NOT met'}")
-    if results["vllm"] != "measured":
+          f"{'met' if ok else 'NOT met'}" + ("".join(
+              f"; engine/vLLM {m} <= 1.0: {'met' if all(p.get(f'engine_of_vllm_{m}', 9) <= 1.0 for p in results['points']) else 'NOT met'}"
+              for m in vllm)))
+    if results["vllm"] and not vllm:
         print(f"vLLM comparison {results['vllm']}")
     for tp in results.get("throughput", []):
         for row in tp["table"]:

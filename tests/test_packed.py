@@ -21,7 +21,7 @@ def test_packed_products_equal_f_linear(shape):
     x = torch.randn(*shape)
     with torch.inference_mode():
         want = net(x)
-        with PackedLinears(net, rows=8) as packed:
+        with PackedLinears(net, rows=8, min_elements=1) as packed:
             assert all("forward" in m.__dict__ for m in (net[0], net[2]))  # the packed path is what runs
             got = net(x)
     assert len(packed) == 2 and packed.bytes == (24 * 40 + 40 * 8) * 4
@@ -32,7 +32,7 @@ def test_packed_products_equal_f_linear(shape):
 
 def test_forward_restored_after_an_error_and_nested_use():
     net = _net()
-    packed = PackedLinears(net)
+    packed = PackedLinears(net, min_elements=1)
     with pytest.raises(RuntimeError, match="boom"), packed:
         with packed:  # nested: still packed after the inner exit
             pass
@@ -44,7 +44,7 @@ def test_forward_restored_after_an_error_and_nested_use():
 def test_weight_edited_in_place_is_packed_again():
     net = _net()
     x = torch.randn(4, 24)
-    packed = PackedLinears(net)
+    packed = PackedLinears(net, min_elements=1)
     with torch.no_grad():
         net[0].weight.mul_(2.0)  # e.g. a fine-tuning step after the engine was opened
         want = net(x)
@@ -61,7 +61,15 @@ def test_hooked_and_subclassed_linears_keep_their_forward():
     hooked = nn.Linear(4, 4)
     hooked.forward = lambda x: x  # as accelerate's offload hooks do
     net.append(hooked)
-    assert len(PackedLinears(net)) == 1
+    assert len(PackedLinears(net, min_elements=1)) == 1
+
+
+def test_the_default_packs_only_models_whose_weights_stream_from_memory(tiny):
+    from tdutils.engines.packed import packing_pays
+
+    assert not packing_pays(tiny[0])  # the bundled toy model fits the caches: F.linear is faster there
+    big = nn.Sequential(nn.Linear(2048, 4096), nn.Linear(4096, 16))  # 32 MiB in one large matrix
+    assert packing_pays(big) and len(PackedLinears(big)) == 1  # the 16-row one stays on F.linear
 
 
 def test_unavailable_models_are_refused():
@@ -80,7 +88,7 @@ def test_engine_decode_packed_equals_unpacked(tiny, sample_ids):
     outs = {}
     for flag in (False, True):
         eng = HFEngine(model, tokenizer=tok, kv_budget_tokens=400, progress=False, packed_linears=flag)
-        assert (eng._packed is not None) == flag
+        assert (eng._packed is not None and len(eng._packed) > 0) == flag
         eng.prefill(sample_ids)
         outs[flag] = eng.decode(max_tokens=8, keep_logits=True)
     for a, b in zip(outs[False], outs[True]):

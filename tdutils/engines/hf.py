@@ -44,7 +44,7 @@ from .base import (
     tokenize_extensions,
 )
 from .kvstore import SlotKVStore, plan_slots
-from .packed import PackedLinears, packing_available
+from .packed import MIN_ELEMENTS, PackedLinears, packing_available, packing_pays
 
 POSITIONS = ("compact", "original")
 KV_BLOCK_TOKENS = 256  # with EOS honoured, decode grants a request its tokens (reservation, storage) in blocks
@@ -99,8 +99,9 @@ class HFEngine(Engine):
         packed_linears: decode steps run the model's `nn.Linear` layers on weights prepacked for oneDNN
             (`tdutils.engines.packed`: about twice the weight bandwidth of `F.linear` at decode batch sizes,
             outputs equal up to float summation order) at the cost of one more copy of those weights; None
-            (default) = on where available (CPU, fp32 or bf16, torch with oneDNN), False = off, True = on or
-            ValueError where unavailable.
+            (default) = on where available (CPU, fp32 or bf16, torch with oneDNN) and worth it (`packing_pays`:
+            at least 32 MiB of large weights; not the bundled toy models), False = off, True = every linear
+            packed, or ValueError where unavailable.
 
     Query capture switches the model to a registered attention function that wraps its `sdpa` or
     `eager` attention (`tdutils.attention.capture_implementation`); outputs are unchanged.
@@ -157,8 +158,9 @@ class HFEngine(Engine):
         if packed_linears and not packing_available(self.model):
             raise ValueError(f"packed_linears=True needs torch with oneDNN and a CPU model in float32 or bfloat16 "
                              f"(this one: {self.model.dtype} on {self.device}); pass packed_linears=None or False")
-        use = packing_available(self.model) if packed_linears is None else packed_linears
-        self._packed = PackedLinears(self.model) if use else None
+        use = packing_pays(self.model) if packed_linears is None else packed_linears
+        # True packs every nn.Linear; the default only the large ones (MIN_ELEMENTS), where packing pays
+        self._packed = PackedLinears(self.model, min_elements=MIN_ELEMENTS if packed_linears is None else 1) if use else None
 
     # ------------------------------------------------------------------ helpers
     @property

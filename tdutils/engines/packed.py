@@ -20,6 +20,25 @@ import torch.nn.functional as F
 from torch import nn
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# Packing pays where a weight streams from memory: a matrix of at least 2^18 elements (1 MiB in fp32; smaller
+# ones run faster through F.linear, oneDNN's call costs ~12 us) in a model whose packed weights (>= 32 MiB)
+# do not stay in the CPU caches between steps.
+MIN_ELEMENTS = 1 << 18
+AUTO_MIN_BYTES = 32 << 20
+
+
+def _eligible(model: nn.Module, min_elements: int) -> list[nn.Linear]:
+    # exactly nn.Linear (quantized / adapter subclasses keep their forward); a module whose forward is already
+    # replaced (accelerate's offload hooks) keeps it
+    return [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype in PACKED_DTYPES
+            and m.weight.numel() >= min_elements and "forward" not in m.__dict__]
+
+
+def packing_pays(model: nn.Module) -> bool:
+    """Whether the engine's default packs `model`: `packing_available` and at least `AUTO_MIN_BYTES` of linear
+    weights with `MIN_ELEMENTS` or more each (a model that fits the CPU caches gains nothing)."""
+    return packing_available(model) and sum(
+        m.weight.numel() * m.weight.element_size() for m in _eligible(model, MIN_ELEMENTS)) >= AUTO_MIN_BYTES
 
 
 def packing_available(model: nn.Module) -> bool:
@@ -38,20 +57,19 @@ class PackedLinears:
             (not subclasses: quantized or adapter layers keep their own forward) are packed.
         rows: the typical number of input rows (the decode batch) oneDNN chooses its blocking for; any row
             count works.
+        min_elements: pack only weights of at least this many elements (default `MIN_ELEMENTS`; 1 packs all).
 
     Inside `with packed:` each packed module computes `y = x @ W.T + b` (x `[..., in]` -> y `[..., out]`, the
     module's dtype) from the packed copy; the context restores the modules' own forward on exit, also after an
     error. Raises RuntimeError from `__init__` when `packing_available(model)` is False.
     """
 
-    def __init__(self, model: nn.Module, rows: int = 8):
+    def __init__(self, model: nn.Module, rows: int = 8, min_elements: int = MIN_ELEMENTS):
         if not packing_available(model):
             raise RuntimeError("prepacked linears need torch with oneDNN (mkldnn) and a CPU model in float32 or "
                                "bfloat16; open the engine with packed_linears=False")
         self.rows = max(1, int(rows))
-        # a module whose forward is already replaced (accelerate's offload hooks) keeps it
-        self._mods = [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype in PACKED_DTYPES
-                      and "forward" not in m.__dict__]
+        self._mods = _eligible(model, min_elements)
         self._forwards = [(lambda x, _m=m: self._forward(_m, x)) for m in self._mods]
         self._packed: dict[int, tuple[torch.Tensor, int, int]] = {}
         self._depth = 0
