@@ -91,3 +91,34 @@ def test_accuracy_script_reports_bad_values_in_one_line(tmp_path):
     p = _bench("accuracy.py", "--n", "0", cwd=tmp_path)
     assert p.returncode == 2 and p.stderr.strip() == "accuracy.py: error: --n must be >= 1, got 0", p.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_engine_bench_smoke_run_writes_every_figure(tmp_path):
+    """The CI smoke mode of bench/engine_bench.py: tiny sizes, every arm, prefill and a stand-in "vLLM" Python
+    that answers the script's protocol (real vLLM runs only by hand); shapes and consistency, no timing targets."""
+    fake = tmp_path / "fake_vllm_python"
+    # answers like VLLM_SCRIPT; its argv: itself -c SCRIPT folder mode points steps repeats vocab
+    fake.write_text("#!" + sys.executable + "\n"
+                    "import json, sys\n"
+                    "mode, points = sys.argv[4], json.loads(sys.argv[5])\n"
+                    "s = 0.002 if mode == 'compiled' else 0.004\n"
+                    "print('VLLM_RESULT ' + json.dumps({'init_s': 1.5, 'points': [{'batch': b, 'tokens': t, "
+                    "'step_s': [s, s], 'prefill_s': [0.5, 0.5]} for b, t in points]}))\n")
+    fake.chmod(0o755)
+    out = tmp_path / "engine.json"
+    p = _bench("engine_bench.py", "--model", "tiny-qwen3", "--points", "2x32", "--prefill", "2x32", "--steps", "3",
+               "--repeats", "2", "--threads", "1", "--vllm-python", str(fake), "--json", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    import json
+
+    r = json.loads(out.read_text())
+    (pt,) = r["points"]
+    assert (pt["batch"], pt["tokens"], len(pt["engine_step_s"]["values"])) == (2, 32, 2)
+    assert pt["ratio"]["median"] > 0 and pt["packed_bytes"] == 0  # the toy model is not packed by default
+    assert pt["engine_of_vllm_compiled"] == pytest.approx(pt["engine_step_s"]["median"] / 0.002)
+    assert pt["engine_of_vllm_eager"] == pytest.approx(pt["engine_step_s"]["median"] / 0.004)
+    (pre,) = r["prefill"]
+    assert pre["tok_s"] == pytest.approx(64 / pre["no_capture_s"]["median"])
+    assert pre["engine_of_vllm_compiled"] == pytest.approx(pre["tok_s"] / (64 / 0.5))
+    assert r["vllm"]["compiled"]["init_s"] == 1.5
+    assert "engine/vLLM" in p.stdout and "prefill 2x32: engine" in p.stdout and "LLM(...) took 2 s" in p.stdout, p.stdout

@@ -114,6 +114,8 @@ def test_the_reported_bench_commands_fail_in_one_line(script, args, want):
     ("engine_bench", ["--throughput-drop-ratios", "nan"], "argument --throughput-drop-ratios: nan is not in (0, 1)"),
     ("engine_bench", ["--throughput-drop-ratios", "0.5,1"], "argument --throughput-drop-ratios: 1 is not in (0, 1)"),
     ("engine_bench", ["--json", ""], "--json '' is an empty path"),
+    ("engine_bench", ["--vllm-modes", "fast"], "--vllm-modes 'fast': give compiled and/or eager, comma-separated"),
+    ("engine_bench", ["--prefill", "8x1"], "argument --prefill: '8x1': batch must be >= 1 and tokens >= 2"),
     ("throughput", ["--json", ""], "--json '' is an empty path"),
     ("peer_kvpress", ["--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
     ("peer_kvpress", ["--ratios", "nan"], "argument --ratios: bad ratio in (0, 1) 'nan'"),
