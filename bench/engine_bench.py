@@ -348,6 +348,50 @@ def throughput(model, tok, *, requests: int, tokens: int, max_tokens: int, repea
             "table": json.loads(table.reset_index().to_json(orient="records")), "runs": runs}
 
 
+def _ms(spread: dict) -> str:
+    return f"{spread['median'] * 1e3:.1f}"
+
+
+def markdown(results: dict) -> str:
+    """The decode-step table (engine, engine without packed linears, StaticCache loop, vLLM-CPU compiled and
+    eager, ratios), the prefill lines and the legend of a run (`--summary RUN.json` prints it)."""
+    vllm = results["vllm"] if isinstance(results["vllm"], dict) else {}
+    modes = [m for m in VLLM_MODES if m in vllm and "error" not in vllm[m]]
+    head = ["B × T", "engine ms/step", "without packed linears", "StaticCache loop", "engine ÷ static (min–max)"]
+    head += [x for m in modes for x in (f"vLLM {m}", f"engine ÷ vLLM {m}")]
+    head += ["decode memory ÷ budget KV"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in results["points"]:
+        r = p["ratio"]
+        row = [f"{p['batch']} × {p['tokens']}", _ms(p["engine_step_s"]),
+               _ms(p["engine_unpacked_step_s"]) if "engine_unpacked_step_s" in p else "–", _ms(p["static_step_s"]),
+               f"{r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f})"]
+        row += [x for m in modes for x in (_ms(p[f"vllm_{m}_step_s"]), f"{p[f'engine_of_vllm_{m}']:.2f}")]
+        row.append(f"{p['engine_memory_of_budget']:.2f}")
+        lines.append("| " + " | ".join(row) + " |")
+    a = results["args"]
+    legend = (f"({a['model']}; ms per decode step, median of {a['repeats']} repeats of {a['steps']} steps; "
+              f"{results['torch_threads']} torch threads; {results.get('date', '')})")
+    out = ["\n".join(lines), "", legend]
+    for m in VLLM_MODES:
+        if m in vllm:
+            out.append(f"vLLM-CPU {m}: " + (vllm[m]["error"] if "error" in vllm[m] else
+                       f"`LLM(...)` took {vllm[m]['init_s']:.0f} s (load"
+                       f"{', memory profiling and torch.compile' if m == 'compiled' else ''}; in no figure)."))
+    if not vllm and results.get("vllm"):
+        out.append(f"vLLM comparison {results['vllm']}.")
+    for p in results.get("prefill", []):
+        c = p["capture_overhead"]
+        line = (f"Prefill {p['batch']} × {p['tokens']}: engine {p['tok_s']:.0f} tok/s without query capture "
+                f"(prefill batches of {p['prefill_batch_size']}), capture +{c['median']:.1%} "
+                f"({c['min']:.1%} to {c['max']:.1%})")
+        for m in modes:
+            v = p["batch"] * p["tokens"] / p[f"vllm_{m}_prefill_s"]["median"]
+            line += f"; vLLM {m} {v:.0f} tok/s (engine ÷ vLLM {p[f'engine_of_vllm_{m}']:.2f})"
+        out.append(line + ".")
+    return "\n".join(out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog="bench/engine_bench.py", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -379,12 +423,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=positive_int, default=None,
                     help="torch CPU threads (default torch's); 1 is steadier on a machine shared with other work")
     ap.add_argument("--json", dest="json_path", default=None)
+    ap.add_argument("--summary", default=None, metavar="RUN.json", help="print the tables of a stored run and exit")
     return ap
 
 
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.summary:
+        from _report import read_json
+
+        try:
+            print(markdown(read_json(args.summary)))
+        except ValueError as exc:
+            ap.error(str(exc))
+        return 0
     if args.steps < 2:
         ap.error("--steps must be >= 2")
     modes = [m.strip() for m in args.vllm_modes.split(",") if m.strip()]
@@ -466,42 +519,14 @@ def main(argv=None) -> int:
                                                     drop_ratios=args.throughput_drop_ratios))
             save()
 
-    ok = True
+    print("\n" + markdown(results))
+    ok = all(p["ratio"]["median"] <= STEP_TARGET and p["engine_memory_of_budget"] <= MEMORY_TARGET
+             for p in results["points"])
     vllm = results["vllm"] if isinstance(results["vllm"], dict) else {}
-    print(f"\ndecode step, ms (median of {args.repeats}; ratios per repeat for the static loop, of medians for vLLM)")
-    print(f"{'point':>8} {'engine':>8} {'unpacked':>9} {'static':>8} {'engine/static (min-max)':>24} "
-          + "".join(f"{'vLLM ' + m:>14} {'engine/vLLM':>12}" for m in vllm) + f" {'mem/budget KV':>14}")
-    for p in results["points"]:
-        r = p["ratio"]
-        unpacked = p.get("engine_unpacked_step_s", {}).get("median")
-        line = (f"{p['batch']}x{p['tokens']:<6} {p['engine_step_s']['median'] * 1e3:8.1f} "
-                f"{unpacked * 1e3 if unpacked else float('nan'):9.1f} {p['static_step_s']['median'] * 1e3:8.1f} "
-                f"{r['median']:12.2f} ({r['min']:.2f}-{r['max']:.2f}) ")
-        for m in vllm:
-            if f"vllm_{m}_step_s" in p:
-                line += f"{p[f'vllm_{m}_step_s']['median'] * 1e3:14.1f} {p[f'engine_of_vllm_{m}']:12.2f}"
-            else:
-                line += f"{'failed':>14} {'':>12}"
-        print(line + f" {p['engine_memory_of_budget']:14.2f}")
-        ok &= r["median"] <= STEP_TARGET and p["engine_memory_of_budget"] <= MEMORY_TARGET
-    for m, run in vllm.items():
-        print(f"vLLM-CPU {m}: " + (f"LLM(...) took {run['init_s']:.0f} s (load{' + torch.compile' if m == 'compiled' else ''}"
-                                   f"; not in any figure)" if "error" not in run else run["error"]))
-    for p in results["prefill"]:
-        line = (f"prefill {p['batch']}x{p['tokens']}: engine {p['tok_s']:.0f} tok/s (batches of "
-                f"{p['prefill_batch_size']}); query capture +{p['capture_overhead']['median']:.1%} "
-                f"(min {p['capture_overhead']['min']:.1%}, max {p['capture_overhead']['max']:.1%})")
-        for m in vllm:
-            if f"vllm_{m}_prefill_s" in p:
-                v = p["batch"] * p["tokens"] / p[f"vllm_{m}_prefill_s"]["median"]
-                line += f"; vLLM {m} {v:.0f} tok/s, engine/vLLM {p[f'engine_of_vllm_{m}']:.2f}"
-        print(line)
     print(f"targets: engine step <= {STEP_TARGET}x static, decode memory <= {MEMORY_TARGET}x the budget's KV bytes: "
-          f"{'met' if ok else 'NOT met'}" + ("".join(
-              f"; engine/vLLM {m} <= 1.0: {'met' if all(p.get(f'engine_of_vllm_{m}', 9) <= 1.0 for p in results['points']) else 'NOT met'}"
-              for m in vllm)))
-    if results["vllm"] and not vllm:
-        print(f"vLLM comparison {results['vllm']}")
+          f"{'met' if ok else 'NOT met'}" + "".join(
+              f"; engine <= vLLM {m}: {'met' if all(p.get(f'engine_of_vllm_{m}', 9) <= 1.0 for p in results['points']) else 'NOT met'}"
+              for m in vllm if "error" not in vllm[m]))
     for tp in results.get("throughput", []):
         for row in tp["table"]:
             print(f"throughput {tp['requests']}x{tp['tokens']}: {row['config']:>12} {row['decode_tok_s_median']:8.1f} "

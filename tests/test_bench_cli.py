@@ -121,4 +121,7 @@ def test_engine_bench_smoke_run_writes_every_figure(tmp_path):
     assert pre["tok_s"] == pytest.approx(64 / pre["no_capture_s"]["median"])
     assert pre["engine_of_vllm_compiled"] == pytest.approx(pre["tok_s"] / (64 / 0.5))
     assert r["vllm"]["compiled"]["init_s"] == 1.5
-    assert "engine/vLLM" in p.stdout and "prefill 2x32: engine" in p.stdout and "LLM(...) took 2 s" in p.stdout, p.stdout
+    for want in ("engine ÷ vLLM compiled", "Prefill 2 × 32: engine", "`LLM(...)` took 2 s", "engine <= vLLM eager"):
+        assert want in p.stdout, p.stdout
+    again = _bench("engine_bench.py", "--summary", str(out))  # the stored run's tables, as the docs show them
+    assert again.returncode == 0 and again.stdout.strip() in p.stdout, again.stdout + again.stderr
