@@ -4,8 +4,9 @@ Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of La
 arXiv:2306.14048.
 
 Score of token `j`: its attention accumulated over every prompt query that can see it,
-`Σ_{i ≥ j} softmax_j(q_i · k_j / sqrt(d))` (causal, per head; `scoring.window_attention` in blocks of query
-rows, so no `[Hq, T, T]` tensor is formed), the `g` query heads of each GQA group averaged, then the KV heads
+`Σ_{i ≥ j} softmax_j(q_i · k_j / sqrt(d))` (causal, per head, with the model's attention arithmetic; computed
+in blocks of query rows against the keys they can see, so no `[Hq, T, T]` tensor is formed and the causal upper
+triangle is skipped: `_accumulated`), the `g` query heads of each GQA group averaged, then the KV heads
 and layers averaged into one score per token. Keep the `window` most recent tokens plus the `k - window` heavy
 hitters among the others (ties to the earlier token). Needs the queries of *all* prompt tokens (`needs="all"`:
 `[L, T, Hq*d]` per request; its memory: docs/policies.md); scoring costs `O(L * Hq * T² * d)`.
@@ -21,12 +22,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import AttentionSpec
+from ..attention import AttentionSpec, LayerAttention, masked_logits, softmax_with_sinks
 from ..selection import check_protected, keep_count, keep_top_scores, protected_mask
 from .registry import register_policy
-from .scoring import check_query, layer_attentions, model_attention, reduce_gqa, window_attention
+from .scoring import check_query, layer_attentions, model_attention, plain_attention, reduce_gqa
 
-BLOCK_ELEMENTS = 1 << 24  # fp32 attention probabilities held per block of query rows (64 MiB)
+# fp32 attention probabilities held per block of query rows (16 MiB: small blocks skip most of the causal
+# upper triangle and stay in memory the allocator reuses)
+BLOCK_ELEMENTS = 1 << 22
 
 
 @dataclass
@@ -64,18 +67,54 @@ def h2o_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, attention: A
     q = check_query(kv, q, T, head_dim, "H2O", what="the prompt length (H2O reads every prompt query)")
     L, h = kv.shape[1], kv.shape[3] // head_dim
     layers = layer_attentions(attention, L)
-    hq = q.shape[2] // head_dim
-    rows = max(1, BLOCK_ELEMENTS // (hq * T))
     total = torch.zeros(T, dtype=torch.float32, device=kv.device)
     for layer in range(L):
-        acc = torch.zeros(hq, T, dtype=torch.float32, device=kv.device)
-        qs = q[layer, -T:]
-        for a in range(0, T, rows):
-            b = min(T, a + rows)
-            # rows a..b-1 are the last rows of the first b tokens: the window_attention layout
-            acc[:, :b] += window_attention(kv[0, layer, :b], qs[a:b], h, layers[layer]).sum(dim=1)  # [Hq, b]
+        acc = _accumulated(kv[0, layer], q[layer, -T:], h, layers[layer])  # [Hq, T]
         total += reduce_gqa(acc, h, "mean").mean(dim=0)  # [Hq, T] -> [H, T] -> [T]
     return total / L
+
+
+def _accumulated(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, layer: LayerAttention | None) -> torch.Tensor:
+    """`Σ_i att[h, i, j]` of one layer for every query head: fp32 `[Hq, T]` from keys `k [T, H*d]` and the queries
+    of every prompt token `q [T, Hq*d]` (row `i` is token `i`).
+
+    Blocks of query rows `a..b-1` against the keys they can see (`..b-1`; from `a - W + 1` in a sliding-window
+    layer), so the causal upper triangle is skipped but for the block's own diagonal square and no block holds
+    more than about `BLOCK_ELEMENTS` probabilities. Plain layers (no soft-cap, window or sinks, as most models
+    have) take a fused path: the scale folded into the queries, only the diagonal square masked, `exp` in place,
+    and the column sums of the probabilities taken as `(1 / Z)ᵀ · exp(logits − max)` (one matmul per block
+    instead of normalising every row); other layers go through the model's arithmetic (`masked_logits`,
+    `softmax_with_sinks`), the same as `window_attention`. Both equal the definition up to fp32 rounding.
+    """
+    T = k.shape[0]
+    d = k.shape[1] // n_kv_heads
+    hq = q.shape[1] // d
+    g = hq // n_kv_heads
+    kh = k.float().view(T, n_kv_heads, d).transpose(0, 1).contiguous()  # [H, T, d]
+    qh = q.float().view(T, n_kv_heads, g, d).permute(1, 2, 0, 3)  # [H, g, T, d]: query head h*g+j reads KV head h
+    plain = plain_attention(layer)
+    if plain:
+        qh = qh * (d ** -0.5 if layer is None else layer.scaling)
+    window = None if layer is None else layer.sliding_window
+    rows = max(1, BLOCK_ELEMENTS // (hq * T))
+    acc = torch.zeros(hq, T, dtype=torch.float32, device=k.device)
+    pos = torch.arange(T, device=k.device)
+    above = torch.ones(rows, rows, dtype=torch.bool, device=k.device).triu_(1)  # key after the query: hidden
+    for a in range(0, T, rows):
+        b = min(T, a + rows)
+        lo = 0 if window is None else max(0, a - window + 1)
+        r = b - a
+        s = (qh[:, :, a:b].reshape(n_kv_heads, g * r, d) @ kh[:, lo:b].transpose(1, 2)).view(hq, r, b - lo)
+        if plain:
+            s[:, :, a - lo:].masked_fill_(above[:r, :r], float("-inf"))  # causal inside the diagonal square
+            s.sub_(s.amax(dim=-1, keepdim=True)).exp_()  # every row sees its own key: the max is finite
+            inv = s.sum(dim=-1, keepdim=True).reciprocal_().transpose(1, 2)  # [Hq, 1, r]
+            acc[:, lo:b] += (inv @ s)[:, 0]
+        else:
+            probs = softmax_with_sinks(masked_logits(s, layer, pos[a:b], pos[lo:b]), layer.sinks)
+            acc[:, lo:b] += probs.sum(dim=1)
+        del s
+    return acc
 
 
 def h2o_keep(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int | None = None,

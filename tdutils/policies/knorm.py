@@ -36,16 +36,21 @@ class KNormParams:
         check_protected(self.n_sink, self.window)
 
 
+def check_key_heads(kv: torch.Tensor, head_dim: int) -> None:
+    """ValueError unless `kv` is `[2, L, T, D]` and `head_dim` divides `D`."""
+    if kv.dim() != 4 or kv.shape[0] != 2:
+        raise ValueError(f"kv must have shape [2, L, T, D], got {tuple(kv.shape)}")
+    if head_dim < 1 or kv.shape[3] % head_dim:
+        raise ValueError(f"head_dim {head_dim} does not divide D={kv.shape[3]}")
+
+
 def key_heads(kv: torch.Tensor, layer: int, head_dim: int) -> torch.Tensor:
     """Keys of one layer split into KV heads: fp32 `[H, T, d]` from `kv [2, L, T, H*d]`.
 
     Raises:
         ValueError: `kv` not `[2, L, T, D]`, or `head_dim` not dividing `D`.
     """
-    if kv.dim() != 4 or kv.shape[0] != 2:
-        raise ValueError(f"kv must have shape [2, L, T, D], got {tuple(kv.shape)}")
-    if head_dim < 1 or kv.shape[3] % head_dim:
-        raise ValueError(f"head_dim {head_dim} does not divide D={kv.shape[3]}")
+    check_key_heads(kv, head_dim)
     T = kv.shape[2]
     return kv[0, layer].float().view(T, -1, head_dim).transpose(0, 1)
 
@@ -60,11 +65,10 @@ def knorm_scores(kv: torch.Tensor, *, head_dim: int) -> torch.Tensor:
     Returns:
         fp32 `[T]` mean norms (lower = keep).
     """
-    L = kv.shape[1]
-    total = torch.zeros(kv.shape[2], dtype=torch.float32, device=kv.device)
-    for layer in range(L):
-        total += key_heads(kv, layer, head_dim).norm(dim=-1).mean(dim=0)
-    return total / L
+    check_key_heads(kv, head_dim)
+    L, T = kv.shape[1], kv.shape[2]
+    norms = kv[0].float().reshape(L, T, -1, head_dim).norm(dim=-1)  # [L, T, H]: every layer and head at once
+    return norms.mean(dim=2).sum(dim=0) / L
 
 
 def knorm_keep(kv: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int = 0, n_sink: int = 0) -> torch.Tensor:
@@ -84,4 +88,4 @@ register_policy(
     summary="the keys with the lowest L2 norm (mean over KV heads and layers)",
     paper="Devoto et al. 2024, KNorm, arXiv:2406.11430")
 
-__all__ = ["KNormParams", "key_heads", "knorm_keep", "knorm_scores"]
+__all__ = ["KNormParams", "check_key_heads", "key_heads", "knorm_keep", "knorm_scores"]

@@ -164,89 +164,154 @@ def _reference(kh: torch.Tensor, threshold: float, row_tile: int) -> torch.Tenso
     return torch.softmax(colsum / n, dim=-1)
 
 
-def _retained_in_block(s: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """Sum, per column of a block, of the entries rows retain there.
-
-    s: `[..., rows, B]` similarities; last: `[..., rows]` column of each row's retained entry inside
-    the block, or -1 (none here). A dense masked reduction rather than a scatter-add, so the result does
-    not depend on thread or atomic order (deterministic on GPUs too). Returns `[..., B]`.
-    """
-    cols = torch.arange(s.shape[-1], device=s.device, dtype=last.dtype)
-    onehot = cols == last[..., None]  # [..., rows, B]; rows with last = -1 match nothing
-    return torch.where(onehot, s, 0.0).sum(dim=-2)
+# Heads whose normalised keys are held at once (`_group_size`): every head of every layer of a request on prompts
+# of a few thousand tokens. Each column block's similarities are computed for slices of heads of at most
+# BLOCK_BYTES of temporaries (fp32 similarities + bool hits), so a block stays in memory the allocator reuses.
+GROUP_BYTES = 1 << 28
+BLOCK_BYTES = 1 << 24
+SPLIT_HEADS = 4  # buckets of more heads than this are split by rows left (`_rebucket`)
 
 
-def _rightmost_hit(s: torch.Tensor, threshold: float, skip: torch.Tensor | None = None) -> torch.Tensor:
-    """Column of the rightmost entry above `threshold` in each row of `s [..., rows, B]`, or -1 when none.
-
-    `skip [..., rows]` (bool) marks rows that already found their hit in a block further right."""
-    hit = s > threshold
-    if skip is not None:
-        hit &= ~skip[..., None]
-    cols = torch.arange(s.shape[-1], device=s.device, dtype=torch.int32)
-    return torch.where(hit, cols, -1).amax(dim=-1)  # int32 [..., rows]
+def _dense_retain(device: torch.device) -> bool:
+    """Whether retained entries are summed by a dense masked reduction (off the CPU: no atomic scatter, so the
+    result does not depend on thread order) rather than by `index_add_` (CPU: sequential, deterministic)."""
+    return device.type != "cpu"
 
 
-def _exact_head(kh: torch.Tensor, threshold: float, col_block: int, first_block: int) -> torch.Tensor:
-    """Column sums of one head's S (diagonal and retained entries removed) in O(n·col_block) memory.
+def _batch_layers(device: torch.device) -> bool:
+    """Whether R-KV scores every layer of a request in one batch (off the CPU: fewer kernel launches) rather than
+    one layer at a time (CPU: one layer's temporaries stay in cache; same arithmetic)."""
+    return device.type != "cpu"
 
-    kh: fp32 `[n, d]` normalised keys. Returns fp32 `[n]` = `Σ_i S̃[i, j]`.
-    """
-    n = kh.shape[0]
-    # Σ_i S[i, j] over i != j without forming S: <Σ_i k̂_i, k̂_j> - <k̂_j, k̂_j>
-    colsum = kh @ kh.sum(dim=0) - (kh * kh).sum(dim=1)  # [n]
-    retained = torch.zeros(n, dtype=torch.float32, device=kh.device)
-    active = torch.arange(n, device=kh.device)  # rows still looking for their rightmost hit
-    for lo, hi in _blocks_right_to_left(0, n, first_block, col_block):
-        if active.numel() == 0:
-            break
-        s = kh.index_select(0, active) @ kh[lo:hi].T  # [a, B]
-        local = active - lo  # column of each active row's own key inside the block (if it lies there)
-        on_diag = (local >= 0) & (local < hi - lo)
-        s[on_diag.nonzero()[:, 0], local[on_diag]] = 0.0  # S̃ has a zero diagonal
-        last = _rightmost_hit(s, threshold)  # [a]; -1 for rows without a hit in this block
-        found = last >= 0
-        if bool(found.any()):
-            retained[lo:hi] += _retained_in_block(s, last)
-            active = active[~found]  # these rows stop here: their rightmost hit is in this block
+
+@dataclass
+class _Bucket:
+    """Heads of one batch of the right-to-left scan: `heads [Gb]` (indices into the keys' heads), the rows each
+    slot holds `idx [Gb, A]` and whether that row is still scanning `ok [Gb, A]` (its rightmost hit not found)."""
+
+    heads: torch.Tensor
+    idx: torch.Tensor
+    ok: torch.Tensor
+    whole: tuple[int, int] | None = None  # `(r0, r1)` while the bucket is every head with rows r0..r1-1 in order
+
+
+def _block_hits(kh: torch.Tensor, b: _Bucket, lo: int, hi: int, threshold: float, retained: torch.Tensor) -> None:
+    """Scan the columns `[lo, hi)` for the rows of bucket `b`: each row still scanning finds its rightmost entry
+    above `threshold` there (diagonal set to 0 first), adds it to `retained [G, n]` and stops (`b.ok` cleared).
+
+    The block's keys are multiplied in reversed column order, so the rightmost hit is the *first* True of each
+    row, which `max` over the bool hits (as bytes) returns: one comparison and one byte reduction per entry.
+    On the CPU the retained entries are added by `index_add_` (sequential, deterministic); elsewhere by a dense
+    masked reduction per column (no atomics: deterministic on GPUs too)."""
+    n = kh.shape[1]
+    width = hi - lo
+    step = max(1, BLOCK_BYTES // max(1, 5 * b.idx.shape[1] * width))
+    for h0 in range(0, b.heads.numel(), step):
+        heads, idx, ok = b.heads[h0:h0 + step], b.idx[h0:h0 + step], b.ok[h0:h0 + step]
+        kb = kh[:, lo:hi].index_select(0, heads).flip(1)  # [g, B, d]: column hi - 1 - c at c
+        if b.whole is None:
+            rows = kh[heads[:, None], idx]  # [g, A, d]
+        else:  # the first block of a tile: every row of every head, a view
+            rows = kh[h0:h0 + step, b.whole[0]:b.whole[1]]
+        s = rows @ kb.transpose(1, 2)  # [g, A, B]
+        local = (hi - 1) - idx  # each slot's own (reversed) column in the block, if it lies there
+        on = (local >= 0) & (local < width)
+        if bool(on.any()):  # S̃ has a zero diagonal
+            gi, ai = on.nonzero(as_tuple=True)
+            s[gi, ai, local[gi, ai]] = 0.0
+        # rightmost hit = first True of the reversed row: `max` over the hits as bytes returns the first index of
+        # the maximum (documented), and whether there is one, in one byte reduction
+        any_hit, first = torch.max((s > threshold).view(torch.uint8), dim=-1)  # [g, A]; first = 0 when none
+        found = any_hit.bool() & ok
+        if not _dense_retain(s.device):
+            col = (hi - 1) - first  # [g, A] absolute column
+            retained.view(-1).index_add_(0, (heads[:, None] * n + col)[found], s.gather(-1, first[..., None])[..., 0][found])
+        else:
+            onehot = (torch.arange(width, device=s.device) == first[..., None]) & found[..., None]  # [g, A, B]
+            retained[heads, lo:hi] += torch.where(onehot, s, 0.0).sum(dim=1).flip(-1)  # heads are distinct
+        b.ok[h0:h0 + step] = ok & ~found
         del s
-    if active.numel():  # rows with no near-duplicate retain column 0: S̃[i, 0] (0 for row 0 itself)
-        v = kh.index_select(0, active) @ kh[0]
-        retained[0] += torch.where(active == 0, 0.0, v).sum()
-    return colsum - retained
 
 
-def _tiled(kh: torch.Tensor, threshold: float, row_tile: int, col_block: int, first_block: int) -> torch.Tensor:
-    """Column sums of S̃ (diagonal and retained entries removed) for all heads, row tiles × column blocks.
+def _rebucket(b: _Bucket) -> list[_Bucket]:
+    """The rows of `b` still scanning, packed to the front of each head's slots (in row order); heads with none
+    left dropped; the others split, when they are many and finish at very different speeds, so that each
+    bucket's widest head has at most twice the rows of its narrowest (one batched matmul per bucket, little
+    padding)."""
+    c = b.ok.sum(dim=1).tolist()
+    live = sorted((i for i in range(len(c)) if c[i] > 0), key=lambda i: -c[i])
+    if not live:
+        return []
+    groups = [live]
+    if len(live) > SPLIT_HEADS and c[live[0]] > 2 * c[live[-1]]:
+        groups, start = [], 0
+        while start < len(live):
+            end = start + 1
+            while end < len(live) and 2 * c[live[end]] >= c[live[start]]:
+                end += 1
+            groups.append(live[start:end])
+            start = end
+    out = []
+    for group in groups:
+        sel = torch.tensor(group, device=b.ok.device)
+        ok, idx = b.ok[sel], b.idx[sel]
+        r, j = ok.nonzero(as_tuple=True)  # row-major: each head's rows still scanning, in row order
+        pos = ok.cumsum(dim=1)[r, j] - 1  # their packed slot
+        width = c[group[0]]
+        packed_idx = idx.new_zeros(len(group), width)
+        packed_idx[r, pos] = idx[r, j]
+        packed_ok = torch.zeros(len(group), width, dtype=torch.bool, device=ok.device)
+        packed_ok[r, pos] = True
+        out.append(_Bucket(b.heads[sel], packed_idx, packed_ok))
+    return out
 
-    kh: fp32 `[G, n, d]` normalised keys on the compute device. Returns fp32 `[G, n]`. Deterministic:
-    matmuls, dense reductions and slice adds only.
+
+def _scan(kh: torch.Tensor, threshold: float, row_tile: int, col_block: int, first_block: int) -> torch.Tensor:
+    """Column sums of S̃ (diagonal and retained entries removed) of every head, batched over heads.
+
+    kh: fp32 `[G, n, d]` normalised keys (G independent heads). Returns fp32 `[G, n]` = `Σ_i S̃[i, j]`.
+
+    `Σ_i S[i, j]` over `i != j` without forming `S`: `⟨Σ_i k̂_i, k̂_j⟩ − ⟨k̂_j, k̂_j⟩`. Then, per tile of `row_tile`
+    rows of every head, column blocks are scanned from the right (`_blocks_right_to_left`); in each block every
+    row still scanning finds its rightmost entry above `threshold` (`_block_hits`), and the rows that found one
+    add that entry to its column's retained sum and stop. After each block the rows still scanning are packed
+    and the heads regrouped by how many they have left (`_rebucket`), so a block costs what its remaining rows
+    need, in one batched matmul per group of heads. Rows that find no entry at all retain column 0
+    (`S̃[i, 0]`; nothing for row 0, whose `S[0, 0]` is the diagonal).
     """
     G, n, _ = kh.shape
-    colsum = (kh @ kh.sum(dim=1)[..., None])[..., 0] - (kh * kh).sum(dim=-1)  # [G, n]
-    retained = torch.zeros(G, n, dtype=torch.float32, device=kh.device)
+    dev = kh.device
+    # ⟨k̂_j, k̂_j⟩ as the squared norm: no [G, n, d] temporary
+    colsum = (kh @ kh.sum(dim=1)[..., None])[..., 0] - torch.linalg.vector_norm(kh, dim=-1).square()  # [G, n]
+    retained = torch.zeros(G, n, dtype=torch.float32, device=dev)
     for r0 in range(0, n, row_tile):
         r1 = min(n, r0 + row_tile)
-        rows = kh[:, r0:r1]  # [G, t, d]
-        found = torch.zeros(G, r1 - r0, dtype=torch.bool, device=kh.device)
+        buckets = [_Bucket(torch.arange(G, device=dev), torch.arange(r0, r1, device=dev).expand(G, -1),
+                           torch.ones(G, r1 - r0, dtype=torch.bool, device=dev), whole=(r0, r1))]
         for lo, hi in _blocks_right_to_left(0, n, first_block, col_block):
-            s = rows @ kh[:, lo:hi].transpose(1, 2)  # [G, t, B]
-            a, b = max(r0, lo), min(r1, hi)
-            if a < b:  # the diagonal crosses this tile x block
-                idx = torch.arange(a, b, device=kh.device)
-                s[:, idx - r0, idx - lo] = 0.0
-            last = _rightmost_hit(s, threshold, skip=found)  # [G, t]; -1 for rows done or without a hit here
-            retained[:, lo:hi] += _retained_in_block(s, last)
-            found |= last >= 0
-            del s
-            if bool(found.all()):  # every row of the tile has its rightmost hit: stop scanning left
+            for b in buckets:
+                _block_hits(kh, b, lo, hi, threshold, retained)
+            buckets = [part for b in buckets for part in _rebucket(b)]
+            if not buckets:  # every row of the tile has its rightmost hit: stop scanning left
                 break
-        if not bool(found.all()):  # rows with no near-duplicate retain column 0
-            v = (rows @ kh[:, 0, :, None])[..., 0]  # [G, t] = S[i, 0]
-            if r0 == 0:
-                v[:, 0] = 0.0  # S̃[0, 0] is the diagonal
-            retained[:, 0] += torch.where(found, 0.0, v).sum(dim=1)
+        for b in buckets:  # rows with no near-duplicate retain column 0
+            v = (kh[b.heads[:, None], b.idx] @ kh[b.heads, 0, :, None])[..., 0]  # [Gb, A] = S[i, 0]
+            retained[b.heads, 0] += torch.where(b.ok & (b.idx != 0), v, 0.0).sum(dim=1)
     return colsum - retained
+
+
+def _group_size(method: str, n: int, d: int, settings: dict) -> int:
+    """Heads per group of `method` on `n` keys of `d` channels: `GROUP_BYTES` over one head's worst-case
+    temporaries (normalised keys, similarities of a tile or block with their masks and indices)."""
+    if method == "reference":
+        t = min(settings["row_tile"], n)
+        per_head = 4 * n * d + 13 * t * n
+    elif method == "buffered":
+        c = min(settings["chunk_size"], n)
+        per_head = 8 * c * d + 10 * c * min(settings["col_block"], c)
+    else:  # exact, tiled: the keys and the gathered rows (block temporaries are bounded by BLOCK_BYTES)
+        per_head = 8 * n * d + 12 * n
+    return max(1, GROUP_BYTES // max(1, per_head))
 
 
 def rkv_redundancy(keys: torch.Tensor, *, method: str = "exact", threshold: float = 0.5, eps: float = 1e-8,
@@ -262,20 +327,23 @@ def rkv_redundancy(keys: torch.Tensor, *, method: str = "exact", threshold: floa
 
     - `reference`: the literal formula, `row_tile` rows of `S` at a time (`[H, tile, n]` temporaries, the
       `[H, tile, n]` int64 "rightmost hit" index of the original code included; never `[H, n, n]`). Peak extra
-      memory ≈ `4·G·n·d + 13·G·t·n` bytes (`G` heads, `t = min(row_tile, n)`).
-    - `exact`: linear memory, one head at a time. Column sums without `S`:
+      memory ≈ `4·G·n·d + 13·G·t·n` bytes per group of heads (`G` heads, `t = min(row_tile, n)`).
+    - `exact`: linear memory, every row of a head as one tile. Column sums without `S`:
       `Σ_i S[i, j] = ⟨Σ_i k̂_i, k̂_j⟩ − ⟨k̂_j, k̂_j⟩`; then each row's retained entry is found by scanning
       column blocks from the right (widths `first_block`, doubling up to `col_block`) and dropping rows from
-      the scan as soon as they hit; the retained entries are subtracted from their columns. Peak extra memory
-      ≈ `4·n·d` (one head's normalised keys) `+ 9·n·B` (the widest block reached, `B <= col_block`) `+ 8·G·n`.
-      Time: one `n × B` block product per block scanned, so it is fastest when rows hit near the right edge
-      (real keys); keys with no near-duplicates at all are scanned to the left edge (`n²·d` per head, as the
-      reference, without its memory).
-    - `tiled`: the same rewrite over `row_tile` rows × column blocks for all heads at once, on any device
-      (`device="cuda"` moves the keys there); deterministic: every accumulation is a dense reduction or a
-      slice add, no atomic scatter. Peak extra memory ≈ `4·G·n·d` (fp32 normalised keys) `+ 9·G·t·B`
-      (per block: fp32 similarities, an int32 column index, two bool masks) `+ 12·G·n` (column sums,
-      retained sums, result) bytes, `G` = heads, `t = min(row_tile, n)`, `B = min(col_block, n)`.
+      the scan as soon as they hit; the retained entries are subtracted from their columns (`_scan`: one
+      batched matmul per block for all heads of a group, the rows still scanning packed and the heads regrouped
+      by how many they have left, so a block costs what its remaining rows need). Time: fastest when rows hit
+      near the right edge (real keys); keys with no near-duplicates at all are scanned to the left edge (`n²·d`
+      per head, as the reference, without its memory).
+    - `tiled`: the same scan over tiles of `row_tile` rows (`exact` is `tiled` with one tile per head), on any
+      device (`device="cuda"` moves the keys there); deterministic off the CPU: every accumulation is a dense
+      reduction or an add at distinct indices, no atomic scatter.
+
+    Memory of `exact` and `tiled`: heads in groups of at most `GROUP_BYTES` of normalised keys and packed rows
+    (`8·n·d` bytes a head), each block's similarities computed for slices of heads of at most `BLOCK_BYTES`
+    (5 bytes an entry: fp32 similarity, bool hit; at least one head: `5·t·B`, `t` = the tile's rows still
+    scanning, `B <= col_block`), plus `12·G·n` (column sums, retained sums, result).
     - `buffered` (approximate): similarities only inside consecutive chunks of `chunk_size` tokens (default
       512): each key's column mean runs over the rows of its own chunk (divided by that chunk's length), the
       rightmost hit is searched inside the chunk, and the softmax still runs over all `n` tokens so that `R`
@@ -322,31 +390,34 @@ def _redundancy(keys: torch.Tensor, method: str, threshold: float, eps: float, s
     if n == 0:
         return torch.zeros(*lead, 0, dtype=torch.float32, device=out_device)
 
-    if method == "reference":
-        red = _reference(normalize_keys(flat.to(device), eps), threshold, settings["row_tile"])
-    elif method == "exact":
-        sums = torch.empty(G, n, dtype=torch.float32, device=device)
-        for g in range(G):  # one head at a time: only [n, d] normalised keys are alive
-            kh = normalize_keys(flat[g].to(device), eps)
-            sums[g] = _exact_head(kh, threshold, settings["col_block"], settings["first_block"])
-            del kh
-        red = torch.softmax(sums / n, dim=-1)
-    elif method == "tiled":
-        kh = normalize_keys(flat.to(device), eps)
-        sums = _tiled(kh, threshold, settings["row_tile"], settings["col_block"], settings["first_block"])
-        del kh
-        red = torch.softmax(sums / n, dim=-1)
-    else:  # buffered: similarities inside each chunk only; the mean runs over the chunk's rows
-        c = settings["chunk_size"]
-        means = torch.empty(G, n, dtype=torch.float32, device=device)
-        for c0 in range(0, n, c):
-            c1 = min(n, c0 + c)
-            kh = normalize_keys(flat[:, c0:c1].to(device), eps)  # [G, c, d]
-            sums = _tiled(kh, threshold, c1 - c0, settings["col_block"], settings["first_block"])
-            means[:, c0:c1] = sums / (c1 - c0)
-            del kh, sums
-        red = torch.softmax(means, dim=-1)  # over all n tokens: R keeps the exact method's scale
+    group = _group_size(method, n, d, settings)
+    red = torch.empty(G, n, dtype=torch.float32, device=device)
+    for g0 in range(0, G, group):  # each group: one batch of every method's matmuls
+        red[g0:g0 + group] = _group_redundancy(flat[g0:g0 + group], method, threshold, eps, settings, device)
     return red.reshape(*lead, n).to(out_device)
+
+
+def _group_redundancy(flat: torch.Tensor, method: str, threshold: float, eps: float, settings: dict,
+                      device: torch.device) -> torch.Tensor:
+    """The redundancy of one group of heads `flat [G, n, d]` (raw keys) on `device`: fp32 `[G, n]`."""
+    G, n, _ = flat.shape
+    if method == "reference":
+        return _reference(normalize_keys(flat.to(device), eps), threshold, settings["row_tile"])
+    if method in ("exact", "tiled"):  # the same scan; exact takes every row of a head as one tile
+        kh = normalize_keys(flat.to(device), eps)
+        tile = n if method == "exact" else settings["row_tile"]
+        sums = _scan(kh, threshold, tile, settings["col_block"], settings["first_block"])
+        del kh
+        return torch.softmax(sums / n, dim=-1)
+    # buffered: similarities inside each chunk only; the mean runs over the chunk's rows
+    c = settings["chunk_size"]
+    means = torch.empty(G, n, dtype=torch.float32, device=device)
+    for c0 in range(0, n, c):
+        c1 = min(n, c0 + c)
+        kh = normalize_keys(flat[:, c0:c1].to(device), eps)  # [G, c, d]
+        means[:, c0:c1] = _scan(kh, threshold, c1 - c0, settings["col_block"], settings["first_block"]) / (c1 - c0)
+        del kh
+    return torch.softmax(means, dim=-1)  # over all n tokens: R keeps the exact method's scale
 
 
 # --------------------------------------------------------------------------------------------- importance
@@ -450,15 +521,26 @@ def _scores(kv: torch.Tensor, q: torch.Tensor, p: RKVParams, head_dim: int, atte
     h = kv.shape[3] // head_dim
     layers = layer_attentions(attention, L)
     settings = p.settings()
-    total = torch.zeros(n, dtype=torch.float32, device=kv.device)
-    for layer in range(L):
-        k = kv[0, layer]  # [T, H*d]
-        imp = rkv_importance(k, q[layer, -p.window:], h, p.kernel_size, layers[layer])  # [H, n]
-        # [H, T]: redundancy among all T keys, window included
-        red = _redundancy(k.view(T, h, head_dim).transpose(0, 1), p.redundancy, float(p.threshold), p.eps, settings)
-        z = p.mix_lambda * imp - (1.0 - p.mix_lambda) * red[:, :n]
-        total += z.mean(dim=0)
-    return total
+    device = torch.device(settings["device"]) if settings["device"] is not None else kv.device
+    if not _batch_layers(device):
+        # one layer at a time: on a CPU, temporaries of one layer (that stay in cache and in memory the allocator
+        # reuses) beat one batch of every layer, whose arithmetic is the same (measured: bench/policy_cost.py)
+        total = torch.zeros(n, dtype=torch.float32, device=kv.device)
+        for layer in range(L):
+            k = kv[0, layer]  # [T, H*d]
+            imp = rkv_importance(k, q[layer, -p.window:], h, p.kernel_size, layers[layer])  # [H, n]
+            # [H, T]: redundancy among all T keys, window included
+            red = _redundancy(k.view(T, h, head_dim).transpose(0, 1), p.redundancy, float(p.threshold), p.eps,
+                              settings)
+            total += (p.mix_lambda * imp - (1.0 - p.mix_lambda) * red[:, :n]).mean(dim=0)
+        return total
+    # elsewhere (GPUs), every head of every layer in one batch (`_redundancy` bounds its memory): one kernel per
+    # scan step instead of one per layer and step
+    imp = torch.stack([rkv_importance(kv[0, i], q[i, -p.window:], h, p.kernel_size, layers[i]) for i in range(L)])
+    red = _redundancy(kv[0].view(L, T, h, head_dim).transpose(1, 2), p.redundancy, float(p.threshold), p.eps,
+                      settings)  # [L, H, T]
+    z = p.mix_lambda * imp - (1.0 - p.mix_lambda) * red[..., :n].to(imp.device)  # [L, H, n]
+    return z.mean(dim=1).sum(dim=0)
 
 
 def _keep_indices(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, p: RKVParams, head_dim: int,

@@ -11,7 +11,9 @@ reads KV head `h // g`, `g = Hq / H`. Probabilities are fp32; bad shapes or no q
 - `check_query`: a request's KV and captured query checked and put in the `[L, Tq, Hq*d]` layout.
 - `model_attention`: these policies' `setup` (the model's attention, once per drop function), per layer
   by `layer_attentions`; `window_logits` / `window_attention`: logits / probabilities `[Hq, w, T]` of the
-  last `w` queries; `reduce_gqa`: `[Hq, ...] -> [H, ...]` over each GQA group (mean or max).
+  last `w` queries; `window_column_sums`: those probabilities summed over the window rows, `[B, Hq, T]` for a
+  batch of layers (`layer_batches`), fused for plain softmax layers; `reduce_gqa`: `[Hq, ...] -> [H, ...]` over
+  each GQA group (mean or max).
 - `pool_tokens`: 1-D pooling along tokens (SnapKV's and R-KV's smoothing of the votes).
 """
 
@@ -138,6 +140,104 @@ def window_attention(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, layer: L
     return softmax_with_sinks(logits, None if layer is None else layer.sinks)
 
 
+# layers of one request scored in one batch by `window_column_sums`: at most this many fp32 logits (4 MiB: on a CPU
+# larger batches are slower, their temporaries falling out of cache and out of the memory the allocator reuses)
+BATCH_ELEMENTS = 1 << 20
+
+
+def plain_attention(layer: LayerAttention | None) -> bool:
+    """The layer's attention is a scaled softmax and nothing more (no soft-cap, sliding window or sinks), as in
+    most models: `window_column_sums` then takes its fused path."""
+    return layer is None or (layer.softcap is None and layer.sliding_window is None and layer.sinks is None
+                             and not layer.has_sinks)
+
+
+def same_attention(layers: list) -> bool:
+    """Every layer computes its logits alike (same scale, soft-cap and window; no learned sinks, whose values
+    differ per layer): one batched computation then serves them all."""
+    if all(layer is None for layer in layers):
+        return True
+    if any(layer is None or layer.has_sinks or layer.sinks is not None for layer in layers):
+        return False
+    first = layers[0]
+    return all((x.scaling, x.softcap, x.sliding_window) == (first.scaling, first.softcap, first.sliding_window)
+               for x in layers)
+
+
+def window_column_sums(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, layer: LayerAttention | None = None
+                       ) -> torch.Tensor:
+    """Attention of the window queries summed over the window rows: `window_attention(k, q, ...).sum(dim=-2)`,
+    for a batch of layers that share one `LayerAttention` — SnapKV's vote (Li et al. 2024, arXiv:2404.14469)
+    before the GQA reduction and pooling, and TOVA's score with `w = 1` (Oren et al. 2024, arXiv:2401.06104).
+
+    Args:
+        k: `[B, T, H*d]` keys of `B` layers (any float dtype); q: `[B, w, Hq*d]` their last `w` queries (row `i` is
+            token `T - w + i`), `w <= T`.
+        n_kv_heads: `H`; query head `h` reads KV head `h // (Hq / H)`.
+        layer: the layers' `LayerAttention`; None = scale `d ** -0.5` only.
+
+    Returns:
+        fp32 `[B, Hq, T]`: `Σ_i att[h, i, j]`, equal to `window_attention` summed over its rows up to fp32
+        rounding. Plain layers (`plain_attention`) take a fused path: the scale folded into the queries, only the
+        window's own `w × w` square masked (causal), `exp` in place and the column sums of the probabilities
+        taken as `(1 / Z)ᵀ · exp(logits − max)`, one matmul instead of normalising every row; other layers go
+        through `window_attention` (soft-cap, sliding window, sinks).
+    """
+    nb, T, w = k.shape[0], k.shape[1], q.shape[1]
+    if not plain_attention(layer):
+        return torch.stack([window_attention(k[b], q[b], n_kv_heads, layer).sum(dim=1) for b in range(nb)])
+    if w > T:
+        raise ValueError(f"{w} window queries for {T} keys: the window queries are the last prompt tokens, so w <= T")
+    scale = _logit_scale(k.shape[2] // n_kv_heads, layer)
+    s = _grouped_logits(k, q.float() * scale, n_kv_heads)  # [H, B, g, w, T]
+    above = torch.ones(w, w, dtype=torch.bool, device=k.device).triu_(1)  # a key after the query: hidden
+    s[..., T - w:].masked_fill_(above, float("-inf"))
+    s.sub_(s.amax(dim=-1, keepdim=True)).exp_()  # every row sees its own key: the max is finite
+    inv = s.sum(dim=-1, keepdim=True).reciprocal_().transpose(-1, -2)  # [H, B, g, 1, w]
+    out = (inv @ s)[..., 0, :]  # [H, B, g, T]
+    return out.permute(1, 0, 2, 3).reshape(nb, -1, T)  # [B, Hq, T]: query head h*g+j at h*g+j
+
+
+def _logit_scale(head_dim: int, layer: LayerAttention | None) -> float:
+    """The logit scale of a layer: its `scaling`, or `head_dim ** -0.5` for plain attention (None)."""
+    return head_dim ** -0.5 if layer is None else layer.scaling
+
+
+def _grouped_logits(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """Raw dot products of queries with keys for a batch of layers, grouped by KV head: fp32 `[H, B, g, w, T]`.
+
+    Args:
+        k: `[B, T, H*d]` keys (any float dtype); q: `[B, w, Hq*d]` queries (any float dtype); query head
+            `h*g + j` reads KV head `h`, `g = Hq / H`.
+
+    One batched matmul per KV head over the `B` layers, reading each head's keys in place (strided; never
+    copied `g` times, nor gathered into a `[B, H, T, d]` copy) and writing into one contiguous result.
+    """
+    nb, T, w = k.shape[0], k.shape[1], q.shape[1]
+    d = k.shape[2] // n_kv_heads
+    g = q.shape[2] // d // n_kv_heads
+    kf = k.float()
+    qh = q.float().view(nb, w, n_kv_heads, g, d)
+    out = torch.empty(n_kv_heads, nb, g * w, T, dtype=torch.float32, device=k.device)
+    for h in range(n_kv_heads):
+        qg = qh[:, :, h].transpose(1, 2).reshape(nb, g * w, d)  # [B, g*w, d] (a small copy)
+        torch.bmm(qg, kf[:, :, h * d:(h + 1) * d].transpose(1, 2), out=out[h])
+    return out.view(n_kv_heads, nb, g, w, T)
+
+
+def layer_batches(layers: list, rows: int, cols: int, heads: int):
+    """Slices `a:b` of the layers that `window_column_sums` scores together: consecutive layers of one
+    attention (all of them when `same_attention`), at most `BATCH_ELEMENTS` logits (`heads × rows × cols` per
+    layer) a batch; yields `(a, b, layer)`."""
+    L = len(layers)
+    if not same_attention(layers):
+        yield from ((i, i + 1, layers[i]) for i in range(L))
+        return
+    step = max(1, BATCH_ELEMENTS // max(1, heads * rows * cols))
+    for a in range(0, L, step):
+        yield a, min(L, a + step), layers[a]
+
+
 def reduce_gqa(x: torch.Tensor, n_kv_heads: int, how: GQAReduce = "mean") -> torch.Tensor:
     """Combine the `g = Hq / H` query heads of each GQA group: `[Hq, ...] -> [H, ...]` by `"mean"` or `"max"`.
 
@@ -162,5 +262,6 @@ def pool_tokens(x: torch.Tensor, kernel_size: int, pooling: Pooling) -> torch.Te
     return x.reshape(shape)
 
 
-__all__ = ["GQA_REDUCTIONS", "POOLINGS", "GQAReduce", "Pooling", "check_query", "layer_attentions", "model_attention",
-           "pool_tokens", "reduce_gqa", "window_attention", "window_logits"]
+__all__ = ["BATCH_ELEMENTS", "GQA_REDUCTIONS", "POOLINGS", "GQAReduce", "Pooling", "check_query", "layer_attentions",
+           "layer_batches", "model_attention", "plain_attention", "pool_tokens", "reduce_gqa", "same_attention",
+           "window_attention", "window_column_sums", "window_logits"]

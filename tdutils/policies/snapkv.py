@@ -7,7 +7,8 @@ keys in fp32 — computed as the model computes them (`scoring.window_attention`
 `tdutils.attention.AttentionSpec`): its scale (`q·k / sqrt(d)` for most families; Granite's
 `attention_multiplier`, Gemma's `query_pre_attn_scalar`), logit soft-capping (Gemma 2), learned sinks in the
 denominator (gpt-oss) and sliding window (a window query at position `p` votes only for keys at positions
-`> p - W`); the *vote* of each earlier token is its attention summed over the `w` window rows. The
+`> p - W`); the *vote* of each earlier token is its attention summed over the `w` window rows
+(`scoring.window_column_sums`, several layers per batch). The
 `g = Hq / H` query heads of a GQA group share one KV head (query head `h` reads KV head `h // g`), so their
 votes are reduced per group (`mean`, or `max`). Votes are pooled along tokens (`avg` or `max`, stride 1, same
 padding) so that neighbours of a voted token survive with it, then averaged over KV heads and layers into one
@@ -32,10 +33,11 @@ from .scoring import (
     Pooling,
     check_query,
     layer_attentions,
+    layer_batches,
     model_attention,
     pool_tokens,
-    reduce_gqa,
     window_attention,
+    window_column_sums,
 )
 
 
@@ -106,11 +108,14 @@ def _scores(kv: torch.Tensor, q: torch.Tensor, p: SnapKVParams, head_dim: int, a
     if n <= 0:
         return torch.zeros(0, dtype=torch.float32, device=kv.device)
     h = kv.shape[3] // head_dim
+    hq = q.shape[2] // head_dim
     total = torch.zeros(n, dtype=torch.float32, device=kv.device)
-    for layer in range(L):  # one layer at a time: the [Hq, w, T] probabilities are the big temporary
-        probs = window_attention(kv[0, layer], q[layer, -p.window:], h, layers[layer])  # [Hq, w, T]
-        vote = reduce_gqa(probs[:, :, :n].sum(dim=1), h, p.gqa_reduce)  # [Hq, n] -> [H, n]
-        total += pool_tokens(vote, p.kernel_size, p.pooling).mean(dim=0)
+    # batches of layers (`layer_batches`): the [B, Hq, w, T] logits are the big temporary
+    for a, b, layer in layer_batches(layers, p.window, T, hq):
+        sums = window_column_sums(kv[0, a:b], q[a:b, -p.window:], h, layer)  # [B, Hq, T]
+        grouped = sums[..., :n].reshape(b - a, h, hq // h, n)  # query head h*g+j reads KV head h
+        vote = grouped.mean(dim=2) if p.gqa_reduce == "mean" else grouped.amax(dim=2)  # [B, H, n]
+        total += pool_tokens(vote, p.kernel_size, p.pooling).mean(dim=1).sum(dim=0)
     return total / L
 
 

@@ -5,7 +5,7 @@ Oren et al., "Transformers are Multi-State RNNs" (Token Omission Via Attention),
 Definition in the paper: when the cache is full, drop the token with the lowest attention score of the
 current (last) query, averaged over the attention heads of the layer. Implemented here once, at the end of
 prefill: the attention of the last prompt query over all keys, computed by the helper SnapKV uses
-(`scoring.window_attention`, so the model's attention arithmetic is shared), averaged over all query heads
+(`scoring.window_column_sums`, so the model's attention arithmetic is shared), averaged over all query heads
 and then over layers into one score per token; keep the `k` best (ties to the earlier token). It equals
 SnapKV with window 1, no pooling and the mean over each GQA group (tested). Needs the query of the last
 prompt token (`needs="window"`, one row) and the model's head counts.
@@ -24,7 +24,7 @@ import torch
 from ..attention import AttentionSpec
 from ..selection import check_protected, keep_count, keep_top_scores, protected_mask
 from .registry import register_policy
-from .scoring import check_query, layer_attentions, model_attention, window_attention
+from .scoring import check_query, layer_attentions, layer_batches, model_attention, window_column_sums
 
 
 @dataclass
@@ -59,9 +59,10 @@ def tova_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, attention: 
     q = check_query(kv, q, 1, head_dim, "TOVA")
     L, h = kv.shape[1], kv.shape[3] // head_dim
     layers = layer_attentions(attention, L)
-    total = torch.zeros(kv.shape[2], dtype=torch.float32, device=kv.device)
-    for layer in range(L):
-        total += window_attention(kv[0, layer], q[layer, -1:], h, layers[layer])[:, 0].mean(dim=0)  # [Hq,1,T] -> [T]
+    T, hq = kv.shape[2], q.shape[2] // head_dim
+    total = torch.zeros(T, dtype=torch.float32, device=kv.device)
+    for a, b, layer in layer_batches(layers, 1, T, hq):  # batches of layers sharing one attention
+        total += window_column_sums(kv[0, a:b], q[a:b, -1:], h, layer).mean(dim=1).sum(dim=0)  # [B, Hq, T] -> [T]
     return total / L
 
 

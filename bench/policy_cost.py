@@ -1,0 +1,270 @@
+"""What choosing the tokens costs on a real model (issue 34, item 3): each policy's `modify` ÷ the baseline decode.
+
+    python bench/policy_cost.py                       # SmolLM2-135M, 8 requests x 2048 tokens, 64 decode tokens
+    python bench/policy_cost.py --json docs/results/policy_cost.json
+    python bench/policy_cost.py --smoke               # the bundled tiny model, seconds (CI): no pass/fail on timing
+    python bench/policy_cost.py --summary docs/results/policy_cost.json
+
+One `hf` engine (`tdutils.open_engine("hf", model=...)`, all prompt queries captured, `query_window=None`, since
+H2O reads every one) prefills `--num-requests` prompts of `--prompt-tokens` tokens once (continuation prompts from
+the RULER essay haystack, as `bench/decode_compression.py` builds them; passages wrap around the text when it is
+too short for that many distinct ones). From that one prefill (`snapshot` / `restore`; each policy gets the
+query rows a run of it alone would capture, `captured`, since the engine copies what it hands a drop function):
+
+- the baseline decodes `--max-tokens` tokens per request (greedy, EOS ignored), `--repeats` times;
+- every policy's drop function (`tdutils.make_drop_fn(policy, drop_ratio=0.5, model_config=engine.model)`, keys
+  re-rotated to compact positions) is applied through `engine.modify`, `--repeats` times: the modify time is the
+  engine's own `metrics.modify.seconds` (what `tdutils.compare` reports as `modify_s`: every request's copy of
+  its tensors, the choice of tokens, the gather and RoPE re-rotation, the output checks), of which `score s` is
+  the choice of tokens alone (`tdutils.profiling.TimedDropFn`).
+
+Columns: modify seconds for the whole batch (median over repeats), per request and per request and layer (ms),
+modify ÷ the baseline's decode seconds (median), the target (issue 34: ≤ 10% for the cheap policies, ≤ 25% for
+R-KV and H2O, which compute attention or key similarities) and whether the run meets it. `--smoke` runs the
+bundled tiny model with short prompts and reports the table without judging it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _report import check_json_dest, read_json, write_json
+
+ESSAY = Path(__file__).resolve().parents[1] / "tdutils" / "assets" / "ruler" / "alice_ch1-6.txt"
+# name -> (policy, parameters, target share of the baseline decode)
+VARIANTS = {
+    "snapkv": ("snapkv", {}, 0.10),
+    "tova": ("tova", {}, 0.10),
+    "knorm": ("knorm", {}, 0.10),
+    "keydiff": ("keydiff", {}, 0.10),
+    "streaming_llm": ("streaming_llm", {}, 0.10),
+    "random": ("random", {}, 0.10),
+    "rkv": ("rkv", {"redundancy": "exact"}, 0.25),
+    "rkv_tiled": ("rkv", {"redundancy": "tiled"}, 0.25),
+    "h2o": ("h2o", {}, 0.25),
+}
+SMOKE = {"model": "tiny-qwen3", "num_requests": 2, "prompt_tokens": 96, "max_tokens": 4, "repeats": 1}
+
+
+def essay_prompts(tokenizer, n: int, tokens: int) -> list[list[int]]:
+    """`n` continuation prompts of exactly `tokens` token ids from the RULER essay haystack, each led by the
+    tokenizer's own leading special tokens: passages starting at `n` evenly spaced words of the text, read on
+    from the start of the text when they run past its end (so the text need not hold `n` disjoint passages).
+
+    Raises:
+        ValueError: a passage has fewer than `tokens` tokens (not reachable with English prose).
+    """
+    words = re.sub(r"\s+", " ", ESSAY.read_text(encoding="utf-8")).strip().split(" ")
+    lead = list(tokenizer("", add_special_tokens=True)["input_ids"])
+    body = tokens - len(lead)
+    span = 2 * body + 16  # words: more than enough for `body` tokens of English prose
+    ring = words * (1 + span // len(words) + 1)
+    step = len(words) // max(n, 1)
+    out = []
+    for i in range(n):
+        ids = tokenizer(" ".join(ring[i * step:i * step + span]), add_special_tokens=False)["input_ids"]
+        if len(ids) < body:
+            raise ValueError(f"passage {i} has {len(ids)} tokens, fewer than {body}")
+        out.append(lead + list(ids[:body]))
+    return out
+
+
+def captured(state: list, rows: int | None) -> list:
+    """The requests of an hf engine `snapshot()` taken with every prompt query captured (`query_window=None`), as
+    a prefill capturing `rows` would have left them (`tdutils.policies.query_window_for` of one drop function):
+    no query (0), the last `rows` query rows (a copy), or all (None). The engine copies every tensor it hands a
+    drop function, so each policy is timed with what a run of that policy alone holds."""
+    out = []
+    for r in state:
+        r = copy.copy(r)
+        if rows == 0:
+            r.query = None
+        elif rows is not None and r.query is not None:
+            r.query = r.query[:, -rows:].clone()
+        out.append(r)
+    return out
+
+
+def _machine() -> str:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)"
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(args) -> dict:
+    """Prefill once, time the baseline decode and every variant's modify; returns the report (`table` renders it)."""
+    import torch
+    import transformers
+
+    import tdutils
+    from tdutils.policies import query_window_for
+    from tdutils.profiling import TimedDropFn
+
+    t_start = time.perf_counter()
+    eng = tdutils.open_engine("hf", model=args.model, query_window=None, progress=False, device=args.device)
+    facts = eng.facts
+    prompts = essay_prompts(eng.tokenizer, args.num_requests, args.prompt_tokens)
+    eng.prefill(prompts)
+    prefill_s = eng.metrics.prefill.seconds
+    _log(f"model={args.model} layers={facts.num_layers} requests={len(prompts)} prompt_tokens={args.prompt_tokens} "
+         f"threads={torch.get_num_threads()} prefill {prefill_s:.1f} s")
+    saved = eng.snapshot()
+
+    decode_s = []
+    for rep in range(args.repeats + 1):  # the first, untimed: a process's first forwards are slower
+        eng.restore(saved)
+        eng.decode(args.max_tokens, ignore_eos=True)
+        if rep:
+            decode_s.append(eng.metrics.decode.seconds)
+        _log(f"  baseline decode {'(warm-up)' if not rep else f'repeat {rep}'}: {eng.metrics.decode.seconds:.2f} s")
+    base = statistics.median(decode_s)
+
+    rows = []
+    for name in args.policies:
+        policy, params, target = VARIANTS[name]
+        fn = TimedDropFn(tdutils.make_drop_fn(policy, drop_ratio=args.drop_ratio, model_config=eng.model, **params))
+        state = captured(saved, query_window_for(fn))
+        modify_s, score_s, kept = [], [], 0
+        for rep in range(args.repeats + 1):  # the first, untimed (warm-up)
+            eng.restore(state)
+            fn.reset()
+            eng.modify(fn)
+            if rep:
+                modify_s.append(eng.metrics.modify.seconds)
+                score_s.append(fn.split()["score_s"])
+            kept = eng.metrics.modify.tokens_after
+        m = statistics.median(modify_s)
+        n, L = len(prompts), facts.num_layers
+        row = {"name": name, "policy": policy, "params": params, "modify_s": m, "modify_all_s": modify_s,
+               "score_s": statistics.median(score_s), "per_request_ms": 1e3 * m / n,
+               "per_layer_ms": 1e3 * m / (n * L), "share": m / base, "target": target,
+               "passed": m / base <= target, "kept_tokens": kept}
+        rows.append(row)
+        _log(f"  {name:>14}: modify {m:.3f} s ({row['per_request_ms']:.1f} ms/request, {row['per_layer_ms']:.2f} "
+             f"ms/request/layer), {row['share']:.1%} of the baseline decode (target {target:.0%})")
+    meta = {"command": " ".join(["bench/policy_cost.py"] + sys.argv[1:]), "model": args.model,
+            "num_layers": facts.num_layers, "num_kv_heads": facts.num_kv_heads, "num_query_heads": facts.num_query_heads,
+            "head_dim": facts.head_dim, "num_requests": len(prompts), "prompt_tokens": args.prompt_tokens,
+            "max_tokens": args.max_tokens, "drop_ratio": args.drop_ratio, "repeats": args.repeats,
+            "smoke": args.smoke, "threads": torch.get_num_threads(), "machine": _machine(),
+            "platform": platform.platform(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M"), "prefill_s": prefill_s, "baseline_decode_s": base,
+            "baseline_decode_all_s": decode_s, "seconds": time.perf_counter() - t_start}
+    return {"meta": meta, "rows": rows}
+
+
+def table(report: dict) -> str:
+    """The report as a markdown table plus one line of conditions (pass/fail left out for `--smoke` runs)."""
+    m = report["meta"]
+    head = ["policy", "modify s", "score s", "per request ms", "per request·layer ms", "÷ baseline decode",
+            "target", "pass"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in report["rows"]:
+        verdict = "–" if m["smoke"] else ("pass" if r["passed"] else "FAIL")
+        lines.append(f"| {r['name']} | {r['modify_s']:.3f} | {r['score_s']:.3f} | {r['per_request_ms']:.1f} | "
+                     f"{r['per_layer_ms']:.2f} | {r['share']:.1%} | ≤ {r['target']:.0%} | {verdict} |")
+    threads = f"{m['threads']} torch thread{'' if m['threads'] == 1 else 's'}"
+    lines += ["", f"Model `{m['model']}` ({m['num_layers']} layers, {m['num_query_heads']} query / "
+              f"{m['num_kv_heads']} KV heads, head_dim {m['head_dim']}), {m['num_requests']} requests × "
+              f"{m['prompt_tokens']}-token prompts, drop ratio {m['drop_ratio']}, baseline decode of "
+              f"{m['max_tokens']} tokens per request {m['baseline_decode_s']:.2f} s (median of {m['repeats']}); "
+              f"modify: median of {m['repeats']} after one warm-up; {threads}, {m['machine']}, torch {m['torch']}"
+              + (" (smoke run: timings not judged)" if m["smoke"] else "") + "."]
+    return "\n".join(lines)
+
+
+def _names(text: str) -> list[str]:
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in out if x not in VARIANTS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"unknown policy {bad[0] if bad else text!r}; choose from "
+                                         f"{', '.join(VARIANTS)}")
+    return out
+
+
+def _ratio(text: str) -> float:
+    try:
+        r = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < r < 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1)")
+    return r
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tdutils.cli_args import OneLineParser, positive_int, usable_cores
+
+    ap = OneLineParser(prog="bench/policy_cost.py", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--summary", default=None, metavar="RUN.json", help="print the table of a stored run and exit")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"the bundled tiny model, {SMOKE['num_requests']} short prompts, 1 repeat: seconds (CI); "
+                         "no pass/fail on timing")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--device", default=None, help="engine device (default: cuda when available, else cpu)")
+    ap.add_argument("--num-requests", type=positive_int, default=8)
+    ap.add_argument("--prompt-tokens", type=positive_int, default=2048)
+    ap.add_argument("--max-tokens", type=positive_int, default=64, help="baseline decode tokens per request")
+    ap.add_argument("--drop-ratio", type=_ratio, default=0.5)
+    ap.add_argument("--repeats", type=positive_int, default=3, help="timed repeats (median), after one warm-up")
+    ap.add_argument("--policies", type=_names, default=list(VARIANTS),
+                    help=f"comma-separated, from {', '.join(VARIANTS)} (default: all)")
+    ap.add_argument("--threads", type=positive_int, default=usable_cores(), help="torch threads (default: cores)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write the run here ('-': stdout)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        if args.summary:
+            print(table(read_json(args.summary)))
+            return 0
+        if args.json is not None:
+            check_json_dest(args.json, example="docs/results/policy_cost.json")
+        from tdutils.models import check_device
+
+        check_device(args.device)
+    except (ValueError, KeyError) as exc:
+        ap.exit(2, f"{ap.prog}: error: {exc}\n")
+    if args.smoke:
+        for key, value in SMOKE.items():
+            if getattr(args, key) == ap.get_default(key):
+                setattr(args, key, value)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    report = run(args)
+    print(table(report))
+    if args.json is not None:
+        if args.json != "-":
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        write_json(report, args.json)
+    failed = [r["name"] for r in report["rows"] if not r["passed"]]
+    return 1 if failed and not args.smoke else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
