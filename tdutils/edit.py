@@ -157,6 +157,9 @@ class DropFn:
             (every prompt query); None for a selection function passed directly (unknown).
         query_rows: query rows to capture at prefill: 0, `w`, or None (all); see
             `tdutils.policies.query_window_for`.
+        reads_only: `select` never writes the tensors it is given (tdutils' built-in policies, which the tests
+            check), so an engine may hand it the cache itself instead of a protective copy; False for a
+            registered or passed user function, whose input is copied first.
     """
 
     name: str
@@ -167,6 +170,7 @@ class DropFn:
     params: dict = field(default_factory=dict)
     needs: str | None = None
     query_rows: int | None = 0
+    reads_only: bool = False
 
     def keep_indices(self, tensors: Mapping, tokens: Sequence[int]) -> torch.Tensor:
         """Sorted LongTensor [k] of the indices this function keeps for one request."""
@@ -264,7 +268,8 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float = 0.5, model_confi
     def select(tensors, tokens):
         return keep(get_kv(tensors), get_query(tensors) if reads_query else None, r, params=p, facts=facts, **extra)
 
-    return DropFn(policy, select, r, rerotate, rope_spec, dict(vars(p)), needs=pol.needs, query_rows=pol.rows(p))
+    return DropFn(policy, select, r, rerotate, rope_spec, dict(vars(p)), needs=pol.needs, query_rows=pol.rows(p),
+                  reads_only=pol.builtin)
 
 
 __all__ = ["CacheKind", "DropFn", "DropFunctionError", "ModifyFn", "apply_keep", "check_keep", "check_kv",

@@ -479,3 +479,37 @@ def test_no_module_outside_policies_imports_policy_internals_and_policies_never_
                 assert not private, f"{path} imports private {private} from {mod}"
     # edit.py reaches policies through the registry only
     assert [m for m, _ in _imports(ROOT / "tdutils" / "edit.py") if "policies" in m] == ["tdutils.policies"]
+
+
+def test_builtin_policies_only_read_their_input_so_the_engine_skips_the_copy(tiny, sample_ids):
+    """`DropFn.reads_only` lets the hf engine hand tdutils' own policies the cache itself (no protective copy):
+    every built-in policy must leave the KV and query tensors bit for bit as they were; a user's function is
+    still given a copy."""
+    from tdutils.engines.hf import HFEngine
+    from tdutils.policies import get_policy, policy_names
+
+    model, tok = tiny
+    eng = HFEngine(model, tokenizer=tok, query_window=None, progress=False)
+    eng.prefill(sample_ids[:1])
+    tensors = eng.tensors(0)
+    before = {k: t.clone() for k, t in tensors.items()}
+    names = [n for n in policy_names() if get_policy(n).builtin]
+    assert {"snapkv", "rkv", "h2o", "tova", "knorm", "keydiff", "random", "streaming_llm"} <= set(names)
+    for name in names:
+        fn = tdutils.make_drop_fn(name, drop_ratio=0.5, model_config=eng.config)
+        assert fn.reads_only
+        fn.edit(tensors, eng.tokens(0))
+        for kind, t in tensors.items():
+            assert torch.equal(t, before[kind]), (name, kind)
+
+    seen = []
+
+    def select(tensors, tokens):
+        seen.append(tensors[tdutils.CacheKind.KV])
+        return torch.arange(len(tokens) // 2)
+
+    user = tdutils.make_drop_fn(select, drop_ratio=0.5, model_config=eng.config)
+    assert not user.reads_only
+    cache = eng.requests[0].kv
+    eng.modify(user)
+    assert seen[0] is not cache and torch.equal(seen[0], before[tdutils.CacheKind.KV])  # a copy, not the cache
