@@ -9,13 +9,14 @@ One `hf` engine (`tdutils.open_engine("hf", model=...)`, all prompt queries capt
 H2O reads every one) prefills `--num-requests` prompts of `--prompt-tokens` tokens once (continuation prompts from
 the RULER essay haystack, as `bench/decode_compression.py` builds them; passages wrap around the text when it is
 too short for that many distinct ones). From that one prefill (`snapshot` / `restore`; each policy gets the
-query rows a run of it alone would capture, `captured`, since the engine copies what it hands a drop function):
+query rows a run of it alone would capture, `captured`, as the engine would hold in a run of that policy):
 
 - the baseline decodes `--max-tokens` tokens per request (greedy, EOS ignored), `--repeats` times;
 - every policy's drop function (`tdutils.make_drop_fn(policy, drop_ratio=0.5, model_config=engine.model)`, keys
   re-rotated to compact positions) is applied through `engine.modify`, `--repeats` times: the modify time is the
-  engine's own `metrics.modify.seconds` (what `tdutils.compare` reports as `modify_s`: every request's copy of
-  its tensors, the choice of tokens, the gather and RoPE re-rotation, the output checks), of which `score s` is
+  engine's own `metrics.modify.seconds` (what `tdutils.compare` reports as `modify_s`: the choice of tokens,
+  the gather and RoPE re-rotation, the output checks; tdutils' own policies read the cache in place,
+  `DropFn.reads_only`, a user's function gets a copy), of which `score s` is
   the choice of tokens alone (`tdutils.profiling.TimedDropFn`).
 
 Columns: modify seconds for the whole batch (median over repeats), per request and per request and layer (ms),
