@@ -371,7 +371,8 @@ def markdown(results: dict) -> str:
         lines.append("| " + " | ".join(row) + " |")
     a = results["args"]
     legend = (f"({a['model']}; ms per decode step, median of {a['repeats']} repeats of {a['steps']} steps; "
-              f"{results['torch_threads']} torch threads; {results.get('date', '')})")
+              f"{results['torch_threads']} torch thread{'s' if results['torch_threads'] > 1 else ''}; "
+              f"{results.get('date', '')})")
     out = ["\n".join(lines), "", legend]
     for m in VLLM_MODES:
         if m in vllm:
