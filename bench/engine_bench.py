@@ -374,6 +374,11 @@ def markdown(results: dict) -> str:
               f"{results['torch_threads']} torch thread{'s' if results['torch_threads'] > 1 else ''}; "
               f"{results.get('date', '')})")
     out = ["\n".join(lines), "", legend]
+    if vllm:
+        bind = results.get("vllm_threads_bind", "auto")
+        out.append(f"vLLM-CPU threads: `VLLM_CPU_OMP_THREADS_BIND={bind}`" + (
+            " (its default: on x86 it reserves one core for its scheduler process and runs the model's OpenMP "
+            f"threads on the other {results['cpus'] - 1})" if bind == "auto" else "") + ".")
     for m in VLLM_MODES:
         if m in vllm:
             out.append(f"vLLM-CPU {m}: " + (vllm[m]["error"] if "error" in vllm[m] else
@@ -384,7 +389,7 @@ def markdown(results: dict) -> str:
     for p in results.get("prefill", []):
         c = p["capture_overhead"]
         line = (f"Prefill {p['batch']} × {p['tokens']}: engine {p['tok_s']:.0f} tok/s without query capture "
-                f"(prefill batches of {p['prefill_batch_size']}), capture +{c['median']:.1%} "
+                f"(prefill batches of {p['prefill_batch_size']}), capture {c['median']:+.1%} "
                 f"({c['min']:.1%} to {c['max']:.1%})")
         for m in modes:
             v = p["batch"] * p["tokens"] / p[f"vllm_{m}_prefill_s"]["median"]
@@ -461,7 +466,9 @@ def main(argv=None) -> int:
           f"repeats={args.repeats}", flush=True)
     results = {"args": {k: v for k, v in vars(args).items()}, "machine": platform.platform(),
                "processor": platform.processor(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-               "date": time.strftime("%Y-%m-%d %H:%M"), "points": [], "vllm": None}
+               "date": time.strftime("%Y-%m-%d %H:%M"), "points": [], "vllm": None,
+               # vLLM-CPU's OpenMP binding: unset = "auto", which on x86 leaves one core to its scheduler process
+               "vllm_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
 
     def log(line):
         print(line, flush=True)
