@@ -100,7 +100,7 @@ def apply_keep(kv: torch.Tensor, tokens: Sequence[int], keep: torch.Tensor, *, r
         from .rope import rerotate_k_cache
 
         new_positions = torch.arange(keep.numel())
-        new_kv = rerotate_k_cache(new_kv, keep, new_positions, rope_spec)
+        new_kv = rerotate_k_cache(new_kv, keep, new_positions, rope_spec, inplace=True)  # new_kv is ours: no copy
     return new_kv, [int(tokens[i]) for i in keep.tolist()]
 
 

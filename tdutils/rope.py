@@ -447,13 +447,19 @@ def _check_x(x: torch.Tensor, spec: RopeSpec) -> None:
     spec._validate()
 
 
+def _rows_contiguous(kv: torch.Tensor) -> bool:
+    """Whether every layer's keys `kv[0, l]` ([T, D]) are contiguous (what in-place re-rotation views)."""
+    return kv.dim() == 4 and kv.stride(-1) == 1 and kv.stride(-2) == kv.shape[-1]
+
+
 def _rotate_into(
     out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec,
     compute_dtype: torch.dtype,
 ) -> None:
     """out[..., :rd] = rotation of x[..., :rd] by (cos, sin); out[..., rd:] = x[..., rd:] bit for bit.
 
-    x, out: same shape [..., d], distinct storage, any dtype; cos, sin: broadcastable to [..., rd/2] in compute_dtype.
+    x, out: same shape [..., d], any dtype, distinct storage or the same tensor (the rotated halves are computed
+    into temporaries before `out` is written); cos, sin: broadcastable to [..., rd/2] in compute_dtype.
     Each rotated value is cast to out.dtype once (by copy_).
     """
     rd, half = spec.rotary_dim, spec.rotary_dim // 2
@@ -649,6 +655,7 @@ def rerotate_k_cache(
     spec_or_config: Any,
     *,
     compute_dtype: torch.dtype = torch.float32,
+    inplace: bool = False,
 ) -> torch.Tensor:
     """Re-rotate the keys of a KV cache from ``old_positions`` to ``new_positions``.
 
@@ -659,10 +666,13 @@ def rerotate_k_cache(
         spec_or_config: a :class:`RopeSpec`, a sequence of ``L`` of them (one per layer, e.g. from
             :func:`model_rope` for Gemma 3), or a model config passed to :meth:`RopeSpec.from_config`.
         compute_dtype: arithmetic dtype; default fp32 (see :func:`rerotate_keys`).
+        inplace: rotate the keys of ``kv`` itself and return it (no copy of the values: for a cache the caller
+            has just made, e.g. the gathered kept rows of ``apply_keep``). Needs each layer's keys ``kv[0, l]``
+            contiguous; otherwise a new tensor is returned as without it. Results are bit-identical either way.
 
     Returns:
-        A new tensor like ``kv`` (the input is never modified): keys re-rotated (fp32 arithmetic, one
-        cast), values bit-identical.
+        A new tensor like ``kv`` (the input is never modified; with ``inplace``, ``kv`` itself): keys
+        re-rotated (fp32 arithmetic, one cast), values bit-identical.
 
     Memory: works layer by layer and in token chunks. Beyond the returned tensor it holds at most the larger of
     (a) building the cos/sin tables: at most 24 bytes per table element (``T * rotary_dim/2`` elements: fp64
@@ -682,10 +692,12 @@ def rerotate_k_cache(
         if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or len(spec_or_config) != kv.shape[1]:
             raise ValueError(f"{len(spec_or_config)} per-layer RoPE specs for a kv of shape "
                              f"{list(getattr(kv, 'shape', []))}: give one RopeSpec per layer [2, L, T, D]")
-        out = torch.empty_like(kv, memory_format=torch.contiguous_format)
+        out = kv if inplace and _rows_contiguous(kv) else torch.empty_like(kv, memory_format=torch.contiguous_format)
         for layer, spec in enumerate(spec_or_config):
-            out[:, layer:layer + 1] = rerotate_k_cache(kv[:, layer:layer + 1], old_positions, new_positions, spec,
-                                                       compute_dtype=compute_dtype)
+            got = rerotate_k_cache(kv[:, layer:layer + 1], old_positions, new_positions, spec,
+                                   compute_dtype=compute_dtype, inplace=out is kv)
+            if out is not kv:
+                out[:, layer:layer + 1] = got
         return out
     spec = spec_or_config if isinstance(spec_or_config, RopeSpec) else RopeSpec.from_config(spec_or_config)
     spec._validate()
@@ -701,8 +713,11 @@ def rerotate_k_cache(
     new = _as_positions(new_positions, t, "new_positions", kv.device)
     _check_range(spec, old, new)
 
-    out = torch.empty_like(kv, memory_format=torch.contiguous_format)  # [2, L, T, D]
-    out[1].copy_(kv[1])                                   # values: bit-identical
+    if inplace and _rows_contiguous(kv):
+        out = kv  # keys rotated where they are (_rotate_into reads a chunk whole before it writes it)
+    else:
+        out = torch.empty_like(kv, memory_format=torch.contiguous_format)  # [2, L, T, D]
+        out[1].copy_(kv[1])                               # values: bit-identical
     if t == 0 or n_layers == 0:
         return out
     cos, sin = _delta_tables(old, new, spec, compute_dtype)  # [T, rd/2], shared by all layers

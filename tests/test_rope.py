@@ -535,3 +535,22 @@ def test_apply_rope_shape_errors_and_ambiguity():
     as_heads = apply_rope(x, torch.tensor([0, 5]), spec, token_dim=-3)
     assert torch.equal(as_heads[0], x[0])                     # token 0 at position 0: unchanged
     assert not torch.equal(as_heads[1], x[1])
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_inplace_rerotation_is_bit_identical_and_copies_nothing(per_layer):
+    """`inplace=True` (what apply_keep uses on its freshly gathered rows) gives the same bits as the copying path,
+    rotates the given tensor itself, and falls back to a new tensor for a layout it cannot view in place."""
+    torch.manual_seed(0)
+    spec = RopeSpec.from_config(NS(head_dim=8, partial_rotary_factor=0.5, rope_theta=1e4))
+    specs = [spec, dataclasses.replace(spec, layout="gptj"), spec] if per_layer else spec
+    kv = torch.randn(2, 3, 10, 16)  # 2 KV heads of 8
+    old, new = torch.tensor([0, 2, 3, 5, 8, 9, 11, 12, 15, 20]), torch.arange(10)
+    want = rerotate_k_cache(kv, old, new, specs)
+    mine = kv.clone()
+    got = rerotate_k_cache(mine, old, new, specs, inplace=True)
+    assert got is mine and torch.equal(got, want)
+    assert not torch.equal(want[0], kv[0]) and torch.equal(want[1], kv[1])  # keys moved, values untouched
+    strided = torch.randn(2, 3, 16, 10).transpose(2, 3)  # [2, L, T, D] whose rows are not contiguous
+    got = rerotate_k_cache(strided, old, new, specs, inplace=True)
+    assert got is not strided and torch.equal(got, rerotate_k_cache(strided.contiguous(), old, new, specs))
