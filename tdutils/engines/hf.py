@@ -5,7 +5,7 @@ left-padded batches (`DynamicCache`), with query capture (after q_norm and RoPE)
 `extend` prefills more tokens on top of a (possibly edited) cache; decode runs many requests of different
 lengths in one batch over preallocated slots (`engines.kvstore`), admitting requests while their reservations
 fit `kv_budget_tokens` (§2), and regenerates from the edited cache as vLLM does (the last kept token is fed again
-at its position). Positions: `"compact"` (kept keys re-rotated to `0..k-1`) or `"original"` (keys unchanged,
+at its position); decode steps run the model's large linears on oneDNN-prepacked weights (`engines.packed`). Positions: `"compact"` (kept keys re-rotated to `0..k-1`) or `"original"` (keys unchanged,
 decoding continues after the last kept position, equal to the model's forward with dropped positions masked).
 Sliding-window layers keep every token and apply their window by position in the masks, so dropping means the
 same in every layer. `decode(compression=...)` and `prefill(chunk=..., compression=...)` hold caches at a budget
