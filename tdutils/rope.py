@@ -448,8 +448,12 @@ def _check_x(x: torch.Tensor, spec: RopeSpec) -> None:
 
 
 def _rows_contiguous(kv: torch.Tensor) -> bool:
-    """Whether every layer's keys `kv[0, l]` ([T, D]) are contiguous (what in-place re-rotation views)."""
-    return kv.dim() == 4 and kv.stride(-1) == 1 and kv.stride(-2) == kv.shape[-1]
+    """Whether every layer's keys `kv[0, l]` ([T, D]) are contiguous and no two layers, nor keys and values, share
+    memory (what in-place re-rotation needs: an expanded or aliased tensor is rotated through a copy)."""
+    if kv.dim() != 4 or kv.stride(-1) != 1 or kv.stride(-2) != kv.shape[-1]:
+        return False
+    _, n_layers, t, d = kv.shape
+    return kv.stride(1) >= t * d and kv.stride(0) >= n_layers * kv.stride(1)
 
 
 def _rotate_into(

@@ -100,6 +100,7 @@ def test_engine_bench_smoke_run_writes_every_figure(tmp_path):
     # answers like VLLM_SCRIPT; its argv: itself -c SCRIPT folder mode points steps repeats vocab
     fake.write_text("#!" + sys.executable + "\n"
                     "import json, sys\n"
+                    "if sys.argv[2] == 'import vllm':\n    sys.exit(0)\n"  # the up-front probe
                     "mode, points = sys.argv[4], json.loads(sys.argv[5])\n"
                     "s = 0.002 if mode == 'compiled' else 0.004\n"
                     "print('VLLM_RESULT ' + json.dumps({'init_s': 1.5, 'points': [{'batch': b, 'tokens': t, "

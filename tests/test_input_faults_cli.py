@@ -116,6 +116,8 @@ def test_the_reported_bench_commands_fail_in_one_line(script, args, want):
     ("engine_bench", ["--json", ""], "--json '' is an empty path"),
     ("engine_bench", ["--vllm-modes", "fast"], "--vllm-modes 'fast': give compiled and/or eager, comma-separated"),
     ("engine_bench", ["--prefill", "8x1"], "argument --prefill: '8x1': batch must be >= 1 and tokens >= 2"),
+    ("engine_bench", ["--points", "", "--prefill", ""], "nothing to measure: --points and --prefill are empty"),
+    ("engine_bench", ["--vllm-python", sys.executable], "cannot import vllm (ModuleNotFoundError"),
     ("throughput", ["--json", ""], "--json '' is an empty path"),
     ("peer_kvpress", ["--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
     ("peer_kvpress", ["--ratios", "nan"], "argument --ratios: bad ratio in (0, 1) 'nan'"),

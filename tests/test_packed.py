@@ -97,3 +97,5 @@ def test_engine_decode_packed_equals_unpacked(tiny, sample_ids):
     assert all("forward" not in m.__dict__ for m in model.modules())  # the user's model is unchanged after decode
     with pytest.raises(TypeError, match="packed_linears must be None, True or False"):
         HFEngine(model, tokenizer=tok, progress=False, packed_linears="yes")
+    with pytest.raises(TypeError, match="packed_linears must be None, True or False, got 1"):
+        HFEngine(model, tokenizer=tok, progress=False, packed_linears=1)

@@ -127,6 +127,13 @@ def test_h2o_blocks_equal_the_dense_definition_on_every_kind_of_layer(monkeypatc
         assert h2o_keep(kv, q, 0.5, head_dim=8, attention=spec).tolist() == want_keep
 
 
+def test_h2o_on_a_short_prompt_blocks_no_more_rows_than_it_has():
+    """A 6-token prompt: the block of query rows is capped at T (uncapped, BLOCK_ELEMENTS // (Hq * T) rows made a
+    [rows, rows] causal mask of terabytes for T this short)."""
+    kv, q = _kv_q(L=2, T=6, H=2, g=3, d=8, seed=3)
+    torch.testing.assert_close(h2o_scores(kv, q, head_dim=8), _h2o_dense(kv, q, 8, None), atol=2e-6, rtol=1e-5)
+
+
 def _heterogeneous_keys(L=4, H=3, n=300, d=16, seed=0):
     """Heads that finish the scan at very different speeds: random (hits far away or none), realistic (hits at
     the right edge), exact duplicates and zero keys, and one head with both."""

@@ -551,6 +551,10 @@ def test_inplace_rerotation_is_bit_identical_and_copies_nothing(per_layer):
     got = rerotate_k_cache(mine, old, new, specs, inplace=True)
     assert got is mine and torch.equal(got, want)
     assert not torch.equal(want[0], kv[0]) and torch.equal(want[1], kv[1])  # keys moved, values untouched
+    for aliased in (torch.randn(10, 16).expand(2, 3, 10, 16), torch.randn(3, 10, 16).expand(2, 3, 10, 16)):
+        want = rerotate_k_cache(aliased.contiguous(), old, new, specs)  # layers or keys/values sharing memory
+        got = rerotate_k_cache(aliased, old, new, specs, inplace=True)
+        assert got is not aliased and torch.equal(got, want)
     strided = torch.randn(2, 3, 16, 10).transpose(2, 3)  # [2, L, T, D] whose rows are not contiguous
     got = rerotate_k_cache(strided, old, new, specs, inplace=True)
     assert got is not strided and torch.equal(got, rerotate_k_cache(strided.contiguous(), old, new, specs))

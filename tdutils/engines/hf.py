@@ -116,6 +116,8 @@ class HFEngine(Engine):
                  packed_linears: bool | None = None):
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
+        if packed_linears is not None and not isinstance(packed_linears, bool):  # before the model loads
+            raise TypeError(f"packed_linears must be None, True or False, got {packed_linears!r}")
         check_engine_settings(kv_budget_tokens, max_batch_size, query_window)
         check_count(prefill_batch_size, "prefill_batch_size", 1)
         if isinstance(model, str):
@@ -153,8 +155,6 @@ class HFEngine(Engine):
         self.chat_template = chat_template
         self.requests: list[_Request] = []
         self.metrics = RunMetrics("run")
-        if packed_linears not in (None, True, False):
-            raise TypeError(f"packed_linears must be None, True or False, got {packed_linears!r}")
         if packed_linears and not packing_available(self.model):
             raise ValueError(f"packed_linears=True needs torch with oneDNN and a CPU model in float32 or bfloat16 "
                              f"(this one: {self.model.dtype} on {self.device}); pass packed_linears=None or False")

@@ -96,7 +96,7 @@ def _accumulated(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, layer: Layer
     if plain:
         qh = qh * (d ** -0.5 if layer is None else layer.scaling)
     window = None if layer is None else layer.sliding_window
-    rows = max(1, BLOCK_ELEMENTS // (hq * T))
+    rows = min(T, max(1, BLOCK_ELEMENTS // (hq * T)))  # never more query rows than the prompt has
     acc = torch.zeros(hq, T, dtype=torch.float32, device=k.device)
     pos = torch.arange(T, device=k.device)
     above = torch.ones(rows, rows, dtype=torch.bool, device=k.device).triu_(1)  # key after the query: hidden
