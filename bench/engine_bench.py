@@ -247,7 +247,7 @@ def prefill_point(model, tok, batch: int, tokens: int, repeats: int, log) -> dic
             secs[name].append(time.perf_counter() - t0)
         log(f"  prefill {batch}x{tokens} repeat {rep + 1}/{repeats}: " + ", ".join(
             f"{k} {v[-1]:.1f} s" for k, v in secs.items()))
-    return {"batch": batch, "tokens": tokens, "prefill_batch_size": engines["capture"].prefill_batch_size,
+    return {"batch": batch, "tokens": tokens, "prefill_batch_size": min(batch, engines["capture"].prefill_batch_size),
             "no_capture_s": _spread(secs["no_capture"]), "capture_s": _spread(secs["capture"]),
             "tok_s": batch * tokens / statistics.median(secs["no_capture"]),
             "capture_overhead": _spread([c / n - 1 for c, n in zip(secs["capture"], secs["no_capture"])])}

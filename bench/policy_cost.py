@@ -122,7 +122,10 @@ def run(args) -> dict:
     from tdutils.profiling import TimedDropFn
 
     t_start = time.perf_counter()
-    eng = tdutils.open_engine("hf", model=args.model, query_window=None, progress=False, device=args.device)
+    try:
+        eng = tdutils.open_engine("hf", model=args.model, query_window=None, progress=False, device=args.device)
+    except (OSError, ValueError) as exc:  # a model that does not load: one line, as for the other arguments
+        raise BadModel(f"--model {args.model!r}: {str(exc).splitlines()[0]}") from None
     facts = eng.facts
     prompts = essay_prompts(eng.tokenizer, args.num_requests, args.prompt_tokens)
     eng.prefill(prompts)
@@ -172,6 +175,10 @@ def run(args) -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M"), "prefill_s": prefill_s, "baseline_decode_s": base,
             "baseline_decode_all_s": decode_s, "seconds": time.perf_counter() - t_start}
     return {"meta": meta, "rows": rows}
+
+
+class BadModel(ValueError):
+    """The `--model` does not load (reported in one line, exit status 2)."""
 
 
 def table(report: dict) -> str:
@@ -241,7 +248,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.summary:
-            print(table(read_json(args.summary)))
+            report = read_json(args.summary)
+            if not isinstance(report, dict) or not {"meta", "rows"} <= set(report):
+                raise ValueError(f"--summary {args.summary!r} is not a run of bench/policy_cost.py (no meta and "
+                                 f"rows); give a file it wrote with --json")
+            print(table(report))
             return 0
         if args.json is not None:
             check_json_dest(args.json, example="docs/results/policy_cost.json")
@@ -257,7 +268,10 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    report = run(args)
+    try:
+        report = run(args)
+    except BadModel as exc:
+        ap.exit(2, f"{ap.prog}: error: {exc}\n")
     print(table(report))
     if args.json is not None:
         if args.json != "-":
