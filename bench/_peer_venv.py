@@ -59,6 +59,21 @@ def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
 
 
+def install_pinned(py: str, packages, torch_version: str, timeout: float) -> None:
+    """`pip install` `packages[0]` (torch's CPU wheel) first, then the rest with a constraint file pinning
+    `torch==torch_version`, so no package pulls another (CUDA) torch. Raises CalledProcessError /
+    TimeoutExpired."""
+    pip = [py, "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, packages[0]], check=True, timeout=timeout)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(f"torch=={torch_version}\n")
+        constraint = f.name
+    try:
+        subprocess.run([*pip, "-c", constraint, *packages[1:]], check=True, timeout=timeout)
+    finally:
+        os.unlink(constraint)
+
+
 def ensure_venv(*, timeout: float = INSTALL_TIMEOUT_S, log=print) -> Path:
     """The peer venv's python, building the venv first when it is missing or incomplete.
 
@@ -75,15 +90,7 @@ def ensure_venv(*, timeout: float = INSTALL_TIMEOUT_S, log=print) -> Path:
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     py = str(venv_python(venv))
-    pip = [py, "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, PACKAGES[0]], check=True, timeout=timeout)
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write(f"torch=={TORCH_VERSION}\n")
-        constraint = f.name
-    try:
-        subprocess.run([*pip, "-c", constraint, *PACKAGES[1:]], check=True, timeout=timeout)
-    finally:
-        os.unlink(constraint)
+    install_pinned(py, PACKAGES, TORCH_VERSION, timeout)
     check = ("import torch, transformers, kvpress, importlib.metadata as m; "
              "print(torch.__version__, transformers.__version__, m.version('kvpress'))")
     out = subprocess.run([py, "-c", check], check=True, timeout=600, capture_output=True, text=True).stdout.split()

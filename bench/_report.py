@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
+from pathlib import Path
 
 
 def check_json_dest(dest: str, option: str = "--json", example: str = "runs/bench.json") -> None:
@@ -59,3 +62,17 @@ def summary_or_check(parser, args, summary, example: str) -> bool:
     except ValueError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     return False
+
+
+def machine() -> str:
+    """The CPU model and core count, as the stored runs record it (e.g. "Intel(R) Xeon(R) Processor, 2 cores
+    (shared)")."""
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)"

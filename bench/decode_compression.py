@@ -307,23 +307,15 @@ def _meta(args, part: str, **extra) -> dict:
     import torch
     import transformers
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _report import machine
+
     return {"part": part, "command": " ".join(["bench/decode_compression.py"] + sys.argv[1:]),
-            "model": args.model, "threads": torch.get_num_threads(), "machine": _machine(),
+            "model": args.model, "threads": torch.get_num_threads(), "machine": machine(),
             "platform": platform.platform(), "torch": torch.__version__, "transformers": transformers.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M"), **extra}
 
 
-def _machine() -> str:
-    cores = os.cpu_count()
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model or platform.processor() or platform.machine()}, {cores} cores (shared)"
 
 
 def _engine(args, **kw):

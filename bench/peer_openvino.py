@@ -191,15 +191,10 @@ def ensure_venv(*, timeout: float = 3600, log=print) -> Path:
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     py = str(venv / "bin" / "python")
-    pip = [py, "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, PACKAGES[0]], check=True, timeout=timeout)
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write(f"torch=={TORCH_VERSION}\n")
-        constraint = f.name
-    try:
-        subprocess.run([*pip, "-c", constraint, *PACKAGES[1:]], check=True, timeout=timeout)
-    finally:
-        os.unlink(constraint)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _peer_venv import install_pinned  # torch's CPU wheel first, then the rest pinned to it
+
+    install_pinned(py, PACKAGES, TORCH_VERSION, timeout)
     subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", *REMOVE], check=True, timeout=600)
     check = ("import torch, transformers, openvino, openvino_genai, optimum.intel, importlib.metadata as m; "
              "print(torch.__version__, transformers.__version__, openvino.__version__, m.version('openvino-genai'), "

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import platform
 import re
 import statistics
@@ -39,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import check_json_dest, read_json, write_json
+from _report import check_json_dest, machine, read_json, write_json
 
 ESSAY = Path(__file__).resolve().parents[1] / "tdutils" / "assets" / "ruler" / "alice_ch1-6.txt"
 # name -> (policy, parameters, target share of the baseline decode)
@@ -96,16 +95,6 @@ def captured(state: list, rows: int | None) -> list:
     return out
 
 
-def _machine() -> str:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)"
 
 
 def _log(msg: str) -> None:
@@ -170,7 +159,7 @@ def run(args) -> dict:
             "num_layers": facts.num_layers, "num_kv_heads": facts.num_kv_heads, "num_query_heads": facts.num_query_heads,
             "head_dim": facts.head_dim, "num_requests": len(prompts), "prompt_tokens": args.prompt_tokens,
             "max_tokens": args.max_tokens, "drop_ratio": args.drop_ratio, "repeats": args.repeats,
-            "smoke": args.smoke, "threads": torch.get_num_threads(), "machine": _machine(),
+            "smoke": args.smoke, "threads": torch.get_num_threads(), "machine": machine(),
             "platform": platform.platform(), "torch": torch.__version__, "transformers": transformers.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M"), "prefill_s": prefill_s, "baseline_decode_s": base,
             "baseline_decode_all_s": decode_s, "seconds": time.perf_counter() - t_start}
