@@ -28,7 +28,7 @@ by `HFEngine.decode(compression=...)`). Four parts, each printing a table and, w
 - `ruler`: RULER exact match (`ruler_niah_single_1`, the model's chat template) with chunked prefill under a
   budget (`prefill(chunk=C, compression=...)`: cut back to `B` after every chunk, before the question exists
   unless it is in that chunk) against one-shot compression to the same final cache (the whole prompt, then one
-  cut to `B`: `modify` with the policy's `BudgetDropFn` on the full cache's prefill, bit for bit what
+  cut to `B`: `modify` with the policy's budget cut (`Compression.drop_fn`) on the full cache's prefill, bit for bit what
   `prefill(compression=...)` computes, without prefilling again), the full cache as the reference; the policies'
   own windows. One run per `--policies` list; several runs render as one table (`markdown([...])`).
 - `kvpress`: NVIDIA kvpress' `DecodingPress` (experimental, batch 1: every `compression_interval` decode steps the
@@ -495,7 +495,7 @@ def run_ruler(args) -> dict:
 
     # The full prefill serves the full-cache row and every policy's one-shot row: one-shot compression is the
     # whole prompt's cache cut once to B, which `modify` with the same drop function computes bit for bit as
-    # `prefill(compression=...)` does (same `BudgetDropFn`, same captured queries), without prefilling again.
+    # `prefill(compression=...)` does (the same cut, same captured queries), without prefilling again.
     t0 = time.perf_counter()
     full_lengths = eng.prefill(rows_in)
     full_s = time.perf_counter() - t0
@@ -505,7 +505,7 @@ def run_ruler(args) -> dict:
         comp = Compression(policy, budget=args.budget, window=None)
         eng.restore(saved)
         t0 = time.perf_counter()
-        eng.modify(comp.drop_fn(model_config=eng.model, rerotate=eng.positions == "compact"))
+        eng.modify(comp.drop_fn(model_config=eng.facts, rerotate=eng.positions == "compact"))
         cut_s = time.perf_counter() - t0
         score(policy, "one-shot", None, comp, [len(eng.tokens(i)) for i in range(len(rows_in))], max(full_lengths),
               full_s + cut_s)

@@ -17,7 +17,7 @@ query rows a run of it alone would capture, `captured`, as the engine would hold
   engine's own `metrics.modify.seconds` (what `tdutils.compare` reports as `modify_s`: the choice of tokens,
   the gather and RoPE re-rotation, the output checks; tdutils' own policies read the cache in place,
   `DropFn.reads_only`, a user's function gets a copy), of which `score s` is
-  the choice of tokens alone (`tdutils.profiling.TimedDropFn`).
+  the choice of tokens alone (`DropFn.timed()`).
 
 Columns: modify seconds for the whole batch (median over repeats), per request and per request and layer (ms),
 modify ÷ the baseline's decode seconds (median), the target (issue 34: ≤ 10% for the cheap policies, ≤ 25% for
@@ -108,7 +108,6 @@ def run(args) -> dict:
 
     import tdutils
     from tdutils.policies import query_window_for
-    from tdutils.profiling import TimedDropFn
 
     t_start = time.perf_counter()
     try:
@@ -135,7 +134,7 @@ def run(args) -> dict:
     rows = []
     for name in args.policies:
         policy, params, target = VARIANTS[name]
-        fn = TimedDropFn(tdutils.make_drop_fn(policy, drop_ratio=args.drop_ratio, model_config=eng.model, **params))
+        fn = tdutils.make_drop_fn(policy, drop_ratio=args.drop_ratio, model_config=eng.facts, **params).timed()
         state = captured(saved, query_window_for(fn))
         modify_s, score_s, kept = [], [], 0
         for rep in range(args.repeats + 1):  # the first, untimed (warm-up)

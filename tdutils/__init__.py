@@ -6,7 +6,7 @@ surviving keys' RoPE, and decode more requests per batch. See README.md and docs
 
 from . import policies  # the policy registry: tdutils.policies.register_policy, policy_names
 from .compression import Compression
-from .edit import CacheKind, DropFn, DropFunctionError, make_drop_fn
+from .edit import CacheKind, DropFn, DropFunctionError, as_drop_fn, make_drop_fn
 from .engines import compare, default_kv_budget, open_engine, run_once
 from .selection import keep_count
 
@@ -18,6 +18,7 @@ __all__ = [
            "DropFn",
            "DropFunctionError",
            "__version__",
+           "as_drop_fn",
            "compare",
            "default_kv_budget",
            "keep_count",

@@ -264,7 +264,7 @@ def cmd_run(args) -> int:
     if window is not None and window >= shortest:  # the window is always kept: nothing would be dropped
         raise UsageError(f"--window {window} is not shorter than the shortest prompt ({shortest} tokens); "
                          f"the {args.policy} window is always kept, so nothing would be dropped: give a smaller --window")
-    drop_fn = make_drop_fn(args.policy, drop_ratio=args.drop_ratio, model_config=engine.config,
+    drop_fn = make_drop_fn(args.policy, drop_ratio=args.drop_ratio, model_config=engine.facts,
                            rerotate=args.positions == "compact", **params)
     name = f"{args.policy}@{args.drop_ratio:g}"
     print(f"engine={args.engine} model={args.model} dataset={args.dataset} requests={len(rows)} "

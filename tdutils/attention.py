@@ -18,7 +18,6 @@ everything but the *values* of learned sinks (those need the weights: pass the l
 from __future__ import annotations
 
 import sys
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -94,8 +93,8 @@ class AttentionSpec:
         """Raise ValueError when a layer adds learned sinks whose values are unknown (spec from a config)."""
         if any(layer.has_sinks and layer.sinks is None for layer in self.layers):
             raise ValueError("this model adds learned attention sinks to its softmax and their values live in the "
-                             "weights: pass the loaded model (model_config=engine.model, or the config of a model "
-                             "the hf engine has open) instead of a bare config")
+                             "weights: pass the loaded model or the hf engine's facts (model_config=engine.facts) "
+                             "instead of a bare config")
 
     @classmethod
     def from_model(cls, model) -> AttentionSpec:
@@ -132,29 +131,12 @@ class AttentionSpec:
 
 
 _CONFIG_SPECS: dict[str, AttentionSpec] = {}
-_LIVE: dict[int, weakref.ref] = {}  # id(config) -> the loaded model that owns it (registered by the hf engine)
-
-
-def register_live_model(model) -> None:
-    """Let `attention_spec(model.config)` / `live_model(model.config)` find the loaded `model`."""
-    _LIVE[id(model.config)] = weakref.ref(model)
-
-
-def live_model(model_or_config):
-    """The loaded model behind `model_or_config`: itself when it is an `nn.Module`, the model the hf engine
-    registered for this config object, or None."""
-    if isinstance(model_or_config, torch.nn.Module):
-        return model_or_config
-    ref = _LIVE.get(id(model_or_config))
-    model = ref() if ref is not None else None
-    return model if model is not None and model.config is model_or_config else None
 
 
 def attention_spec(model_or_config) -> AttentionSpec:
-    """`AttentionSpec` of a loaded model (or the config of one the hf engine has open), else of a config."""
-    model = live_model(model_or_config)
-    if model is not None:
-        return AttentionSpec.from_model(model)
+    """`AttentionSpec` of a loaded model (its own forward), else of a config (the model built on `meta`)."""
+    if isinstance(model_or_config, torch.nn.Module):
+        return AttentionSpec.from_model(model_or_config)
     return AttentionSpec.from_config(model_or_config)
 
 
@@ -330,5 +312,5 @@ def capture_implementation(base: str) -> str:
 
 
 __all__ = ["AttentionRecorder", "AttentionSpec", "LayerAttention", "QueryRecorder", "attention_spec",
-           "capture_implementation", "live_model", "masked_logits", "recording", "register_live_model",
+           "capture_implementation", "masked_logits", "recording",
            "scoring_attention", "softmax_with_sinks"]

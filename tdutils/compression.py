@@ -3,8 +3,8 @@
 R-KV (Cai et al. 2025, arXiv:2505.24133) holds each request's cache at a fixed budget while it decodes: new
 tokens fill a buffer of `N`, and when the cache reaches `B + N` tokens the queries of its last `w` tokens score
 it and it is cut back to `B` (R-KV's code: `B = 128`, `N = 128`, `w = 8`). `Compression` names that setting for
-any registered policy whose inputs exist during decoding (the KV, or the queries of the last tokens); `BudgetDropFn`
-is the drop function that cuts one cache of `T > B` tokens to `B` (a `ModifyFn`, docs/design.md §3).
+any registered policy whose inputs exist during decoding (the KV, or the queries of the last tokens); its drop function
+(`Compression.drop_fn`, a `DropFn` keeping by budget) cuts one cache of `T > B` tokens to `B`.
 `HFEngine.decode(compression=...)` runs it inside the batch; `HFEngine.prefill(prompts, chunk=C,
 compression=...)` cuts after every chunk of `C` prompt tokens, so a prompt's cache never exceeds `B + C`.
 `cache_sizes` turns a request's compression events into its cache length after every decode step; `fidelity`
@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kvcache import check_kv, get_kv
-from .selection import keep_count
+from .edit import DropFn, make_drop_fn
+from .kvcache import CacheKind
+from .models import model_facts
 
 DEFAULT_WINDOW = 8  # R-KV's decode-time observation window (its run scripts: --window_size 8)
 
@@ -41,7 +42,7 @@ class Compression:
         params: the policy's other parameters (`{"mix_lambda": 0.1}`); `window` belongs in `window`.
 
     Engines build the cut with the engine's positions (compact: kept keys re-rotated) and, before anything runs,
-    try it once on a random cache of `budget + buffer` tokens (`BudgetDropFn.check`): a policy whose keep count
+    try it once on a random cache of `budget + buffer` tokens (`Compression.drop_fn`): a policy whose keep count
     does not follow its drop ratio (`middle_chunk`, a user policy that keeps a fixed share) or whose protected
     tokens exceed the budget is refused there.
 
@@ -104,92 +105,39 @@ class Compression:
         pol = get_policy(self.policy)
         return pol.rows(pol.make_params(**self.policy_params())) or 0
 
-    def drop_fn(self, *, model_config, rerotate: bool = True) -> BudgetDropFn:
-        """The drop function that cuts a cache to `budget` with this policy (see `BudgetDropFn`)."""
-        return BudgetDropFn(self, model_config=model_config, rerotate=rerotate)
+    def drop_fn(self, *, model_config, rerotate: bool = True) -> DropFn:
+        """The drop function that cuts a cache to `budget` with this policy: `make_drop_fn(policy,
+        budget=budget, ...)`, tried once on a random cache of `budget + buffer` tokens (seeded; the model's
+        shapes from `model_config`) so a policy that cannot hold the budget fails before anything is prefilled
+        or decoded.
 
-
-class BudgetDropFn:
-    """A `ModifyFn` that keeps `budget` tokens of a cache of `T > budget` tokens, and all of a shorter one.
-
-    The policy's drop ratio for a cache of `T` tokens is `1 - B / T` (`keep_count(T, r) == B`, checked); the drop
-    function of each `T` is built once (`tdutils.make_drop_fn`) and reused. Attributes `name`, `rerotate`,
-    `needs` and `query_rows` are those engines read from a `DropFn`; `edit` also returns the kept indices.
-
-    Raises (from `edit`):
-        ValueError: the policy's own input errors (bad shapes, too few query rows).
-        RuntimeError: the policy kept more than `budget` tokens (its protected tokens exceed the budget).
-    """
-
-    def __init__(self, compression: Compression, *, model_config, rerotate: bool = True):
-        from .policies import get_policy
-
-        self.compression = compression
-        self.budget = compression.budget
-        self.model_config = model_config
-        self.rerotate = rerotate
-        self.name = compression.policy
-        self.needs = get_policy(compression.policy).needs
-        self.query_rows = compression.query_rows
-        self._fns: dict[int, object] = {}
-        self.check()
-
-    def check(self) -> None:
-        """Cut a random cache of `budget + buffer` tokens once (seeded; the model's shapes from `model_config`)
-        and check that the policy keeps exactly `budget`, so a policy that cannot hold the budget fails before
-        anything is prefilled or decoded.
+        Args:
+            model_config: the model's facts (`engine.facts`), a loaded model or a config (`make_drop_fn`).
+            rerotate: compact positions (kept keys re-rotated) or original ones.
 
         Raises:
-            ValueError: the policy kept another number of tokens (the message says why that can be).
+            ValueError: the policy kept another number of tokens than the budget (the message says why that
+                can be), or `make_drop_fn`'s errors.
         """
-        from .edit import CacheKind
-        from .models import model_facts
-
-        f = model_facts(self.model_config)
-        n = self.budget + self.compression.buffer
+        fn = make_drop_fn(self.policy, budget=self.budget, model_config=model_config, rerotate=rerotate,
+                          **self.policy_params())
+        f = model_facts(model_config)
+        n = self.budget + self.buffer
         g = torch.Generator().manual_seed(0)
         tensors = {CacheKind.KV: torch.randn((2, f.num_layers, n, f.num_kv_heads * f.head_dim), generator=g)}
-        if self.query_rows:
-            tensors[CacheKind.QUERY] = torch.randn((f.num_layers, self.query_rows, f.num_query_heads * f.head_dim),
+        if fn.query_rows:
+            tensors[CacheKind.QUERY] = torch.randn((f.num_layers, fn.query_rows, f.num_query_heads * f.head_dim),
                                                    generator=g)
-        _, _, keep = self._fn(n).edit(tensors, list(range(n)))
-        if keep.numel() != self.budget:
-            raise ValueError(f"policy {self.name!r} kept {keep.numel()} of {n} tokens at drop ratio "
-                             f"{1 - self.budget / n:.4f} where the budget is {self.budget}: a cut must keep exactly "
-                             f"the budget, so the policy's keep count has to follow its drop ratio (middle_chunk's "
-                             f"does not) and its protected tokens (window, sinks) must fit the budget")
-
-    def _fn(self, n: int):
-        fn = self._fns.get(n)
-        if fn is None:
-            from .edit import make_drop_fn
-
-            r = 1.0 - self.budget / n
-            if keep_count(n, r) != self.budget:  # float rounding: nudge to the ratio that keeps exactly B
-                r = (n - self.budget) / n
-            assert keep_count(n, r) == self.budget, (n, self.budget, r)
-            fn = make_drop_fn(self.compression.policy, drop_ratio=r, model_config=self.model_config,
-                              rerotate=self.rerotate, **self.compression.policy_params())
-            self._fns[n] = fn
+        try:
+            kept = fn.keep_indices(tensors, list(range(n))).numel()
+        except RuntimeError:
+            kept = None
+        if kept != self.budget:
+            raise ValueError(f"policy {self.policy!r} kept {kept if kept is not None else 'more'} of {n} tokens at "
+                             f"drop ratio {fn.ratio_for(n):.4f} where the budget is {self.budget}: a cut must keep "
+                             f"exactly the budget, so the policy's keep count has to follow its drop ratio "
+                             f"(middle_chunk's does not) and its protected tokens (window, sinks) must fit the budget")
         return fn
-
-    def edit(self, tensors: Mapping, tokens: Sequence[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-        """`(new_kv [2, L, k, D], new_tokens, kept indices LongTensor [k])` with `k = min(T, budget)`."""
-        kv = get_kv(tensors)
-        check_kv(kv, tokens)
-        n = kv.shape[2]
-        if n <= self.budget:
-            return kv.clone(), [int(t) for t in tokens], torch.arange(n)
-        new_kv, new_tokens, keep = self._fn(n).edit(tensors, tokens)
-        if keep.numel() > self.budget:
-            raise RuntimeError(f"policy {self.name!r} kept {keep.numel()} tokens of {n}, more than the budget "
-                               f"{self.budget} (its protected tokens, window and sinks, or a keep rule that does not "
-                               f"follow the drop ratio); lower them or raise the budget")
-        return new_kv, new_tokens, keep
-
-    def __call__(self, tensors: Mapping, tokens: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
-        new_kv, new_tokens, _ = self.edit(tensors, tokens)
-        return new_kv, new_tokens
 
 
 def cache_sizes(output) -> list[int]:
@@ -308,5 +256,5 @@ def fidelity(reference, forced) -> dict:
             "first_cut": min(first, default=None)}
 
 
-__all__ = ["DEFAULT_WINDOW", "BudgetDropFn", "Compression", "cache_sizes", "fidelity", "greedy_agreement",
+__all__ = ["DEFAULT_WINDOW", "Compression", "cache_sizes", "fidelity", "greedy_agreement",
            "kl_per_step"]

@@ -15,13 +15,17 @@ are re-exported here.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .kvcache import CacheKind, apply_keep, check_keep, check_kv, get_kv, get_query
+from .models import model_facts
+from .policies import get_policy
 from .selection import check_drop_ratio, keep_count
 
 ModifyFn = Callable[[Mapping, Sequence[int]], tuple[torch.Tensor, list[int]]]
@@ -142,59 +146,187 @@ def kept_rows(kv: torch.Tensor, tokens: Sequence[int], new_kv: torch.Tensor, new
 
 
 @dataclass
+class Timings:
+    """Per request, the seconds a drop function spent choosing tokens (`score_s`) and applying the choice
+    (`rerotate_s`: gathering K/V and RoPE re-rotation); CUDA is synchronised around each part."""
+
+    score_s: list = field(default_factory=list)
+    rerotate_s: list = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.score_s.clear()
+        self.rerotate_s.clear()
+
+    def split(self) -> dict:
+        """Totals over the recorded requests: `requests`, `score_s`, `rerotate_s` (gather + re-rotation)."""
+        return {"requests": len(self.score_s), "score_s": sum(self.score_s), "rerotate_s": sum(self.rerotate_s)}
+
+
+@dataclass
 class DropFn:
-    """A ModifyFn built by `make_drop_fn`: `select` picks kept indices, then `apply_keep` edits the cache.
+    """The one drop-function type: a ModifyFn (`fn(tensors, tokens) -> (new_kv, new_tokens)`) whose engines read
+    what it needs and does from declared attributes, never by probing.
+
+    Built three ways: `make_drop_fn(policy, drop_ratio=r)` (keep by ratio), `make_drop_fn(policy, budget=B)`
+    (keep by budget: a cache of `T > B` tokens is cut to exactly `B` at drop ratio `1 - B/T`, a shorter one kept
+    whole; decode-time compression's cut, `Compression.drop_fn`), and `as_drop_fn(modify_fn)` (any bare
+    ModifyFn, adapted once: it edits the cache itself, so its kept indices and re-rotation are unknown).
+    `timed()` gives a copy that records per-request timings.
 
     Attributes:
         name: policy name (for tables).
-        select: `(tensors, tokens) -> LongTensor[k]` of kept indices.
-        drop_ratio: the nominal fraction dropped.
-        rerotate: whether keys are moved to compact positions (engines check this against their
-            `positions` setting).
-        rope_spec: the model's `RopeSpec` (None when `rerotate=False`).
+        select: `(tensors, tokens, drop_ratio) -> LongTensor[k]` of kept indices; None for an adapted ModifyFn.
+        drop_ratio: the nominal fraction dropped (keep by ratio); None when keeping by budget or adapted.
+        budget: tokens kept of a longer cache (keep by budget); None otherwise.
+        rerotate: whether keys are moved to compact positions (engines check it against their `positions`);
+            None when unknown (an adapted ModifyFn).
+        rope_spec: the model's RoPE (`ModelFacts.rope`; None when `rerotate` is not True).
         params: the policy's parameters, `{name: value}`.
         needs: what the policy reads: `"kv"`, `"window"` (the last `query_rows` prompt queries) or `"all"`
-            (every prompt query); None for a selection function passed directly (unknown).
+            (every prompt query); None when unknown (a selection function or ModifyFn passed directly).
         query_rows: query rows to capture at prefill: 0, `w`, or None (all); see
             `tdutils.policies.query_window_for`.
-        reads_only: `select` never writes the tensors it is given (tdutils' built-in policies, which the tests
-            check), so an engine may hand it the cache itself instead of a protective copy; False for a
-            registered or passed user function, whose input is copied first.
+        reads_only: the function never writes the tensors it is given (tdutils' built-in policies, which the
+            tests check), so an engine may hand it the cache itself instead of a protective copy.
+        modify: the adapted ModifyFn (`as_drop_fn`), else None.
+        timings: per-request `Timings` when built with `timed()`, else None.
     """
 
     name: str
-    select: SelectFn
-    drop_ratio: float
-    rerotate: bool = True
+    select: Callable | None
+    drop_ratio: float | None = None
+    budget: int | None = None
+    rerotate: bool | None = True
     rope_spec: object | None = None
     params: dict = field(default_factory=dict)
     needs: str | None = None
     query_rows: int | None = 0
     reads_only: bool = False
+    modify: ModifyFn | None = None
+    timings: Timings | None = None
+
+    def ratio_for(self, n: int) -> float:
+        """The drop ratio applied to a cache of `n` tokens: `drop_ratio`, or by budget `1 - B/n` (exactly `B`
+        kept: `keep_count(n, r) == B`), 0 when `n <= B`."""
+        if self.budget is None:
+            return self.drop_ratio
+        if n <= self.budget:
+            return 0.0
+        r = 1.0 - self.budget / n
+        if keep_count(n, r) != self.budget:  # float rounding: nudge to the ratio that keeps exactly B
+            r = (n - self.budget) / n
+        return r
 
     def keep_indices(self, tensors: Mapping, tokens: Sequence[int]) -> torch.Tensor:
-        """Sorted LongTensor [k] of the indices this function keeps for one request."""
+        """Sorted LongTensor [k] of the indices this function keeps for one request.
+
+        Raises:
+            TypeError: an adapted ModifyFn (its kept indices are known only from its output: `kept_rows`).
+        """
+        if self.select is None:
+            raise TypeError(f"{self.name} is a bare ModifyFn: it reports no kept indices; use "
+                            "tdutils.edit.kept_rows on its output")
         kv = get_kv(tensors)
         check_kv(kv, tokens)
-        return check_keep(self.select(tensors, tokens), kv.shape[2])
+        return check_keep(self.select(tensors, tokens, self.ratio_for(kv.shape[2])), kv.shape[2])
 
     def __call__(self, tensors: Mapping, tokens: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
         new_kv, new_tokens, _ = self.edit(tensors, tokens)
         return new_kv, new_tokens
 
-    def edit(self, tensors: Mapping, tokens: Sequence[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-        """`__call__` plus the sorted kept indices `LongTensor[k]` (engines that need kept positions use it)."""
+    def edit(self, tensors: Mapping, tokens: Sequence[int]) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+        """`__call__` plus the sorted kept indices `LongTensor[k]` (None for an adapted ModifyFn, whose output
+        the engine validates and, for original positions, maps back with `kept_rows`).
+
+        Raises:
+            ValueError: the policy's own input errors (bad shapes, too few query rows).
+            RuntimeError: keeping by budget, the policy kept more than `budget` tokens (its protected tokens,
+                window and sinks, exceed the budget).
+        """
+        if self.modify is not None:
+            return (*self.modify(tensors, tokens), None)
         kv = get_kv(tensors)
         check_kv(kv, tokens)
-        if self.drop_ratio == 0.0:  # docs/design.md §5: ratio 0 returns the input unchanged, bit for bit
-            return kv.clone(), [int(t) for t in tokens], torch.arange(kv.shape[2])
-        keep = check_keep(self.select(tensors, tokens), kv.shape[2])
-        new_kv, new_tokens = apply_keep(kv, tokens, keep, rope_spec=self.rope_spec, rerotate=self.rerotate)
+        n = kv.shape[2]
+        r = self.ratio_for(n)
+        if r == 0.0:  # docs/design.md §5: ratio 0 returns the input unchanged, bit for bit
+            return kv.clone(), [int(t) for t in tokens], torch.arange(n)
+        t0 = self._tick(kv)
+        keep = check_keep(self.select(tensors, tokens, r), n)
+        if self.budget is not None and keep.numel() > self.budget:
+            raise RuntimeError(f"policy {self.name!r} kept {keep.numel()} tokens of {n}, more than the budget "
+                               f"{self.budget} (its protected tokens, window and sinks, or a keep rule that does not "
+                               f"follow the drop ratio); lower them or raise the budget")
+        t1 = self._tick(kv)
+        new_kv, new_tokens = apply_keep(kv, tokens, keep, rope_spec=self.rope_spec, rerotate=bool(self.rerotate))
+        if self.timings is not None:
+            self.timings.score_s.append(t1 - t0)
+            self.timings.rerotate_s.append(self._tick(kv) - t1)
         return new_kv, new_tokens, keep
 
+    def _tick(self, kv: torch.Tensor) -> float:
+        if self.timings is not None and kv.device.type == "cuda":
+            torch.cuda.synchronize(kv.device)
+        return time.perf_counter()
 
-def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float = 0.5, model_config=None, rerotate: bool = True,
-                 **params) -> DropFn:
+    def timed(self) -> DropFn:
+        """A copy that records, per request, the seconds spent scoring and applying (`timings`, `split()`)."""
+        return dataclasses.replace(self, timings=Timings())
+
+    def reset(self) -> None:
+        """Forget recorded timings (`run_once` calls it before each run's modify); a no-op without timings."""
+        if self.timings is not None:
+            self.timings.reset()
+
+    def split(self) -> dict:
+        """`Timings.split()` of a timed drop function.
+
+        Raises:
+            ValueError: built without `timed()`.
+        """
+        if self.timings is None:
+            raise ValueError(f"drop function {self.name!r} records no timings; build it with .timed()")
+        return self.timings.split()
+
+
+def as_drop_fn(fn) -> DropFn:
+    """`fn` as a `DropFn`: itself when it is one, else a bare ModifyFn adapted once (its name, unknown `needs`,
+    `rerotate` and kept indices; its input is copied before each call). Engines call this at their entry points
+    and read the attributes.
+
+    Raises:
+        TypeError: `fn` is not callable as `fn(tensors, tokens)`.
+    """
+    if isinstance(fn, DropFn):
+        return fn
+    if not callable(fn):
+        raise TypeError(f"a drop function must be callable as fn(tensors, tokens) -> (new_kv, new_tokens), "
+                        f"got {type(fn).__name__}")
+    return DropFn(getattr(fn, "__name__", "custom"), None, rerotate=None, needs=None, query_rows=None, modify=fn)
+
+
+def _user_select(policy: Callable, r: float, params: dict) -> tuple[str, Callable]:
+    """A user's selection function as `select(tensors, tokens, drop_ratio)`, its call checked now."""
+    name = getattr(policy, "__name__", "custom")
+    sig = inspect.signature(policy).parameters
+    takes_ratio = "drop_ratio" in sig or any(p.kind is p.VAR_KEYWORD for p in sig.values())
+    extra = {"drop_ratio": r, **params} if takes_ratio else dict(params)
+    try:  # the call every request will make, checked now rather than at modify time
+        inspect.signature(policy).bind(None, None, **extra)
+    except TypeError as exc:
+        raise ValueError(f"selection function {name}{inspect.signature(policy)} cannot be called as "
+                         f"select(tensors, tokens{''.join(f', {k}=...' for k in extra)}): {exc}. It gets "
+                         "the tensors and the token ids positionally and drop_ratio only as a keyword "
+                         "(name the parameter drop_ratio)") from None
+
+    def select(tensors, tokens, drop_ratio):
+        return policy(tensors, tokens, **({**extra, "drop_ratio": drop_ratio} if takes_ratio else extra))
+
+    return name, select
+
+
+def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, budget: int | None = None,
+                 model_config=None, rerotate: bool = True, **params) -> DropFn:
     """Build the drop function (LMCache `ModifyFn`) of a policy.
 
     Args:
@@ -204,13 +336,15 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float = 0.5, model_confi
             e.g. `tdutils.policies.SnapKVParams`), or your own selection function `select(tensors, tokens) ->
             LongTensor` of kept indices (it may read `CacheKind.KV` and `CacheKind.QUERY`); `drop_ratio` is then
             passed to it as a keyword if it accepts one.
-        drop_ratio: fraction of tokens to remove, in [0, 1].
-        model_config: the model's transformers config, or the loaded model; needed for RoPE re-rotation and
-            by the query-aware policies (head counts, and the model's attention: scale, soft-cap, sinks,
-            sliding windows — `tdutils.attention`). With a loaded model, or the config of a model the hf
-            engine has open (`engine.config`), RoPE frequencies and learned sinks are read from the live
-            model (`tdutils.rope.model_rope`); a bare config gives them from its definition, and a model
-            with learned sinks (gpt-oss) then fails for snapkv/rkv (their values live in the weights).
+        drop_ratio: fraction of tokens to remove, in [0, 1] (default 0.5 when no `budget` is given).
+        budget: keep exactly `budget` tokens (>= 1) of a longer cache and all of a shorter one (the policy at
+            drop ratio `1 - budget/T`), instead of a drop ratio.
+        model_config: the model's facts, handed on explicitly: the hf engine's `engine.facts` (read from its
+            loaded model), a loaded model, or a transformers config (`tdutils.models.model_facts`). Needed for
+            RoPE re-rotation and by the query-aware policies (head counts, the model's attention: scale,
+            soft-cap, sinks, sliding windows — `tdutils.attention`). A bare config gives RoPE frequencies and
+            attention from its definition, and a model with learned sinks (gpt-oss) then fails for snapkv/rkv
+            (their values live in the weights).
         rerotate: re-rotate kept keys to compact positions (True: what vLLM + LMCache decode with).
         **params: the policy's parameters (e.g. `window=32`); unknown names are refused.
 
@@ -219,58 +353,42 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float = 0.5, model_confi
         `query_rows` say which queries the engine must capture at prefill.
 
     Raises:
-        ValueError: unknown policy name, drop_ratio outside [0, 1], unknown or bad params, or
-            `rerotate=True` (or a policy reading head counts) without `model_config`.
+        ValueError: unknown policy name, drop_ratio outside [0, 1], both or a bad `budget`, unknown or bad
+            params, or `rerotate=True` (or a policy reading head counts) without `model_config`.
     """
-    r = check_drop_ratio(drop_ratio)
+    if budget is not None:
+        if drop_ratio is not None:
+            raise ValueError(f"give drop_ratio ({drop_ratio}) or budget ({budget}), not both")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"budget must be an integer number of tokens >= 1, got {budget!r}")
+        r = None
+    else:
+        r = check_drop_ratio(0.5 if drop_ratio is None else drop_ratio)
+    facts = model_facts(model_config) if model_config is not None else None
     rope_spec = None
     if rerotate:
-        if model_config is None:
-            raise ValueError("rerotate=True needs model_config (the model's transformers config) to re-rotate "
-                             "keys; pass model_config=model.config, or rerotate=False with positions='original'")
-        from .rope import model_rope
-
-        rope_spec = model_rope(model_config)
-
+        if facts is None:
+            raise ValueError("rerotate=True needs model_config (the model's facts: engine.facts, the model or its "
+                             "config) to re-rotate keys; or rerotate=False with positions='original'")
+        rope_spec = facts.rope
     if callable(policy):
-        user_select = policy
-        name = getattr(policy, "__name__", "custom")
-        sig = inspect.signature(user_select).parameters
-        takes_ratio = "drop_ratio" in sig or any(p.kind is p.VAR_KEYWORD for p in sig.values())
-        extra = {"drop_ratio": r, **params} if takes_ratio else dict(params)
-        try:  # the call every request will make, checked now rather than at modify time
-            inspect.signature(user_select).bind(None, None, **extra)
-        except TypeError as exc:
-            raise ValueError(f"selection function {name}{inspect.signature(user_select)} cannot be called as "
-                             f"select(tensors, tokens{''.join(f', {k}=...' for k in extra)}): {exc}. It gets "
-                             "the tensors and the token ids positionally and drop_ratio only as a keyword "
-                             "(name the parameter drop_ratio)") from None
-
-        def select(tensors, tokens):
-            return user_select(tensors, tokens, **extra)
-
-        return DropFn(name, select, r, rerotate, rope_spec, dict(params), needs=None, query_rows=None)
-
-    from .policies import get_policy
+        name, select = _user_select(policy, 0.5 if r is None else r, params)
+        return DropFn(name, select, r, budget, rerotate, rope_spec, dict(params), needs=None, query_rows=None)
 
     pol = get_policy(policy)
     p = pol.make_params(**params)
-    facts = None
-    if model_config is not None:
-        from .models import model_facts
-
-        facts = model_facts(model_config)
-    elif pol.needs_model or pol.setup is not None:
+    if facts is None and (pol.needs_model or pol.setup is not None):
         raise ValueError(f"policy {policy!r} needs model_config (head_dim and head counts of the model)")
-    extra = dict(pol.setup(model_config)) if pol.setup is not None else {}  # per-model values, computed once
+    extra = dict(pol.setup(facts)) if pol.setup is not None else {}  # per-model values, computed once
     keep, reads_query = pol.keep, pol.needs != "kv"
 
-    def select(tensors, tokens):
-        return keep(get_kv(tensors), get_query(tensors) if reads_query else None, r, params=p, facts=facts, **extra)
+    def select(tensors, tokens, drop_ratio):
+        return keep(get_kv(tensors), get_query(tensors) if reads_query else None, drop_ratio, params=p, facts=facts,
+                    **extra)
 
-    return DropFn(policy, select, r, rerotate, rope_spec, dict(vars(p)), needs=pol.needs, query_rows=pol.rows(p),
-                  reads_only=pol.builtin)
+    return DropFn(policy, select, r, budget, rerotate, rope_spec, dict(vars(p)), needs=pol.needs,
+                  query_rows=pol.rows(p), reads_only=pol.builtin)
 
 
-__all__ = ["CacheKind", "DropFn", "DropFunctionError", "ModifyFn", "apply_keep", "check_keep", "check_kv",
+__all__ = ["CacheKind", "DropFn", "DropFunctionError", "ModifyFn", "Timings", "apply_keep", "as_drop_fn", "check_keep", "check_kv",
            "get_kv", "get_query", "keep_count", "make_drop_fn", "validate_drop_output"]

@@ -18,12 +18,15 @@ fetched from the package index (pinned, checksums checked), dequantized once and
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
+from .attention import attention_spec, scoring_attention
 from .gguf import progress_bars  # noqa: F401 (tdutils.models.progress_bars: where users look for it)
+from .rope import model_rope
 
 ASSETS = Path(__file__).parent / "assets"
 TINY_MODEL_NAME = "tiny-qwen3"
@@ -372,9 +375,15 @@ def _offline_hint(name: str, exc: Exception) -> str:
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """Sizes that decide how much KV cache a request needs.
+    """What drop functions and engines need to know about one model, read once and handed on explicitly.
 
-    `kv_bytes_per_token` = 2 (K and V) * num_layers * num_kv_heads * head_dim * bytes per element.
+    Sizes (`num_layers`, head counts, `head_dim`, `kv_dtype`) decide how much KV cache a request needs:
+    `kv_bytes_per_token` = 2 (K and V) * num_layers * num_kv_heads * head_dim * bytes per element. `rope`
+    (the model's RoPE, `tdutils.rope.model_rope`) and `attention` (its attention arithmetic,
+    `tdutils.attention.scoring_attention`) are computed on first use from `source`: from the live weights when
+    `source` is a loaded model (rounded `inv_freq` after a dtype cast, learned sinks), from the definition when
+    it is a config. `HFEngine.facts` is built from its loaded model; pass it as
+    `make_drop_fn(..., model_config=engine.facts)`.
     """
 
     num_layers: int
@@ -382,6 +391,7 @@ class ModelFacts:
     num_kv_heads: int
     head_dim: int
     kv_dtype: torch.dtype
+    source: object = field(default=None, compare=False, repr=False)  # the loaded model or config read from
 
     @property
     def gqa_group_size(self) -> int:
@@ -396,25 +406,46 @@ class ModelFacts:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.kv_dim * torch.empty((), dtype=self.kv_dtype).element_size()
 
+    @property
+    def config(self):
+        """The transformers config (or config-like object) these facts were read from; None without a source."""
+        return self.source.config if isinstance(self.source, torch.nn.Module) else self.source
+
+    @cached_property
+    def rope(self):
+        """The model's `RopeSpec` (or one per layer), `tdutils.rope.model_rope(source)`; ValueError as it raises."""
+        if self.source is None:
+            raise ValueError("these ModelFacts carry no model or config to read RoPE from; build them with "
+                             "tdutils.models.model_facts(model_or_config)")
+        return model_rope(self.source)
+
+    @cached_property
+    def attention(self):
+        """The `AttentionSpec` query-aware policies score with (`tdutils.attention.scoring_attention`), or None
+        (plain attention) for a source that is neither a transformers config nor a model."""
+        return scoring_attention(self.source)
+
 
 def model_facts(config, dtype: torch.dtype = torch.float32) -> ModelFacts:
-    """Layer and head counts of a model, as its attention computes them.
+    """Layer and head counts of a model, as its attention computes them (`ModelFacts`).
 
     Args:
-        config: a loaded model, or a transformers config. Head counts and `head_dim` come from the shapes of
-            the query and key its attention functions receive (`tdutils.attention.AttentionSpec`: a 2-token
-            forward of the model, or of the config's model built on the `meta` device), so an architecture
-            that ignores a config field (GPT-NeoX is multi-head whatever `num_key_value_heads` says) is
-            counted right. Objects that are not transformers configs (mappings, namespaces), and configs
-            whose model cannot be built, are read from the fields `num_attention_heads`,
-            `num_key_value_heads`, `head_dim` (may be absent or None) and `num_hidden_layers`.
+        config: a loaded model, a transformers config, or `ModelFacts` (returned as they are). Head counts
+            and `head_dim` come from the shapes of the query and key its attention functions receive
+            (`tdutils.attention.AttentionSpec`: a 2-token forward of the model, or of the config's model built
+            on the `meta` device), so an architecture that ignores a config field (GPT-NeoX is multi-head
+            whatever `num_key_value_heads` says) is counted right. Objects that are not transformers configs
+            (mappings, namespaces), and configs whose model cannot be built, are read from the fields
+            `num_attention_heads`, `num_key_value_heads`, `head_dim` (may be absent or None) and
+            `num_hidden_layers`.
         dtype: the KV dtype.
     """
     from transformers import PreTrainedConfig
 
+    if isinstance(config, ModelFacts):
+        return config
+    source = config
     if isinstance(config, torch.nn.Module) or isinstance(config, PreTrainedConfig):
-        from .attention import attention_spec
-
         try:
             spec = attention_spec(config)
         except ValueError:
@@ -422,7 +453,7 @@ def model_facts(config, dtype: torch.dtype = torch.float32) -> ModelFacts:
         if spec is not None and spec.layers[0].num_kv_heads is not None:
             first = spec.layers[0]
             return ModelFacts(num_layers=len(spec.layers), num_query_heads=first.num_query_heads,
-                              num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, kv_dtype=dtype)
+                              num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, kv_dtype=dtype, source=source)
         config = getattr(config, "config", config)
     n_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
@@ -432,6 +463,7 @@ def model_facts(config, dtype: torch.dtype = torch.float32) -> ModelFacts:
         num_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
         head_dim=head_dim,
         kv_dtype=dtype,
+        source=source,
     )
 
 

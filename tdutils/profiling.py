@@ -89,47 +89,4 @@ def timed(fn, *args, device: str | torch.device | None = None, repeats: int = 1,
     return out, statistics.median(times)
 
 
-class TimedDropFn:
-    """Wraps a `DropFn` and records, per request, the seconds spent choosing tokens (scoring) and applying
-    the choice (gathering K/V and RoPE re-rotation). Use it wherever the drop function goes
-    (`engine.modify`, `tdutils.run_once`, `tdutils.compare`); `split()` sums the two parts.
-    """
-
-    def __init__(self, drop_fn):
-        self.drop_fn = drop_fn
-        self.name = drop_fn.name
-        self.rerotate = drop_fn.rerotate  # engines check it against their positions setting
-        self.drop_ratio = drop_fn.drop_ratio
-        self.score_s: list[float] = []
-        self.rerotate_s: list[float] = []
-
-    def reset(self) -> None:
-        self.score_s.clear()
-        self.rerotate_s.clear()
-
-    def keep_indices(self, tensors, tokens) -> torch.Tensor:
-        return self.drop_fn.keep_indices(tensors, tokens)
-
-    def __call__(self, tensors, tokens):
-        from .kvcache import apply_keep, check_kv, get_kv
-
-        kv = get_kv(tensors)
-        check_kv(kv, tokens)
-        if self.drop_ratio == 0.0:  # same shortcut as DropFn: unchanged, bit for bit
-            return kv.clone(), [int(t) for t in tokens]
-        _sync(kv.device)
-        t0 = time.perf_counter()
-        keep = self.drop_fn.select(tensors, tokens)
-        t1 = time.perf_counter()
-        out = apply_keep(kv, tokens, keep, rope_spec=self.drop_fn.rope_spec, rerotate=self.drop_fn.rerotate)
-        _sync(kv.device)
-        self.score_s.append(t1 - t0)
-        self.rerotate_s.append(time.perf_counter() - t1)
-        return out
-
-    def split(self) -> dict:
-        """Totals over the recorded requests: `score_s`, `rerotate_s` (gather + re-rotation), `requests`."""
-        return {"requests": len(self.score_s), "score_s": sum(self.score_s), "rerotate_s": sum(self.rerotate_s)}
-
-
-__all__ = ["TimedDropFn", "kept_agreement", "peak_memory", "synthetic_keys", "timed"]
+__all__ = ["kept_agreement", "peak_memory", "synthetic_keys", "timed"]

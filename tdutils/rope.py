@@ -613,8 +613,7 @@ def model_rope(model_or_config: Any) -> RopeSpec | tuple[RopeSpec, ...]:
     (Gemma 3: `rope_local_base_freq` on sliding layers).
 
     Args:
-        model_or_config: a loaded transformers model, the config of a model the hf engine has open
-            (`tdutils.attention.register_live_model`), or a config.
+        model_or_config: a loaded transformers model, or a config.
 
     With a loaded model, `inv_freq` and `attention_scaling` are read from its rotary module (`inv_freq`, or
     `{layer_type}_inv_freq` for per-layer-type rotations): the frequencies the cached keys were actually
@@ -624,9 +623,7 @@ def model_rope(model_or_config: Any) -> RopeSpec | tuple[RopeSpec, ...]:
     """
     import dataclasses
 
-    from .attention import live_model
-
-    model = live_model(model_or_config)
+    model = model_or_config if isinstance(model_or_config, torch.nn.Module) else None
     config = model.config if model is not None else model_or_config
     params = _first(config, "rope_parameters", "rope_scaling")
     types = _get(config, "layer_types")

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .edit import as_drop_fn
 from .metrics import RunMetrics, phase_table
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ def default_kv_budget(prompt_lengths, max_tokens: int, full_requests: float = DE
 def run_once(engine, prompts, *, name: str = "baseline", drop_fn=None, max_tokens: int = 64, **decode_kwargs) -> RunResult:
     """Prefill `prompts`, apply `drop_fn` (None: baseline, no modify), decode `max_tokens` per request.
 
-    A drop function that records per-run state and has a `reset()` method (`TimedDropFn`) is reset before
+    A drop function that records per-run timings (`DropFn.timed()`) is reset before
     this run's modify, so what it records afterwards describes this run only: reusing it in a second run
     (or `compare`, or a sweep's repeats) never adds that run's timings to the first one's. Before prefill the
     engine widens its query capture to what `drop_fn` needs (`engine.capture_for`).
@@ -76,9 +77,8 @@ def run_once(engine, prompts, *, name: str = "baseline", drop_fn=None, max_token
         engine.capture_for(drop_fn)
     engine.prefill(prompts)
     if drop_fn is not None:
-        reset = getattr(drop_fn, "reset", None)
-        if callable(reset):
-            reset()
+        drop_fn = as_drop_fn(drop_fn)
+        drop_fn.reset()
         engine.modify(drop_fn)
     outputs = engine.decode(max_tokens=max_tokens, **decode_kwargs)
     metrics = engine.metrics

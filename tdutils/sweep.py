@@ -60,7 +60,7 @@ def throughput_sweep(engine, prompts, configs: list[SweepConfig], *, max_tokens:
 
     ids = engine.tokenize(prompts)
     expected = len(ids) * max_tokens
-    fns = {c.name: make_drop_fn(c.policy, drop_ratio=c.drop_ratio, model_config=engine.config,
+    fns = {c.name: make_drop_fn(c.policy, drop_ratio=c.drop_ratio, model_config=engine.facts,
                                 rerotate=getattr(engine, "positions", "compact") == "compact", **(c.params or {}))
            for c in configs}
     ratios = {c.name: c.drop_ratio for c in [SweepConfig(None)] + list(configs)}

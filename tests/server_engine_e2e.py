@@ -39,7 +39,7 @@ def main() -> int:
                               lmcache_http_url=args.lmcache_http_url, query_window=None, timeout=300,
                               http_timeout=30, retrieve_timeout=120, progress=False)
     try:
-        fn = tdutils.make_drop_fn("snapkv", drop_ratio=0.5, model_config=eng.config, window=args.window)
+        fn = tdutils.make_drop_fn("snapkv", drop_ratio=0.5, model_config=eng.facts, window=args.window)
         eng.capture_for(fn)
         ids = eng.tokenize(load_prompts("sample", num_requests=2))
         lengths = eng.prefill(ids)
@@ -49,7 +49,7 @@ def main() -> int:
         report = eng.modify(fn)
         kept_lm = [eng.tokens(i) for i in range(len(padded))]
         outs = eng.decode(max_tokens=args.max_tokens)
-        rkv = tdutils.make_drop_fn("rkv", drop_ratio=0.5, model_config=eng.config)
+        rkv = tdutils.make_drop_fn("rkv", drop_ratio=0.5, model_config=eng.facts)
         eng.capture_for(rkv)
         eng.prefill(ids)
         rkv_keep_lm = [rkv.keep_indices(eng.tensors(i), padded[i]).tolist() for i in range(len(padded))]

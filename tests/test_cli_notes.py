@@ -91,7 +91,7 @@ def test_snapkv_after_a_first_modify_says_why_the_query_is_gone():
     eng = tdutils.open_engine("hf", progress=False)
     ids = eng.tokenize(tdutils.data.load_prompts("sample", num_requests=1))
     eng.prefill(ids)
-    fn = tdutils.make_drop_fn("snapkv", drop_ratio=0.5, model_config=eng.config)
+    fn = tdutils.make_drop_fn("snapkv", drop_ratio=0.5, model_config=eng.facts)
     eng.modify(fn)
     with pytest.raises(tdutils.DropFunctionError, match="discards it after the first modify .* prefill again"):
         eng.modify(fn)

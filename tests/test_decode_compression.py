@@ -14,9 +14,9 @@ import functools
 import pytest
 import torch
 
-import tdutils.compression as compression_module
 from tdutils import CacheKind
-from tdutils.compression import BudgetDropFn, Compression, cache_sizes
+from tdutils.compression import Compression, cache_sizes
+from tdutils.edit import DropFn
 from tdutils.engines.hf import HFEngine
 
 from families import FAMILIES, family_model
@@ -40,15 +40,16 @@ def tiny64(tiny):
 
 
 def _record_cuts(monkeypatch):
-    """Record the tensors and tokens every `BudgetDropFn.edit` receives (copies)."""
+    """Record the tensors and tokens every cut (a `DropFn` keeping by budget) receives (copies)."""
     seen = []
-    edit = BudgetDropFn.edit
+    edit = DropFn.edit
 
     def recording_edit(self, tensors, tokens):
-        seen.append(({k: v.clone() for k, v in tensors.items()}, list(tokens)))
+        if self.budget is not None:
+            seen.append(({k: v.clone() for k, v in tensors.items()}, list(tokens)))
         return edit(self, tensors, tokens)
 
-    monkeypatch.setattr(compression_module.BudgetDropFn, "edit", recording_edit)
+    monkeypatch.setattr(DropFn, "edit", recording_edit)
     return seen
 
 

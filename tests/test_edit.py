@@ -145,3 +145,75 @@ def test_validate_drop_output_checks_token_ids():
         validate_drop_output(kv, tokens, (new_kv, [-1, 1, 2, 3]), vocab_size=100)
     with pytest.raises(DropFunctionError, match="must be integer token ids \\(got floats or bools\\)"):
         validate_drop_output(kv, tokens, (new_kv, [0.0, 1.5, 2.0, 3.0]))
+
+
+# ---------------------------------------------------------------- one drop-function type
+
+
+def test_keep_by_budget_keeps_exactly_the_budget_and_a_short_cache_whole():
+    """`make_drop_fn(policy, budget=B)`: the policy at drop ratio 1 - B/T keeps exactly B of T > B tokens (the same
+    set as the ratio-built function at that ratio), and a cache of T <= B tokens bit for bit."""
+    kv = _kv(T=37, D=64)
+    tokens = list(range(37))
+    by_budget = make_drop_fn("random", budget=10, rerotate=False, seed=1, n_sink=2, window=3)
+    keep = by_budget.keep_indices({CacheKind.KV: kv}, tokens)
+    by_ratio = make_drop_fn("random", drop_ratio=1 - 10 / 37, rerotate=False, seed=1, n_sink=2, window=3)
+    assert keep.numel() == 10 and torch.equal(keep, by_ratio.keep_indices({CacheKind.KV: kv}, tokens))
+    assert keep[:2].tolist() == [0, 1] and keep[-3:].tolist() == [34, 35, 36]  # sinks and window protected
+    short = kv[:, :, :10]
+    new_kv, new_tokens, kept = by_budget.edit({CacheKind.KV: short}, tokens[:10])
+    assert torch.equal(new_kv, short) and new_tokens == tokens[:10] and kept.tolist() == list(range(10))
+    with pytest.raises(ValueError, match="not both"):
+        make_drop_fn("random", drop_ratio=0.5, budget=10, rerotate=False)
+    with pytest.raises(ValueError, match="budget must be an integer"):
+        make_drop_fn("random", budget=0, rerotate=False)
+    with pytest.raises(RuntimeError, match="more than the budget"):  # its window alone exceeds the budget
+        make_drop_fn("random", budget=2, rerotate=False, n_sink=0, window=5)({CacheKind.KV: kv}, tokens)
+
+
+def test_a_bare_modify_fn_is_adapted_once_and_says_what_it_does_not_know():
+    from tdutils.edit import DropFn, as_drop_fn
+
+    def halve(tensors, tokens):
+        kv = tensors[CacheKind.KV]
+        return kv[:, :, ::2].clone(), list(tokens)[::2]
+
+    fn = as_drop_fn(halve)
+    assert isinstance(fn, DropFn) and as_drop_fn(fn) is fn
+    assert (fn.name, fn.rerotate, fn.needs, fn.query_rows, fn.reads_only) == ("halve", None, None, None, False)
+    kv = _kv(T=8)
+    new_kv, new_tokens, keep = fn.edit({CacheKind.KV: kv}, list(range(8)))
+    assert torch.equal(new_kv, kv[:, :, ::2]) and new_tokens == [0, 2, 4, 6] and keep is None
+    with pytest.raises(TypeError, match="reports no kept indices"):
+        fn.keep_indices({CacheKind.KV: kv}, list(range(8)))
+    with pytest.raises(TypeError, match="callable"):
+        as_drop_fn("snapkv")
+
+
+def test_timed_copy_records_each_request_and_the_original_does_not():
+    fn = make_drop_fn("random", drop_ratio=0.5, rerotate=False)
+    timed = fn.timed()
+    kv = _kv(T=40)
+    for _ in range(3):
+        assert torch.equal(timed({CacheKind.KV: kv}, list(range(40)))[0], fn({CacheKind.KV: kv}, list(range(40)))[0])
+    assert timed.split()["requests"] == 3 and all(s >= 0 for s in timed.timings.score_s)
+    assert fn.timings is None
+    with pytest.raises(ValueError, match="timed"):
+        fn.split()
+    timed.reset()
+    assert timed.split() == {"requests": 0, "score_s": 0, "rerotate_s": 0}
+
+
+def test_model_facts_are_handed_on_explicitly_with_no_registry(tiny):
+    """The engine's facts carry the live model's RoPE; a bare config its definition; nothing global links them."""
+    import tdutils.attention as attention
+    from tdutils.models import model_facts
+
+    model, _ = tiny
+    assert not hasattr(attention, "register_live_model") and not hasattr(attention, "live_model")
+    live, bare = model_facts(model), model_facts(model.config)
+    assert live == bare and live.source is model and bare.source is model.config and bare.config is model.config
+    assert model_facts(live) is live
+    torch.testing.assert_close(live.rope.inv_freq, model.model.rotary_emb.inv_freq.float(), atol=0, rtol=0)
+    fn = make_drop_fn("snapkv", drop_ratio=0.5, model_config=live)
+    assert fn.rope_spec is live.rope  # computed once, reused

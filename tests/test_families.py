@@ -120,7 +120,7 @@ def test_compact_rerotation_and_every_policy_at_half(family):
     eng = _engine(family)
     prompts = _prompts(2)
     eng.prefill(prompts)
-    fn = make_drop_fn("random", drop_ratio=0.5, model_config=eng.config, seed=3, n_sink=2, window=4)
+    fn = make_drop_fn("random", drop_ratio=0.5, model_config=eng.facts, seed=3, n_sink=2, window=4)
     eng.modify(fn)
     fresh = open_engine("hf", model=model, tokenizer=_tokenizer(), progress=False, query_window=0)
     fresh.prefill([eng.tokens(i) for i in range(len(prompts))])
@@ -132,7 +132,7 @@ def test_compact_rerotation_and_every_policy_at_half(family):
     window = 4  # <= every prompt's keep count at 0.5, so each policy keeps exactly keep_count tokens
     for policy, params in (("snapkv", {"window": window}), ("rkv", {"window": window})):
         eng.prefill(prompts)
-        eng.modify(make_drop_fn(policy, drop_ratio=0.5, model_config=eng.config, **params))
+        eng.modify(make_drop_fn(policy, drop_ratio=0.5, model_config=eng.facts, **params))
         assert [eng.kv(i).shape[2] for i in range(len(prompts))] == [keep_count(n, 0.5) for n in LENS], policy
         assert all(len(o.output_ids) == 3 for o in eng.decode(3)), policy
 
@@ -171,7 +171,7 @@ def test_scores_follow_the_models_attention_not_one_formula():
         tova_ref = torch.stack([a[0, :, -1, :].mean(0) for a in att]).mean(0).float()
         tova = tova_scores(eng.kv(0), eng.query(0), head_dim=eng.facts.head_dim, attention=spec)
         torch.testing.assert_close(tova, tova_ref, atol=1e-6, rtol=1e-5)
-        fn = make_drop_fn("tova", drop_ratio=0.5, model_config=eng.config, rerotate=False)
+        fn = make_drop_fn("tova", drop_ratio=0.5, model_config=eng.facts, rerotate=False)
         assert torch.equal(fn.keep_indices(eng.tensors(0), eng.tokens(0)),
                            tova_keep(eng.kv(0), eng.query(0), 0.5, head_dim=eng.facts.head_dim, attention=spec))
 
@@ -222,7 +222,7 @@ def test_rope_frequencies_come_from_the_live_model():
     for source in ("live", "config"):
         eng = open_engine("hf", model=model, tokenizer=_tokenizer(), progress=False, query_window=0)
         eng.prefill(ids)
-        config = eng.config if source == "live" else copy.deepcopy(eng.config)  # a copy: not the engine's model
+        config = eng.facts if source == "live" else eng.config  # the engine's facts read the live model
         eng.modify(make_drop_fn("random", drop_ratio=0.5, model_config=config, seed=0, n_sink=2, window=4))
         fresh = open_engine("hf", model=model, tokenizer=_tokenizer(), progress=False, query_window=0)
         fresh.prefill([eng.tokens(0)])
@@ -294,7 +294,7 @@ def test_a_local_folder_of_an_eager_only_family_opens_and_scores(family, tmp_pat
     assert eng.model.config._attn_implementation.endswith("eager")
     eng.prefill(_prompts()[:2])
     assert max(eng.check_query(i) for i in range(2)) <= 1e-5
-    eng.modify(make_drop_fn("snapkv", drop_ratio=0.5, model_config=eng.config, window=4))
+    eng.modify(make_drop_fn("snapkv", drop_ratio=0.5, model_config=eng.facts, window=4))
     assert [eng.kv(i).shape[2] for i in range(2)] == [keep_count(n, 0.5) for n in LENS[:2]]
 
 

@@ -325,20 +325,18 @@ def test_the_other_plot_helpers_take_drop_ratio_one(agg):
     assert ratio_caveats(2, 8, 4.0, 1.0) == []  # limit inf: the 4x is explained
 
 
-# ---------------------------------------------------------------- 6. a reused TimedDropFn
+# ---------------------------------------------------------------- 6. a reused timed drop function
 
 
 def test_a_reused_timed_drop_fn_reports_each_run_alone(tiny, sample_ids):
     from tdutils.engines.hf import HFEngine
-    from tdutils.policies.rkv import TimedDropFn
-
     model, tok = tiny
     eng = HFEngine(model, tokenizer=tok, progress=False)
-    timed = TimedDropFn(tdutils.make_drop_fn("random", drop_ratio=0.5, model_config=model.config))
+    timed = tdutils.make_drop_fn("random", drop_ratio=0.5, model_config=model.config).timed()
     ids = [x[:64] for x in sample_ids[:2]]
     for _ in range(2):
         tdutils.run_once(eng, ids, name="r", drop_fn=timed, max_tokens=1)
-        assert timed.split()["requests"] == 2 and len(timed.score_s) == len(timed.rerotate_s) == 2, timed.split()
+        assert timed.split()["requests"] == 2 and len(timed.timings.score_s) == len(timed.timings.rerotate_s) == 2, timed.split()
     tdutils.compare(eng, ids, {"a": timed}, max_tokens=1)
     assert timed.split()["requests"] == 2
 

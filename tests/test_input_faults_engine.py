@@ -9,7 +9,6 @@ import torch
 
 from tdutils import DropFunctionError, make_drop_fn
 from tdutils.engines.hf import HFEngine
-from tdutils.policies.rkv import TimedDropFn
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,7 +26,7 @@ def test_original_positions_hold_for_drop_functions_that_do_not_report_kept_rows
     """knorm (window 0) drops the prompt's last token; through a wrapper that only returns `(kv, tokens)` the
     engine must still refeed the last *kept* token at its own position: the same logits as the DropFn itself."""
     fn = make_drop_fn("knorm", drop_ratio=0.5, model_config=tiny[0].config, rerotate=False)
-    wrapped = TimedDropFn(fn) if wrap == "timed" else (lambda tensors, tokens: fn(tensors, tokens))
+    wrapped = fn.timed() if wrap == "timed" else (lambda tensors, tokens: fn(tensors, tokens))
     runs = []
     for drop in (fn, wrapped):
         eng = _engine(tiny, positions="original")

@@ -329,7 +329,7 @@ def test_padding_puts_the_true_end_of_the_prompt_in_the_window(tiny, sample_ids)
         assert [(k.value, model) for k, _, _, model, _ in eng.connects] == [("kv", MODEL), ("query", MODEL)]
         lengths = eng.prefill(sample_ids)
         assert all(n % 16 == 0 and n - len(x) < 16 for n, x in zip(lengths, sample_ids))
-        fn = make_drop_fn(select, drop_ratio=0.5, model_config=eng.config)
+        fn = make_drop_fn(select, drop_ratio=0.5, model_config=eng.facts)
         report = eng.modify(fn)
         assert report.edited == 3 and not report.failures
         for (kv_shape, q_shape, tokens), x, n in zip(seen, sample_ids, lengths):
@@ -343,7 +343,7 @@ def test_padding_puts_the_true_end_of_the_prompt_in_the_window(tiny, sample_ids)
 
 def test_distinct_salts_cache_clears_and_no_leak_to_unsalted_requests(tiny, sample_ids):
     with engine(tiny, 16) as eng:
-        fn = make_drop_fn("random", drop_ratio=0.5, model_config=eng.config, seed=1)
+        fn = make_drop_fn("random", drop_ratio=0.5, model_config=eng.facts, seed=1)
         res = tdutils.run_once(eng, sample_ids, name="random", drop_fn=fn, max_tokens=3)
         first_run = eng.run_id
         salts = [c[1] for c in eng.serving.completions]
@@ -399,7 +399,7 @@ def test_query_free_policies_run_without_query_export(tiny, sample_ids):
 
 def test_compare_gives_the_phase_table(tiny, sample_ids):
     with engine(tiny, 16, kv_budget_tokens=700) as eng:
-        fn = make_drop_fn("random", drop_ratio=0.5, model_config=eng.config)
+        fn = make_drop_fn("random", drop_ratio=0.5, model_config=eng.facts)
         _, table = tdutils.compare(eng, sample_ids, {"random@0.5": fn}, max_tokens=4)
     assert list(table.index) == ["baseline", "random@0.5"]
     assert table.loc["random@0.5", "kept_fraction"] < 0.6 and table.loc["baseline", "decode_tokens"] == 12
@@ -415,7 +415,7 @@ def test_mixed_up_query_rows_are_caught_before_scoring(tiny, sample_ids):
 
     with engine(tiny, 16, serving_kw={"shift_queries": True}) as eng:
         eng.prefill(sample_ids)
-        fn = make_drop_fn(select, drop_ratio=0.5, model_config=eng.config)
+        fn = make_drop_fn(select, drop_ratio=0.5, model_config=eng.facts)
         with pytest.raises(QueryCheckError, match="query rows are mixed up or shifted"):
             eng.modify(fn)
         assert not calls
@@ -448,7 +448,7 @@ def test_a_failing_drop_function_changes_no_cache_or_skips(tiny, sample_ids):
     with engine(tiny, 16, retrieve_timeout=0.5) as eng:
         eng.prefill(sample_ids)
         before = _snapshot(eng)  # taken before modify: the check below compares two states, not one twice
-        fn = make_drop_fn(select, drop_ratio=0.5, model_config=eng.config)
+        fn = make_drop_fn(select, drop_ratio=0.5, model_config=eng.facts)
         with pytest.raises(DropFunctionError, match="failed on 1 of 3 requests; no cache was changed"):
             eng.modify(fn)
         after = _snapshot(eng)

@@ -13,7 +13,7 @@ import torch
 import tdutils
 from tdutils import CacheKind, make_drop_fn
 from tdutils.data import load_prompts
-from tdutils.edit import validate_drop_output
+from tdutils.edit import as_drop_fn, validate_drop_output
 from tdutils.engines.hf import HFEngine
 from tdutils.policies import (
     RKV_METHODS,
@@ -249,9 +249,8 @@ def test_query_window_for_each_policy(tiny):
     assert query_window_for(fns["h2o"]) is None and query_window_for(fns["tova"], fns["h2o"]) is None
     assert query_window_for(fns["tova"], _fn("snapkv", 0.5, model.config, window=32), None) == 32
     assert query_window_for(make_drop_fn(lambda t, k: torch.arange(len(k)), rerotate=False)) == 64  # unknown
-    from tdutils.policies.rkv import TimedDropFn
-
-    assert query_window_for(TimedDropFn(fns["h2o"])) is None
+    assert query_window_for(as_drop_fn(lambda t, k: (t, k))) == 64  # a bare ModifyFn, adapted: unknown too
+    assert query_window_for(fns["h2o"].timed()) is None
 
 
 def test_a_users_policy_registered_in_a_cell_reaches_make_drop_fn_compare_and_eval(tiny):
@@ -279,7 +278,7 @@ def test_a_users_policy_registered_in_a_cell_reaches_make_drop_fn_compare_and_ev
             return torch.arange(params.window)
 
         register_policy("first_tokens", params=EveryOtherParams, needs="kv", keep=first_layers_keep,
-                        setup=lambda config: calls.append(1) or {"n_layers": config.num_hidden_layers})
+                        setup=lambda facts: calls.append(1) or {"n_layers": facts.config.num_hidden_layers})
         fn2 = make_drop_fn("first_tokens", drop_ratio=0.5, model_config=model.config, window=3)
         for _ in range(2):
             assert fn2.keep_indices({CacheKind.KV: torch.zeros(2, 2, 10, 64)}, list(range(10))).tolist() == [0, 1, 2]
@@ -432,7 +431,7 @@ def test_old_import_paths_of_the_shared_helpers_and_profiling_tools():
     from tdutils.policies import rkv, scoring, snapkv
 
     assert snapkv.window_attention is scoring.window_attention  # the hf engine and notebooks import it so
-    for name in ("TimedDropFn", "kept_agreement", "peak_memory", "synthetic_keys", "timed"):
+    for name in ("kept_agreement", "peak_memory", "synthetic_keys", "timed"):
         assert getattr(rkv, name) is getattr(profiling, name), name
     x = torch.arange(24.0).view(4, 3, 2)  # [Hq=4, ...], 2 KV heads: groups (0, 1) and (2, 3)
     assert torch.equal(scoring.reduce_gqa(x, 2, "max"), x[[1, 3]])
@@ -496,7 +495,7 @@ def test_builtin_policies_only_read_their_input_so_the_engine_skips_the_copy(tin
     names = [n for n in policy_names() if get_policy(n).builtin]
     assert {"snapkv", "rkv", "h2o", "tova", "knorm", "keydiff", "random", "streaming_llm"} <= set(names)
     for name in names:
-        fn = tdutils.make_drop_fn(name, drop_ratio=0.5, model_config=eng.config)
+        fn = tdutils.make_drop_fn(name, drop_ratio=0.5, model_config=eng.facts)
         assert fn.reads_only
         fn.edit(tensors, eng.tokens(0))
         for kind, t in tensors.items():
@@ -508,7 +507,7 @@ def test_builtin_policies_only_read_their_input_so_the_engine_skips_the_copy(tin
         seen.append(tensors[tdutils.CacheKind.KV])
         return torch.arange(len(tokens) // 2)
 
-    user = tdutils.make_drop_fn(select, drop_ratio=0.5, model_config=eng.config)
+    user = tdutils.make_drop_fn(select, drop_ratio=0.5, model_config=eng.facts)
     assert not user.reads_only
     cache = eng.requests[0].kv
     eng.modify(user)

@@ -158,7 +158,7 @@ def test_original_positions_equal_the_masked_full_cache(real):
     prompts = _prompts(name, tok)[:2]  # the short one and the longest (past Gemma's window)
     eng = _engine(model, tok, positions="original")
     eng.prefill(prompts)
-    fn = make_drop_fn("random", drop_ratio=0.5, model_config=eng.config, rerotate=False, seed=11)
+    fn = make_drop_fn("random", drop_ratio=0.5, model_config=eng.facts, rerotate=False, seed=11)
     keeps = [fn.keep_indices(eng.tensors(i), eng.tokens(i)) for i in range(len(prompts))]
     eng.modify(fn)
     outs = eng.decode(steps, keep_logits=True)
@@ -246,7 +246,7 @@ def test_compact_rerotation_matches_the_models_rotary_modules(real):
         prefilled = _apply_rope(model, layer, raw[layer], *rope[layer])[0].transpose(0, 1).reshape(T, H * d)
         err = float((prefilled - before[0, layer]).abs().max())
         assert err <= 1e-5, (name, layer, "prefill keys", err)
-    fn = make_drop_fn("random", drop_ratio=0.5, model_config=eng.config, seed=7)
+    fn = make_drop_fn("random", drop_ratio=0.5, model_config=eng.facts, seed=7)
     keep = fn.keep_indices(eng.tensors(0), eng.tokens(0))
     eng.modify(fn)
     k = keep.numel()

@@ -52,7 +52,7 @@ def setup(tiny, sample_ids):
     model, tok = tiny
     ids = [sample_ids[0][:64]] * 8
     eng = HFEngine(model, tokenizer=tok, progress=False, kv_budget_tokens=tdutils.default_kv_budget([64], 3, 2.25))
-    fn = tdutils.make_drop_fn("random", drop_ratio=0.5, model_config=eng.config, seed=0)
+    fn = tdutils.make_drop_fn("random", drop_ratio=0.5, model_config=eng.facts, seed=0)
     return eng, ids, {"random@0.5": fn}
 
 
@@ -194,7 +194,7 @@ def test_a_deliberately_slowed_real_run_triggers_the_warning(tiny, sample_ids):
     model, tok = tiny
     ids = [sample_ids[0][:100]] * 4
     eng = HFEngine(model, tokenizer=tok, progress=False, kv_budget_tokens=tdutils.default_kv_budget([100], 3, 2.25))
-    fn = tdutils.make_drop_fn("random", drop_ratio=0.5, model_config=eng.config, seed=0)
+    fn = tdutils.make_drop_fn("random", drop_ratio=0.5, model_config=eng.facts, seed=0)
     runs = {"n": 0}
     real = eng.decode
 

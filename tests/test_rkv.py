@@ -9,7 +9,6 @@ from tdutils import CacheKind, make_drop_fn
 from tdutils.engines.hf import HFEngine
 from tdutils.policies.rkv import (
     RKV_METHODS,
-    TimedDropFn,
     compare_redundancy_methods,
     kept_agreement,
     peak_memory,
@@ -256,7 +255,7 @@ def test_rkv_drop_fn_end_to_end_per_request(tiny, sample_ids):
     assert table.loc[["reference", "exact", "tiled"], "same_as_exact"].all()
     assert (table["score_peak_mib"] > 0).all() and (table["rerotate_s"] > 0).all()
 
-    timed = TimedDropFn(fn)
+    timed = fn.timed()
     eng.modify(timed)
     assert timed.split()["requests"] == 3 and timed.split()["score_s"] > 0
     assert [eng.tokens(i) for i in range(3)] == [[ids[j] for j in k.tolist()] for ids, k in zip(sample_ids, keeps)]

@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..edit import DropFunctionError, check_token_ids, kept_rows, validate_drop_output
+from ..edit import DropFunctionError, as_drop_fn, check_token_ids, kept_rows, validate_drop_output
 from ..metrics import ModifyMetrics
 
 
@@ -328,8 +328,10 @@ class Engine(ABC):
     on every engine: each request's tensors go to the drop function, its output is validated, and the
     edits are committed only when every request succeeded (`on_error="raise"`) or for those that did
     (`"skip"`). Settings `kv_budget_tokens`, `max_batch_size`, `query_window` are checked whenever set.
-    Subclasses set `tokenizer`, `requests` (one record per request, `snapshot` copies them), `metrics` and
-    `chat_template` in `__init__`.
+    Subclasses set `tokenizer`, `requests` (one record per request, `snapshot` copies them), `metrics`,
+    `chat_template` and `facts` (the model's `tdutils.models.ModelFacts`, which drop functions are built from:
+    `make_drop_fn(..., model_config=engine.facts)`) in `__init__`. `modify` adapts a bare ModifyFn once
+    (`tdutils.edit.as_drop_fn`) and its hooks read the `DropFn`'s declared attributes.
     """
 
     kind: str = ""
@@ -396,6 +398,7 @@ class Engine(ABC):
         """
         from ..policies import query_window_for
 
+        drop_fns = [as_drop_fn(f) for f in drop_fns if f is not None]
         need = query_window_for(*drop_fns, default=0)
         if need == 0:
             return self.query_window
@@ -426,8 +429,9 @@ class Engine(ABC):
         """Apply `drop_fn(tensors, tokens) -> (new_kv, new_tokens)` to every request's cache.
 
         Args:
-            drop_fn: an LMCache-style ModifyFn (e.g. from `tdutils.make_drop_fn`). It receives `tensors(i)`
-                and the request's T token ids; a `DropFn` also reports its kept indices (`edit`).
+            drop_fn: a `DropFn` (`tdutils.make_drop_fn`) or any LMCache-style ModifyFn (adapted once,
+                `tdutils.edit.as_drop_fn`). It receives `tensors(i)` and the request's T token ids; a `DropFn`
+                also reports its kept indices (`edit`).
             positions: `"compact"` / `"original"` (where the engine has it); default the engine's setting.
             on_error: `"raise"` — if any request fails, no cache is changed and `DropFunctionError` lists
                 every failure; `"skip"` — failed requests keep their cache unchanged, the others are edited,
@@ -441,8 +445,8 @@ class Engine(ABC):
         self._require_requests("modify()")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        drop_fn = as_drop_fn(drop_fn)  # what it reads and does, declared once
         positions = self._check_modify(drop_fn, positions)
-        edit = getattr(drop_fn, "edit", None)  # DropFn.edit also returns the kept indices
         mm = self.metrics.modify = ModifyMetrics()
         mm.tokens_before = sum(self._cache_length(i) for i in range(len(self.requests)))
         t0 = time.perf_counter()
@@ -454,11 +458,7 @@ class Engine(ABC):
                 continue
             tensors, tokens, reference = got
             try:
-                keep = None
-                if edit is not None:
-                    *result, keep = edit(tensors, list(tokens))
-                else:
-                    result = drop_fn(tensors, list(tokens))
+                *result, keep = drop_fn.edit(tensors, list(tokens))  # keep: None from a bare ModifyFn
                 new_kv, new_tokens = validate_drop_output(reference, tokens, result, vocab_size=self._vocab_size())
                 if keep is None and positions == "original":
                     # decode refeeds the last kept token at its own position: any drop function's kept rows

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import AttentionSpec, QueryRecorder, capture_implementation, recording, register_live_model
+from ..attention import AttentionSpec, QueryRecorder, capture_implementation, recording
 from ..chat import uses_chat_template
-from ..compression import BudgetDropFn, Compression
-from ..edit import CacheKind, check_kv
+from ..compression import Compression
+from ..edit import CacheKind, DropFn, check_kv
 from ..metrics import DecodeMetrics, RunMetrics
 from ..models import load_model, model_facts
 from .base import (
@@ -141,7 +141,6 @@ class HFEngine(Engine):
         self.attention = self._check_supported()  # one-line ValueError naming the family (backend included)
         if query_window != 0:
             self.model.set_attn_implementation(capture_implementation(self.model.config._attn_implementation))
-        register_live_model(self.model)  # make_drop_fn(model_config=engine.config) reads sinks and RoPE from it
         windows = self.attention.sliding_windows
         # per mask key (a layer type, or None when one mask serves every layer): its sliding window
         self._mask_windows = _mask_windows(self.model.config, windows) if any(windows) else None
@@ -246,7 +245,7 @@ class HFEngine(Engine):
         Raises:
             TypeError / ValueError: bad prompts, a `chunk` that is not an integer >= 1 (or too short for the
             policy's query rows), `compression` not a `Compression`, or a policy that cannot keep exactly the
-            budget (`BudgetDropFn.check`). A failure during the chunks leaves no batch (`decode` asks for a
+            budget (`Compression.drop_fn`). A failure during the chunks leaves no batch (`decode` asks for a
             `prefill`), not a half-prefilled one.
         """
         ids = self.tokenize(prompts)
@@ -312,7 +311,7 @@ class HFEngine(Engine):
         size = max(map(len, ids)) if chunk is None else check_count(chunk, "chunk", 1)
         cut, rows = None, 0
         if compression is not None:
-            cut = compression.drop_fn(model_config=self.model, rerotate=self.positions == "compact")
+            cut = compression.drop_fn(model_config=self.facts, rerotate=self.positions == "compact")
             rows = cut.query_rows
             if chunk is not None and rows and size < 2 * rows:
                 raise ValueError(f"chunk {size} is too short for the {rows} query rows {cut.name!r} scores a cut with "
@@ -434,7 +433,7 @@ class HFEngine(Engine):
         positions = positions or self.positions
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
-        rerotate = getattr(drop_fn, "rerotate", None)
+        rerotate = drop_fn.rerotate  # None: a bare ModifyFn (it says nothing)
         if rerotate is not None and rerotate != (positions == "compact"):
             raise ValueError(f"positions={positions!r} needs a drop function with rerotate={positions == 'compact'}, "
                              f"got rerotate={rerotate}; build it with make_drop_fn(..., rerotate={positions == 'compact'})")
@@ -443,7 +442,7 @@ class HFEngine(Engine):
     def _edit_input(self, request_id, drop_fn):
         req = self.requests[request_id]
         tensors = self.tensors(request_id)
-        if not getattr(drop_fn, "reads_only", False):
+        if not drop_fn.reads_only:
             # a copy: a drop function that edits its input in place and then fails must not touch the cache
             # (tdutils' own policies only read it: `DropFn.reads_only`, and a ~94 MB copy per 2k-token request
             # of a 30-layer model is a third of a cheap policy's modify time)
@@ -468,7 +467,7 @@ class HFEngine(Engine):
         else:
             req.positions, req.refeed_pos = kept_pos, int(kept_pos[-1])
 
-    def _cut(self, cut: BudgetDropFn, reqs: list[_Request]) -> None:
+    def _cut(self, cut: DropFn, reqs: list[_Request]) -> None:
         """Cut each request's cache to `cut.budget` (chunked prefill); a failure raises (the caller drops the batch)."""
         pm = self.metrics.prefill
         t0 = time.perf_counter()
@@ -942,7 +941,7 @@ class _DecodeCompressor:
 
     def __init__(self, engine: HFEngine, compression: Compression):
         self.engine = engine
-        self.cut = compression.drop_fn(model_config=engine.model, rerotate=engine.positions == "compact")
+        self.cut = compression.drop_fn(model_config=engine.facts, rerotate=engine.positions == "compact")
         self.budget, self.buffer, self.w = compression.budget, compression.buffer, self.cut.query_rows
         self.compact = engine.positions == "compact"
         f = engine.facts
@@ -1032,7 +1031,7 @@ class _DecodeCompressor:
             tensors[CacheKind.QUERY] = self.ring[slot][:, order]  # [L, w, Hq*d]
         new_kv, new_tokens, keep = self.cut.edit(tensors, st["tokens"])
         k = new_kv.shape[2]
-        assert k <= self.budget, (k, self.budget)  # BudgetDropFn refuses more; the budget is never exceeded
+        assert k <= self.budget, (k, self.budget)  # DropFn (by budget) refuses more; the budget is never exceeded
         new = new_kv.view(2, L, k, h, d).transpose(2, 3)  # [2, L, H_kv, k, d]
         for i in range(L):
             store.keys[i][slot, :, :k] = new[0, i]

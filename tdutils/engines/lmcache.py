@@ -517,7 +517,7 @@ class LMCacheEngine(Engine):
         engine without a query context raises ValueError."""
         if self.q_ctx is None:
             why = self.query_unavailable or "the engine was opened with query_window=0"
-            names = [getattr(getattr(f, "drop_fn", f), "name", "?") for f in drop_fns if f is not None]
+            names = [f.name for f in drop_fns]
             raise ValueError(f"{', '.join(names)} needs query tensors, but this lmcache engine has none ({why}); "
                              f"use a query-free policy (tdutils.policies.policy_names('kv')) or open the engine with "
                              f"query_window=None or >= {need} against a patched vLLM and LMCache --enable transfer_query")
@@ -706,13 +706,13 @@ class LMCacheEngine(Engine):
             # The extension reaches LMCache only when decode sends it to vLLM: nothing to retrieve yet.
             raise RuntimeError(f"requests {pending} were extended and not decoded yet: the lmcache engine edits only what "
                                f"LMCache holds, so call decode() before another modify(), or modify before extend()")
-        if getattr(drop_fn, "rerotate", True) is False:
+        if drop_fn.rerotate is False:
             raise ValueError("vLLM decodes the kept tokens at compact positions, so the drop function must re-rotate "
                              "keys; build it with make_drop_fn(..., rerotate=True)")
         if any(r.edited for r in self.requests):
             raise RuntimeError("this run's caches were already modified; call prefill(prompts) to start a new run")
         # a query-free policy (needs="kv") never waits for query rows, which an unpatched vLLM never sends
-        self._reads_query = getattr(getattr(drop_fn, "drop_fn", drop_fn), "needs", None) != "kv"
+        self._reads_query = drop_fn.needs != "kv"
         return "compact"
 
     def _cache_length(self, request_id):

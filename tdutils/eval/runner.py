@@ -371,7 +371,7 @@ def build_cells(engine, policies: Sequence[str], ratios: Sequence[float], params
             cells.append((FULL, 0.0, None))
             continue
         for r in ratios:
-            cells.append((policy, r, make_drop_fn(policy, drop_ratio=r, model_config=engine.config,
+            cells.append((policy, r, make_drop_fn(policy, drop_ratio=r, model_config=engine.facts,
                                                   **params.get(policy, {}))))
     if hasattr(engine, "capture_for"):
         engine.capture_for(*(fn for _, _, fn in cells))

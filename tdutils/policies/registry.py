@@ -43,9 +43,9 @@ class Policy:
         paper: the paper the policy implements, with its arXiv id ("" for baselines).
         needs_model: `keep` reads `facts` (head_dim, head counts); `make_drop_fn` then requires `model_config`.
         query_rows: for `needs="window"`, `query_rows(params) -> w` query rows needed (default `params.window`).
-        setup: optional `setup(model_config) -> dict` of extra keyword arguments for `keep`, computed once when
-            the drop function is built (per-model values such as the model's attention arithmetic), not per
-            request.
+        setup: optional `setup(facts) -> dict` of extra keyword arguments for `keep`, computed once when the
+            drop function is built (per-model values such as the model's attention arithmetic), not per request;
+            `facts` is the model's `tdutils.models.ModelFacts` (`facts.rope`, `facts.attention`, `facts.config`).
         builtin: registered by tdutils itself (replacing it needs `replace=True`).
     """
 
@@ -99,8 +99,8 @@ def register_policy(name: str, *, params: type, needs: str, keep: KeepFn, summar
         summary, paper: one-line description and source.
         needs_model: `keep` reads the model facts (then `make_drop_fn` requires `model_config`).
         query_rows: for `needs="window"`, `query_rows(params) -> w` (default: `params.window`).
-        setup: `setup(model_config) -> dict` of extra keyword arguments for `keep`, computed once per drop
-            function (requires `model_config`).
+        setup: `setup(facts) -> dict` of extra keyword arguments for `keep`, computed once per drop function
+            from the model's `ModelFacts` (requires `model_config`).
         replace: allow replacing a policy tdutils itself registers. A user's own policy may be registered
             again under its name (re-running a notebook cell) without it.
         builtin: for tdutils' own policies.
@@ -126,7 +126,7 @@ def register_policy(name: str, *, params: type, needs: str, keep: KeepFn, summar
     if missing:
         raise ValueError(f"every parameter of policy {name!r} needs a default; {missing} have none")
     if setup is not None and not callable(setup):
-        raise TypeError(f"setup must be callable as setup(model_config) -> dict, got {setup!r}")
+        raise TypeError(f"setup must be callable as setup(facts) -> dict, got {setup!r}")
     if not callable(keep):
         raise TypeError(f"keep must be callable as keep(kv, q, drop_ratio, *, params, facts), got {keep!r}")
     _check_keep_signature(name, keep, setup)
@@ -182,10 +182,9 @@ def query_window_for(*drop_fns, default: int | None = 64) -> int | None:
     """The query rows an engine must capture at prefill for these drop functions.
 
     Args:
-        drop_fns: `DropFn`s from `make_drop_fn` (they carry `query_rows`), or None entries (the baseline).
-            Wrappers with a `drop_fn` attribute are looked through; anything else (a bare ModifyFn) counts as
-            needing `default` rows.
-        default: rows for drop functions that do not say what they need.
+        drop_fns: `DropFn`s (they declare `needs` and `query_rows`; `tdutils.edit.as_drop_fn` adapts a bare
+            ModifyFn, whose needs are unknown), or None entries (the baseline).
+        default: rows for drop functions that do not say what they need (`needs` None).
 
     Returns:
         0 when none needs queries (query-free policies: nothing is captured), None when one needs every
@@ -195,8 +194,7 @@ def query_window_for(*drop_fns, default: int | None = 64) -> int | None:
     for fn in drop_fns:
         if fn is None:
             continue
-        fn = getattr(fn, "drop_fn", fn)  # wrappers such as tdutils.profiling.TimedDropFn
-        need = getattr(fn, "query_rows", default) if getattr(fn, "needs", None) is not None else default
+        need = fn.query_rows if fn.needs is not None else default
         if need is None:
             return None
         rows = max(rows, int(need))

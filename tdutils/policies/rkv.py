@@ -24,7 +24,7 @@ from typing import Literal, get_args
 import torch
 
 from ..attention import AttentionSpec, LayerAttention, masked_logits
-from ..profiling import TimedDropFn, kept_agreement, peak_memory, synthetic_keys, timed
+from ..profiling import kept_agreement, peak_memory, synthetic_keys, timed
 from ..selection import keep_count, keep_top_scores, protected_mask
 from .params import check_int, check_odd_kernel, is_number
 from .registry import register_policy
@@ -554,7 +554,7 @@ def _keep_indices(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, p: RKVPa
 
 
 # --------------------------------------------------------------------------------------------- method table
-# `TimedDropFn`, `kept_agreement`, `peak_memory`, `synthetic_keys` and `timed` (tdutils.profiling) stay
+# `kept_agreement`, `peak_memory`, `synthetic_keys` and `timed` (tdutils.profiling) stay
 # importable from here: the docs, notebooks, benches and tests import them so.
 
 def compare_redundancy_methods(tensors, tokens, *, drop_ratio: float, model_config, methods=RKV_METHODS,
@@ -621,6 +621,6 @@ register_policy("rkv", params=RKVParams, needs="window", keep=_keep, builtin=Tru
                 paper="Cai et al. 2025, R-KV, arXiv:2505.24133")
 
 
-__all__ = ["RKV_METHODS", "RKVParams", "TimedDropFn", "compare_redundancy_methods", "kept_agreement",
+__all__ = ["RKV_METHODS", "RKVParams", "compare_redundancy_methods", "kept_agreement",
            "normalize_keys", "peak_memory", "rkv_importance", "rkv_keep", "rkv_redundancy", "rkv_scores",
            "synthetic_keys", "timed"]

@@ -72,13 +72,15 @@ def check_query(kv: torch.Tensor, q: torch.Tensor | None, rows: int, head_dim: i
     return q
 
 
-def model_attention(model_config) -> dict:
+def model_attention(facts) -> dict:
     """`setup` of the query-aware policies: `{"attention": AttentionSpec}`, the model's own attention
-    (`tdutils.attention.scoring_attention`: scale, soft-cap, sinks, sliding windows), computed once when the drop
-    function is built, not per request."""
-    from ..attention import scoring_attention
+    (`ModelFacts.attention`: scale, soft-cap, sinks, sliding windows), computed once when the drop function is
+    built, not per request.
 
-    return {"attention": scoring_attention(model_config)}
+    Args:
+        facts: the model's `tdutils.models.ModelFacts` (what `make_drop_fn` hands every `setup`).
+    """
+    return {"attention": facts.attention}
 
 
 def layer_attentions(attention: AttentionSpec | None, num_layers: int) -> list[LayerAttention | None]:
