@@ -141,7 +141,6 @@ def test_scores_follow_the_models_attention_not_one_formula():
     """SnapKV's vote equals the one taken from the model's own attention probabilities (`output_attentions`)
     on families whose attention differs from softmax(q·k/sqrt(d)): Granite's multiplier, Gemma 2's soft-cap
     and window, gpt-oss's sinks; so does TOVA's, built by name through the policy registry."""
-    from tdutils.attention import attention_spec
     from tdutils.policies import snapkv_scores
     from tdutils.policies.tova import tova_keep, tova_scores
 
@@ -151,7 +150,7 @@ def test_scores_follow_the_models_attention_not_one_formula():
         model = _model(family)
         eng = _engine(family)
         eng.prefill([ids])
-        spec = attention_spec(eng.config)
+        spec = eng.facts.attention  # read from the engine's live model (its learned sinks included)
         mine = snapkv_scores(eng.kv(0), eng.query(0), head_dim=eng.facts.head_dim, window=w, kernel_size=1,
                              attention=spec)
         impl = model.config._attn_implementation
