@@ -1,8 +1,8 @@
 """Timers, memory peaks and test keys for measuring drop functions (the benches, the R-KV notebooks, tests).
 
 None of this is part of a policy: `timed` and `peak_memory` measure any call (CUDA synchronised around it);
-`TimedDropFn` wraps a `DropFn` and splits each request's modify time into choosing the tokens and applying
-the choice (gather + RoPE re-rotation); `synthetic_keys` makes key tensors `[heads, n, head_dim]` with or
+(`DropFn.timed()` splits each request's modify time into choosing the tokens and applying the choice);
+`synthetic_keys` makes key tensors `[heads, n, head_dim]` with or
 without near-duplicates (R-KV's redundancy is cheap or costly on them); `kept_agreement` compares two kept
 sets. `tdutils.policies.rkv.compare_redundancy_methods` builds R-KV's method table from them.
 """
