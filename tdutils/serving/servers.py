@@ -8,9 +8,11 @@ timeout_s=)`, `stop_servers(servers)` (returns the /dev/shm files removed); `ser
 log_dir=)` does all three around a `with` block and yields the URLs `open_engine("lmcache", ...)` takes.
 
 Each server runs in its own session (process group), so stopping it by its recorded process id also stops
-the workers it forked; its output goes to a log file whose tail is shown when it fails to come up. Only the
-/dev/shm files of the servers tdutils started are removed (LMCache's segments by the server's `--shm-name`,
-what its processes held open or mapped), never by a bare name pattern, none another live process holds.
+the workers it forked (SIGTERM; then SIGKILL, multiprocessing's resource trackers last, once they have released
+the semaphores and shared memory blocks of the killed processes); its output goes to a log file whose tail is
+shown when it fails to come up. Only the /dev/shm files of the servers tdutils started are removed (LMCache's
+segments by the server's `--shm-name`, what its processes held open or mapped), never by a bare name pattern,
+none another live process holds.
 Errors: `ServerStartError` (a `RuntimeError`: a server exited or was not healthy in time, with its log tail),
 `FileNotFoundError` (the program is not installed), `ValueError` (bad URL, unwritable log), `TypeError`.
 """
