@@ -25,14 +25,13 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tdutils.servers import group_alive, proc_stat_fields
+from tdutils.servers import group_alive, kill_group, proc_stat_fields
 
 VLLM_VERSION = "0.32.0"
 LMCACHE_VERSION = "0.5.6"
@@ -191,14 +190,27 @@ def reap_stale(log=print) -> list[int]:
         # machine that runs the same sequence of processes) is never signalled, not even for the same command.
         if group_alive(pgid) and start_time(pgid) == info.get("start") and _cmdline(pgid).strip() == info["cmd"]:
             log(f"stopping {info['name']} (process group {pgid}) left running by an earlier test session")
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
+            # SIGKILL, its multiprocessing resource trackers last: they unlink the semaphores and shared memory
+            # blocks the killed processes leave (`kill_group`).
+            kill_group(pgid)
             stopped.append(pgid)
         from tdutils.servers import remove_unheld_shm
 
         remove_unheld_shm(Path("/dev/shm") / name for name in info.get("shm", []))
         rec.unlink(missing_ok=True)
     return stopped
+
+
+def new_unheld_shm(before: set[Path]) -> list[str]:
+    """Files of the kinds the servers' processes create in /dev/shm (`tdutils.servers.SHM_PATTERNS`:
+    sem.mp-*, psm_*, lmcache_kv_*, lmcache_l1_pool_*) that exist now, did not exist in `before`
+    (`tdutils.servers.shm_files()` taken earlier), and that no live process holds: what a stop left behind.
+    A file another live program holds is in use, not left behind, so programs running beside the tier
+    do not fail it."""
+    from tdutils.servers import held_by_any, shm_files
+
+    new = shm_files() - set(before)
+    return sorted(p.name for p in new - held_by_any() if p.exists()) if new else []
 
 
 def export_model(dst: Path) -> Path:

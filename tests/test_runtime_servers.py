@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -304,3 +305,41 @@ def test_an_unwritable_log_path_is_named(tmp_path):
         servers.start_server("s", ["/nonexistent/exe"], health_url="http://127.0.0.1:1/health",
                              log_path=tmp_path / "logs" / "x.log")
     assert not (tmp_path / "logs").exists()  # nothing left behind by a start that could not happen
+
+
+_SEM_OWNER = textwrap.dedent("""
+    import multiprocessing as mp, signal, sys, time
+
+    def worker():  # like vLLM-CPU's worker: a named semaphore, and it outlives its server's SIGTERM for a while
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        lock = mp.get_context("spawn").Lock()
+        print("/dev/shm/sem." + lock._semlock.name.lstrip("/"), flush=True)
+        time.sleep(120)
+
+    if __name__ == "__main__":
+        mp.get_context("spawn").Process(target=worker).start()
+        time.sleep(120)
+""")
+
+
+def test_stopping_lets_the_resource_tracker_release_a_killed_workers_semaphore(tmp_path):
+    """A server whose worker ignores SIGTERM: the worker is killed, but not its multiprocessing resource
+    tracker, which then unlinks the worker's named semaphore (/dev/shm/sem.mp-*) itself; stop_servers does
+    not delete it. (Killed together with the worker, the tracker unlinks nothing and the file stays.)"""
+    script = tmp_path / "owner.py"
+    script.write_text(_SEM_OWNER)
+    srv = servers.start_server("sem-owner", [sys.executable, str(script)], health_url="http://127.0.0.1:1/health",
+                               log_path=tmp_path / "o.log")
+    try:
+        end = time.monotonic() + 60
+        while "/dev/shm/sem.mp-" not in srv.log_tail():
+            assert srv.alive() and time.monotonic() < end, srv.log_tail()
+            time.sleep(0.05)
+        sem = Path(srv.log_tail().splitlines()[0].strip())
+        assert sem.exists() and sem in servers.held_shm_files(srv.pid)  # mapped by the worker
+    finally:
+        removed = servers.stop_servers(srv, timeout_s=1)
+    assert not servers.group_alive(srv.pid)
+    assert not sem.exists(), f"{sem} left in /dev/shm"
+    assert sem not in removed, "the semaphore was deleted by stop_servers, not released by its owner's tracker"
+    assert "resource_tracker: There appear to be 1 leaked semaphore objects" in srv.log_tail(), srv.log_tail()

