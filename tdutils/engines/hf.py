@@ -101,7 +101,9 @@ class HFEngine(Engine):
             outputs equal up to float summation order) at the cost of one more copy of those weights; None
             (default) = on where available (CPU, fp32 or bf16, torch with oneDNN) and worth it (`packing_pays`:
             at least 32 MiB of large weights; not the bundled toy models), False = off, True = every linear
-            packed, or ValueError where unavailable.
+            packed, or ValueError where unavailable. Each decode starts by packing again the weights edited since
+            the last (a fingerprint per weight, about one decode step's read of them; `refresh()` forces it);
+            a linear whose `forward` the user replaced keeps it.
 
     Query capture switches the model to a registered attention function that wraps its `sdpa` or
     `eager` attention (`tdutils.attention.capture_implementation`); outputs are unchanged.
@@ -167,6 +169,13 @@ class HFEngine(Engine):
     def config(self):
         return self.model.config
 
+    def refresh(self) -> None:
+        """Pack the model's linear weights again from their current values (`packed_linears`; nothing to do
+        without). Each decode already packs again every weight whose fingerprint changed
+        (`tdutils.engines.packed`); call this after an edit too small to move it."""
+        if self._packed is not None:
+            self._packed.refresh()
+
     @property
     def eos_token_id(self) -> int | None:
         """One EOS id (the tokenizer's when it is among `eos_token_ids`); setting it makes it the only one."""
@@ -199,7 +208,7 @@ class HFEngine(Engine):
             cache = self._new_cache()
             with torch.inference_mode():
                 self._forward(torch.tensor([[1, 2]], device=self.device), None, None, cache)
-        except Exception as exc:  # noqa: BLE001 (any failure here means: this family does not fit the engine)
+        except Exception as exc:  # any failure here means: this family does not fit the engine
             raise ValueError(f"{family}: the hf engine cannot run this model ({exc.__class__.__name__}: "
                              f"{str(exc).splitlines()[0][:160]})") from exc
         layers = getattr(cache, "layers", [])
@@ -614,7 +623,7 @@ class HFEngine(Engine):
         else:
             additive = self.model.dtype
             masks = {key: mask(w) for key, w in self._mask_windows.items()}
-            masks = masks[None] if None in masks else masks
+            masks = masks.get(None, masks)
         recorder = QueryRecorder(self.query_window)
         with recording(recorder):
             self._forward(input_ids.to(self.device), masks, query_pos.to(self.device), cache)
@@ -783,79 +792,81 @@ class HFEngine(Engine):
 
         bar = self._bar(sum(limit.values()), "decode")
         t0 = time.perf_counter()
-        while waiting or running:
-            reserved = sum(reservation(r) for r in running.values())
-            while waiting and store.free_slots and (budget is None or reserved + reservation(waiting[0]) <= budget) and (
-                    self.max_batch_size is None or len(running) < self.max_batch_size):
-                r = waiting.popleft()
-                store.grow(reservation(r) - 1)
-                resumed = r.resume is not None
-                slot = self._admit(store, r)
-                running[slot] = r
-                if comp is not None:
-                    comp.join(slot, r, resumed)
-                if r.resume is None:
-                    next_ids[slot], next_pos[slot] = r.tokens[-1], r.refeed_pos
-                else:
-                    next_ids[slot], next_pos[slot] = r.resume[3], r.resume[4]
-                    r.resume = None
-                reserved += reservation(r)
-            dm.peak_batch_size = max(dm.peak_batch_size, len(running))
-            dm.kv_peak_reserved_tokens = max(dm.kv_peak_reserved_tokens, reserved)
-            assert budget is None or reserved <= budget, (reserved, budget)  # admission and grants keep this
+        # once per decode: entering packs again the weights edited since the last one (engines.packed)
+        with self._packed or nullcontext():
+            while waiting or running:
+                reserved = sum(reservation(r) for r in running.values())
+                while waiting and store.free_slots and (budget is None or reserved + reservation(waiting[0]) <= budget) and (
+                        self.max_batch_size is None or len(running) < self.max_batch_size):
+                    r = waiting.popleft()
+                    store.grow(reservation(r) - 1)
+                    resumed = r.resume is not None
+                    slot = self._admit(store, r)
+                    running[slot] = r
+                    if comp is not None:
+                        comp.join(slot, r, resumed)
+                    if r.resume is None:
+                        next_ids[slot], next_pos[slot] = r.tokens[-1], r.refeed_pos
+                    else:
+                        next_ids[slot], next_pos[slot] = r.resume[3], r.resume[4]
+                        r.resume = None
+                    reserved += reservation(r)
+                dm.peak_batch_size = max(dm.peak_batch_size, len(running))
+                dm.kv_peak_reserved_tokens = max(dm.kv_peak_reserved_tokens, reserved)
+                assert budget is None or reserved <= budget, (reserved, budget)  # admission and grants keep this
 
-            rows = store.rows
-            store.begin_step(next_pos[:rows])
-            fed = next_ids[:rows].tolist() if comp is not None else None
-            with comp.capture(rows) if comp is not None else nullcontext(), self._packed or nullcontext():
-                out = self._forward(next_ids[:rows, None], self._decode_masks(store, next_pos[:rows]),
-                                    next_pos[:rows, None], store.cache())
-            store.end_step()
-            logits = out.logits[:, -1, :]  # [rows, vocab]; idle rows (free slots) are ignored
-            if logits.dtype in (torch.float16, torch.bfloat16):
-                logits = logits.float()  # sampling and keep_logits in at least fp32
-            if temperature > 0:
-                probs = torch.softmax(logits / temperature, dim=-1).cpu()
-                new_ids = torch.zeros(rows, dtype=torch.long)
-                for slot, r in running.items():
-                    new_ids[slot] = torch.multinomial(probs[slot], 1, generator=gens[r.request_id])[0]
-            else:
-                new_ids = logits.argmax(dim=-1).cpu()
-            if forced is not None:  # teacher forcing: the given token is the output and is fed next
-                for slot, r in running.items():
-                    new_ids[slot] = forced[r.request_id][len(r.output_ids)]
-            now = time.perf_counter() - t0
-            dm.steps += 1
-            bar.update(len(running))
-            next_ids[:rows] = new_ids.to(self.device)
-            next_pos[:rows] += 1
-            stepped = list(running.items())  # every request this step fed, including those that finish now
-            for slot, r in stepped:
-                tok = int(new_ids[slot])
-                r.output_ids.append(tok)
-                r.token_times.append(now)
-                if keep_logits:
-                    r.logits.append(logits[slot].cpu())
-                if len(r.output_ids) >= limit[r.request_id]:
-                    del running[slot]
-                    store.release(slot)
-                elif not ignore_eos and tok in eos:
-                    r.finish_reason = "stop"
-                    del running[slot]
-                    store.release(slot)
-            if comp is not None:  # the fed tokens are cached now: cut the caches that reached B + N
-                comp.after_step(stepped, running, fed, next_pos, dm)
-            # grant the next block to requests that used theirs, preempting the latest admitted others if needed
-            for slot, r in list(running.items()):
-                rid = r.request_id
-                if slot not in running or len(r.output_ids) < grant[rid]:
-                    continue
-                grant[rid] = min(limit[rid], grant[rid] + block)
-                while budget is not None and sum(reservation(x) for x in running.values()) > budget:
-                    preempt(next(s for s in reversed(running) if s != slot))
-                store.grow(reservation(r) - 1)
-            dm.kv_storage_tokens = max(dm.kv_storage_tokens, store.slots * store.width)
-            dm.kv_storage_bytes = max(dm.kv_storage_bytes, store.bytes)
+                rows = store.rows
+                store.begin_step(next_pos[:rows])
+                fed = next_ids[:rows].tolist() if comp is not None else None
+                with comp.capture(rows) if comp is not None else nullcontext():
+                    out = self._forward(next_ids[:rows, None], self._decode_masks(store, next_pos[:rows]),
+                                        next_pos[:rows, None], store.cache())
+                store.end_step()
+                logits = out.logits[:, -1, :]  # [rows, vocab]; idle rows (free slots) are ignored
+                if logits.dtype in (torch.float16, torch.bfloat16):
+                    logits = logits.float()  # sampling and keep_logits in at least fp32
+                if temperature > 0:
+                    probs = torch.softmax(logits / temperature, dim=-1).cpu()
+                    new_ids = torch.zeros(rows, dtype=torch.long)
+                    for slot, r in running.items():
+                        new_ids[slot] = torch.multinomial(probs[slot], 1, generator=gens[r.request_id])[0]
+                else:
+                    new_ids = logits.argmax(dim=-1).cpu()
+                if forced is not None:  # teacher forcing: the given token is the output and is fed next
+                    for slot, r in running.items():
+                        new_ids[slot] = forced[r.request_id][len(r.output_ids)]
+                now = time.perf_counter() - t0
+                dm.steps += 1
+                bar.update(len(running))
+                next_ids[:rows] = new_ids.to(self.device)
+                next_pos[:rows] += 1
+                stepped = list(running.items())  # every request this step fed, including those that finish now
+                for slot, r in stepped:
+                    tok = int(new_ids[slot])
+                    r.output_ids.append(tok)
+                    r.token_times.append(now)
+                    if keep_logits:
+                        r.logits.append(logits[slot].cpu())
+                    if len(r.output_ids) >= limit[r.request_id]:
+                        del running[slot]
+                        store.release(slot)
+                    elif not ignore_eos and tok in eos:
+                        r.finish_reason = "stop"
+                        del running[slot]
+                        store.release(slot)
+                if comp is not None:  # the fed tokens are cached now: cut the caches that reached B + N
+                    comp.after_step(stepped, running, fed, next_pos, dm)
+                # grant the next block to requests that used theirs, preempting the latest admitted others if needed
+                for slot, r in list(running.items()):
+                    rid = r.request_id
+                    if slot not in running or len(r.output_ids) < grant[rid]:
+                        continue
+                    grant[rid] = min(limit[rid], grant[rid] + block)
+                    while budget is not None and sum(reservation(x) for x in running.values()) > budget:
+                        preempt(next(s for s in reversed(running) if s != slot))
+                    store.grow(reservation(r) - 1)
+                dm.kv_storage_tokens = max(dm.kv_storage_tokens, store.slots * store.width)
+                dm.kv_storage_bytes = max(dm.kv_storage_bytes, store.bytes)
         dm.seconds = time.perf_counter() - t0
         bar.close()
         if comp is None:  # the step that fed a request's last token attended over its whole cache
@@ -918,7 +929,7 @@ class HFEngine(Engine):
             return store.attention_mask(additive_dtype=additive)
         masks = {key: store.attention_mask(window=w, query_positions=query_positions, additive_dtype=self.model.dtype)
                  for key, w in self._mask_windows.items()}
-        return masks[None] if None in masks else masks
+        return masks.get(None, masks)
 
 
 class _RingRecorder:
