@@ -183,3 +183,48 @@ def test_a_model_cast_to_float64_after_packing_runs_unpacked():
     _, want = _decode(model, tok, PROMPTS, packed=False)
     for a, b in zip(got, want):
         assert a.output_ids == b.output_ids and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+# ---------------------------------------------------------------- 3: the attention backend switched after opening
+
+
+def _compressed_run(eng):
+    """Prefill, the captured queries (None with query_window=0), and a compressed decode that cuts every request."""
+    from tdutils.compression import Compression
+
+    eng.prefill(PROMPTS)
+    queries = [eng.query(i) for i in range(len(PROMPTS))]
+    outs = eng.decode(max_tokens=12, keep_logits=True, compression=Compression("snapkv", budget=6, buffer=4, window=2))
+    return queries, outs
+
+
+@pytest.mark.parametrize("query_window", [64, 0])
+def test_switching_the_attention_backend_after_opening_keeps_query_capture(query_window):
+    """`set_attn_implementation("eager")` after opening removed the capturing wrapper: the next prefill died with a
+    bare KeyError, and a compressed decode scored every cut with stale queries. Now capture wraps the new backend:
+    the same queries, cuts and tokens as an engine opened on the eager model."""
+    tok = _tokenizer()
+    model = _tiny()
+    assert model.config._attn_implementation == "sdpa"
+    eng = HFEngine(model, tokenizer=tok, progress=False, query_window=query_window)
+    _compressed_run(eng)  # capture installed and used under sdpa first
+    eng.model.set_attn_implementation("eager")
+    got_q, got = _compressed_run(eng)
+    ref_model = _tiny()
+    ref_model.set_attn_implementation("eager")
+    want_q, want = _compressed_run(HFEngine(ref_model, tokenizer=tok, progress=False, query_window=query_window))
+    assert all(o.compressions for o in want)  # cuts happened
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got_q, want_q))
+    for a, b in zip(got, want):
+        assert a.compressions == b.compressions
+    _assert_same(got, want, atol=1e-6)
+
+
+def test_a_backend_capture_cannot_wrap_is_refused_in_one_line():
+    tok = _tokenizer()
+    model = _tiny()
+    eng = HFEngine(model, tokenizer=tok, progress=False)
+    model.config._attn_implementation = "flash_attention_2"  # what set_attn_implementation would leave
+    with pytest.raises(ValueError, match=r"^the model's attention backend is 'flash_attention_2' \(switched after the "
+                                         r"engine opened\?\); query capture wraps only 'sdpa' and 'eager'"):
+        eng.prefill(PROMPTS)

@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import AttentionSpec, QueryRecorder, capture_implementation, recording, register_live_model
+from ..attention import (
+    AttentionSpec,
+    QueryRecorder,
+    capture_implementation,
+    ensure_capture,
+    recording,
+    register_live_model,
+)
 from ..chat import uses_chat_template
 from ..compression import BudgetDropFn, Compression
 from ..edit import CacheKind, check_kv
@@ -106,7 +113,10 @@ class HFEngine(Engine):
             a linear whose `forward` the user replaced keeps it.
 
     Query capture switches the model to a registered attention function that wraps its `sdpa` or
-    `eager` attention (`tdutils.attention.capture_implementation`); outputs are unchanged.
+    `eager` attention (`tdutils.attention.capture_implementation`); outputs are unchanged. A backend switched
+    after opening (`engine.model.set_attn_implementation("eager")` drops the capture) is wrapped again where
+    queries are captured (prefill, extend, a query-aware compression or modify); one that capture cannot wrap
+    (flash / flex kernels) raises a one-line ValueError there.
     """
 
     prefill_batch_size = CountSetting(1)
@@ -142,7 +152,7 @@ class HFEngine(Engine):
         self.facts = model_facts(self.model, self.model.dtype)
         self.attention = self._check_supported()  # one-line ValueError naming the family (backend included)
         if query_window != 0:
-            self.model.set_attn_implementation(capture_implementation(self.model.config._attn_implementation))
+            ensure_capture(self.model)
         register_live_model(self.model)  # make_drop_fn(model_config=engine.config) reads sinks and RoPE from it
         windows = self.attention.sliding_windows
         # per mask key (a layer type, or None when one mask serves every layer): its sliding window
@@ -286,10 +296,14 @@ class HFEngine(Engine):
             position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, width]; 0..T-1 on real tokens
             cache = self._new_cache()
             recorder = QueryRecorder(self.query_window)
+            if self.query_window != 0:
+                self._prepare_capture(self.query_window, ())
             with recording(recorder):
                 self._forward(input_ids.to(self.device), mask.to(self.device), position_ids.to(self.device), cache)
             now = time.perf_counter() - t0
-            if recorder.attention:  # what the attention functions were called with (scale, window, sinks ...)
+            if recorder.attention or self.query_window != 0:
+                # what the attention functions were called with (scale, window, sinks ...); ValueError naming the
+                # layers whose attention did not run through the capture
                 self.attention = recorder.spec(len(cache.layers))
             for b, x in enumerate(batch):
                 pad = width - len(x)
@@ -382,8 +396,8 @@ class HFEngine(Engine):
         return self.requests[request_id].kv
 
     def _prepare_capture(self, need, drop_fns) -> None:
-        if self.query_window == 0:  # capture was never installed
-            self.model.set_attn_implementation(capture_implementation(self.model.config._attn_implementation))
+        # installed at opening unless query_window=0; a backend switched since (set_attn_implementation) drops it
+        ensure_capture(self.model)
 
     def query(self, request_id: int) -> torch.Tensor | None:
         """The captured query `[L, Tq, Hq*d]` of one request (rows aligned to the end of its KV), or None."""
@@ -625,8 +639,12 @@ class HFEngine(Engine):
             masks = {key: mask(w) for key, w in self._mask_windows.items()}
             masks = masks.get(None, masks)
         recorder = QueryRecorder(self.query_window)
+        if self.query_window != 0:
+            self._prepare_capture(self.query_window, ())
         with recording(recorder):
             self._forward(input_ids.to(self.device), masks, query_pos.to(self.device), cache)
+        if self.query_window != 0:
+            recorder.spec(L)  # ValueError naming the layers whose attention did not run through the capture
         out = []
         for b, r in enumerate(reqs):
             m = ms[b]
