@@ -8,6 +8,9 @@ default for SmolLM2 only), on SmolLM2-135M (skipped when it cannot be loaded).""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 from families import family_config
@@ -228,3 +231,126 @@ def test_a_backend_capture_cannot_wrap_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^the model's attention backend is 'flash_attention_2' \(switched after the "
                                          r"engine opened\?\); query capture wraps only 'sdpa' and 'eager'"):
         eng.prefill(PROMPTS)
+
+
+# ---------------------------------------------------------------- 6, 11: lengths past the model's context
+
+
+@contextlib.contextmanager
+def _no_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
+
+
+def _ids(n, seed=0):
+    return torch.randint(4, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_unbounded_max_tokens_with_eos_ignored_is_capped_at_the_context():
+    """`decode(max_tokens=10**9)` with ignore_eos=True (the default) and no KV budget reserved 10**9 tokens and
+    died in the allocator; now every setting stops at the model's last position (64 here)."""
+    eng = HFEngine(_tiny(max_position_embeddings=64), tokenizer=_tokenizer(), progress=False)
+    eng.prefill(PROMPTS)
+    with pytest.warns(UserWarning, match=r"max_tokens capped at the model's context \(max_position_embeddings 64\) "
+                                         r"for 2 request\(s\), e.g. request 0: 51 tokens"):
+        outs = eng.decode(max_tokens=10**9)
+    assert [len(o.output_ids) for o in outs] == [64 - (len(x) - 1) for x in PROMPTS]
+    assert eng.metrics.decode.kv_storage_tokens <= 2 * 64
+
+
+def test_compact_compression_past_the_context_is_capped_and_within_it_is_not():
+    """Compact compression renumbers positions, so it lifted the context cap even when budget + buffer exceeds
+    the context; now only a bound within it decodes on."""
+    from tdutils.compression import Compression
+
+    eng = HFEngine(_tiny(max_position_embeddings=64), tokenizer=_tokenizer(), progress=False)
+    eng.prefill(PROMPTS)
+    with pytest.warns(UserWarning, match=r"max_tokens capped .* request 0: 51 tokens; .*compact compression "
+                                         r"renumbers positions, but budget \+ buffer = 70"):
+        outs = eng.decode(max_tokens=100, compression=Compression("knorm", budget=60, buffer=10))
+    assert [len(o.output_ids) for o in outs] == [64 - (len(x) - 1) for x in PROMPTS]
+    eng.prefill(PROMPTS)
+    with _no_warnings():  # B + N = 24: positions stay below 24, all 100 tokens decode
+        outs = eng.decode(max_tokens=100, compression=Compression("knorm", budget=16, buffer=8))
+    assert [len(o.output_ids) for o in outs] == [100, 100] and all(o.compressions for o in outs)
+
+
+def test_chunked_prefill_under_compact_cuts_warns_when_budget_plus_chunk_passes_the_context():
+    from tdutils.compression import Compression
+
+    eng = HFEngine(_tiny(max_position_embeddings=64), tokenizer=_tokenizer(), progress=False)
+    with pytest.warns(UserWarning, match=r"prefill feeds position 69, beyond the model's max_position_embeddings 64"
+                                         r": .*compact cuts renumber the cache to 0..29"):
+        eng.prefill([_ids(120)], chunk=40, compression=Compression("knorm", budget=30))
+    with _no_warnings():  # 20 + 30 positions at most, though the prompt is 120 tokens
+        eng.prefill([_ids(120)], chunk=30, compression=Compression("knorm", budget=20))
+
+
+# ---------------------------------------------------------------- 4: identical rows under a plain ModifyFn
+
+
+def _keeping(rows):
+    def fn(tensors, tokens):  # a plain ModifyFn: no `edit`, so the engine recovers the kept rows
+        return tensors["kv"][:, :, rows].clone(), [tokens[j] for j in rows]
+    return fn
+
+
+def _masked_reference(model, ids, keep, steps):
+    """Greedy logits of the model's own forward over the whole prompt (its own cache, sliding layers and all) with
+    the positions outside `keep` masked out, decoding on from the last kept position (as the engine refeeds it)."""
+    from transformers import DynamicCache
+
+    last = int(keep[-1])
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids[:last]]), cache=cache, use_cache=True)
+        mask = torch.zeros(1, last, dtype=torch.long)
+        mask[0, [j for j in keep if j < last]] = 1
+        tok, pos, out = ids[last], last, []
+        for _ in range(steps):
+            mask = torch.cat([mask, torch.ones(1, 1, dtype=torch.long)], dim=1)
+            logits = model(input_ids=torch.tensor([[tok]]), attention_mask=mask, position_ids=torch.tensor([[pos]]),
+                           cache=cache, use_cache=True).logits[0, -1]
+            out.append(logits)
+            tok, pos = int(logits.argmax()), pos + 1
+    return out
+
+
+PADS = [0] * 16  # pad id 0: a zero embedding row, so every pad position has all-zero K/V rows
+
+
+@pytest.mark.parametrize("family,real,keep", [
+    ("mistral_sliding", 40, [0, 1, 15, *range(30, 56)]),  # the pads lie out of the window of the last kept row
+    ("llama", 10, [0, 1, 15, *range(17, 26)]),  # full attention: where a pad sits does not matter
+])
+def test_identical_rows_kept_by_a_plain_modify_fn_equal_the_masked_reference(family, real, keep):
+    model = _tiny(family, tied=False)
+    ids = PADS + _ids(real, seed=3)
+    eng = HFEngine(model, tokenizer=_tokenizer(), progress=False, positions="original")
+    eng.prefill([ids])
+    assert torch.equal(eng.kv(0)[:, :, 2], eng.kv(0)[:, :, 15])  # identical rows
+    eng.modify(_keeping(keep))
+    out = eng.decode(max_tokens=5, keep_logits=True)[0]
+    want = _masked_reference(model, ids, keep, 5)
+    assert out.output_ids == [int(x.argmax()) for x in want]
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(want), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family,keep", [
+    ("mistral_sliding", [0, 1, 15, *range(17, 26)]),  # row 15 is inside the window of the last kept row (25)
+    ("llama", [3, 15]),  # the last kept row: decoding continues at its position
+])
+def test_identical_rows_whose_position_changes_the_result_are_refused(family, keep):
+    """The earliest bit-identical row was taken (row 15 recorded as row 2): under a sliding window, or for the last
+    kept row, the logits differed from the masked reference. Now that ambiguity is refused and the cache kept."""
+    from tdutils import DropFunctionError
+
+    ids = PADS + _ids(10, seed=3)
+    eng = HFEngine(_tiny(family, tied=False), tokenizer=_tokenizer(), progress=False, positions="original")
+    eng.prefill([ids])
+    before = eng.kv(0).clone()
+    with pytest.raises(DropFunctionError, match=r"output row \d+ \(token 0\) is bit-identical to cache rows \d+ to "
+                                                r"\d+ with the same token .* ambiguous"):
+        eng.modify(_keeping(keep))
+    assert torch.equal(eng.kv(0), before)

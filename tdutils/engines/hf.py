@@ -342,12 +342,15 @@ class HFEngine(Engine):
                                  f"(its window): each chunk's last {rows} queries score the cut after it, and a short "
                                  f"last chunk borrows tokens from the one before; use chunk >= {2 * rows}")
             self.capture_for(cut)  # the chunk's last queries score the cut
-        max_pos = getattr(self.model.config, "max_position_embeddings", None)
-        longest = max(map(len, ids))
-        if max_pos and longest > max_pos and (cut is None or self.positions == "original"):
-            warnings.warn(f"a prompt of {longest} tokens is longer than the model's max_position_embeddings {max_pos}: "
-                          f"positions past it are extrapolation", stacklevel=3)
         bounds = [_chunk_bounds(len(x), size, rows) for x in ids]
+        max_pos = getattr(self.model.config, "max_position_embeddings", None)
+        compact = compression.budget if cut is not None and self.positions == "compact" else None
+        last = max(_chunk_last_position(b, compact) for b in bounds)
+        if max_pos and last >= max_pos:
+            how = "" if compact is None else (f" (compact cuts renumber the cache to 0..{compact - 1} and the next chunk "
+                                              f"of up to {size} tokens follows it: budget + chunk reaches past it)")
+            warnings.warn(f"prefill feeds position {last}, beyond the model's max_position_embeddings {max_pos}: "
+                          f"positions past it are extrapolation{how}", stacklevel=4)
         try:
             return self._run_chunks(ids, bounds, cut, compression)
         except BaseException:
@@ -462,6 +465,10 @@ class HFEngine(Engine):
             raise ValueError(f"positions={positions!r} needs a drop function with rerotate={positions == 'compact'}, "
                              f"got rerotate={rerotate}; build it with make_drop_fn(..., rerotate={positions == 'compact'})")
         return positions
+
+    def _position_window(self) -> float:
+        # sliding-window layers mask keys by position; full-attention layers see every earlier key
+        return max((w for w in (self._mask_windows or {}).values() if w), default=0)
 
     def _edit_input(self, request_id, drop_fn):
         req = self.requests[request_id]
@@ -682,9 +689,9 @@ class HFEngine(Engine):
 
         Args:
             max_tokens: tokens to generate per request (>= 1): one int for all, or one per request (list, tuple,
-                numpy array or tensor of ints). With `ignore_eos=False` it is capped at the model's context
-                (`max_position_embeddings`; a warning says so): the request stops there with
-                finish_reason "length".
+                numpy array or tensor of ints). Capped at the model's context (`max_position_embeddings`, with
+                EOS honoured or not; a warning says so): the request stops there with finish_reason "length"
+                (`_context_limits`; compact compression caps only when `B + N` reaches past the context).
             temperature: 0 = greedy (as is any temperature below `GREEDY_BELOW`, 1e-5, vLLM's convention); > 0
                 samples from softmax(logits / temperature), each request from its own generator seeded with
                 `request_seed(seed, request_id)`, so its tokens do not depend on the batch.
@@ -698,7 +705,7 @@ class HFEngine(Engine):
                 queries exist, the policy scores the cache with them and it is cut back to `B` in its slot, in
                 the batch (the other requests go on), at the engine's `positions` (compact: kept keys re-rotated
                 to `0..B-1`, decoding continues at `B`, so positions stay below `B + N` and the model's context
-                does not cap `max_tokens`; original: keys and positions unchanged). A request therefore reserves at
+                does not cap `max_tokens` unless `B + N` exceeds it; original: keys and positions unchanged). A request therefore reserves at
                 most `B + N + 1` KV tokens (more while its first `w` queries are still missing, and, for the whole
                 decode, a cache that starts longer than `B + N`: cut such prompts at prefill with
                 `prefill(..., compression=...)`), so many more requests fit `kv_budget_tokens`; with `B + N` at least the final
@@ -730,18 +737,7 @@ class HFEngine(Engine):
             if not isinstance(compression, Compression):
                 raise TypeError(f"compression must be a tdutils.compression.Compression, got {type(compression).__name__}")
             comp = _DecodeCompressor(self, compression)
-        max_pos = getattr(self.model.config, "max_position_embeddings", None)
-        if comp is not None and self.positions == "compact":
-            max_pos = None  # every cut renumbers the cache 0..B-1: positions stay below max(B + N, T) + 1
-        if max_pos and not ignore_eos:
-            # the last position fed is refeed_pos + limit - 1; stop at the model's context
-            capped = {r.request_id: max(1, min(limit[r.request_id], max_pos - r.refeed_pos)) for r in self.requests}
-            if capped != limit:
-                few = [i for i in capped if capped[i] < limit[i]]
-                warnings.warn(f"max_tokens capped at the model's context (max_position_embeddings {max_pos}) for "
-                              f"{len(few)} request(s), e.g. request {few[0]}: {capped[few[0]]} tokens; they stop there "
-                              f"with finish_reason 'length'", stacklevel=2)
-                limit = capped
+        limit = self._context_limits(limit, comp)
         budget = self.kv_budget_tokens
         # KV tokens a request may hold at once (+ 1, the token it generates last): all its tokens, or with
         # compression at most its bound (B + N, or longer while it starts)
@@ -765,12 +761,6 @@ class HFEngine(Engine):
                         f"request {r.request_id} needs {need[r.request_id]} KV tokens ({r.kv.shape[2]} cached + "
                         f"{limit[r.request_id]} to generate) but kv_budget_tokens is {budget}; raise kv_budget_tokens, "
                         f"lower max_tokens, or drop more tokens")
-        if max_pos:
-            # positions fed: the refeed (k-1 or T-1) and then max_tokens - 1 generated tokens
-            last = max(r.refeed_pos + limit[r.request_id] - 1 for r in self.requests)
-            if last >= max_pos:
-                warnings.warn(f"decoding feeds position {last}, beyond the model's max_position_embeddings "
-                              f"{max_pos}: outputs there are extrapolation; lower max_tokens", stacklevel=2)
         dm = self.metrics.decode = DecodeMetrics(kv_budget_tokens=budget)
         # one generator per request, seeded from (seed, request_id): a request samples the same tokens whatever
         # batch it decodes in (vLLM's per-request seed semantics)
@@ -904,6 +894,36 @@ class HFEngine(Engine):
                 finish_reason=r.finish_reason, ttft_s=r.ttft_s, tpot_s=tpot, logits=r.logits,
                 compressions=None if comp is None else comp.events(r)))
         return outputs
+
+    def _context_limits(self, limit: dict[int, int], comp: _DecodeCompressor | None) -> dict[int, int]:
+        """`max_tokens` per request capped at the model's context, for every decode setting (EOS honoured or
+        not, with or without compression): the largest position a request feeds, `refeed_pos + max_tokens - 1`
+        (under compact compression at most its cache bound `B + N` - 1: cuts renumber the cache), stays below
+        `max_position_embeddings`; a warning names the capped requests. A cache already past the context (a
+        prompt longer than it) decodes one token and warns that it is extrapolation."""
+        max_pos = getattr(self.model.config, "max_position_embeddings", None)
+        if not max_pos:
+            return limit
+        capped = {}
+        for r in self.requests:
+            n = limit[r.request_id]
+            last = r.refeed_pos + n - 1
+            if comp is not None and comp.compact:
+                last = min(last, comp.bound(r) - 1)
+            capped[r.request_id] = max(1, min(n, max_pos - r.refeed_pos)) if last >= max_pos else n
+        few = [i for i in capped if capped[i] < limit[i]]
+        if few:
+            why = "" if comp is None or not comp.compact else (
+                f"; compact compression renumbers positions, but budget + buffer = {comp.budget + comp.buffer} "
+                f"(or a longer start cache) reaches past the context")
+            warnings.warn(f"max_tokens capped at the model's context (max_position_embeddings {max_pos}) for "
+                          f"{len(few)} request(s), e.g. request {few[0]}: {capped[few[0]]} tokens; they stop there "
+                          f"with finish_reason 'length'{why}", stacklevel=4)
+        last = max(r.refeed_pos for r in self.requests)
+        if last >= max_pos:
+            warnings.warn(f"decoding feeds position {last}, beyond the model's max_position_embeddings {max_pos} "
+                          f"(the prompt is past it): outputs there are extrapolation", stacklevel=4)
+        return capped
 
     # ------------------------------------------------------------------ batch bookkeeping
     def _row_kv(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1096,6 +1116,19 @@ def _chunk_bounds(n: int, size: int, rows: int) -> list[tuple[int, int]]:
         split = end - rows
         bounds[-2:] = [(a, split), (split, end)]
     return bounds
+
+
+def _chunk_last_position(bounds: list[tuple[int, int]], budget: int | None) -> int:
+    """The largest position a chunked prefill of `bounds` feeds: the prompt's last (`n - 1`) without compact cuts;
+    with them (`budget`: each cache longer than it is cut to it and renumbered `0..budget-1` after every chunk)
+    the largest `kept + chunk length - 1`."""
+    held, last = 0, 0
+    for a, b in bounds:
+        last = max(last, held + (b - a) - 1)
+        held += b - a
+        if budget is not None and held > budget:
+            held = budget
+    return last
 
 
 def _check_forced_ids(forced_ids, requests, per_request: list[int], vocab_size: int) -> dict[int, list[int]]:
