@@ -516,7 +516,7 @@ class HFEngine(Engine):
         disagrees (compact needs re-rotated keys, original needs untouched ones) is refused before anything
         runs. Under `"original"` the kept positions come from `DropFn.edit`, or, for any other ModifyFn, from
         its output rows (`tdutils.edit.kept_rows`; an output that is not an in-order selection of unchanged
-        rows fails that request).
+        rows, or keeps bit-identical rows whose position changes the result, fails that request).
         """
         with torch.inference_mode():
             return super().modify(drop_fn, positions=positions, on_error=on_error)
