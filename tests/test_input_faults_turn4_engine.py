@@ -354,3 +354,64 @@ def test_identical_rows_whose_position_changes_the_result_are_refused(family, ke
                                                 r"\d+ with the same token .* ambiguous"):
         eng.modify(_keeping(keep))
     assert torch.equal(eng.kv(0), before)
+
+
+# ---------------------------------------------------------------- 11: knorm ties, R-KV threshold=1, Compression
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_knorm_on_equal_key_norms_keeps_the_earliest_tokens_not_rounding_noise(dtype):
+    """Qwen3's per-head k_norm with unit weights (a fresh model) gives every key the same norm: the ranking was
+    rounding noise. Now every token ties and the earliest are kept; a model without QK-norm still ranks."""
+    from tdutils.policies.knorm import knorm_keep, knorm_scores
+
+    ids = _ids(60, seed=1)
+    kvs = {}
+    for family in ("qwen3", "llama"):
+        eng = HFEngine(_tiny(family, tied=False).to(dtype), tokenizer=_tokenizer(), progress=False, query_window=0)
+        eng.prefill([ids])
+        kvs[family] = eng.kv(0)
+    norms = knorm_scores(kvs["qwen3"], head_dim=16)
+    assert not torch.all(norms == norms[0])  # equal up to rounding only
+    assert knorm_keep(kvs["qwen3"], 0.5, head_dim=16).tolist() == list(range(30))
+    assert knorm_keep(kvs["qwen3"], 0.5, head_dim=16, n_sink=2, window=4).tolist() == [*range(26), *range(56, 60)]
+    assert knorm_keep(kvs["llama"], 0.5, head_dim=16).tolist() != list(range(30))
+    from tdutils.policies.knorm import equal_norms
+
+    assert equal_norms(norms, dtype) and not equal_norms(knorm_scores(kvs["llama"], head_dim=16), dtype)
+
+
+def test_rkv_threshold_one_finds_no_duplicate_in_any_method_or_tile():
+    """threshold=1 means "none"; exact duplicate keys have a computed cosine of 1 + 1 ulp in some matmul shapes, so
+    some exact/tiled tile settings found hits the reference did not. Now every method and tile agrees."""
+    from tdutils.policies.rkv import rkv_redundancy
+
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 40, 16, generator=gen)
+    keys = torch.cat([base, base[:, :24], base[:, 5:30]], dim=1)  # [3, 89, 16]: most keys twice or three times
+    want = rkv_redundancy(keys, method="reference", threshold=1.0)
+    tiles = [("reference", {"row_tile": t}) for t in (1, 7, 64, 256)]
+    tiles += [("exact", {"col_block": c, "first_block": f}) for c in (1, 8, 64, 256) for f in (1, 4, 64)]
+    tiles += [("tiled", {"row_tile": t, "col_block": c, "first_block": f}) for t in (1, 9, 89) for c in (3, 32, 1024)
+              for f in (1, 64)]
+    for method, tile in tiles:
+        got = rkv_redundancy(keys, method=method, threshold=1.0, **tile)
+        torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-5, msg=lambda m, t=(method, tile): f"{t}: {m}")
+
+
+def test_compression_is_hashable_and_keeps_a_read_only_copy_of_its_params():
+    import copy
+    import pickle
+
+    from tdutils.compression import Compression
+
+    params = {"mix_lambda": 0.1}
+    comp = Compression("rkv", budget=64, buffer=32, params=params)
+    params["mix_lambda"] = 7.0  # the caller's dict changing afterwards does not reach the checked setting
+    assert comp.params["mix_lambda"] == 0.1
+    with pytest.raises(TypeError):
+        comp.params["mix_lambda"] = 7.0
+    same = Compression("rkv", budget=64, buffer=32, params={"mix_lambda": 0.1})
+    assert {comp: 1}[same] == 1 and hash(comp) == hash(same) and comp == same
+    assert comp != Compression("rkv", budget=64, buffer=32, params={"mix_lambda": 0.2})
+    assert copy.deepcopy(comp) == comp == pickle.loads(pickle.dumps(comp))
