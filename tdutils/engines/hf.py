@@ -90,6 +90,9 @@ class HFEngine(Engine):
         dtype, device, attn_implementation: passed to `tdutils.models.load_model` (attention default `"sdpa"`).
             With a model object they describe it as it is: one that disagrees (e.g. `attn_implementation="eager"`
             for an sdpa model) raises ValueError instead of being ignored; set it on the model first.
+            `dtype="bfloat16"` / `"float16"` are for speed and memory, not for fidelity: rounding moves greedy
+            decoding off fp32's tokens within a few tokens on small models, and the engine's batched bf16
+            arithmetic off bf16 `model.generate`'s too (docs/models.md, "Half precision"); compare policies in fp32.
         kv_budget_tokens: KV tokens the running decode batch may hold (cache lengths plus tokens still
             to generate); None = unlimited (every request decodes in one batch).
         max_batch_size: optional cap on the running batch.
