@@ -415,3 +415,20 @@ def test_compression_is_hashable_and_keeps_a_read_only_copy_of_its_params():
     assert {comp: 1}[same] == 1 and hash(comp) == hash(same) and comp == same
     assert comp != Compression("rkv", budget=64, buffer=32, params={"mix_lambda": 0.2})
     assert copy.deepcopy(comp) == comp == pickle.loads(pickle.dumps(comp))
+
+
+@pytest.mark.real_models
+def test_smollm2_cast_to_float64_after_opening_runs_unpacked():
+    model, tok = _smol()
+    ids = tok("The capital of France is Paris. The capital of Italy is")["input_ids"]
+    eng = HFEngine(model, tokenizer=tok, progress=False)  # packed by default
+    assert eng._packed is not None
+    try:
+        model.double()
+        eng.prefill([ids])
+        got = eng.decode(max_tokens=3, keep_logits=True)  # died in oneDNN
+        _, want = _decode(model, tok, [ids], packed=False, n=3)
+        assert got[0].output_ids == want[0].output_ids
+        assert all(torch.equal(x, y) for x, y in zip(got[0].logits, want[0].logits))
+    finally:
+        model.float()  # fp32 -> fp64 -> fp32 is exact
