@@ -112,7 +112,7 @@ class HFEngine(Engine):
             (default) = on where available (CPU, fp32 or bf16, torch with oneDNN) and worth it (`packing_pays`:
             at least 32 MiB of large weights; not the bundled toy models), False = off, True = every linear
             packed, or ValueError where unavailable. Each decode starts by packing again the weights edited since
-            the last (a fingerprint per weight, about one decode step's read of them; `refresh()` forces it);
+            the last (a fingerprint per weight: one read of them, less than a decode step; `refresh()` forces it);
             a linear whose `forward` the user replaced keeps it.
 
     Query capture switches the model to a registered attention function that wraps its `sdpa` or

@@ -14,7 +14,7 @@ Weights edited after packing. Many edits leave no trace autograd sees: `w.data.m
 an edit of a tied `lm_head.weight.data`, a fused optimizer step (`torch.optim.AdamW(fused=True)`) change the
 values without bumping `w._version`. So each `with packed:` (the engine: each decode) starts by comparing every
 packed weight's fingerprint, its product with a fixed random vector `w @ r` (`[out]`, in the weight's dtype: one
-read of the weights, about one decode step), with the one taken at packing, and packs again what changed; during
+read of the weights, less than a decode step), with the one taken at packing, and packs again what changed; during
 the block, an in-place edit that bumps `_version` or moves the storage is seen at the module's next call. An
 edit so small that no row of `w @ r` moves is below the rounding of the layer's own output; `refresh()` packs
 everything again regardless. A module whose `forward` the user replaced (`lin.forward = f`) or whose weight is no
