@@ -311,6 +311,27 @@ def capture_implementation(base: str) -> str:
     return name
 
 
+def ensure_capture(model) -> None:
+    """Make `model` run the capturing attention that wraps its *current* backend: a no-op when it already does;
+    after `model.set_attn_implementation("eager")` (which drops the capturing function, e.g. when a user switched
+    backends to get attentions) it wraps the new backend.
+
+    Raises:
+        ValueError: the current backend is one capture cannot wrap (flash / flex attention kernels), in one line
+            naming it.
+    """
+    impl = model.config._attn_implementation
+    if impl.startswith(_PREFIX):
+        return
+    try:
+        name = capture_implementation(impl)
+    except ValueError:
+        raise ValueError(f"the model's attention backend is {impl!r} (switched after the engine opened?); query "
+                         f"capture wraps only 'sdpa' and 'eager': call model.set_attn_implementation('sdpa') or "
+                         f"('eager') first") from None
+    model.set_attn_implementation(name)
+
+
 __all__ = ["AttentionRecorder", "AttentionSpec", "LayerAttention", "QueryRecorder", "attention_spec",
-           "capture_implementation", "masked_logits", "recording",
+           "capture_implementation", "ensure_capture", "masked_logits", "recording",
            "scoring_attention", "softmax_with_sinks"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -39,7 +40,9 @@ class Compression:
         window: `w`, passed as the policy's `window` parameter (the most recent tokens it always keeps; for
             snapkv and rkv also the queries that vote). Default 8, R-KV's decode setting; None keeps the
             policy's own default; policies without a `window` parameter ignore it.
-        params: the policy's other parameters (`{"mix_lambda": 0.1}`); `window` belongs in `window`.
+        params: the policy's other parameters (`{"mix_lambda": 0.1}`); `window` belongs in `window`. Kept as a
+            read-only copy (`types.MappingProxyType`), so the checked setting cannot change afterwards;
+            `Compression` is frozen and hashable.
 
     Engines build the cut with the engine's positions (compact: kept keys re-rotated) and, before anything runs,
     try it once on a random cache of `budget + buffer` tokens (`Compression.drop_fn`): a policy whose keep count
@@ -67,6 +70,8 @@ class Compression:
             check_count(self.window, "window", 0)
         if not isinstance(self.params, Mapping):
             raise TypeError(f"params must be a mapping of the policy's parameters, got {type(self.params).__name__}")
+        # a read-only copy: changing the caller's dict afterwards would bypass the checks below
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
         if "window" in self.params and self.window is not None:
             raise ValueError(f"window given twice (window={self.window}, params['window']={self.params['window']}); "
                              "pass it as window= only")
@@ -84,6 +89,13 @@ class Compression:
             raise ValueError(f"buffer {self.buffer} is smaller than the {rows} query rows {self.policy!r} scores "
                              f"with: every cut must be scored by queries computed after the previous one; raise "
                              f"buffer or lower window")
+
+    def __hash__(self) -> int:
+        """Hashable (a frozen value: a dict key, a set member); TypeError when a `params` value is unhashable."""
+        return hash((self.policy, self.budget, self.buffer, self.window, tuple(sorted(self.params.items()))))
+
+    def __reduce__(self):  # copy / pickle: MappingProxyType itself cannot be pickled
+        return (Compression, (self.policy, self.budget, self.buffer, self.window, dict(self.params)))
 
     def policy_params(self) -> dict:
         """The keyword parameters the policy is built with: `params`, plus `window` when set and accepted."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -99,22 +100,34 @@ def validate_drop_output(kv: torch.Tensor, tokens: Sequence[int], result,
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def kept_rows(kv: torch.Tensor, tokens: Sequence[int], new_kv: torch.Tensor, new_tokens: Sequence[int]) -> torch.Tensor:
+def kept_rows(kv: torch.Tensor, tokens: Sequence[int], new_kv: torch.Tensor, new_tokens: Sequence[int], *,
+              window: float = math.inf) -> torch.Tensor:
     """The cache rows a drop function kept, recovered from its output: `LongTensor[k]`, ascending, with
     `new_kv[:, :, i] == kv[:, :, keep[i]]` bit for bit and `new_tokens[i] == tokens[keep[i]]`.
 
     For drop functions that do not report their kept indices (a lambda, a wrapper, a user's `ModifyFn`) when
     the engine needs the kept *positions* (`positions="original"`: keys keep their rotation, so each kept row
     is an unchanged cache row). Rows are matched by an exact integer fingerprint of their bits (K and V over
-    every layer), in order, then checked element for element.
+    every layer) and their token, in order, then checked element for element.
+
+    Identical rows. Rows can be bit-identical with the same token (a prompt of repeated pad ids with zero
+    embeddings gives all-zero K/V rows), and then an output row may be any of several cache rows. Each output
+    row's candidates run from its earliest in-order match to its latest (matching from the right). Where they
+    differ the choice is harmless only when it cannot change what the model computes: not for the last kept
+    row (decoding continues after its position), and for the others only when every candidate lies `window`
+    or more rows before the last kept one (out of every sliding window from then on: later positions only
+    grow); then the earliest match is returned. Otherwise the kept positions are ambiguous and this raises.
 
     Args:
         kv: `[2, L, T, D]`, the cache the function received; `tokens`: its T token ids.
         new_kv: `[2, L, k, D]` and `new_tokens` (k ids), its validated output (`validate_drop_output`).
+        window: the model's largest sliding window in tokens; 0 for a model without sliding-window layers
+            (full attention sees every earlier key wherever it sits); default `inf`: every position matters.
 
     Raises:
         DropFunctionError: the output rows are not an in-order selection of the input rows (keys re-rotated,
-            rows merged, reordered or changed), so no position can be given to them.
+            rows merged, reordered or changed), so no position can be given to them; or they are, in more than
+            one way that changes the result (identical rows, above).
     """
     T, k = kv.shape[2], new_kv.shape[2]
     old_rows = kv.permute(2, 0, 1, 3).reshape(T, -1)  # [T, 2*L*D]
@@ -124,25 +137,43 @@ def kept_rows(kv: torch.Tensor, tokens: Sequence[int], new_kv: torch.Tensor, new
     # wraps the same way for both), different rows almost never do; every match is verified below anyway.
     weights = torch.randint(-2**62, 2**62, (old_rows.shape[1],), generator=torch.Generator().manual_seed(0),
                             dtype=torch.int64).to(kv.device)
-    old_fp = (old_rows.contiguous().view(as_int).long() * weights).sum(1).tolist()
-    new_fp = (new_rows.contiguous().view(as_int).long() * weights).sum(1).tolist()
-    keep, j = [], 0
-    for i, fp in enumerate(new_fp):
-        while j < T and (old_fp[j] != fp or int(tokens[j]) != int(new_tokens[i])):
-            j += 1
-        if j == T:
-            break
-        keep.append(j)
-        j += 1
-    keep_t = torch.tensor(keep, dtype=torch.long)
-    if len(keep) != k or not torch.equal(old_rows[keep_t.to(kv.device)], new_rows):
+    old_key = list(zip((old_rows.contiguous().view(as_int).long() * weights).sum(1).tolist(), map(int, tokens)))
+    new_key = list(zip((new_rows.contiguous().view(as_int).long() * weights).sum(1).tolist(), map(int, new_tokens)))
+    first = _match_in_order(old_key, new_key)
+    keep_t = torch.tensor(first, dtype=torch.long)
+    if len(first) != k or not torch.equal(old_rows[keep_t.to(kv.device)], new_rows):
         raise DropFunctionError(
             "positions='original' needs the kept positions, and the drop function's output is not an in-order "
             "selection of unchanged cache rows with their own token ids (keys re-rotated, rows merged, reordered or "
             "edited, or new_tokens[i] not the token of the row kept), so they cannot "
             "be recovered; use positions='compact' (with re-rotated keys), a drop function from "
             "tdutils.make_drop_fn, or one with an `edit(tensors, tokens) -> (new_kv, new_tokens, keep)` method")
+    last = _match_in_order(old_key[::-1], new_key[::-1])  # from the right: each row's latest possible match
+    last = [T - 1 - j for j in reversed(last)]
+    harmful = [i for i in range(k) if first[i] != last[i] and (i == k - 1 or last[i] > first[-1] - window)]
+    if harmful:
+        i = harmful[0]
+        raise DropFunctionError(
+            f"positions='original' needs the kept positions, and output row {i} (token {int(new_tokens[i])}) is "
+            f"bit-identical to cache rows {first[i]} to {last[i]} with the same token (repeated pad tokens give "
+            f"identical K/V rows), so which position it kept is ambiguous and changes the result (it is the last "
+            f"kept row, or lies within the model's sliding window of it); use positions='compact', a drop function "
+            f"from tdutils.make_drop_fn, or one with an `edit(tensors, tokens) -> (new_kv, new_tokens, keep)` method")
     return keep_t
+
+
+def _match_in_order(old: list, new: list) -> list[int]:
+    """Greedy in-order matching: for each item of `new`, the index of its earliest equal item in `old` after the
+    previous match (stops at the first item without one: fewer indices than `new`)."""
+    keep, j = [], 0
+    for item in new:
+        while j < len(old) and old[j] != item:
+            j += 1
+        if j == len(old):
+            break
+        keep.append(j)
+        j += 1
+    return keep
 
 
 @dataclass

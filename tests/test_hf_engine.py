@@ -271,14 +271,16 @@ def test_token_ids_outside_the_vocabulary_are_refused(tiny, sample_ids):
     assert len(eng.decode(max_tokens=2)[0].output_ids) == 2
 
 
-def test_decoding_past_the_models_positions_warns(tiny, sample_ids):
+def test_decoding_past_the_models_positions_is_capped_there(tiny, sample_ids):
+    """With EOS ignored (the default) too: the request stops at the model's last position (issue 47)."""
     eng = _engine(tiny)
     eng.prefill([(sample_ids[2] * 14)[:4000]])  # the refeed sits at 3999
     max_pos = tiny[0].config.max_position_embeddings
     assert max_pos == 4096
-    with pytest.warns(UserWarning, match=f"decoding feeds position {3999 + 100 - 1}, beyond the model's "
-                                         f"max_position_embeddings {max_pos}"):
-        eng.decode(max_tokens=100)
+    with pytest.warns(UserWarning, match=f"max_tokens capped at the model's context \\(max_position_embeddings "
+                                         f"{max_pos}\\) for 1 request\\(s\\), e.g. request 0: {max_pos - 3999} tokens"):
+        out = eng.decode(max_tokens=100)
+    assert len(out[0].output_ids) == max_pos - 3999 and out[0].finish_reason == "length"
 
 
 def test_text_the_tokenizer_cannot_read_warns(tiny):

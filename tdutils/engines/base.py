@@ -463,7 +463,7 @@ class Engine(ABC):
                 if keep is None and positions == "original":
                     # decode refeeds the last kept token at its own position: any drop function's kept rows
                     # must be known, not assumed to end at T - 1
-                    keep = kept_rows(reference, tokens, new_kv, new_tokens)
+                    keep = kept_rows(reference, tokens, new_kv, new_tokens, window=self._position_window())
             except Exception as exc:  # noqa: BLE001 (any failure of user code is reported below, never swallowed)
                 failures.append((i, f"{exc.__class__.__name__}: {exc}{self._failure_note(i, tensors)}"))
                 continue
@@ -492,6 +492,11 @@ class Engine(ABC):
     def _vocab_size(self) -> int | None:
         """Token ids must lie in `[0, vocab_size)` (None: unchecked)."""
         return None
+
+    def _position_window(self) -> float:
+        """The model's largest sliding window (0: none), which `kept_rows` needs to tell when identical rows make
+        kept positions ambiguous; unknown here: every position matters."""
+        return math.inf
 
     def _prepare_capture(self, need: int | None, drop_fns) -> None:
         """Before query capture widens to `need` rows (None: all): raise if it cannot, install what it needs."""

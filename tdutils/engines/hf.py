@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import AttentionSpec, QueryRecorder, capture_implementation, recording
+from ..attention import AttentionSpec, QueryRecorder, capture_implementation, ensure_capture, recording
 from ..chat import uses_chat_template
 from ..compression import Compression
 from ..edit import CacheKind, DropFn, check_kv
@@ -83,6 +83,9 @@ class HFEngine(Engine):
         dtype, device, attn_implementation: passed to `tdutils.models.load_model` (attention default `"sdpa"`).
             With a model object they describe it as it is: one that disagrees (e.g. `attn_implementation="eager"`
             for an sdpa model) raises ValueError instead of being ignored; set it on the model first.
+            `dtype="bfloat16"` / `"float16"` are for speed and memory, not for fidelity: rounding moves greedy
+            decoding off fp32's tokens within a few tokens on small models, and the engine's batched bf16
+            arithmetic off bf16 `model.generate`'s too (docs/models.md, "Half precision"); compare policies in fp32.
         kv_budget_tokens: KV tokens the running decode batch may hold (cache lengths plus tokens still
             to generate); None = unlimited (every request decodes in one batch).
         max_batch_size: optional cap on the running batch.
@@ -101,10 +104,15 @@ class HFEngine(Engine):
             outputs equal up to float summation order) at the cost of one more copy of those weights; None
             (default) = on where available (CPU, fp32 or bf16, torch with oneDNN) and worth it (`packing_pays`:
             at least 32 MiB of large weights; not the bundled toy models), False = off, True = every linear
-            packed, or ValueError where unavailable.
+            packed, or ValueError where unavailable. Each decode starts by packing again the weights edited since
+            the last (a fingerprint per weight: one read of them, less than a decode step; `refresh()` forces it);
+            a linear whose `forward` the user replaced keeps it.
 
     Query capture switches the model to a registered attention function that wraps its `sdpa` or
-    `eager` attention (`tdutils.attention.capture_implementation`); outputs are unchanged.
+    `eager` attention (`tdutils.attention.capture_implementation`); outputs are unchanged. A backend switched
+    after opening (`engine.model.set_attn_implementation("eager")` drops the capture) is wrapped again where
+    queries are captured (prefill, extend, a query-aware compression or modify); one that capture cannot wrap
+    (flash / flex kernels) raises a one-line ValueError there.
     """
 
     prefill_batch_size = CountSetting(1)
@@ -140,7 +148,7 @@ class HFEngine(Engine):
         self.facts = model_facts(self.model, self.model.dtype)
         self.attention = self._check_supported()  # one-line ValueError naming the family (backend included)
         if query_window != 0:
-            self.model.set_attn_implementation(capture_implementation(self.model.config._attn_implementation))
+            ensure_capture(self.model)
         windows = self.attention.sliding_windows
         # per mask key (a layer type, or None when one mask serves every layer): its sliding window
         self._mask_windows = _mask_windows(self.model.config, windows) if any(windows) else None
@@ -165,6 +173,13 @@ class HFEngine(Engine):
     @property
     def config(self):
         return self.model.config
+
+    def refresh(self) -> None:
+        """Pack the model's linear weights again from their current values (`packed_linears`; nothing to do
+        without). Each decode already packs again every weight whose fingerprint changed
+        (`tdutils.engines.packed`); call this after an edit too small to move it."""
+        if self._packed is not None:
+            self._packed.refresh()
 
     @property
     def eos_token_id(self) -> int | None:
@@ -198,7 +213,7 @@ class HFEngine(Engine):
             cache = self._new_cache()
             with torch.inference_mode():
                 self._forward(torch.tensor([[1, 2]], device=self.device), None, None, cache)
-        except Exception as exc:  # noqa: BLE001 (any failure here means: this family does not fit the engine)
+        except Exception as exc:  # any failure here means: this family does not fit the engine
             raise ValueError(f"{family}: the hf engine cannot run this model ({exc.__class__.__name__}: "
                              f"{str(exc).splitlines()[0][:160]})") from exc
         layers = getattr(cache, "layers", [])
@@ -276,10 +291,14 @@ class HFEngine(Engine):
             position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, width]; 0..T-1 on real tokens
             cache = self._new_cache()
             recorder = QueryRecorder(self.query_window)
+            if self.query_window != 0:
+                self._prepare_capture(self.query_window, ())
             with recording(recorder):
                 self._forward(input_ids.to(self.device), mask.to(self.device), position_ids.to(self.device), cache)
             now = time.perf_counter() - t0
-            if recorder.attention:  # what the attention functions were called with (scale, window, sinks ...)
+            if recorder.attention or self.query_window != 0:
+                # what the attention functions were called with (scale, window, sinks ...); ValueError naming the
+                # layers whose attention did not run through the capture
                 self.attention = recorder.spec(len(cache.layers))
             for b, x in enumerate(batch):
                 pad = width - len(x)
@@ -318,12 +337,15 @@ class HFEngine(Engine):
                                  f"(its window): each chunk's last {rows} queries score the cut after it, and a short "
                                  f"last chunk borrows tokens from the one before; use chunk >= {2 * rows}")
             self.capture_for(cut)  # the chunk's last queries score the cut
-        max_pos = getattr(self.model.config, "max_position_embeddings", None)
-        longest = max(map(len, ids))
-        if max_pos and longest > max_pos and (cut is None or self.positions == "original"):
-            warnings.warn(f"a prompt of {longest} tokens is longer than the model's max_position_embeddings {max_pos}: "
-                          f"positions past it are extrapolation", stacklevel=3)
         bounds = [_chunk_bounds(len(x), size, rows) for x in ids]
+        max_pos = getattr(self.model.config, "max_position_embeddings", None)
+        compact = compression.budget if cut is not None and self.positions == "compact" else None
+        last = max(_chunk_last_position(b, compact) for b in bounds)
+        if max_pos and last >= max_pos:
+            how = "" if compact is None else (f" (compact cuts renumber the cache to 0..{compact - 1} and the next chunk "
+                                              f"of up to {size} tokens follows it: budget + chunk reaches past it)")
+            warnings.warn(f"prefill feeds position {last}, beyond the model's max_position_embeddings {max_pos}: "
+                          f"positions past it are extrapolation{how}", stacklevel=4)
         try:
             return self._run_chunks(ids, bounds, cut, compression)
         except BaseException:
@@ -372,8 +394,8 @@ class HFEngine(Engine):
         return self.requests[request_id].kv
 
     def _prepare_capture(self, need, drop_fns) -> None:
-        if self.query_window == 0:  # capture was never installed
-            self.model.set_attn_implementation(capture_implementation(self.model.config._attn_implementation))
+        # installed at opening unless query_window=0; a backend switched since (set_attn_implementation) drops it
+        ensure_capture(self.model)
 
     def query(self, request_id: int) -> torch.Tensor | None:
         """The captured query `[L, Tq, Hq*d]` of one request (rows aligned to the end of its KV), or None."""
@@ -439,6 +461,10 @@ class HFEngine(Engine):
                              f"got rerotate={rerotate}; build it with make_drop_fn(..., rerotate={positions == 'compact'})")
         return positions
 
+    def _position_window(self) -> float:
+        # sliding-window layers mask keys by position; full-attention layers see every earlier key
+        return max((w for w in (self._mask_windows or {}).values() if w), default=0)
+
     def _edit_input(self, request_id, drop_fn):
         req = self.requests[request_id]
         tensors = self.tensors(request_id)
@@ -485,7 +511,7 @@ class HFEngine(Engine):
         disagrees (compact needs re-rotated keys, original needs untouched ones) is refused before anything
         runs. Under `"original"` the kept positions come from `DropFn.edit`, or, for any other ModifyFn, from
         its output rows (`tdutils.edit.kept_rows`; an output that is not an in-order selection of unchanged
-        rows fails that request).
+        rows, or keeps bit-identical rows whose position changes the result, fails that request).
         """
         with torch.inference_mode():
             return super().modify(drop_fn, positions=positions, on_error=on_error)
@@ -613,10 +639,14 @@ class HFEngine(Engine):
         else:
             additive = self.model.dtype
             masks = {key: mask(w) for key, w in self._mask_windows.items()}
-            masks = masks[None] if None in masks else masks
+            masks = masks.get(None, masks)
         recorder = QueryRecorder(self.query_window)
+        if self.query_window != 0:
+            self._prepare_capture(self.query_window, ())
         with recording(recorder):
             self._forward(input_ids.to(self.device), masks, query_pos.to(self.device), cache)
+        if self.query_window != 0:
+            recorder.spec(L)  # ValueError naming the layers whose attention did not run through the capture
         out = []
         for b, r in enumerate(reqs):
             m = ms[b]
@@ -654,9 +684,9 @@ class HFEngine(Engine):
 
         Args:
             max_tokens: tokens to generate per request (>= 1): one int for all, or one per request (list, tuple,
-                numpy array or tensor of ints). With `ignore_eos=False` it is capped at the model's context
-                (`max_position_embeddings`; a warning says so): the request stops there with
-                finish_reason "length".
+                numpy array or tensor of ints). Capped at the model's context (`max_position_embeddings`, with
+                EOS honoured or not; a warning says so): the request stops there with finish_reason "length"
+                (`_context_limits`; compact compression caps only when `B + N` reaches past the context).
             temperature: 0 = greedy (as is any temperature below `GREEDY_BELOW`, 1e-5, vLLM's convention); > 0
                 samples from softmax(logits / temperature), each request from its own generator seeded with
                 `request_seed(seed, request_id)`, so its tokens do not depend on the batch.
@@ -670,7 +700,7 @@ class HFEngine(Engine):
                 queries exist, the policy scores the cache with them and it is cut back to `B` in its slot, in
                 the batch (the other requests go on), at the engine's `positions` (compact: kept keys re-rotated
                 to `0..B-1`, decoding continues at `B`, so positions stay below `B + N` and the model's context
-                does not cap `max_tokens`; original: keys and positions unchanged). A request therefore reserves at
+                does not cap `max_tokens` unless `B + N` exceeds it; original: keys and positions unchanged). A request therefore reserves at
                 most `B + N + 1` KV tokens (more while its first `w` queries are still missing, and, for the whole
                 decode, a cache that starts longer than `B + N`: cut such prompts at prefill with
                 `prefill(..., compression=...)`), so many more requests fit `kv_budget_tokens`; with `B + N` at least the final
@@ -702,18 +732,7 @@ class HFEngine(Engine):
             if not isinstance(compression, Compression):
                 raise TypeError(f"compression must be a tdutils.compression.Compression, got {type(compression).__name__}")
             comp = _DecodeCompressor(self, compression)
-        max_pos = getattr(self.model.config, "max_position_embeddings", None)
-        if comp is not None and self.positions == "compact":
-            max_pos = None  # every cut renumbers the cache 0..B-1: positions stay below max(B + N, T) + 1
-        if max_pos and not ignore_eos:
-            # the last position fed is refeed_pos + limit - 1; stop at the model's context
-            capped = {r.request_id: max(1, min(limit[r.request_id], max_pos - r.refeed_pos)) for r in self.requests}
-            if capped != limit:
-                few = [i for i in capped if capped[i] < limit[i]]
-                warnings.warn(f"max_tokens capped at the model's context (max_position_embeddings {max_pos}) for "
-                              f"{len(few)} request(s), e.g. request {few[0]}: {capped[few[0]]} tokens; they stop there "
-                              f"with finish_reason 'length'", stacklevel=2)
-                limit = capped
+        limit = self._context_limits(limit, comp)
         budget = self.kv_budget_tokens
         # KV tokens a request may hold at once (+ 1, the token it generates last): all its tokens, or with
         # compression at most its bound (B + N, or longer while it starts)
@@ -737,12 +756,6 @@ class HFEngine(Engine):
                         f"request {r.request_id} needs {need[r.request_id]} KV tokens ({r.kv.shape[2]} cached + "
                         f"{limit[r.request_id]} to generate) but kv_budget_tokens is {budget}; raise kv_budget_tokens, "
                         f"lower max_tokens, or drop more tokens")
-        if max_pos:
-            # positions fed: the refeed (k-1 or T-1) and then max_tokens - 1 generated tokens
-            last = max(r.refeed_pos + limit[r.request_id] - 1 for r in self.requests)
-            if last >= max_pos:
-                warnings.warn(f"decoding feeds position {last}, beyond the model's max_position_embeddings "
-                              f"{max_pos}: outputs there are extrapolation; lower max_tokens", stacklevel=2)
         dm = self.metrics.decode = DecodeMetrics(kv_budget_tokens=budget)
         # one generator per request, seeded from (seed, request_id): a request samples the same tokens whatever
         # batch it decodes in (vLLM's per-request seed semantics)
@@ -782,79 +795,81 @@ class HFEngine(Engine):
 
         bar = self._bar(sum(limit.values()), "decode")
         t0 = time.perf_counter()
-        while waiting or running:
-            reserved = sum(reservation(r) for r in running.values())
-            while waiting and store.free_slots and (budget is None or reserved + reservation(waiting[0]) <= budget) and (
-                    self.max_batch_size is None or len(running) < self.max_batch_size):
-                r = waiting.popleft()
-                store.grow(reservation(r) - 1)
-                resumed = r.resume is not None
-                slot = self._admit(store, r)
-                running[slot] = r
-                if comp is not None:
-                    comp.join(slot, r, resumed)
-                if r.resume is None:
-                    next_ids[slot], next_pos[slot] = r.tokens[-1], r.refeed_pos
-                else:
-                    next_ids[slot], next_pos[slot] = r.resume[3], r.resume[4]
-                    r.resume = None
-                reserved += reservation(r)
-            dm.peak_batch_size = max(dm.peak_batch_size, len(running))
-            dm.kv_peak_reserved_tokens = max(dm.kv_peak_reserved_tokens, reserved)
-            assert budget is None or reserved <= budget, (reserved, budget)  # admission and grants keep this
+        # once per decode: entering packs again the weights edited since the last one (engines.packed)
+        with self._packed or nullcontext():
+            while waiting or running:
+                reserved = sum(reservation(r) for r in running.values())
+                while waiting and store.free_slots and (budget is None or reserved + reservation(waiting[0]) <= budget) and (
+                        self.max_batch_size is None or len(running) < self.max_batch_size):
+                    r = waiting.popleft()
+                    store.grow(reservation(r) - 1)
+                    resumed = r.resume is not None
+                    slot = self._admit(store, r)
+                    running[slot] = r
+                    if comp is not None:
+                        comp.join(slot, r, resumed)
+                    if r.resume is None:
+                        next_ids[slot], next_pos[slot] = r.tokens[-1], r.refeed_pos
+                    else:
+                        next_ids[slot], next_pos[slot] = r.resume[3], r.resume[4]
+                        r.resume = None
+                    reserved += reservation(r)
+                dm.peak_batch_size = max(dm.peak_batch_size, len(running))
+                dm.kv_peak_reserved_tokens = max(dm.kv_peak_reserved_tokens, reserved)
+                assert budget is None or reserved <= budget, (reserved, budget)  # admission and grants keep this
 
-            rows = store.rows
-            store.begin_step(next_pos[:rows])
-            fed = next_ids[:rows].tolist() if comp is not None else None
-            with comp.capture(rows) if comp is not None else nullcontext(), self._packed or nullcontext():
-                out = self._forward(next_ids[:rows, None], self._decode_masks(store, next_pos[:rows]),
-                                    next_pos[:rows, None], store.cache())
-            store.end_step()
-            logits = out.logits[:, -1, :]  # [rows, vocab]; idle rows (free slots) are ignored
-            if logits.dtype in (torch.float16, torch.bfloat16):
-                logits = logits.float()  # sampling and keep_logits in at least fp32
-            if temperature > 0:
-                probs = torch.softmax(logits / temperature, dim=-1).cpu()
-                new_ids = torch.zeros(rows, dtype=torch.long)
-                for slot, r in running.items():
-                    new_ids[slot] = torch.multinomial(probs[slot], 1, generator=gens[r.request_id])[0]
-            else:
-                new_ids = logits.argmax(dim=-1).cpu()
-            if forced is not None:  # teacher forcing: the given token is the output and is fed next
-                for slot, r in running.items():
-                    new_ids[slot] = forced[r.request_id][len(r.output_ids)]
-            now = time.perf_counter() - t0
-            dm.steps += 1
-            bar.update(len(running))
-            next_ids[:rows] = new_ids.to(self.device)
-            next_pos[:rows] += 1
-            stepped = list(running.items())  # every request this step fed, including those that finish now
-            for slot, r in stepped:
-                tok = int(new_ids[slot])
-                r.output_ids.append(tok)
-                r.token_times.append(now)
-                if keep_logits:
-                    r.logits.append(logits[slot].cpu())
-                if len(r.output_ids) >= limit[r.request_id]:
-                    del running[slot]
-                    store.release(slot)
-                elif not ignore_eos and tok in eos:
-                    r.finish_reason = "stop"
-                    del running[slot]
-                    store.release(slot)
-            if comp is not None:  # the fed tokens are cached now: cut the caches that reached B + N
-                comp.after_step(stepped, running, fed, next_pos, dm)
-            # grant the next block to requests that used theirs, preempting the latest admitted others if needed
-            for slot, r in list(running.items()):
-                rid = r.request_id
-                if slot not in running or len(r.output_ids) < grant[rid]:
-                    continue
-                grant[rid] = min(limit[rid], grant[rid] + block)
-                while budget is not None and sum(reservation(x) for x in running.values()) > budget:
-                    preempt(next(s for s in reversed(running) if s != slot))
-                store.grow(reservation(r) - 1)
-            dm.kv_storage_tokens = max(dm.kv_storage_tokens, store.slots * store.width)
-            dm.kv_storage_bytes = max(dm.kv_storage_bytes, store.bytes)
+                rows = store.rows
+                store.begin_step(next_pos[:rows])
+                fed = next_ids[:rows].tolist() if comp is not None else None
+                with comp.capture(rows) if comp is not None else nullcontext():
+                    out = self._forward(next_ids[:rows, None], self._decode_masks(store, next_pos[:rows]),
+                                        next_pos[:rows, None], store.cache())
+                store.end_step()
+                logits = out.logits[:, -1, :]  # [rows, vocab]; idle rows (free slots) are ignored
+                if logits.dtype in (torch.float16, torch.bfloat16):
+                    logits = logits.float()  # sampling and keep_logits in at least fp32
+                if temperature > 0:
+                    probs = torch.softmax(logits / temperature, dim=-1).cpu()
+                    new_ids = torch.zeros(rows, dtype=torch.long)
+                    for slot, r in running.items():
+                        new_ids[slot] = torch.multinomial(probs[slot], 1, generator=gens[r.request_id])[0]
+                else:
+                    new_ids = logits.argmax(dim=-1).cpu()
+                if forced is not None:  # teacher forcing: the given token is the output and is fed next
+                    for slot, r in running.items():
+                        new_ids[slot] = forced[r.request_id][len(r.output_ids)]
+                now = time.perf_counter() - t0
+                dm.steps += 1
+                bar.update(len(running))
+                next_ids[:rows] = new_ids.to(self.device)
+                next_pos[:rows] += 1
+                stepped = list(running.items())  # every request this step fed, including those that finish now
+                for slot, r in stepped:
+                    tok = int(new_ids[slot])
+                    r.output_ids.append(tok)
+                    r.token_times.append(now)
+                    if keep_logits:
+                        r.logits.append(logits[slot].cpu())
+                    if len(r.output_ids) >= limit[r.request_id]:
+                        del running[slot]
+                        store.release(slot)
+                    elif not ignore_eos and tok in eos:
+                        r.finish_reason = "stop"
+                        del running[slot]
+                        store.release(slot)
+                if comp is not None:  # the fed tokens are cached now: cut the caches that reached B + N
+                    comp.after_step(stepped, running, fed, next_pos, dm)
+                # grant the next block to requests that used theirs, preempting the latest admitted others if needed
+                for slot, r in list(running.items()):
+                    rid = r.request_id
+                    if slot not in running or len(r.output_ids) < grant[rid]:
+                        continue
+                    grant[rid] = min(limit[rid], grant[rid] + block)
+                    while budget is not None and sum(reservation(x) for x in running.values()) > budget:
+                        preempt(next(s for s in reversed(running) if s != slot))
+                    store.grow(reservation(r) - 1)
+                dm.kv_storage_tokens = max(dm.kv_storage_tokens, store.slots * store.width)
+                dm.kv_storage_bytes = max(dm.kv_storage_bytes, store.bytes)
         dm.seconds = time.perf_counter() - t0
         bar.close()
         if comp is None:  # the step that fed a request's last token attended over its whole cache
@@ -874,6 +889,36 @@ class HFEngine(Engine):
                 finish_reason=r.finish_reason, ttft_s=r.ttft_s, tpot_s=tpot, logits=r.logits,
                 compressions=None if comp is None else comp.events(r)))
         return outputs
+
+    def _context_limits(self, limit: dict[int, int], comp: _DecodeCompressor | None) -> dict[int, int]:
+        """`max_tokens` per request capped at the model's context, for every decode setting (EOS honoured or
+        not, with or without compression): the largest position a request feeds, `refeed_pos + max_tokens - 1`
+        (under compact compression at most its cache bound `B + N` - 1: cuts renumber the cache), stays below
+        `max_position_embeddings`; a warning names the capped requests. A cache already past the context (a
+        prompt longer than it) decodes one token and warns that it is extrapolation."""
+        max_pos = getattr(self.model.config, "max_position_embeddings", None)
+        if not max_pos:
+            return limit
+        capped = {}
+        for r in self.requests:
+            n = limit[r.request_id]
+            last = r.refeed_pos + n - 1
+            if comp is not None and comp.compact:
+                last = min(last, comp.bound(r) - 1)
+            capped[r.request_id] = max(1, min(n, max_pos - r.refeed_pos)) if last >= max_pos else n
+        few = [i for i in capped if capped[i] < limit[i]]
+        if few:
+            why = "" if comp is None or not comp.compact else (
+                f"; compact compression renumbers positions, but budget + buffer = {comp.budget + comp.buffer} "
+                f"(or a longer start cache) reaches past the context")
+            warnings.warn(f"max_tokens capped at the model's context (max_position_embeddings {max_pos}) for "
+                          f"{len(few)} request(s), e.g. request {few[0]}: {capped[few[0]]} tokens; they stop there "
+                          f"with finish_reason 'length'{why}", stacklevel=4)
+        last = max(r.refeed_pos for r in self.requests)
+        if last >= max_pos:
+            warnings.warn(f"decoding feeds position {last}, beyond the model's max_position_embeddings {max_pos} "
+                          f"(the prompt is past it): outputs there are extrapolation", stacklevel=4)
+        return capped
 
     # ------------------------------------------------------------------ batch bookkeeping
     def _row_kv(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -917,7 +962,7 @@ class HFEngine(Engine):
             return store.attention_mask(additive_dtype=additive)
         masks = {key: store.attention_mask(window=w, query_positions=query_positions, additive_dtype=self.model.dtype)
                  for key, w in self._mask_windows.items()}
-        return masks[None] if None in masks else masks
+        return masks.get(None, masks)
 
 
 class _RingRecorder:
@@ -1066,6 +1111,19 @@ def _chunk_bounds(n: int, size: int, rows: int) -> list[tuple[int, int]]:
         split = end - rows
         bounds[-2:] = [(a, split), (split, end)]
     return bounds
+
+
+def _chunk_last_position(bounds: list[tuple[int, int]], budget: int | None) -> int:
+    """The largest position a chunked prefill of `bounds` feeds: the prompt's last (`n - 1`) without compact cuts;
+    with them (`budget`: each cache longer than it is cut to it and renumbered `0..budget-1` after every chunk)
+    the largest `kept + chunk length - 1`."""
+    held, last = 0, 0
+    for a, b in bounds:
+        last = max(last, held + (b - a) - 1)
+        held += b - a
+        if budget is not None and held > budget:
+            held = budget
+    return last
 
 
 def _check_forced_ids(forced_ids, requests, per_request: list[int], vocab_size: int) -> dict[int, list[int]]:

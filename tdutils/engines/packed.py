@@ -8,9 +8,17 @@ on 2 cores, while oneDNN's matmul on a weight reordered once into its blocked la
 and, inside `with packed:`, routes those modules' forward through the packed copy; outside it the model is the
 user's, unchanged. Results equal `F.linear`'s up to float summation order (about 1e-6 relative in fp32).
 
-Cost: one more copy of the linear weights (the packed layout), made when the engine is opened. A weight changed
-in place after packing (`_version` or storage moved) is packed again at its next call, so a fine-tuned model
-never runs stale weights.
+Cost: one more copy of the linear weights (the packed layout), made when the engine is opened.
+
+Weights edited after packing. Many edits leave no trace autograd sees: `w.data.mul_(0)`, `w.data.copy_(...)`,
+an edit of a tied `lm_head.weight.data`, a fused optimizer step (`torch.optim.AdamW(fused=True)`) change the
+values without bumping `w._version`. So each `with packed:` (the engine: each decode) starts by comparing every
+packed weight's fingerprint, its product with a fixed random vector `w @ r` (`[out]`, in the weight's dtype: one
+read of the weights, less than a decode step), with the one taken at packing, and packs again what changed; during
+the block, an in-place edit that bumps `_version` or moves the storage is seen at the module's next call. An
+edit so small that no row of `w @ r` moves is below the rounding of the layer's own output; `refresh()` packs
+everything again regardless. A module whose `forward` the user replaced (`lin.forward = f`) or whose weight is no
+longer packable (`model.double()`, moved off the CPU) runs its own forward, and what the user set is never removed.
 """
 
 from __future__ import annotations
@@ -49,6 +57,10 @@ def packing_available(model: nn.Module) -> bool:
     return p is not None and p.device.type == "cpu" and p.dtype in PACKED_DTYPES
 
 
+def _packable(w: torch.Tensor) -> bool:
+    return w.dtype in PACKED_DTYPES and w.device.type == "cpu"
+
+
 class PackedLinears:
     """The `nn.Linear` modules of `model` with their weights prepacked for oneDNN; a context manager.
 
@@ -60,8 +72,11 @@ class PackedLinears:
         min_elements: pack only weights of at least this many elements (default `MIN_ELEMENTS`; 1 packs all).
 
     Inside `with packed:` each packed module computes `y = x @ W.T + b` (x `[..., in]` -> y `[..., out]`, the
-    module's dtype) from the packed copy; the context restores the modules' own forward on exit, also after an
-    error. Raises RuntimeError from `__init__` when `packing_available(model)` is False.
+    module's dtype) from the packed copy of its *current* weight: entering (depth 0) packs again every weight
+    whose fingerprint changed (module docstring). A module with a forward of the user's own (set after packing)
+    or a weight no longer in fp32/bf16 on the CPU keeps its own forward. The context removes only the forwards
+    it installed on exit, also after an error. Raises RuntimeError from `__init__` when `packing_available(model)`
+    is False.
     """
 
     def __init__(self, model: nn.Module, rows: int = 8, min_elements: int = MIN_ELEMENTS):
@@ -71,7 +86,10 @@ class PackedLinears:
         self.rows = max(1, int(rows))
         self._mods = _eligible(model, min_elements)
         self._forwards = [(lambda x, _m=m: self._forward(_m, x)) for m in self._mods]
-        self._packed: dict[int, tuple[torch.Tensor, int, int]] = {}
+        # id(module) -> (packed weight, its _version, data_ptr, fingerprint) at packing
+        self._packed: dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
+        self._probes: dict[tuple, torch.Tensor] = {}  # (in_features, dtype) -> the fixed random vector r
+        self._installed: list[tuple[nn.Module, object]] = []
         self._depth = 0
         for m in self._mods:
             self._pack(m)
@@ -84,31 +102,72 @@ class PackedLinears:
         """Bytes of the packed copies (the memory this costs on top of the model)."""
         return sum(m.weight.numel() * m.weight.element_size() for m in self._mods)
 
+    def _fingerprint(self, w: torch.Tensor) -> torch.Tensor:
+        """`w @ r` `[out]` in `w`'s dtype, `r` a fixed random vector per input width and dtype."""
+        key = (w.shape[1], w.dtype)
+        if key not in self._probes:
+            gen = torch.Generator().manual_seed(w.shape[1])
+            self._probes[key] = torch.randn(w.shape[1], generator=gen).to(w.dtype)
+        return torch.mv(w, self._probes[key])
+
     def _pack(self, m: nn.Linear) -> torch.Tensor:
         w = m.weight.detach()
         packed = torch.ops.mkldnn._reorder_linear_weight(w, self.rows)  # blocked copy [out, in]
-        self._packed[id(m)] = (packed, w._version, w.data_ptr())
+        self._packed[id(m)] = (packed, w._version, w.data_ptr(), self._fingerprint(w))
         return packed
 
+    def refresh(self) -> int:
+        """Pack every packable weight again from its current values; returns how many were packed."""
+        with torch.inference_mode():
+            mods = [m for m in self._mods if _packable(m.weight)]
+            for m in mods:
+                self._pack(m)
+        return len(mods)
+
+    def sync(self) -> int:
+        """Pack again every packable weight whose storage, `_version` or fingerprint changed since it was packed
+        (edits through `.data` and fused optimizer steps move only the fingerprint); returns how many.
+        Cost: one `w @ r` per weight, a read of all packed weights."""
+        n = 0
+        with torch.inference_mode():
+            for m in self._mods:
+                w = m.weight.detach()
+                if not _packable(w):
+                    continue
+                _, version, ptr, fp = self._packed[id(m)]
+                if (w._version != version or w.data_ptr() != ptr or fp.dtype != w.dtype
+                        or not torch.equal(self._fingerprint(w), fp)):
+                    self._pack(m)
+                    n += 1
+        return n
+
     def _forward(self, m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        packed, version, ptr = self._packed[id(m)]
         w = m.weight
-        if w._version != version or w.data_ptr() != ptr:  # edited in place since packing: pack again
-            packed = self._pack(m)
-        if x.dtype != w.dtype or x.device.type != "cpu":
+        if x.dtype != w.dtype or x.device.type != "cpu" or not _packable(w):
             return F.linear(x, w, m.bias)
+        packed, version, ptr, _ = self._packed[id(m)]
+        if w._version != version or w.data_ptr() != ptr:  # edited in place inside the block: pack again
+            packed = self._pack(m)
         return torch.ops.mkldnn._linear_pointwise(x, packed, m.bias, "none", [], "")
 
     def __enter__(self):
         if self._depth == 0:
+            self.sync()
+            self._installed = []
             for m, fwd in zip(self._mods, self._forwards):
+                # a forward of the user's own (an ablation, an offload hook set after packing) is honoured
+                if "forward" in m.__dict__ or not _packable(m.weight):
+                    continue
                 m.__dict__["forward"] = fwd  # an instance attribute: this module only, nothing else changes
+                self._installed.append((m, fwd))
         self._depth += 1
         return self
 
     def __exit__(self, *exc):
         self._depth -= 1
         if self._depth == 0:
-            for m in self._mods:
-                m.__dict__.pop("forward", None)
+            for m, fwd in self._installed:
+                if m.__dict__.get("forward") is fwd:  # never what the user set meanwhile
+                    del m.__dict__["forward"]
+            self._installed = []
         return False

@@ -71,13 +71,29 @@ def knorm_scores(kv: torch.Tensor, *, head_dim: int) -> torch.Tensor:
     return norms.mean(dim=2).sum(dim=0) / L
 
 
+def equal_norms(norms: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the mean key norms `norms [T]` are all equal up to rounding: their spread is within
+    `max(eps(dtype), 1e-5)` of the largest (keys in `dtype`; measured on tiny random QK-norm models, whose norms
+    are equal: 3.6e-7 in fp32, 3.2e-3 in bf16; a model without QK-norm spreads by tens of percent)."""
+    if norms.numel() < 2:
+        return True
+    tol = max(torch.finfo(dtype).eps, 1e-5) if dtype.is_floating_point else 1e-5
+    return float(norms.max() - norms.min()) <= tol * float(norms.abs().max())
+
+
 def knorm_keep(kv: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int = 0, n_sink: int = 0) -> torch.Tensor:
     """Kept indices: the protected tokens plus the lowest-norm keys, `keep_count(T, drop_ratio)` in all.
+
+    Equal norms: QK-norm models whose `k_norm` weights are all 1 (freshly initialised ones, tiny test models)
+    normalise every key to the same norm, so the scores differ only by rounding (`equal_norms`). Then every token
+    ties and the earliest unprotected tokens are kept (the tie rule of `keep_top_scores`: deterministic, by
+    position) instead of a ranking of rounding noise. Ties of exactly equal norms go to the earlier token too.
 
     Returns LongTensor [k], sorted ascending.
     """
     T = kv.shape[2]
-    scores = -knorm_scores(kv, head_dim=head_dim).cpu()
+    norms = knorm_scores(kv, head_dim=head_dim).cpu()
+    scores = torch.zeros_like(norms) if equal_norms(norms, kv.dtype) else -norms
     return keep_top_scores(scores, keep_count(T, drop_ratio), protected_mask(T, n_sink=n_sink, window=window))
 
 
@@ -88,4 +104,4 @@ register_policy(
     summary="the keys with the lowest L2 norm (mean over KV heads and layers)",
     paper="Devoto et al. 2024, KNorm, arXiv:2406.11430")
 
-__all__ = ["KNormParams", "check_key_heads", "key_heads", "knorm_keep", "knorm_scores"]
+__all__ = ["KNormParams", "check_key_heads", "equal_norms", "key_heads", "knorm_keep", "knorm_scores"]

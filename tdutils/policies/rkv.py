@@ -355,7 +355,8 @@ def rkv_redundancy(keys: torch.Tensor, *, method: str = "exact", threshold: floa
         method: `"reference"` (literal, row-tiled), `"exact"` (linear memory, per head), `"tiled"` (row
             tiles × column blocks, any device, deterministic) or `"buffered"` (within chunks, approximate);
             see above.
-        threshold: cosine similarity above which a key counts as a near-duplicate of another.
+        threshold: cosine similarity above which a key counts as a near-duplicate of another; 1 or more: none
+            (not even duplicate keys, whose computed similarity rounding may put above 1).
         eps: added to the norm before normalising; must be > 0 (zero keys then normalise to 0).
         **tiles: per method — reference: `row_tile` (256); exact: `col_block` (256), `first_block` (64);
             tiled: `row_tile` (2048), `col_block` (1024), `first_block` (64); buffered: `chunk_size`
@@ -382,6 +383,10 @@ def rkv_redundancy(keys: torch.Tensor, *, method: str = "exact", threshold: floa
 
 def _redundancy(keys: torch.Tensor, method: str, threshold: float, eps: float, settings: dict) -> torch.Tensor:
     """`rkv_redundancy` with checked arguments: `settings` every tile of `method` (`RKVParams.settings`)."""
+    if threshold >= 1.0:
+        # "none": a cosine similarity never exceeds 1, but fp32 rounding puts some duplicates' at 1 + 1 ulp, and
+        # where depends on the matmul's shape (the tile settings); no entry is a hit in any method
+        threshold = math.inf
     out_device = keys.device
     device = torch.device(settings["device"]) if settings["device"] is not None else keys.device
     *lead, n, d = keys.shape
