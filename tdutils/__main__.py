@@ -18,7 +18,15 @@ import importlib
 import json
 import sys
 
-from .cli_args import INTERRUPTED, OneLineParser, UsageError, drop_ratio, positive_int, report_error
+from .cli_args import (
+    INTERRUPTED,
+    OneLineParser,
+    UsageError,
+    drop_ratio,
+    interrupt_as_exception,
+    positive_int,
+    report_error,
+)
 
 # Subcommands defined in other modules: name -> (module, help). Each module provides
 # `add_arguments(parser)` and `run(args) -> int` (exit status).
@@ -357,12 +365,24 @@ def _accuracy(rows, scored, results, random_weights: bool, model: str, ruler_tas
     return {run_name: rep.to_dict() for run_name, rep in reports.items()}, notes
 
 
+def _preload(command: str) -> None:
+    """Import what `run` and `eval` import first anyway (pandas, transformers' model classes: seconds), so that a
+    Ctrl-C during those imports ends the process in one line instead of interrupting an import halfway (a
+    half-imported module fails later with an unrelated ImportError, and a library's `except BaseException` can
+    swallow the interrupt)."""
+    if command in ("run", "eval"):
+        import pandas  # noqa: F401
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+
 def main(argv=None) -> int:
     """Parse `argv`, run the subcommand and return its exit status: bad input in one line with status 2,
     anything else (a bug) with its traceback and a line asking for a report, status 1 (`cli_args.report_error`);
     Ctrl-C in one line with status 130 (`INTERRUPTED`; `run` and `eval` first write what they finished)."""
     args = build_parser().parse_args(argv)
     try:
+        _preload(args.command)  # while Ctrl-C still ends the process at once (cli_args, tdutils/__init__.py)
+        interrupt_as_exception()  # from here the commands catch KeyboardInterrupt and keep what they finished
         return args.func(args)
     except KeyboardInterrupt:  # Ctrl-C before a subcommand had results to keep (run and eval keep theirs)
         print(f"python -m tdutils {args.command}: interrupted; nothing was written", file=sys.stderr)
