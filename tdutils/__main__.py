@@ -198,12 +198,20 @@ def cmd_run(args) -> int:
     from .runs import RunResult, alternate_runs, default_kv_budget
 
     out = check_output_path(args.json_path, "--json", example="runs/run.json")  # before any work
+    from .cli_args import check_device_output
+
+    check_device_output(out, "--json")  # /dev/full would fail only after all the work
     from .policies import get_policy
     from .policies.cli import policy_params
 
     params = policy_params(args, args.policy)
     policy = get_policy(args.policy)
-    settings = policy.make_params(**params)
+    try:
+        settings = policy.make_params(**params)
+    except ValueError as exc:  # the policy's own check ("window must be ..."): name the options given
+        named = [f"--{k.replace('_', '-')} {v}" for k, v in params.items() if k in str(exc)] or \
+            [f"--{k.replace('_', '-')} {v}" for k, v in params.items()]
+        raise UsageError(f"{', '.join(named)}: {exc}" if named else str(exc)) from None
     window = getattr(settings, "window", None)  # protected recent tokens (None: the policy decides)
     from .models import _check_local
 
@@ -220,9 +228,15 @@ def cmd_run(args) -> int:
     from .models import parse_random_name
 
     ruler_task = args.dataset if args.dataset in task_names("ruler") else None
-    if ruler_task is not None and parse_random_name(args.model) is not None:
-        raise UsageError(f"--dataset {ruler_task}: RULER's templates need a real model and tokenizer (e.g. --model "
-                         f"smollm2-135m); {args.model} has random weights")
+    if ruler_task is not None:
+        from .models import check_context_lengths, context_window
+        from .ruler import check_ruler_model
+
+        check_ruler_model(args.model, f"--dataset {ruler_task}")
+        # before the prompts are built (a 300k-token prompt takes seconds and gigabytes to make)
+        check_context_lengths([args.context_length], context_window(args.model, progress=not args.no_progress),
+                              model=args.model, option="--context-length", decode_tokens=args.max_tokens,
+                              decode_option="--max-tokens")
     # RULER template rows are made for the model's own tokenizer
     rows = load_prompts(args.dataset, num_requests=args.num_requests, model=args.model,
                         context_tokens=args.context_length, chat_template=args.chat_template)
