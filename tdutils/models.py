@@ -290,6 +290,14 @@ def load_model(
                 model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation="eager")
         except OSError as exc:
             raise OSError(_offline_hint(name_or_path, exc)) from exc
+        except Exception as exc:
+            if not type(exc).__module__.startswith("safetensors"):
+                raise
+            # a weights file damaged after the cache's checks (same size and time): say so, not "a bug in tdutils"
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise OSError(f"model {name_or_path!r}: the weights in {path} cannot be read ({first}): the file is "
+                          f"damaged; delete {path} (a packaged or .gguf model is converted again on the next run)"
+                          ) from None
     model.to(device).eval()
     if path != name_or_path:  # a packaged name or a .gguf file: report what the user asked for
         model.name_or_path = str(name_or_path)

@@ -170,3 +170,164 @@ def test_ruler_minimum_length_does_not_depend_on_the_seed(bpe_tokenizer):
             ruler.make_ruler_dataset("cwe", 1, 1200, tokenizer=bpe_tokenizer, seed=seed)
         ex, = ruler.make_ruler_dataset("cwe", 1, floor, tokenizer=bpe_tokenizer, seed=seed)
         assert len(ex["prompt_ids"]) == floor
+
+
+# ------------------------------------------------------------------------------------------ item 7, item 11: the cache
+def _tiny_gguf(path, arch="llama"):
+    """A 1-layer Llama GGUF file (float32 tensors, no tokenizer) written with the `gguf` package; `arch` relabels
+    its `general.architecture` afterwards, keeping the Llama tensors and keys."""
+    np = pytest.importorskip("numpy")
+    writer_mod = pytest.importorskip("gguf")
+    w = writer_mod.GGUFWriter(str(path), "llama")
+    h, ff, heads, kv, vocab = 16, 32, 2, 1, 64
+    w.add_context_length(128)
+    w.add_embedding_length(h)
+    w.add_block_count(1)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_dimension_count(h // heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (vocab, h), "blk.0.attn_q.weight": (h, h), "blk.0.attn_k.weight": (h // heads, h),
+              "blk.0.attn_v.weight": (h // heads, h), "blk.0.attn_output.weight": (h, h),
+              "blk.0.ffn_gate.weight": (ff, h), "blk.0.ffn_up.weight": (ff, h), "blk.0.ffn_down.weight": (h, ff)}
+    for name, shape in shapes.items():
+        w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
+        w.add_tensor(name, np.ones(h, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if arch != "llama":
+        data = path.read_bytes()
+        old = (5).to_bytes(8, "little") + b"llama"  # the value of general.architecture (a length-prefixed string)
+        assert data.count(old) == 1
+        path.write_bytes(data.replace(old, len(arch).to_bytes(8, "little") + arch.encode(), 1))
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    from tdutils import gguf
+
+    monkeypatch.setenv(gguf.CACHE_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _converted(folder, tokenizer):
+    """A converted model folder as `dequantized_folder` leaves it (weights, config, tokenizer, the record)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tdutils import gguf
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    gguf._write_manifest(folder)
+    return folder
+
+
+def test_a_truncated_cached_safetensors_is_found_and_rebuilt(cache, bpe_tokenizer, capsys):
+    from tdutils import gguf
+
+    folder = _converted(cache / "models" / "smollm2-135m", bpe_tokenizer)
+    assert gguf.resolve("smollm2-135m") == folder  # whole: used as it is, no fetch
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert gguf.damage(folder) == "model.safetensors is truncated or not a safetensors file"
+    assert not gguf._complete(folder)  # resolve converts it again (here: nothing to fetch it from)
+    with pytest.raises(OSError, match="not installed and fetching is off"):
+        gguf.resolve("smollm2-135m", fetch=False)
+
+
+def test_a_rewritten_cached_file_is_checked_by_its_checksum(cache, bpe_tokenizer):
+    from tdutils import gguf
+
+    folder = _converted(cache / "models" / "m", bpe_tokenizer)
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF  # same size, header intact: only the sha256 (read because the mtime changed) tells
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert gguf.damage(folder) == "model.safetensors differs from what was saved (sha256)"
+
+
+def test_damage_the_checks_cannot_see_fails_in_one_line_at_load(cache, bpe_tokenizer):
+    """Same size and time as recorded (bytes flipped in place): safetensors' own error becomes one line naming the
+    folder and what to do, not a traceback labelled a bug in tdutils."""
+    from tdutils.cli_args import is_usage_error
+    from tdutils.models import load_model
+
+    folder = _converted(cache / "models" / "m", bpe_tokenizer)
+    weights = folder / "model.safetensors"
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    data[8:8 + n] = b"{" + b" " * (n - 1)  # a header that is not JSON, same length
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(OSError) as info:
+        load_model(str(folder), device="cpu", progress=False)
+    msg = str(info.value)
+    assert "\n" not in msg and f"the weights in {folder} cannot be read" in msg and "delete" in msg, msg
+    assert is_usage_error(info.value)
+
+
+
+def test_an_interrupted_conversions_temporary_folder_is_removed_by_the_next_run(cache, bpe_tokenizer):
+    from tdutils import gguf
+
+    _converted(cache / "models" / "smollm2-135m", bpe_tokenizer)
+    dead = cache / "models" / ".smollm2-135m.pid999999999.abcd1234"  # no such process
+    live = cache / "models" / f".smollm2-135m.pid{os.getpid()}.efgh5678"  # a conversion still running
+    for d in (dead, live):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"x" * 1000)
+    gguf.resolve("smollm2-135m")
+    assert not dead.exists() and live.exists()
+
+
+def test_a_gguf_cut_inside_its_tensor_data_says_truncated(cache, tmp_path):
+    from tdutils import gguf
+
+    whole = _tiny_gguf(tmp_path / "whole.gguf")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[:-1000])
+    with pytest.raises(ValueError) as info:
+        gguf.dequantized_folder(cut, progress=False)
+    assert str(info.value) == (f"cut.gguf: truncated GGUF file ({cut.stat().st_size} bytes: its tensor data runs past "
+                               f"the end of the file); download or copy it again")
+
+
+def test_a_relabelled_gguf_is_refused_and_not_cached(cache, tmp_path):
+    """A Llama GGUF whose architecture reads `mamba` loaded as a Mamba of random weights, and was cached."""
+    from tdutils import gguf
+
+    path = _tiny_gguf(tmp_path / "relabelled.gguf", arch="mamba")
+    with pytest.raises(ValueError) as info:
+        gguf.dequantized_folder(path, progress=False)
+    msg = str(info.value)
+    assert msg.startswith("relabelled.gguf: its tensors do not fit the architecture it declares ('mamba'): ") and \
+        "weights are missing (e.g. backbone." in msg and "not loaded nor cached" in msg, msg
+    assert not any((cache / "models").iterdir())
+
+
+def test_an_uncreatable_cache_is_named_before_the_conversion(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from tdutils import gguf
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(gguf.CACHE_ENV, str(tmp_path / "file" / "cache"))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", _never("the conversion"))
+    with pytest.raises(OSError) as info:
+        gguf.resolve(str(_tiny_gguf(tmp_path / "m.gguf")))
+    msg = str(info.value)
+    assert msg.startswith(f"TDUTILS_CACHE='{tmp_path / 'file' / 'cache'}': the model cache ") and \
+        "set TDUTILS_CACHE to a writable folder or unset it" in msg, msg
