@@ -331,3 +331,73 @@ def test_an_uncreatable_cache_is_named_before_the_conversion(tmp_path, monkeypat
     msg = str(info.value)
     assert msg.startswith(f"TDUTILS_CACHE='{tmp_path / 'file' / 'cache'}': the model cache ") and \
         "set TDUTILS_CACHE to a writable folder or unset it" in msg, msg
+
+
+# ------------------------------------------------------------------------------------------ item 8: the benches
+def _bench_main(script):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_bench_{script}", ROOT / "bench" / f"{script}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+DC = "bench/decode_compression.py"
+CP = "bench/chunked_prefill.py"
+
+
+@pytest.mark.parametrize("script,args,msg", [
+    ("decode_compression", ["throughput", "--window", "64", "--budgets", "64"],
+     f"{DC}: error: --budgets 64 --window 64 (rkv): budget 64 must exceed the window 64 the policy always keeps"),
+    ("decode_compression", ["throughput", "--policy", "h2o"], (f"{DC} throughput: error: argument --policy: invalid "
+     "choice: 'h2o' (choose from 'snapkv', 'rkv', 'random', 'streaming_llm', 'tova', 'knorm', 'keydiff') (see --help)")),
+    ("decode_compression", ["fidelity", "--policies", "middle_chunk"], (f"{DC} fidelity: error: argument --policies: "
+     "unknown name 'middle_chunk'; choose from snapkv, rkv, random, streaming_llm, tova, knorm, keydiff (see --help)")),
+    ("decode_compression", ["throughput", "--full-requests", "0"], (f"{DC} throughput: error: argument "
+     "--full-requests: expected a number >= 1 (the budget must hold one undropped request), got '0' (see --help)")),
+    ("decode_compression", ["throughput", "--model", "tiny-qwen3", "--prompt-tokens", "100000", "--num-requests",
+                            "2"], f"{DC}: error: the essay text (12821 words) cannot give 2 passages of 100000 tokens"),
+    ("decode_compression", ["fidelity", "--budgets", "1"],
+     f"{DC}: error: --budgets 1 --window 8 (rkv): budget must be an integer >= 2, got 1"),
+    ("decode_compression", ["ruler", "--model", "tiny-qwen3"], (f"{DC}: error: --model: RULER's templates need a real "
+     "model and tokenizer (e.g. smollm2-135m); 'tiny-qwen3' reads only its own word-level vocabulary")),
+    ("decode_compression", ["throughput", "--model", "/no/such/model"], (f"{DC}: error: model folder '/no/such/model' "
+     "does not exist; pass a folder with config.json, the weights and the tokenizer (e.g. made by `hf download "
+     "Qwen/Qwen3-0.6B --local-dir DIR`), a hub id such as 'Qwen/Qwen3-0.6B', or 'tiny-qwen3'")),
+    ("chunked_prefill", ["--lengths", "abc"],
+     f"{CP}: error: argument --lengths: 'abc': give comma-separated token counts, e.g. 4096,8192 (see --help)"),
+    ("chunked_prefill", ["--threads", "0"], (f"{CP}: error: argument --threads: expected an integer >= 1, got 0 "
+     "(see --help)")),
+    ("chunked_prefill", ["--budget", "1"], (f"{CP}: error: argument --budget: expected an integer >= 2, got 1 "
+     "(see --help)")),
+    ("chunked_prefill", ["--chunk", "0"], (f"{CP}: error: argument --chunk: expected a positive integer, got 0 "
+     "(see --help)")),
+    ("chunked_prefill", ["--policy", "middle_chunk"], (f"{CP}: error: argument --policy: invalid choice: "
+     "'middle_chunk' (choose from 'snapkv', 'rkv', 'random', 'streaming_llm', 'tova', 'knorm', 'keydiff') (see --help)")),
+    ("chunked_prefill", ["--model", "random:qwen3-0.6b:1L"], (f"{CP}: error: --model: RULER's templates need a real "
+     "model and tokenizer (e.g. smollm2-135m); random:qwen3-0.6b:1L has random weights and an id tokenizer that "
+     "cannot spell RULER's text")),
+])
+def test_bench_bad_options_fail_in_one_line(script, args, msg, capsys):
+    with pytest.raises(SystemExit) as info:
+        _bench_main(script)(args)
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and err == msg, err
+
+
+def test_bench_lengths_past_the_models_positions_and_other_summaries(local_model, tmp_path, capsys):
+    other = tmp_path / "other.json"
+    other.write_text('{"rows": [{"config": "full"}]}')
+    cases = [("chunked_prefill", ["--model", local_model, "--lengths", "512,2000"],
+              (f"{CP}: error: --lengths 2000 + --max-tokens 24 does not fit in {local_model}'s 1024 positions "
+              "(max_position_embeddings): the prompt leaves no room for 24 decode tokens; give --lengths at most 1000")),
+             ("chunked_prefill", ["--summary", str(other)], (f"{CP}: error: --summary '{other}' is not a run of {CP} "
+              "(its rows have no mode); give a file it wrote with --json")),
+             ("decode_compression", ["--summary", str(other)], (f"{DC}: error: --summary '{other}' is not a run of "
+              f"{DC} (no part and meta and rows); give a file it wrote with --json"))]
+    for script, args, msg in cases:
+        with pytest.raises(SystemExit) as info:
+            _bench_main(script)(args)
+        err = capsys.readouterr().err.strip()
+        assert info.value.code == 2 and err == msg, err
