@@ -76,3 +76,57 @@ def machine() -> str:
     except OSError:
         pass
     return f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)"
+
+
+def compression_policies() -> list[str]:
+    """The registered policies that can hold a budget while the cache grows (`tdutils.compression.Compression`):
+    those whose cut, tried on the bundled model's shapes, keeps the budget. Leaves out `h2o` (needs every prompt
+    query) and `middle_chunk` (keeps a fixed share, not the budget)."""
+    from tdutils.compression import Compression
+    from tdutils.models import tiny_qwen3_config
+    from tdutils.policies import policy_names
+
+    config, out = tiny_qwen3_config(64), []
+    for name in policy_names():
+        try:
+            Compression(name, budget=64, buffer=64).drop_fn(model_config=config)
+        except ValueError:
+            continue
+        out.append(name)
+    return out
+
+
+def at_least_one(text: str) -> float:
+    """argparse type of `--full-requests`: a finite number >= 1 (the KV budget must hold one undropped request)."""
+    import argparse
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v >= 1):
+        raise argparse.ArgumentTypeError(f"expected a number >= 1 (the budget must hold one undropped request), "
+                                         f"got {text!r}")
+    return v
+
+
+def one_line_errors(parser, fn, *args):
+    """`fn(*args)`, with bad input (`tdutils.cli_args.is_usage_error`: ValueError, OSError, ...) reported in one
+    line as `parser.prog: error: ...`, exit status 2; anything else (a bug) keeps its traceback."""
+    from tdutils.cli_args import is_usage_error
+
+    try:
+        return fn(*args)
+    except Exception as exc:
+        if not is_usage_error(exc):
+            raise
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        parser.exit(2, f"{parser.prog}: error: {first}\n")
+
+
+def check_report(report, option: str, prog: str, keys=("meta", "rows")) -> None:
+    """Refuse a `--summary` file that is not a run of this bench (a dict without `keys`, or a list of such)."""
+    runs = report if isinstance(report, list) else [report]
+    if not runs or not all(isinstance(r, dict) and set(keys) <= set(r) for r in runs):
+        raise ValueError(f"{option} is not a run of {prog} (no {' and '.join(keys)}); give a file it wrote with --json")

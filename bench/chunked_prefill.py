@@ -101,35 +101,99 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _lengths(text: str) -> list[int]:
+    """argparse type of `--lengths`: comma-separated prompt lengths, each >= 1."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated token counts, e.g. 4096,8192") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give token counts >= 1, e.g. 4096,8192")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tdutils.cli_args import OneLineParser, count, int_at_least, positive_int, usable_cores
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _report import compression_policies
+
+    ap = OneLineParser(prog="bench/chunked_prefill.py", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--lengths", default="4096,8192,32000", help="prompt lengths in tokens, comma-separated")
-    ap.add_argument("--chunk", type=int, default=1024, help="C: prompt tokens per chunk")
-    ap.add_argument("--budget", type=int, default=1024, help="B: tokens kept after each chunk")
-    ap.add_argument("--policy", default="snapkv")
-    ap.add_argument("--one-shot-max", type=int, default=8192, help="longest prompt also prefilled in one shot")
-    ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=5_000_000)
+    ap.add_argument("--lengths", type=_lengths, default=[4096, 8192, 32000],
+                    help="prompt lengths in tokens, comma-separated")
+    ap.add_argument("--chunk", type=positive_int, default=1024, help="C: prompt tokens per chunk")
+    ap.add_argument("--budget", type=int_at_least(2), default=1024, help="B: tokens kept after each chunk")
+    ap.add_argument("--policy", default="snapkv", choices=compression_policies())
+    ap.add_argument("--one-shot-max", type=count, default=8192, help="longest prompt also prefilled in one shot")
+    ap.add_argument("--max-tokens", type=positive_int, default=24)
+    ap.add_argument("--threads", type=int_at_least(1), default=1, help=f"torch threads (at most {usable_cores()})")
+    ap.add_argument("--seed", type=count, default=5_000_000)
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--summary", help="print the markdown table of a stored run (RUN.json) and exit")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # internal: run one configuration
+    ap.add_argument("--one-shot", action="store_true", help=argparse.SUPPRESS)  # internal: no chunks
     ap.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    return ap
+
+
+def check_args(args) -> None:
+    """Before any model loads: the budget the policy can hold, a model that can do RULER, lengths within its
+    positions, `--json`.
+
+    Raises:
+        ValueError: one line naming the option.
+    """
+    from _report import check_json_dest
+
+    from tdutils.compression import Compression
+    from tdutils.models import check_context_lengths, context_window
+    from tdutils.ruler import check_ruler_model
+
+    if args.json is not None:
+        check_json_dest(args.json, example="docs/results/chunked_prefill.json")
+    try:
+        Compression(args.policy, budget=args.budget)
+    except ValueError as exc:
+        raise ValueError(f"--budget {args.budget} ({args.policy}): {exc}") from None
+    check_ruler_model(args.model, "--model")
+    check_context_lengths(args.lengths, context_window(args.model, progress=False), model=args.model,
+                          option="--lengths", decode_tokens=args.max_tokens, decode_option="--max-tokens")
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
+    from _report import check_report, one_line_errors, read_json
+
     if args.summary:
-        print(markdown(json.loads(Path(args.summary).read_text())))
+        def summary():
+            report = read_json(args.summary)
+            check_report(report, f"--summary {args.summary!r}", ap.prog, keys=("rows",))
+            if not report["rows"] or not all(isinstance(r, dict) and "mode" in r for r in report["rows"]):
+                raise ValueError(f"--summary {args.summary!r} is not a run of {ap.prog} (its rows have no mode); "
+                                 f"give a file it wrote with --json")
+            print(markdown(report))
+        one_line_errors(ap, summary)
         return 0
     if args.one:
-        print(json.dumps(run_one(args)))
+        if args.one_shot:
+            args.chunk = 0
+        print(json.dumps(one_line_errors(ap, run_one, args)))
         return 0
+    one_line_errors(ap, check_args, args)
     rows = []
-    for length in [int(x) for x in args.lengths.split(",")]:
-        for chunk in ([0, args.chunk] if length <= args.one_shot_max else [args.chunk]):
+    for length in args.lengths:
+        for one_shot in ([True, False] if length <= args.one_shot_max else [False]):
             cmd = [sys.executable, __file__, "--one", "--model", args.model, "--length", str(length), "--chunk",
-                   str(chunk), "--budget", str(args.budget), "--policy", args.policy, "--max-tokens",
+                   str(args.chunk), "--budget", str(args.budget), "--policy", args.policy, "--max-tokens",
                    str(args.max_tokens), "--threads", str(args.threads), "--seed", str(args.seed)]
+            cmd += ["--one-shot"] if one_shot else []
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600, check=False)
+            if proc.returncode == 2:  # bad input the configuration found: its one line
+                lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+                print(lines[-1] if lines else f"{ap.prog}: error: a configuration failed", file=sys.stderr)
+                return 2
             if proc.returncode != 0:
                 print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
                 return proc.returncode
@@ -140,6 +204,7 @@ def main(argv=None) -> int:
                   f"({row['cuts']} cuts, {row['cut_s']} s), needle {'found' if row['correct'] else 'missed'}: "
                   f"{row['answer']!r}", flush=True)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     return 0
 

@@ -685,9 +685,12 @@ def _names(choices, allow_none: bool = False):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tdutils.cli_args import OneLineParser, positive_int, usable_cores
-    from tdutils.policies import policy_names
+    from tdutils.cli_args import OneLineParser, count, positive_int, usable_cores
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _report import at_least_one, compression_policies
+
+    held = compression_policies()  # the policies that can hold a budget while the cache grows
     ap = OneLineParser(prog="bench/decode_compression.py", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--summary", default=None, metavar="RUN.json", help="print the table of a stored run and exit")
@@ -705,22 +708,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=positive_int, default=384, help="generated tokens per request (the issue: 2048)")
     p.add_argument("--budgets", type=_ints, default=[64, 128], help="budgets B (default 64,128)")
     p.add_argument("--buffer", type=positive_int, default=64, help="buffer N (default 64)")
-    p.add_argument("--window", type=int, default=8)
-    p.add_argument("--policy", default="rkv", choices=policy_names())
-    p.add_argument("--full-requests", type=float, default=4.25, help="KV budget in full-cache requests")
+    p.add_argument("--window", type=count, default=8)
+    p.add_argument("--policy", default="rkv", choices=held)
+    p.add_argument("--full-requests", type=at_least_one, default=4.25, help="KV budget in full-cache requests")
     p.add_argument("--repeats", type=positive_int, default=2)
 
     p = sub.add_parser("fidelity", help="greedy agreement and teacher-forced KL against the full cache")
     common(p)
-    p.add_argument("--policies", type=_names(policy_names()), default=list(FIDELITY_POLICIES))
+    p.add_argument("--policies", type=_names(held), default=list(FIDELITY_POLICIES))
     p.add_argument("--num-requests", type=positive_int, default=4)
     p.add_argument("--prompt-tokens", type=positive_int, default=128)
     p.add_argument("--max-tokens", type=positive_int, default=256)
     p.add_argument("--budgets", type=_ints, default=[32, 64, 128])
     p.add_argument("--buffer", type=positive_int, default=64)
-    p.add_argument("--window", type=int, default=8)
+    p.add_argument("--window", type=count, default=8)
     p.add_argument("--positions", choices=("compact", "original"), default="compact")
-    p.add_argument("--check-free", type=_names(policy_names(), allow_none=True), default=["rkv"],
+    p.add_argument("--check-free", type=_names(held, allow_none=True), default=["rkv"],
                    help="policies whose free greedy decode also runs, to check the teacher-forced agreement "
                         "(default rkv; none: no check)")
 
@@ -732,7 +735,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=5_000_000, help="dataset seed (default: the held-out seed)")
     p.add_argument("--budget", type=positive_int, default=512)
     p.add_argument("--chunks", type=_ints, default=[256, 512])
-    p.add_argument("--policies", type=_names(policy_names()), default=["snapkv", "knorm"])
+    p.add_argument("--policies", type=_names(held), default=["snapkv", "knorm"])
     p.add_argument("--max-tokens", type=positive_int, default=None, help="default: the task's CPU default")
     p.add_argument("--prefill-batch-size", type=positive_int, default=4)
 
@@ -744,38 +747,73 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=positive_int, default=256)
     p.add_argument("--budget", type=positive_int, default=128)
     p.add_argument("--buffer", type=positive_int, default=64)
-    p.add_argument("--window", type=int, default=8)
+    p.add_argument("--window", type=count, default=8)
     return ap
 
 
 RUNNERS = {"throughput": run_throughput, "fidelity": run_fidelity, "ruler": run_ruler, "kvpress": run_kvpress}
 
 
+def check_args(args) -> None:
+    """Everything that can be checked before the model loads: every `Compression` the part builds (a window at or
+    past a budget, budgets below 2), RULER on a model that cannot spell it, `--json`.
+
+    Raises:
+        ValueError: one line naming the option.
+    """
+    from _report import check_json_dest
+
+    from tdutils.compression import Compression
+    from tdutils.ruler import check_ruler_model
+
+    if args.json is not None:
+        check_json_dest(args.json, example=f"docs/results/decode_compression_{args.part}.json")
+    if args.part == "ruler":
+        check_ruler_model(args.model, "--model")
+        if f"ruler_{args.task}" not in _ruler_tasks():
+            raise ValueError(f"--task {args.task!r} is not a RULER template task; choose from "
+                             f"{', '.join(t[len('ruler_'):] for t in _ruler_tasks())}")
+    budgets = getattr(args, "budgets", None) or [getattr(args, "budget", 2)]
+    policies = getattr(args, "policies", None) or [getattr(args, "policy", "snapkv")]
+    window = None if args.part == "ruler" else args.window
+    for policy in policies if args.part != "kvpress" else ["snapkv"]:
+        for b in budgets:
+            try:
+                Compression(policy, budget=b, buffer=getattr(args, "buffer", 128), window=window)
+            except ValueError as exc:
+                opts = f"--budget{'s' if hasattr(args, 'budgets') else ''} {b}" + \
+                    (f" --window {window}" if window is not None else "")
+                raise ValueError(f"{opts} ({policy}): {exc}") from None
+
+
+def _ruler_tasks() -> list[str]:
+    from tdutils.eval.tasks import task_names
+
+    return list(task_names("ruler"))
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.summary:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from _report import read_json
+    from _report import check_report, one_line_errors, read_json
 
-        try:
-            print(markdown(read_json(args.summary)))
-        except (ValueError, KeyError) as exc:
-            ap.exit(2, f"{ap.prog}: error: {exc}\n")
+    if args.summary:
+        def summary():
+            report = read_json(args.summary)
+            check_report(report, f"--summary {args.summary!r}", ap.prog, keys=("part", "meta", "rows"))
+            first = report[0] if isinstance(report, list) else report
+            if first["part"] not in TABLES:
+                raise ValueError(f"--summary {args.summary!r}: unknown part {first['part']!r}")
+            print(markdown(report))
+        one_line_errors(ap, summary)
         return 0
     if args.part is None:
         ap.error(f"choose a part: {', '.join(PARTS)} (or --summary RUN.json)")
-    if args.json is not None:
-        from tdutils.eval import check_output_path
-
-        try:
-            check_output_path(args.json, "--json", example=f"docs/results/decode_compression_{args.part}.json")
-        except ValueError as exc:
-            ap.exit(2, f"{ap.prog}: error: {exc}\n")
+    one_line_errors(ap, check_args, args)
     import torch
 
     torch.set_num_threads(args.threads)
-    report = RUNNERS[args.part](args)
+    report = one_line_errors(ap, RUNNERS[args.part], args)  # an unloadable --model, a too-long --prompt-tokens
     print(markdown(report))
     if args.json is not None:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

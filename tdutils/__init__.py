@@ -4,7 +4,12 @@ Drop the tokens a policy judges least useful from each request's KV cache after 
 surviving keys' RoPE, and decode more requests per batch. See README.md and docs/.
 """
 
-from . import policies  # the policy registry: tdutils.policies.register_policy, policy_names
+# `python -m tdutils`: a Ctrl-C during the imports below (seconds) ends in one line, exit status 130 (cli_args)
+from .cli_args import exit_on_interrupt_while_starting as _exit_on_interrupt
+
+_exit_on_interrupt()
+# after the Ctrl-C handler; policies is the policy registry (tdutils.policies.register_policy, policy_names)
+from . import policies
 from .compression import Compression
 from .edit import CacheKind, DropFn, DropFunctionError, as_drop_fn, make_drop_fn
 from .engines import compare, default_kv_budget, open_engine, run_once

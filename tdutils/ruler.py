@@ -504,7 +504,7 @@ def _build(plan: _Plan, task: str, context_tokens: int, tokenizer, chat: bool) -
         return fixed + len(enc(context_text(n)))
 
     def too_short(need: int) -> ValueError:
-        return ValueError(
+        return _TooShort(need,
             f"{task}: context_tokens={context_tokens} is too short for the template and needles; "
             f"this tokenizer needs at least about {need} tokens"
         )
@@ -529,6 +529,14 @@ def _build(plan: _Plan, task: str, context_tokens: int, tokenizer, chat: bool) -
         if plan.n_max is not None and n > plan.n_max:
             break
     raise too_short(count(n))
+
+
+class _TooShort(ValueError):
+    """One draw's template and needles do not fit in `context_tokens` (`need`: about the tokens they take)."""
+
+    def __init__(self, need: int, message: str):
+        super().__init__(message)
+        self.need = need
 
 
 def _search(count: Callable[[int], int], plan: _Plan, target: int, task: str, too_short) -> int:
@@ -628,8 +636,8 @@ def make_ruler_example(
     the length: docs/models.md, section "RULER's own templates (`tdutils.ruler`)".
 
     Raises:
-        ValueError: unknown task; context_tokens not a positive int or too short for the template, the
-            in-context example and the needles; cwe beyond the bundled words; a bad chat_template value or
+        ValueError: unknown task; context_tokens not a positive int or below the task's floor for this tokenizer
+            (`min_context_tokens`: the template, the in-context example and the needles of any draw); cwe beyond the bundled words; a bad chat_template value or
             ``chat_template=True`` for a tokenizer without one.
     """
     if task not in RULER_TEMPLATE_TASKS:
@@ -638,16 +646,96 @@ def make_ruler_example(
         raise ValueError(f"context_tokens must be a positive int, got {context_tokens!r}")
     if not callable(getattr(tokenizer, "encode", None)):
         raise ValueError(f"tokenizer must be a Hugging Face tokenizer (with encode), got {type(tokenizer).__name__}")
-    chat = uses_chat_template(tokenizer, chat_template)
+    floor = min_context_tokens(task, tokenizer, chat_template=chat_template, context_tokens=context_tokens)
+    if context_tokens < floor:
+        raise _TooShort(floor, f"{task}: context_tokens={context_tokens} is too short for the template and "
+                               f"needles; this tokenizer needs at least {floor} tokens (for every draw)")
+    return _make_example(task, context_tokens, tokenizer, rng, uses_chat_template(tokenizer, chat_template))
+
+
+def _make_example(task: str, context_tokens: int, tokenizer, rng: random.Random, chat: bool,
+                  plan_length: int | None = None) -> dict:
+    """`make_ruler_example` without its checks; `plan_length` (default `context_tokens`) sizes cwe's and fwe's
+    word lists."""
+    length = plan_length or context_tokens
     if task in _NIAH_ARGS:
         plan = _niah_plan(task, rng)
     elif task == "vt":
         plan = _vt_plan(rng, _encoder(tokenizer))
     elif task == "cwe":
-        plan = _cwe_plan(rng, context_tokens)
+        plan = _cwe_plan(rng, length)
     else:
-        plan = _fwe_plan(rng, context_tokens)
+        plan = _fwe_plan(rng, length)
     return _build(plan, task, context_tokens, tokenizer, chat)
+
+
+# Shortest lengths: the most tokens the template, in-context example and fewest needles take over these many fixed
+# draws, plus a margin for draws beyond them; above it a draw that does not fit is redrawn (at most _REDRAWS times).
+_FLOOR_PROBES = 16
+_FLOOR_MARGIN = (0.02, 8)  # the larger of 2% and 8 tokens
+_REDRAWS = 8
+_floors: dict[tuple, int] = {}
+# Words of RULER's templates and haystack; a tokenizer that reads any of them as its unknown token cannot make
+# RULER prompts (a random:ARCH model's id tokenizer, the bundled models' word-level one).
+_SPELL_PROBE = "One of the special magic numbers for the quiet garden is: 4821. Alice was beginning to get tired."
+
+
+def check_spells_english(tokenizer, task: str) -> None:
+    """Raise ValueError when `tokenizer` reads plain English (`_SPELL_PROBE`) with its unknown token: RULER's text
+    would be made of that token, without needles, silently."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return
+    ids = _encoder(tokenizer)(_SPELL_PROBE)
+    lost = sum(i == unk for i in ids)
+    if lost:
+        raise ValueError(f"{task}: this tokenizer cannot spell RULER's English text ({lost} of the {len(ids)} tokens "
+                         f"of {_SPELL_PROBE!r} are its unknown token {tokenizer.unk_token!r}): RULER's templates need a "
+                         f"real model's tokenizer (e.g. smollm2-135m's); random:ARCH models and the bundled models "
+                         f"have vocabularies of their own")
+
+
+def check_ruler_model(model, what: str = "RULER's templates") -> None:
+    """Refuse, before any work, a model name whose tokenizer cannot spell RULER's text: a bundled model (its
+    word-level vocabulary) or a `random:ARCH` model (an id tokenizer). Other names (real models) pass.
+
+    Raises:
+        ValueError: one line starting with `what` (e.g. `"--dataset ruler_vt"`), naming the model.
+    """
+    from .models import BUNDLED_MODELS, parse_random_name
+
+    if not isinstance(model, str):
+        return
+    if model in BUNDLED_MODELS:
+        raise ValueError(f"{what}: RULER's templates need a real model and tokenizer (e.g. smollm2-135m); {model!r} "
+                         f"reads only its own word-level vocabulary")
+    if parse_random_name(model) is not None:
+        raise ValueError(f"{what}: RULER's templates need a real model and tokenizer (e.g. smollm2-135m); {model} has "
+                         f"random weights and an id tokenizer that cannot spell RULER's text")
+
+
+def min_context_tokens(task: str, tokenizer, *, chat_template: str | bool = "auto", context_tokens: int = 0) -> int:
+    """The shortest prompt `make_ruler_dataset` builds `task` at for this tokenizer, the same for every seed: the
+    most tokens the template, the in-context example (vt) and the fewest needles take over `_FLOOR_PROBES` fixed
+    draws (`random.Random(f"ruler-min:{task}:{i}")`), plus the larger of 2% and 8 tokens for draws beyond those.
+    `context_tokens` matters to cwe and fwe only (their word lists follow the length). Cached per process.
+
+    Without a floor, a length near a task's minimum succeeds or fails by the draw (vt at 795 SmolLM2 tokens
+    fails for most seeds and works for some).
+    """
+    chat = uses_chat_template(tokenizer, chat_template)
+    key = (task, getattr(tokenizer, "name_or_path", ""), len(tokenizer), chat,
+           context_tokens if task in ("cwe", "fwe") else 0)
+    if key not in _floors:
+        need = 0
+        for i in range(_FLOOR_PROBES):
+            try:
+                _make_example(task, 1, tokenizer, random.Random(f"ruler-min:{task}:{i}"), chat,
+                              plan_length=context_tokens or None)
+            except _TooShort as exc:
+                need = max(need, exc.need)
+        _floors[key] = need + max(math.ceil(_FLOOR_MARGIN[0] * need), _FLOOR_MARGIN[1]) if need else 1
+    return _floors[key]
 
 
 def make_ruler_dataset(
@@ -663,8 +751,12 @@ def make_ruler_dataset(
     ``random.Random(f"ruler:{task}:{seed}")``, so each (task, seed) pair gives the same examples whatever
     else is generated.
 
+    Above the task's floor (`min_context_tokens`) a draw whose needles do not fit is redrawn from the same stream,
+    so whether a length works depends on the tokenizer and the length only, never on the seed.
+
     Raises:
-        ValueError: as make_ruler_example; also n negative.
+        ValueError: as make_ruler_example; also n negative; a tokenizer that reads English as its unknown token
+            (`check_spells_english`: a random:ARCH model's id tokenizer).
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative int, got {n!r}")
@@ -672,11 +764,19 @@ def make_ruler_dataset(
         raise ValueError(f"seed must be an int, got {seed!r}")
     if task not in RULER_TEMPLATE_TASKS:
         raise ValueError(f"unknown RULER task {task!r}; known: {', '.join(RULER_TEMPLATE_TASKS)}")
+    check_spells_english(tokenizer, task)
     rng = random.Random(f"ruler:{task}:{seed}")
-    return [
-        make_ruler_example(task, context_tokens, tokenizer=tokenizer, rng=rng, chat_template=chat_template)
-        for _ in range(n)
-    ]
+    out = []
+    for _ in range(n):
+        for attempt in range(_REDRAWS + 1):  # above the floor an unlucky draw is redrawn from the same stream
+            try:
+                out.append(make_ruler_example(task, context_tokens, tokenizer=tokenizer, rng=rng,
+                                              chat_template=chat_template))
+                break
+            except _TooShort:
+                if attempt == _REDRAWS:
+                    raise
+    return out
 
 
 def score_ruler(task: str, values: Sequence[str], response: str | None) -> tuple[bool, float]:

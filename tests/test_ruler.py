@@ -140,7 +140,8 @@ def test_exact_length_smollm2(smol, task):
 
 @pytest.mark.parametrize("task", RULER_TEMPLATE_TASKS)
 def test_exact_length_trained_bpe(bpe, task):
-    for n, chat in ((1200, True), (1633, False)):
+    # 1300: above every task's floor for this 600-word BPE (cwe's is 1289; at 1200, 17 of 40 cwe draws fail)
+    for n, chat in ((1300, True), (1633, False)):
         ex = _ex(task, n, bpe, seed=3, chat=chat)
         assert len(ex["prompt_ids"]) == n
 

@@ -291,6 +291,10 @@ def run(args) -> int:
     finished: list[dict] = []  # the cells scored so far, kept when Ctrl-C stops the run
     common = {"n": args.n, "seed": args.seed, "max_tokens": max_tokens, "log": log, "policy_params": params,
               "partial": finished, "chat_template": chat}
+    from ..models import check_context_lengths, context_window
+
+    # before the model loads and any prompt is built (`run --context-length` shares the check)
+    check_context_lengths(lengths, context_window(model), model=model, option="--context-lengths")
     try:
         engine = _open_engine(None, model, args.seed)
         used_chat = d.chat_template and _uses_chat(engine.tokenizer, chat)
