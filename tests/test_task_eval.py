@@ -90,6 +90,36 @@ def test_agnostic_full_cache_answers_as_aware_and_ratio_zero_as_full(small):
                 assert responses[task, mode, policy, 0.0, 160] == full
 
 
+def test_one_prefill_for_both_modes_answers_as_the_aware_prefill(small, engine):
+    """Both modes run from one prefill per chunk (`run_cells_shared`: prefill(context), then extend(question) for
+    the aware cells); the aware answers equal those of an aware-only run, which prefills the prompt itself."""
+    table, responses = small
+    alone = {}
+    aware = task_eval(tasks=("niah_single", "niah_multiquery"), modes=("aware",), policies=("full", "snapkv", "random"),
+                      drop_ratios=(0.0, 0.5), context_lengths=(160,), n=6, seed=2, engine=engine, batch_size=4,
+                      responses=alone)
+    assert alone == {k: v for k, v in responses.items() if k[1] == "aware"}
+    shared = table[table["mode"] == "aware"].reset_index(drop=True)
+    assert list(aware["scores"]) == list(shared["scores"]) and list(aware["kept_tokens"]) == list(shared["kept_tokens"])
+    # what the answers rest on: SnapKV keeps the same tokens from either start (the question's queries vote)
+    from tdutils.edit import make_drop_fn
+
+    tok = engine.tokenizer
+    data = make_task_dataset("niah_multiquery", 3, 160, tokenizer=tok, seed=2)
+    fn = make_drop_fn("snapkv", drop_ratio=0.5, model_config=engine.config, window=8)
+    engine.capture_for(fn)
+    kept = []
+    for start in ("prompt", "context"):
+        if start == "prompt":
+            engine.prefill([tok(d["prompt"])["input_ids"] for d in data])
+        else:
+            engine.prefill([split_question(tok, d)[0] for d in data])
+            engine.extend([split_question(tok, d)[1] for d in data])
+        engine.modify(fn)
+        kept.append([list(r.tokens) for r in engine.requests])
+    assert kept[0] == kept[1] and len(kept[0][0]) == 80
+
+
 def test_leaderboard_and_markdown_are_computed_from_the_rows():
     rows = []
     for task, correct in (("niah_single", (10, 8, 2)), ("variable_tracking", (6, 4, 0))):
@@ -123,6 +153,7 @@ def test_cli_runs_the_tasks_and_writes_json_and_the_leaderboard_plot(tmp_path, c
     assert run(args) == 0
     printed = capsys.readouterr().out
     assert "| mode | policy | drop ratios | niah_single | variable_tracking | average |" in printed, printed
+    assert "ranked, exact @ 0.5, aware: 1. " in printed and "(exact McNemar, Holm-corrected, alpha 0.05)" in printed
     report = json.loads(out.read_text())
     assert report["meta"]["tasks"] == ["niah_single", "variable_tracking"]
     assert report["meta"]["modes"] == ["aware", "agnostic"]  # --mode defaults to both
@@ -182,3 +213,27 @@ def test_docs_agnostic_example_runs_and_answers(capsys):
     exec(compile(block, str(page), "exec"), {})
     out = capsys.readouterr().out
     assert out.rstrip().endswith("| (True, 1.0)"), out
+
+
+def test_cli_resume_keeps_the_stored_cells_and_refuses_another_grid(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "eval.json"
+    argv = ["--tasks", "niah_single", "--model", "tiny-qwen3-ruler", "--policies", "full", "random", "--drop-ratios",
+            "0.5", "--context-lengths", "128", "--n", "3", "--seed", "2", "--json", str(out), "--quiet", "--resume"]
+    assert run(_args(argv)) == 0  # no file yet: a fresh run
+    first = json.loads(out.read_text())
+    assert all(len(r["scores"]["exact"]) == 3 for r in first["rows"])  # every prompt's score is kept
+    # a killed run leaves what its last checkpoint wrote; resuming it runs only the missing cell
+    stored = {**first, "rows": first["rows"][:3], "meta": {**first["meta"], "interrupted": True}}
+    out.write_text(json.dumps(stored))
+    from tdutils.eval import runner
+
+    ran = []
+    real = runner._run_group
+    monkeypatch.setattr(runner, "_run_group", lambda *a: ran.append([c[:2] for c in a[4]]) or real(*a))
+    assert run(_args(argv)) == 0
+    assert ran == [[("random", 0.5)]]  # agnostic: the full cache was stored, only random@0.5 ran
+    again = json.loads(out.read_text())
+    assert [r["scores"] for r in again["rows"]] == [r["scores"] for r in first["rows"]]
+    assert again["meta"]["interrupted"] is False and again["meta"]["seconds"] >= first["meta"]["seconds"]
+    with pytest.raises(ValueError, match="--resume: .* is a run of another grid \\(n 3 there, 4 here\\)"):
+        run(_args([*argv[:-6], "--n", "4", "--seed", "2", "--json", str(out), "--quiet", "--resume"]))

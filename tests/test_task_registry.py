@@ -15,7 +15,11 @@ from tdutils.ruler import RULER_TEMPLATE_TASKS
 def test_both_suites_are_registered_without_clashes():
     """Word-level tasks keep their names; RULER's templates are 'ruler_' + RULER's own names (two would clash)."""
     assert task_names("word") == RULER_TASKS
-    assert task_names("ruler") == tuple(f"ruler_{t}" for t in RULER_TEMPLATE_TASKS)
+    partial = ("niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")  # several references: partial credit
+    assert task_names("ruler") == (*(f"ruler_{t}" for t in RULER_TEMPLATE_TASKS), *(f"ruler_{t}_partial" for t in partial))
+    assert parse_tasks(["ruler"]) == [f"ruler_{t}" for t in RULER_TEMPLATE_TASKS]  # the variants run when named
+    assert get_task("ruler_fwe_partial").measure == "partial" and get_task("ruler_fwe").measure == "exact"
+    assert get_task("text_fidelity").suite == "text" and get_task("text_fidelity").teacher_forced
     assert {"niah_multivalue", "ruler_niah_multivalue"} <= set(task_names())
     assert get_task("ruler_vt").suite == "ruler" and get_task("variable_tracking").suite == "word"
     with pytest.raises(ValueError, match="unknown task 'vt'; registered tasks are word: niah_single"):
@@ -27,8 +31,9 @@ def test_both_suites_are_registered_without_clashes():
 
 
 def test_parse_tasks_expands_groups_and_names_the_choices():
-    """'ruler' expands to every template task, 'all' to the five word-level ones; unknown names list both."""
-    assert parse_tasks(["ruler"]) == list(task_names("ruler"))
+    """'ruler' expands to every template task (not the partial-credit variants), 'all' to the five word-level
+    ones; unknown names list both."""
+    assert parse_tasks(["ruler"]) == [t for t in task_names("ruler") if not t.endswith("_partial")]
     assert parse_tasks(["all", "ruler_cwe"]) == [*RULER_TASKS, "ruler_cwe"]
     with pytest.raises(ValueError, match=r"--tasks: unknown 'niah_single_1'.*'ruler' \(RULER templates"):
         parse_tasks(["niah_single_1"])

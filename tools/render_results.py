@@ -266,6 +266,31 @@ def real_leaderboard() -> str:
                               _seed(m["seed"]), f"{' s and '.join(str(s) for s in m['seconds'])} s of wall time")])
 
 
+def real_ranking() -> str:
+    """`rank_policies` of the stored SmolLM2 leaderboard at each drop ratio: paired tests when the run keeps
+    per-prompt scores, else (runs stored before it did) unpaired Wilson intervals, and the block says which."""
+    import pandas as pd
+
+    from tdutils.eval import ALPHA, UNPAIRED, rank_policies
+
+    report = load("ruler_smollm2_2048")
+    table = pd.DataFrame(report["rows"])
+    rows, tests = [], set()
+    for ratio in report["meta"]["drop_ratios"]:
+        rank = rank_policies(table, ratio)
+        tests |= set(rank["test"])
+        for mode, g in rank.groupby("mode", sort=False):
+            rows.append([mode, f"{ratio:g}", ", ".join(f"{r.rank}. `{r.policy}` {r.correct}/{r.n}"
+                                                      for r in g.itertuples())])
+    (test,) = tests
+    how = (f"Separated by {UNPAIRED}." if test == UNPAIRED else
+           f"Separated by {test}: a policy ranks below another only where the test on the same prompts rejects "
+           f"equality at family-wise level {ALPHA:g} across the mode's pairs.")
+    return "\n".join([_table(["mode", "drop ratio", "rank. policy, correct of prompts pooled over both tasks"], rows), "",
+                      (f"Policies sharing a rank are not separated. {how} (`rank_policies` of "
+                       "`docs/results/ruler_smollm2_2048.json`; the full cache at ratio 0 in every row.)")])
+
+
 def peer_kvpress() -> str:
     report = load("peer_kvpress")
     m = report["meta"]
@@ -377,6 +402,7 @@ BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
     "policies_accuracy": (policies_accuracy, ("policies_accuracy", "policies_accuracy_window64", "ruler_smollm2_2048")),
     "real_full_cache": (real_full_cache, ("ruler_full_real", "ruler_smollm2_2048")),
     "real_leaderboard": (real_leaderboard, ("ruler_smollm2_2048",)),
+    "real_ranking": (real_ranking, ("ruler_smollm2_2048",)),
     "peer_kvpress": (peer_kvpress, ("peer_kvpress",)),
 }
 

@@ -1,6 +1,7 @@
 """Accuracy of token-dropping policies on CPU: registered tasks in query-aware and query-agnostic modes.
 
-Modules, from the bottom up: `common` (seeds, checks run once at an entry, the Wilson interval of a cell), `tasks`
+Modules, from the bottom up: `common` (seeds, checks run once at an entry, the Wilson interval of a cell),
+`statistics` (paired tests of cells on the same prompts: exact McNemar, paired bootstrap, Holm), `tasks`
 (the task registry: passkey, the word-level RULER-style tasks, RULER's templates; a new task is one file),
 `runner` (`task_eval`, `passkey_eval`: one loop over `build_cells` / `run_cells`), `report` (tables, leaderboard,
 ranking, notes, JSON, plots) and `cli` (`python -m tdutils eval`, defaults from the tasks' registrations). This
@@ -10,11 +11,12 @@ former names (docs/design.md §7).
 
 # isort: skip_file
 # Each module's `__all__` is its public face; the modules are imported bottom up (each imports only those below it).
-from . import common, tasks, runner, report, cli
+from . import common, statistics, tasks, runner, report, cli
 from .common import *
+from .statistics import *
 from .tasks import *
 from .runner import *
 from .report import *
 from .cli import *
 
-__all__ = common.__all__ + tasks.__all__ + runner.__all__ + report.__all__ + cli.__all__
+__all__ = common.__all__ + statistics.__all__ + tasks.__all__ + runner.__all__ + report.__all__ + cli.__all__

@@ -6,7 +6,9 @@
 `--tasks` unset runs the tasks registered for `--model` (none given: the passkey benchmark of `tiny-qwen3`; a model
 that is not bundled: RULER's templates). Everything that can be checked without the model is checked before any
 work; bad values raise ValueError (the command line prints one line, exit status 2), and Ctrl-C writes the cells
-that finished to `--json`, marked `"interrupted": true` (exit status 130).
+that finished to `--json`, marked `"interrupted": true` (exit status 130). The JSON is also rewritten after every
+(length, task, mode) group, so a run killed outright leaves its finished cells there, and `--resume` continues it
+without running them again; a progress bar with an ETA runs on stderr unless `--quiet`.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from .common import (
 from .report import (
     format_table,
     format_task_table,
+    measure_markdown,
     plot_accuracy,
     plot_leaderboard,
+    rank_policies,
     task_markdown,
     weak_task_notes,
     write_json,
@@ -74,6 +78,11 @@ def _seed_option(text: str) -> int:
 def _suite_defaults() -> list[tuple[str, Defaults]]:
     """`(label, defaults)` of each suite's first task, in `SUITES` order (for `--help`)."""
     return [(SUITE_LABELS[s], get_task(task_names(s)[0]).defaults) for s in SUITES if task_names(s)]
+
+
+def _grouped(suite: str | None = None) -> list[str]:
+    """The tasks of `suite` (all suites: None) that run by a suite's word and by default (`Task.grouped`)."""
+    return [t for t in task_names(suite) if get_task(t).grouped]
 
 
 def _group_word(suite: str) -> str:
@@ -128,7 +137,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (torch.set_num_threads; default: torch's choice). The bundled models "
                              "are tiny: 1 thread per run is fastest when several runs share a machine")
-    parser.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
+    parser.add_argument("--quiet", action="store_true", help="no per-cell progress lines and no progress bar")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run stored in --json (the same model, seed, n and decode tokens): its "
+                             "finished cells are kept and not run again. The JSON is rewritten after every group of "
+                             "cells, so a killed run resumes where it stopped")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="decode every request to its decode-token count instead of stopping it at its first EOS "
+                             "(the answers, scored up to the first EOS, are the same; only slower)")
     from ..policies.cli import policy_arguments
 
     policy_arguments(parser, skip=POLICY_OPTION_SKIP)  # --window, --n-sink, ...: each reaches every policy with it
@@ -147,7 +163,7 @@ def parse_tasks(values: Iterable[str]) -> list[str]:
         tasks = _split(values, str, "task")
     except argparse.ArgumentTypeError as exc:
         raise ValueError(str(exc)) from None
-    tasks = list(dict.fromkeys(t for x in tasks for t in (task_names(GROUPS[x]) if x in GROUPS else (x,))))
+    tasks = list(dict.fromkeys(t for x in tasks for t in (_grouped(GROUPS[x]) if x in GROUPS else (x,))))
     unknown = [t for t in tasks if t not in task_names()]
     if unknown:
         choices = []
@@ -178,7 +194,7 @@ def default_tasks(model: str | None) -> list[str]:
     if model is None:
         model = get_task(task_names()[0]).defaults.model
     if model not in BUNDLED_MODELS:
-        return [t for t in task_names() if get_task(t).defaults.real_model]
+        return [t for t in _grouped() if get_task(t).defaults.real_model]
     own = [t for t in task_names() if get_task(t).defaults.model == model] or list(task_names()[:1])
     return own[:1] if get_task(own[0]).defaults.layout == "lengths" else own
 
@@ -265,6 +281,7 @@ def run(args) -> int:
         check_output_path(args.json_path, "--json", example="runs/eval.json")
     if args.plot is not None:
         check_plot_path(args.plot, "--plot")
+    import pandas as pd
     import torch
 
     if threads is not None:
@@ -288,20 +305,31 @@ def run(args) -> int:
             "drop_ratios": list(ratios) if any(p != FULL for p in policies) else [], "context_lengths": lengths,
             "n": args.n, "seed": args.seed, "max_tokens": max_tokens, "policy_params": params,
             "threads": torch.get_num_threads(), "interrupted": False, "scored": SCORED_TEXT}
-    finished: list[dict] = []  # the cells scored so far, kept when Ctrl-C stops the run
+    meta["chat_template_option"] = chat
+    done, before = _resume_rows(args.json_path, meta) if getattr(args, "resume", False) and not lengths_layout else ([], 0.0)
+    t0 -= before  # a resumed run's seconds include those of the runs it continues
+    finished: list[dict] = list(done)  # the cells scored so far, kept when Ctrl-C stops the run
     common = {"n": args.n, "seed": args.seed, "max_tokens": max_tokens, "log": log, "policy_params": params,
               "partial": finished, "chat_template": chat}
     from ..models import check_context_lengths, context_window
 
     # before the model loads and any prompt is built (`run --context-length` shares the check)
     check_context_lengths(lengths, context_window(model), model=model, option="--context-lengths")
+
+    def checkpoint():  # a killed run (no Ctrl-C) still leaves its finished cells for --resume
+        if args.json_path is not None:
+            write_json(pd.DataFrame(finished, columns=list(TASK_COLUMNS)), args.json_path,
+                       meta={**meta, "interrupted": True, "seconds": time.perf_counter() - t0})
+
     try:
         engine = _open_engine(None, model, args.seed)
         used_chat = d.chat_template and _uses_chat(engine.tokenizer, chat)
         if lengths_layout:
             table = lengths_eval(tasks[0], model, policies, ratios, lengths, engine=engine, **common)
         else:
-            table = task_eval(model, tasks, modes, policies, ratios, lengths, engine=engine, **common)
+            table = task_eval(model, tasks, modes, policies, ratios, lengths, engine=engine, done=done,
+                              progress=not args.quiet, stop_at_eos=not getattr(args, "ignore_eos", False),
+                              checkpoint=checkpoint, **common)
     except KeyboardInterrupt:
         return _interrupted(finished, COLUMNS if lengths_layout else TASK_COLUMNS, args.json_path, meta, t0)
     chat_part = f", chat template {'applied' if used_chat else 'not applied'}" if d.chat_template else ""
@@ -311,7 +339,14 @@ def run(args) -> int:
     else:
         print(format_task_table(table))
         print()
-        print(task_markdown(table))
+        if table["correct"].notna().any():
+            print(task_markdown(table))
+        for task in tasks:
+            if get_task(task).measure != "exact":
+                print()
+                print(measure_markdown(table, task))
+        for line in ranking_lines(table):
+            print(line)
         notes = weak_task_notes(table)
         for line in notes:
             print(line)
@@ -355,6 +390,54 @@ def _interrupted(finished: list[dict], columns, json_path, meta: dict, t0: float
     return INTERRUPTED
 
 
+def ranking_lines(table) -> list[str]:
+    """One line per (measure, drop ratio, mode) of a `task_eval` table: its policies in `rank_policies` order (paired
+    tests on the same prompts, Holm-corrected; a shared rank: not separated), and the test that decided."""
+    from .statistics import has_scores
+
+    if not has_scores(table) or (table["policy"] == FULL).sum() == 0 or (table["drop_ratio"] > 0).sum() == 0:
+        return []
+    lines = []
+    for measure in dict.fromkeys(table["measure"]):
+        for ratio in sorted(r for r in table["drop_ratio"].unique() if r > 0):
+            rank = rank_policies(table, ratio, measure=measure)
+            for mode, g in rank.groupby("mode", sort=False):
+                order = ", ".join(f"{r.rank}. {r.policy} {r.score:.3g}" for r in g.itertuples())
+                lines.append(f"ranked, {measure} @ {ratio:g}, {mode}: {order} ({g['test'].iloc[0]})")
+    return lines
+
+
+RESUME_KEYS = ("model", "n", "seed", "max_tokens", "policy_params", "chat_template_option")
+
+
+def _resume_rows(json_path, meta: dict) -> tuple[list[dict], float]:
+    """The rows of the run stored at `json_path` to resume (`--resume`) and the seconds it ran; `([], 0.0)` when no
+    file is there yet.
+
+    Raises:
+        ValueError: no --json, a file that is not a stored run, or one of another grid (`RESUME_KEYS` differ).
+    """
+    import json
+    from pathlib import Path
+
+    if json_path is None or not Path(json_path).exists():
+        if json_path is None:
+            raise ValueError("--resume continues the run stored in --json; give --json PATH")
+        return [], 0.0
+    try:
+        stored = json.loads(Path(json_path).read_text(encoding="utf-8"))
+        old, rows = stored["meta"], stored["rows"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--resume: {json_path} is not a stored eval run ({exc}); remove it or give another "
+                         "--json") from None
+    differ = [k for k in RESUME_KEYS if old.get(k) != json.loads(json.dumps(meta.get(k), default=str))]
+    if differ:
+        what = ", ".join(f"{k} {old.get(k)!r} there, {meta.get(k)!r} here" for k in differ)
+        raise ValueError(f"--resume: {json_path} is a run of another grid ({what}); rerun with its options or another "
+                         "--json")
+    return rows, float(old.get("seconds") or 0.0)
+
+
 def _uses_chat(tokenizer, chat_template) -> bool:
     from ..ruler import uses_chat_template
 
@@ -362,4 +445,4 @@ def _uses_chat(tokenizer, chat_template) -> bool:
 
 
 __all__ = ["ALL", "CHAT_TEMPLATES", "POLICY_OPTION_SKIP", "RULER_SUITE", "SCORED_TEXT",
-           "add_arguments", "default_tasks", "parse_tasks", "run"]
+           "add_arguments", "default_tasks", "parse_tasks", "ranking_lines", "run"]

@@ -4,7 +4,7 @@ A `passkey_eval` table (`COLUMNS`) prints with `format_table` and plots with `pl
 ratio per context length); a `task_eval` table (`TASK_COLUMNS`, or the `rows` of its JSON report as a DataFrame)
 prints with `format_task_table` and `task_markdown` (the per-task table of docs/results.md), is summarised by
 `leaderboard` (mean exact match over tasks per mode, policy and drop ratio; `plot_leaderboard`) and ranked by
-`rank_policies` at one drop ratio with 95% intervals pooled over tasks (`plot_ranking`). `weak_tasks` /
+`rank_policies` at one drop ratio by paired tests on the same prompts (`tdutils.eval.statistics`; `plot_ranking`). `weak_tasks` /
 `weak_task_notes` name the tasks the full cache itself fails (below `WEAK_FULL_ACCURACY`), whose scores rank nothing.
 `write_json` stores `{"meta": ..., "rows": [...]}`. Plots return the matplotlib Figure and save it when given a path.
 """
@@ -12,12 +12,16 @@ prints with `format_task_table` and `task_markdown` (the per-task table of docs/
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
 from .common import FULL, check_output_path, check_plot_path, wilson_interval
+from .statistics import ALPHA
 
 WEAK_FULL_ACCURACY = 0.5  # a task the full cache solves less often than this ranks no policy
+UNPAIRED = ("unpaired 95% Wilson intervals: this run keeps no per-prompt scores, so no paired test; differences "
+            "the intervals do not separate may still be real")
 
 
 def format_table(table) -> str:
@@ -41,6 +45,9 @@ def format_task_table(table) -> str:
     t["kept_tokens"] = t["kept_tokens"].map("{:.0f}".format)
     cols = ["context_length", "task", "mode", "policy", "drop_ratio", "n", "correct", "accuracy", "95% CI", "partial",
             "modify_s", "kept_tokens"]
+    if "measure" in t.columns and (t["measure"] != "exact").any():  # partial credit, text fidelity: their own score
+        t["score"] = t["score"].map("{:.3g}".format)
+        cols += ["measure", "score"]
     return t[cols].to_string(index=False)
 
 
@@ -62,7 +69,7 @@ def task_markdown(table, *, context_length: int | None = None) -> str:
     Raises:
         ValueError: `context_length` is not in the table.
     """
-    t = table
+    t = table[table["correct"].notna()]  # a teacher-forced task has no exact match (`measure_markdown`)
     if context_length is not None:
         t = t[t["context_length"] == context_length]
         if t.empty:
@@ -91,30 +98,75 @@ def task_markdown(table, *, context_length: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def rank_policies(table, drop_ratio: float | None = None):
-    """Rank the policies of a `task_eval` table per mode at one drop ratio, with 95% intervals, to say which
-    differences the run can tell apart.
-
-    Per (mode, policy) the cells at `drop_ratio` (the full cache: its ratio-0 cells) are pooled over tasks and
-    context lengths: `correct` and `n` are summed and `accuracy = correct / n` (with the same `n` per cell, the
-    mean exact match over tasks the leaderboard plots) gets a 95% Wilson score interval. Tasks differ in
-    difficulty, so the pooled answers are independent Bernoulli draws with unequal rates; their count varies
-    less than a binomial's of the same mean, so the interval is conservative.
-
-    Args:
-        table: a `task_eval` table (columns `mode`, `policy`, `drop_ratio`, `correct`, `n`).
-        drop_ratio: the ratio to rank at; None: the largest non-zero ratio of the table.
-
-    Returns:
-        pandas DataFrame ordered by mode (as in the table), then by accuracy (best first), with columns `mode`,
-        `rank` (1 = best; equal accuracies share the better rank), `policy`, `drop_ratio`, `correct`, `n`,
-        `accuracy`, `ci_low`, `ci_high` (fractions in [0, 1]) and `above` (the policies of the same mode whose
-        interval lies wholly below this one's, comma-separated: the differences the run resolves).
+def measure_markdown(table, task: str) -> str:
+    """The table of one task's per-prompt measures (markdown): one row per (mode, policy), one column per measure
+    its rows keep (`scores`: exact and partial, or kl, delta_ppl, agreement and ppl of a teacher-forced task), a
+    cell the mean at each drop ratio, `a / b / c` in ascending ratio order; pooled over context lengths.
 
     Raises:
-        ValueError: the table has no rows at `drop_ratio` besides the full cache, or no ratio above 0.
+        ValueError: no rows of `task`, or rows without per-prompt scores.
+    """
+    from .statistics import MEASURES, has_scores
+
+    t = table[table["task"] == task]
+    if t.empty or not has_scores(t):
+        raise ValueError(f"no rows of {task!r} with per-prompt scores in this table")
+    names = [m for m in t["scores"].iloc[0] if m in MEASURES or m == "ppl"]
+    pct = {"exact", "partial", "agreement"}
+    lengths = "/".join(str(x) for x in sorted(t["context_length"].unique()))
+    head = ["mode", "policy", "drop ratios", *(f"{m} (%)" if m in pct else m for m in names)]
+    lines = [f"`{task}`, {lengths} tokens, n = {int(t['n'].iloc[0])} per length; mean per prompt", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (mode, policy), g in t.groupby(["mode", "policy"], sort=False):
+        ratios = sorted(g["drop_ratio"].unique())
+        cells = []
+        for m in names:
+            means = []
+            for r in ratios:
+                xs = [v for s in g.loc[g["drop_ratio"] == r, "scores"] for v in s[m]]
+                means.append(sum(xs) / len(xs) * (100 if m in pct else 1))
+            cells.append(" / ".join(f"{v:.1f}" if m in pct else f"{v:.3g}" for v in means))
+        lines.append("| " + " | ".join([mode, policy, " / ".join(f"{r:g}" for r in ratios), *cells]) + " |")
+    return "\n".join(lines)
+
+
+def rank_policies(table, drop_ratio: float | None = None, *, measure: str | None = None, alpha: float = ALPHA):
+    """Rank the policies of a `task_eval` table per mode at one drop ratio by paired tests: a policy ranks below
+    another only where a test on the same prompts separates them.
+
+    Per (mode, policy) the cells at `drop_ratio` (the full cache: its ratio-0 cells) whose task is scored by
+    `measure` are pooled over tasks and context lengths: their per-prompt scores are concatenated in (task, length)
+    order, the same prompts for every policy. Every pair of policies of a mode is compared on them
+    (`tdutils.eval.statistics.pairwise_tests`: exact McNemar for exact match, the sign-flip permutation test for a
+    continuous measure), with Holm's correction across the mode's pairs at family-wise level `alpha`. A policy's
+    rank is 1 + the number of policies separated above it, so policies the tests do not separate share a rank.
+
+    A table without per-prompt scores (runs stored before they were kept) cannot be paired: it is ranked by
+    unpaired 95% Wilson intervals of the pooled exact match instead (one separates another where its interval
+    lies wholly above the other's), and the `test` column says so.
+
+    Args:
+        table: a `task_eval` table (columns `task`, `mode`, `policy`, `drop_ratio`, `context_length`, `correct`,
+            `n`, and `scores` / `measure` in runs that keep per-prompt scores).
+        drop_ratio: the ratio to rank at; None: the largest non-zero ratio of the table.
+        measure: the measure ranked (`tdutils.eval.statistics.MEASURES`); None: exact match when the table has
+            exact-match tasks, else the measure of its first row.
+        alpha: the family-wise error rate (default `ALPHA`, 0.05).
+
+    Returns:
+        pandas DataFrame ordered by mode (as in the table), then rank and score (best first), with columns `mode`,
+        `rank`, `policy`, `drop_ratio`, `measure`, `n` (prompts pooled), `score` (mean of the measure), `ci_low`,
+        `ci_high` (exact match: 95% Wilson interval; continuous: bootstrap 95% interval of the mean), `correct`,
+        `accuracy` (exact match only; NaN otherwise), `above` (the policies of the same mode this one is
+        separated above, comma-separated) and `test` (how the separations were decided).
+
+    Raises:
+        ValueError: the table has no rows at `drop_ratio` besides the full cache, no ratio above 0, or no task
+            scored by `measure`; a policy that lacks a task or length the others have.
     """
     import pandas as pd
+
+    from .statistics import MEASURES, get_measure, has_scores
 
     dropped = table[table["policy"] != FULL]
     ratios = sorted(r for r in dropped["drop_ratio"].unique() if r > 0)
@@ -126,17 +178,70 @@ def rank_policies(table, drop_ratio: float | None = None):
                ((table["policy"] != FULL) & (table["drop_ratio"] == drop_ratio))]
     if at[at["policy"] != FULL].empty:
         raise ValueError(f"no rows at drop ratio {drop_ratio:g}; the table has {[float(r) for r in ratios]}")
-    pooled = at.groupby(["mode", "policy"], sort=False)[["correct", "n"]].sum().reset_index()
-    rows = []
-    for mode, g in pooled.groupby("mode", sort=False):
-        g = g.assign(accuracy=g["correct"] / g["n"])
-        g[["ci_low", "ci_high"]] = [wilson_interval(c, n) for c, n in zip(g["correct"], g["n"])]
-        g = g.sort_values("accuracy", ascending=False, kind="stable")
-        g["rank"] = g["accuracy"].rank(method="min", ascending=False).astype(int)
-        g["above"] = [", ".join(q.policy for q in g.itertuples() if q.ci_high < row.ci_low) for row in g.itertuples()]
-        rows.append(g.assign(drop_ratio=[0.0 if p == FULL else float(drop_ratio) for p in g["policy"]]))
+    own = at["measure"] if "measure" in at.columns else pd.Series("exact", index=at.index)
+    if measure is None:
+        measure = "exact" if (own == "exact").any() else str(own.iloc[0])
+    get_measure(measure)
+    at = at[own == measure]
+    if at.empty:
+        raise ValueError(f"no task of this table is scored by {measure!r}; its measures are {sorted(set(own))}")
+    paired = has_scores(at)
+    rows = [(_rank_paired(g, mode, MEASURES[measure], alpha) if paired else _rank_wilson(g))
+            .assign(mode=mode, measure=measure) for mode, g in at.groupby("mode", sort=False)]
     out = pd.concat(rows, ignore_index=True)
-    return out[["mode", "rank", "policy", "drop_ratio", "correct", "n", "accuracy", "ci_low", "ci_high", "above"]]
+    out["drop_ratio"] = [0.0 if p == FULL else float(drop_ratio) for p in out["policy"]]
+    return out[["mode", "rank", "policy", "drop_ratio", "measure", "n", "score", "ci_low", "ci_high", "correct",
+                "accuracy", "above", "test"]]
+
+
+def _rank_paired(g, mode: str, measure, alpha: float):
+    """`rank_policies` of one mode from per-prompt scores (see there)."""
+    import pandas as pd
+
+    from .statistics import paired_bootstrap, pairwise_tests, pooled_scores
+
+    pooled, keys = {}, None
+    for policy, rows in g.groupby("policy", sort=False):
+        rows = rows.sort_values(["task", "context_length"], kind="stable")
+        cells = list(zip(rows["task"], rows["context_length"]))
+        if keys is not None and cells != keys:
+            raise ValueError(f"{mode}: {policy!r} has the cells {cells} but the others {keys}; a paired ranking "
+                             "needs every policy on the same tasks and lengths")
+        keys = cells
+        pooled[policy] = pooled_scores(rows, measure.name)
+    pairs = pairwise_tests(pooled, measure, alpha=alpha)
+    out = []
+    for policy, xs in pooled.items():
+        won = [b if a == policy else a for a, b, w in zip(pairs["a"], pairs["b"], pairs["better"]) if w == policy]
+        lost = sum(1 for a, b, w in zip(pairs["a"], pairs["b"], pairs["better"]) if policy in (a, b) and w not in
+                   ("", policy))
+        score = sum(xs) / len(xs)
+        if measure.binary:
+            correct = round(sum(xs))
+            low, high = wilson_interval(correct, len(xs))
+        else:
+            correct = math.nan
+            _, low, high = paired_bootstrap(xs, [0.0] * len(xs))
+        out.append({"policy": policy, "rank": 1 + lost, "n": len(xs), "score": score, "ci_low": low, "ci_high": high,
+                    "correct": correct, "accuracy": score if measure.binary else math.nan, "above": won})
+    test = ("exact McNemar" if measure.binary else "sign-flip permutation") + f", Holm-corrected, alpha {alpha:g}"
+    df = pd.DataFrame(out).assign(test=test)
+    df = df.sort_values(["rank", "score"], ascending=[True, not measure.higher_is_better], kind="stable")
+    order = list(df["policy"])
+    df["above"] = [", ".join(sorted(w, key=order.index)) for w in df["above"]]
+    return df.reset_index(drop=True)
+
+
+def _rank_wilson(g):
+    """`rank_policies` of one mode without per-prompt scores: pooled exact match and unpaired Wilson intervals."""
+    g = g.groupby("policy", sort=False)[["correct", "n"]].sum().reset_index()
+    g = g.assign(score=g["correct"] / g["n"])
+    g["accuracy"] = g["score"]
+    g[["ci_low", "ci_high"]] = [wilson_interval(c, n) for c, n in zip(g["correct"], g["n"])]
+    g = g.sort_values("score", ascending=False, kind="stable")
+    g["rank"] = [1 + sum(1 for q in g.itertuples() if q.ci_low > row.ci_high) for row in g.itertuples()]
+    g["above"] = [", ".join(q.policy for q in g.itertuples() if q.ci_high < row.ci_low) for row in g.itertuples()]
+    return g.assign(test=UNPAIRED).sort_values(["rank", "score"], ascending=[True, False], kind="stable")
 
 
 def weak_tasks(table, threshold: float = WEAK_FULL_ACCURACY) -> dict:
@@ -231,31 +336,72 @@ def plot_leaderboard(table, path: str | Path | None = None, *, title: str = "RUL
     return _save_figure(fig, path)
 
 
-def plot_ranking(ranking, path: str | Path | None = None, *, title: str = "Policies ranked: exact match, 95% interval"):
-    """Forest plot of `rank_policies` output: one panel per mode, one row per policy (best on top), its pooled exact
-    match (%) as a dot and its 95% Wilson interval as a bar; the full cache in black.
+def plot_ranking(ranking, path: str | Path | None = None, *, title: str | None = None):
+    """Forest plot of `rank_policies` output: one panel per mode, one row per policy (best on top, labelled with its
+    rank, so policies the paired tests do not separate share a number), its pooled score as a dot and its 95%
+    interval as a bar (exact match: Wilson; continuous: bootstrap); the full cache in black. The title names the
+    test the ranks come from.
 
     Returns the matplotlib Figure; saves it to `path` (PNG, SVG, ... by suffix) when given.
     """
     import matplotlib.pyplot as plt
 
+    from .statistics import MEASURES
+
     modes = list(dict.fromkeys(ranking["mode"]))
+    measure = MEASURES[str(ranking["measure"].iloc[0])]
+    scale, unit = (100, " (%)") if measure.name in ("exact", "partial", "agreement") else (1, "")
     height = 0.9 + 0.32 * max(len(g) for _, g in ranking.groupby("mode"))
-    fig, axes = plt.subplots(1, len(modes), figsize=(4.6 * len(modes), height), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(modes), figsize=(4.6 * len(modes), height + 0.3), sharex=True, squeeze=False)
     ratio = max(ranking["drop_ratio"])
     for ax, mode in zip(axes[0], modes):
         g = ranking[ranking["mode"] == mode].reset_index(drop=True)
         y = list(range(len(g)))[::-1]
         for yi, row in zip(y, g.itertuples()):
             color = "black" if row.policy == FULL else "C0"
-            err = [[100 * max(0.0, row.accuracy - row.ci_low)], [100 * max(0.0, row.ci_high - row.accuracy)]]  # 0 - 1e-17
-            ax.errorbar(100 * row.accuracy, yi, xerr=err, fmt="o", color=color, capsize=3)
+            err = [[scale * max(0.0, row.score - row.ci_low)], [scale * max(0.0, row.ci_high - row.score)]]  # 0 - 1e-17
+            ax.errorbar(scale * row.score, yi, xerr=err, fmt="o", color=color, capsize=3)
         ax.set_yticks(y, [f"{row.rank}. {row.policy}" for row in g.itertuples()])
         ax.set_title(f"query-{mode}, drop ratio {ratio:g}")
-        ax.set_xlabel("exact match, pooled over tasks (%)")
-        ax.set_xlim(-3, 103)
+        ax.set_xlabel(f"{measure.name}, pooled over tasks{unit}")
+        if scale == 100:
+            ax.set_xlim(-3, 103)
         ax.grid(axis="x", alpha=0.3)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(title or f"Policies ranked by {ranking['test'].iloc[0]}", fontsize=9)
+    fig.tight_layout()
+    return _save_figure(fig, path)
+
+
+def plot_paired_differences(diffs, path: str | Path | None = None, *, title: str | None = None):
+    """Forest plot of `tdutils.eval.statistics.paired_differences`: one panel per (task, mode), one row per policy
+    and drop ratio, the mean per-prompt difference to the full cache on the same prompts as a dot with its paired
+    bootstrap 95% interval as a bar; filled where the paired test's p-value is below 0.05 (uncorrected: one cell
+    against the full cache), hollow where it is not; a line at 0.
+
+    Returns the matplotlib Figure; saves it to `path` (PNG, SVG, ... by suffix) when given.
+    """
+    import matplotlib.pyplot as plt
+
+    from .statistics import ALPHA
+
+    panels = list(dict.fromkeys(zip(diffs["task"], diffs["mode"])))
+    rows = max(len(g) for _, g in diffs.groupby(["task", "mode"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 0.9 + 0.24 * rows), squeeze=False)
+    for ax, (task, mode) in zip(axes[0], panels):
+        g = diffs[(diffs["task"] == task) & (diffs["mode"] == mode)].reset_index(drop=True)
+        y = list(range(len(g)))[::-1]
+        for yi, row in zip(y, g.itertuples()):
+            err = [[max(0.0, row.diff - row.ci_low)], [max(0.0, row.ci_high - row.diff)]]
+            sig = row.p_value < ALPHA
+            ax.errorbar(row.diff, yi, xerr=err, fmt="o", capsize=2, color="C3" if sig else "C0",
+                        mfc=None if sig else "white")
+        ax.axvline(0, color="black", lw=0.8)
+        ax.set_yticks(y, [f"{row.policy} @ {row.drop_ratio:g}" for row in g.itertuples()], fontsize=7)
+        ax.set_title(f"{task}, query-{mode}", fontsize=9)
+        ax.set_xlabel(f"{g['measure'].iloc[0]}: cell - full cache (paired)")
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(title or "Paired differences to the full cache, bootstrap 95% intervals (filled: p < 0.05)",
+                 fontsize=9)
     fig.tight_layout()
     return _save_figure(fig, path)
 
@@ -278,6 +424,7 @@ def _save_figure(fig, path: str | Path | None):
     return fig
 
 
-__all__ = ["WEAK_FULL_ACCURACY", "format_table", "format_task_table", "leaderboard", "plot_accuracy",
-           "plot_leaderboard", "plot_ranking", "rank_policies", "task_markdown", "weak_task_notes", "weak_tasks",
+__all__ = ["UNPAIRED", "WEAK_FULL_ACCURACY", "format_table", "format_task_table", "leaderboard", "measure_markdown",
+           "plot_accuracy",
+           "plot_leaderboard", "plot_paired_differences", "plot_ranking", "rank_policies", "task_markdown", "weak_task_notes", "weak_tasks",
            "write_json"]

@@ -15,6 +15,7 @@ training seed with a bundled model is refused), and every policy's drop function
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -27,7 +28,7 @@ from .tasks import MODES, PASSKEY, PASSKEY_DEFAULTS, RULER_DEFAULTS, WORD_DEFAUL
 COLUMNS = ("policy", "drop_ratio", "context_tokens", "n", "correct", "accuracy", "ci_low", "ci_high", "modify_s",
            "kept_tokens")
 TASK_COLUMNS = ("task", "mode", "policy", "drop_ratio", "context_length", "n", "correct", "accuracy", "ci_low",
-                "ci_high", "partial", "kept_tokens", "modify_s", "max_tokens")
+                "ci_high", "partial", "kept_tokens", "modify_s", "max_tokens", "measure", "score", "scores")
 # The defaults of the two entry points: those the passkey and word-level registrations give the command line.
 DEFAULT_POLICIES = PASSKEY_DEFAULTS.policies
 DEFAULT_DROP_RATIOS = PASSKEY_DEFAULTS.drop_ratios
@@ -170,6 +171,10 @@ def task_eval(
     responses: dict | None = None,
     chat_template: str | bool = "auto",
     partial: list | None = None,
+    done: Sequence[Mapping] | None = None,
+    progress: bool = False,
+    stop_at_eos: bool = True,
+    checkpoint: Callable[[], None] | None = None,
 ):
     """Exact match on registered tasks (Hsieh et al., "RULER", arXiv:2404.06654; `tdutils.eval.tasks`) for every
     (task, mode, context length, policy, drop ratio) cell — the query-aware and query-agnostic leaderboard.
@@ -214,6 +219,12 @@ def task_eval(
             when it has one, `"none"` never (`tdutils.ruler.uses_chat_template`); word-level tasks ignore it.
         partial: when a list is given, each cell's row (a dict of `TASK_COLUMNS`) is appended to it as soon as the
             cell is scored, so a caller keeps the finished cells of a run stopped by KeyboardInterrupt.
+        done: rows of a stored run of the same grid (model, seed, n, decode tokens): their cells are not run again
+            (`run_tasks`), so a killed run resumes where it stopped. Rows without per-prompt `scores` are refused.
+        progress: a progress bar over the cells with an ETA (tqdm, stderr).
+        stop_at_eos: a request leaves the decode batch at its first EOS (default; the answers are the same as with
+            EOS ignored, since what follows an EOS is never scored).
+        checkpoint: called after each (length, task, mode) group that ran (e.g. to write the finished cells).
 
     Returns:
         pandas DataFrame, one row per cell, ordered length -> task -> mode -> policy -> ratio, with columns
@@ -221,11 +232,15 @@ def task_eval(
         (exact-match fraction), `ci_low`, `ci_high` (95% Wilson interval of `accuracy`), `partial` (mean fraction
         of gold items listed, RULER's partial credit), `kept_tokens` (mean KV tokens per request at decode:
         after the edit, the question included), `modify_s` (seconds in `modify` for the cell's n requests; 0 for
-        the full cache), `max_tokens`.
+        the full cache), `max_tokens`, `measure` (the task's ranked measure), `score` (its mean), `scores`
+        (`{measure: [one score per example]}`: exact and partial, or a teacher-forced task's kl, delta_ppl,
+        agreement and ppl; what `tdutils.eval.statistics` pairs). A teacher-forced task (`text_fidelity`) runs
+        in the agnostic mode only; its exact-match columns are NaN.
 
     Raises:
         ValueError: no tasks / modes / policies / ratios / lengths, an unknown task or mode, the agnostic mode for a
-            task without a context/question split, a ratio outside [0, 1], `n < 1`, an unknown policy or parameter,
+            task without a context/question split, a teacher-forced task with the aware mode alone, `done` rows
+            without per-prompt scores, a ratio outside [0, 1], `n < 1`, an unknown policy or parameter,
             a negative seed, a training seed with a bundled model, a context length too short for a task or too
             long for the model, or the agnostic mode on an engine without `extend`.
     """
@@ -243,10 +258,18 @@ def task_eval(
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
-    aware_only = [t.name for t in specs if t.split is None]
+    aware_only = [t.name for t in specs if t.split is None and not t.teacher_forced]
     if "agnostic" in modes and aware_only:
         raise ValueError(f"task(s) {aware_only} have no context/question split, so they run in aware mode only "
                          f"(use modes=('aware',))")
+    forced_only = [t.name for t in specs if not task_modes(t, modes)]
+    if forced_only:
+        raise ValueError(f"task(s) {forced_only} are teacher-forced and run in the agnostic mode only (the cache is "
+                         f"edited before the continuation is seen); add it (modes=('aware', 'agnostic'))")
+    done = list(done or [])
+    if any(not isinstance(r.get("scores"), Mapping) for r in done):
+        raise ValueError("the stored rows to resume from keep no per-prompt scores (a run of an older tdutils); "
+                         "start the run afresh")
     for name, value in (("n", n), ("batch_size", batch_size), ("max_tokens", 1 if max_tokens is None else max_tokens)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
@@ -276,28 +299,56 @@ def task_eval(
 
     def group(rows, seconds):
         if log is not None:
-            summary = ", ".join(f"{r['policy']}@{r['drop_ratio']:g} {100 * r['accuracy']:.0f}%" for r in rows)
+            summary = ", ".join(f"{r['policy']}@{r['drop_ratio']:g} {_score_text(r)}" for r in rows)
             log(f"{rows[0]['context_length']:>6} tokens {rows[0]['task']:>17} {rows[0]['mode']:>8}: {summary} "
                 f"({seconds:.1f} s)")
+        if checkpoint is not None:
+            checkpoint()
 
     rows = run_tasks(engine, specs, modes, cells, lengths, n=n, seed=seed, max_tokens=max_tokens,
-                     batch_size=batch_size, chat_template=chat_template, on_cell=cell, on_group=group)
+                     batch_size=batch_size, chat_template=chat_template, on_cell=cell, on_group=group,
+                     done={cell_key(r): dict(r) for r in done}, progress=progress, stop_at_eos=stop_at_eos)
     return pd.DataFrame(rows, columns=list(TASK_COLUMNS))
+
+
+def _score_text(row: Mapping) -> str:
+    """A cell's score for a log line: exact match in percent, or the measure's mean."""
+    if row.get("measure", "exact") == "exact":
+        return f"{100 * row['accuracy']:.0f}%"
+    return f"{row['measure']} {row['score']:.3g}"
+
+
+def cell_key(row: Mapping) -> tuple:
+    """`(context_length, task, mode, policy, drop_ratio)`: what names a cell across runs (resuming a stored run)."""
+    return int(row["context_length"]), str(row["task"]), str(row["mode"]), str(row["policy"]), float(row["drop_ratio"])
+
+
+def task_modes(task: Task, modes: Sequence[str]) -> list[str]:
+    """The modes of `modes` that `task` runs in: a teacher-forced task in the agnostic mode only (its continuation
+    is never in the prompt when the cache is edited)."""
+    return [m for m in modes if not task.teacher_forced or m == "agnostic"]
 
 
 def run_tasks(engine, tasks: Sequence[Task], modes: Sequence[str], cells: Sequence[tuple], lengths: Sequence[int], *,
               n: int, seed: int, max_tokens: int | None, batch_size: int, chat_template: str | bool = "auto",
               on_cell: Callable[[dict, list], None] | None = None,
-              on_group: Callable[[list[dict], float], None] | None = None) -> list[dict]:
+              on_group: Callable[[list[dict], float], None] | None = None, done: Mapping[tuple, dict] | None = None,
+              progress: bool = False, stop_at_eos: bool = True) -> list[dict]:
     """The benchmark loop: every (length, task, mode, cell) on `engine`, scored, in that order; nothing is checked
     here but that each length leaves room for the decode (the entry points check the rest first).
 
     Args:
-        tasks: registered `Task`s; modes: `"aware"` / `"agnostic"` (the latter needs `Task.split`).
+        tasks: registered `Task`s; modes: `"aware"` / `"agnostic"` (the latter needs `Task.split`; a teacher-forced
+            task runs in the agnostic mode only, `task_modes`).
         cells: `(policy, ratio, drop_fn or None)` from `build_cells`.
         n, seed, chat_template: for each task's `make_dataset`; max_tokens: decode tokens (None: `Task.max_tokens`).
-        on_cell: called with each cell's row and its answers as soon as it is scored.
+        on_cell: called with each new cell's row and its answers (a teacher-forced task: no answers) once scored.
         on_group: called with the rows of each (length, task, mode) and the seconds they took (datasets excluded).
+        done: rows already scored, by `cell_key` (a resumed run): those cells are not run again and their rows
+            are returned in their place; a group whose cells are all done is skipped whole.
+        progress: show a progress bar over the cells with an ETA (tqdm, on stderr).
+        stop_at_eos: a request leaves the decode batch at its first EOS token (what follows is never scored);
+            False decodes every request to `max_tokens` (the answers are the same either way).
 
     Returns:
         The rows, one dict of `TASK_COLUMNS` per cell.
@@ -305,40 +356,107 @@ def run_tasks(engine, tasks: Sequence[Task], modes: Sequence[str], cells: Sequen
     Raises:
         ValueError: a length plus the decode tokens past the model's positions; a dataset maker's ValueError.
     """
-    tok = engine.tokenizer
-    max_pos = getattr(engine.config, "max_position_embeddings", None)
+    from tqdm.auto import tqdm
+
+    done = dict(done or {})
+    total = len(lengths) * sum(len(task_modes(t, modes)) for t in tasks) * len(cells)
     rows: list[dict] = []
-    for length in lengths:
-        for task in tasks:
-            data = task.make_dataset(n, length, tok, seed, chat_template)
-            decode_tokens = task.max_tokens(data, tok) if max_tokens is None else int(max_tokens)
-            if max_pos and length + decode_tokens > max_pos:
-                raise ValueError(f"context length {length} + {decode_tokens} decode tokens exceeds the model's "
-                                 f"{max_pos} positions (max_position_embeddings); use shorter context lengths")
-            for mode in modes:
-                t0 = time.perf_counter()
-                if mode == "aware":
-                    prompts, extensions = [d.get("prompt_ids", d["prompt"]) for d in data], None
-                else:
-                    prompts, extensions = zip(*(task.split(tok, d) for d in data))
-                texts, modify_s, kept = run_cells(engine, prompts, cells, max_tokens=decode_tokens,
-                                                  batch_size=batch_size, extensions=extensions)
-                group = []
-                for policy, r, _ in cells:
-                    scores = [task.score(d["values"], t) for d, t in zip(data, texts[policy, r])]
-                    correct = sum(exact for exact, _ in scores)
-                    low, high = wilson_interval(correct, n)
-                    group.append({"task": task.name, "mode": mode, "policy": policy, "drop_ratio": r,
-                                  "context_length": length, "n": n, "correct": correct, "accuracy": correct / n,
-                                  "ci_low": low, "ci_high": high, "partial": sum(p for _, p in scores) / n,
-                                  "kept_tokens": kept[policy, r] / n, "modify_s": modify_s[policy, r],
-                                  "max_tokens": decode_tokens})
-                    if on_cell is not None:
-                        on_cell(group[-1], texts[policy, r])
-                rows += group
-                if on_group is not None:
-                    on_group(group, time.perf_counter() - t0)
+    job = {"n": n, "seed": seed, "max_tokens": max_tokens, "batch_size": batch_size, "chat_template": chat_template,
+           "stop_at_eos": stop_at_eos, "on_cell": on_cell, "on_group": on_group}
+    with tqdm(total=total, unit="cell", disable=not progress, dynamic_ncols=True, desc="eval") as bar:
+        for length in lengths:
+            for task in tasks:
+                rows += _run_task(engine, task, task_modes(task, modes), cells, length, done, bar, **job)
     return rows
+
+
+def _run_task(engine, task: Task, modes: Sequence[str], cells: Sequence[tuple], length: int, done: Mapping, bar, *,
+              n: int, seed: int, max_tokens: int | None, batch_size: int, chat_template, stop_at_eos: bool,
+              on_cell, on_group) -> list[dict]:
+    """`run_tasks` for one (length, task): its dataset (made only when a cell is still to run), the cells of each
+    mode not in `done`, one prefill per chunk for both modes where they share it (`run_cells_shared`), the rows."""
+    tok = engine.tokenizer
+    todo = {m: [c for c in cells if (length, task.name, m, c[0], float(c[1])) not in done] for m in modes}
+    data = decode_tokens = None
+    if any(todo.values()):
+        data = task.make_dataset(n, length, tok, seed, chat_template)
+        decode_tokens = task.max_tokens(data, tok) if max_tokens is None else int(max_tokens)
+        max_pos = getattr(engine.config, "max_position_embeddings", None)
+        if max_pos and length + decode_tokens > max_pos:
+            raise ValueError(f"context length {length} + {decode_tokens} decode tokens exceeds the model's {max_pos} "
+                             f"positions (max_position_embeddings); use shorter context lengths")
+    shared = {}
+    t0 = time.perf_counter()
+    if all(todo.get(m) for m in MODES) and not task.teacher_forced and _snapshot_capable(engine):
+        contexts, questions = zip(*(task.split(tok, d) for d in data))
+        shared = run_cells_shared(engine, contexts, questions, todo, max_tokens=decode_tokens, batch_size=batch_size,
+                                  stop_at_eos=stop_at_eos)
+    rows = []
+    for mode in modes:
+        bar.update(len(cells) - len(todo[mode]))
+        new: dict = {}
+        if todo[mode]:
+            head = {"task": task.name, "mode": mode, "context_length": length, "n": n, "max_tokens": decode_tokens}
+
+            def scored(policy, r, row, texts, head=head, new=new):
+                new[policy, r] = row = {**head, "policy": policy, "drop_ratio": r, **row}
+                bar.update(1)
+                if on_cell is not None:
+                    on_cell(row, texts)
+
+            _run_group(engine, task, mode, data, todo[mode], decode_tokens, batch_size, stop_at_eos, scored,
+                       shared.get(mode))
+        group = [new.get((p, r)) or done[length, task.name, mode, p, float(r)] for p, r, _ in cells]
+        group = [{c: row.get(c) for c in TASK_COLUMNS} for row in group]
+        rows += group
+        if on_group is not None and new:
+            on_group(group, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+    return rows
+
+
+def _run_group(engine, task: Task, mode: str, data: Sequence[Mapping], cells: Sequence[tuple], decode_tokens: int,
+               batch_size: int, stop_at_eos: bool, scored: Callable, generated: tuple | None = None) -> None:
+    """Run `cells` of one (length, task, mode) on `data` (or score `generated`, what `run_cells` returned for them)
+    and call `scored(policy, ratio, row, answers)` per cell, `row` holding the columns that depend on the cell
+    (`cell_row`)."""
+    tok, n = engine.tokenizer, len(data)
+    prompts = [d.get("prompt_ids", d.get("prompt")) for d in data]
+    if task.teacher_forced:
+        def forced(policy, r, per, modify_s, kept):
+            scored(policy, r, cell_row(task.measure, per, modify_s, kept / n), [])
+
+        run_forced_cells(engine, prompts, [d["continuation"] for d in data], cells, batch_size=batch_size,
+                         on_cell=forced)
+        return
+    extensions = None
+    if mode == "agnostic":
+        prompts, extensions = zip(*(task.split(tok, d) for d in data))
+    if generated is None:
+        generated = run_cells(engine, prompts, cells, max_tokens=decode_tokens, batch_size=batch_size,
+                              extensions=extensions, stop_at_eos=stop_at_eos)
+    texts, modify_s, kept = generated
+    for policy, r, _ in cells:
+        marks = [task.score(d["values"], t) for d, t in zip(data, texts[policy, r])]
+        per = {"exact": [float(e) for e, _ in marks], "partial": [float(p) for _, p in marks]}
+        scored(policy, r, cell_row(task.measure, per, modify_s[policy, r], kept[policy, r] / n), texts[policy, r])
+
+
+def cell_row(measure: str, per: Mapping[str, list], modify_s: float, kept_tokens: float) -> dict:
+    """The columns of a cell's row that come from its per-prompt scores `per` (`{measure: [one per prompt]}`):
+    `correct`, `accuracy`, `ci_low`, `ci_high` (95% Wilson) and `partial` from `per["exact"]` / `per["partial"]`
+    (NaN for a teacher-forced task, which has neither), `measure`, `score` (mean of `per[measure]`), `scores`
+    (`per` itself: what a paired test reads), `kept_tokens`, `modify_s`."""
+    n = len(next(iter(per.values())))
+    if "exact" in per:
+        correct = int(sum(per["exact"]))
+        low, high = wilson_interval(correct, n)
+        counts = {"correct": correct, "accuracy": correct / n, "ci_low": low, "ci_high": high,
+                  "partial": sum(per["partial"]) / n}
+    else:
+        counts = dict.fromkeys(("correct", "accuracy", "ci_low", "ci_high", "partial"), math.nan)
+    return {**counts, "kept_tokens": kept_tokens, "modify_s": modify_s, "measure": measure,
+            "score": sum(per[measure]) / n, "scores": {k: list(v) for k, v in per.items()}}
 
 
 def _open_engine(engine, model, seed: int, *, device=None, dtype="auto"):
@@ -379,12 +497,13 @@ def build_cells(engine, policies: Sequence[str], ratios: Sequence[float], params
 
 
 def run_cells(engine, prompts: Sequence, cells: Sequence[tuple], *, max_tokens: int, batch_size: int,
-              extensions: Sequence | None = None) -> tuple[dict, dict, dict]:
+              extensions: Sequence | None = None, stop_at_eos: bool = True) -> tuple[dict, dict, dict]:
     """Greedy responses of every cell on the same prompts: each chunk of `batch_size` prompts is prefilled once,
     then per cell the prefilled caches are restored, edited with the cell's drop function (`modify`; none for
     the full cache), extended with `extensions` when given (`extend`, the query-agnostic flow: the edit never
-    saw them) and decoded (`max_tokens` tokens, greedy, EOS ignored so every cell decodes the same count; each
-    response is its answer, the text up to its first EOS token, so what follows an EOS is never scored).
+    saw them) and decoded greedily, at most `max_tokens` tokens; with `stop_at_eos` (default) a request leaves the
+    batch at its first EOS token, else it decodes all `max_tokens` (EOS ignored). Each response is its answer, the
+    text up to its first EOS token, so what follows an EOS is never scored and both give the same answers.
 
     Args:
         engine: an open engine (`HFEngine` restores its prefilled state per cell; others prefill again).
@@ -397,24 +516,159 @@ def run_cells(engine, prompts: Sequence, cells: Sequence[tuple], *, max_tokens: 
         to the first EOS token) in prompt order, seconds in `modify` summed over chunks, and KV tokens per request
         at decode summed over requests (cache after the edit, extension included).
     """
-    texts = {(p, r): [] for p, r, _ in cells}
+    out = _results(cells)
+    for start in range(0, len(prompts), batch_size):
+        chunk = list(prompts[start:start + batch_size])
+        engine.prefill(chunk)
+        ext = None if extensions is None else list(extensions[start:start + batch_size])
+        _decode_cells(engine, _snapshot(engine), chunk, cells, ext, max_tokens, stop_at_eos, out)
+    return out
+
+
+def run_cells_shared(engine, contexts: Sequence, questions: Sequence, cells: Mapping[str, Sequence[tuple]], *,
+                     max_tokens: int, batch_size: int, stop_at_eos: bool = True) -> dict[str, tuple]:
+    """`run_cells` of both modes from one prefill per chunk: prefill(context) is the agnostic cells' start, and
+    extending it with the question (`extend`) gives the aware cells' start, the cache of prefill(context +
+    question) with the question's queries captured (`HFEngine.extend` on an unedited request), so each prompt's
+    context is prefilled once for every cell of both modes instead of once per mode.
+
+    Args:
+        contexts, questions: token ids per prompt (`Task.split`); together the aware prompt.
+        cells: `{"aware": [...], "agnostic": [...]}`, `(policy, ratio, drop_fn or None)` each.
+
+    Returns:
+        `{mode: (texts, modify_s, kept)}` as `run_cells` returns them.
+    """
+    out = {mode: _results(c) for mode, c in cells.items()}
+    for start in range(0, len(contexts), batch_size):
+        chunk = list(contexts[start:start + batch_size])
+        ext = list(questions[start:start + batch_size])
+        engine.prefill(chunk)
+        context = engine.snapshot()
+        engine.extend(ext)
+        prompt = engine.snapshot()
+        for mode, mode_cells in cells.items():
+            saved, extension = (prompt, None) if mode == "aware" else (context, ext)
+            _decode_cells(engine, saved, chunk, mode_cells, extension, max_tokens, stop_at_eos, out[mode])
+    return out
+
+
+def _results(cells) -> tuple[dict, dict, dict]:
+    """Empty `(texts, modify_s, kept)` of `run_cells` for `cells`."""
+    return ({(p, r): [] for p, r, _ in cells}, {(p, r): 0.0 for p, r, _ in cells}, {(p, r): 0 for p, r, _ in cells})
+
+
+def _decode_cells(engine, saved, chunk, cells, extensions, max_tokens: int, stop_at_eos: bool, out) -> None:
+    """Each cell of one chunk from the prefilled state `saved`: restore, edit, extend (when given), decode; the
+    answers, modify seconds and kept tokens are added to `out` (`_results`)."""
+    texts, modify_s, kept = out
+    for policy, r, fn in cells:
+        _restore(engine, saved, chunk)
+        if fn is not None:
+            engine.modify(fn)
+            modify_s[policy, r] += engine.metrics.modify.seconds
+        if extensions is not None:
+            engine.extend(extensions)
+        outs = engine.decode(max_tokens=max_tokens, temperature=0.0, ignore_eos=not stop_at_eos)
+        texts[policy, r] += [o.answer for o in outs]
+        kept[policy, r] += sum(o.cached_tokens for o in outs)
+
+
+def run_forced_cells(engine, prompts: Sequence, continuations: Sequence[Sequence[int]], cells: Sequence[tuple], *,
+                     batch_size: int, on_cell: Callable | None = None) -> dict:
+    """Fidelity of every cell to the full cache on teacher-forced continuations: each chunk of `batch_size` prompts
+    is prefilled once; the full cache decodes the continuations teacher-forced (`decode(forced_ids=...,
+    keep_logits=True)`), then per cell the prefilled caches are restored, edited (the edit never sees the
+    continuation: the agnostic setting) and forced through the same continuations.
+
+    Per prompt and cell: `kl`, the mean over the continuation's steps of KL(full || cell) in nats
+    (`tdutils.compression.kl_per_step`; 0 for the full cache); `ppl`, the continuation's perplexity
+    `exp(mean -log p(token))` under the cell; `delta_ppl`, that minus the full cache's; `agreement`, the fraction of
+    steps whose argmax is the full cache's argmax.
+
+    Args:
+        prompts: token-id lists (what `prefill` takes); continuations: one token-id list per prompt, all of the same
+            length m >= 1.
+        cells: `(policy, ratio, drop_fn or None)` from `build_cells`.
+        on_cell: called as `on_cell(policy, ratio, per, modify_s, kept)` once a cell has every prompt.
+
+    Returns:
+        `{(policy, ratio): {"kl": [...], "delta_ppl": [...], "agreement": [...], "ppl": [...]}}`, lists in prompt
+        order.
+
+    Raises:
+        ValueError: continuations of different lengths (or none).
+    """
+    m = {len(c) for c in continuations}
+    if len(m) != 1 or 0 in m:
+        raise ValueError(f"continuations must all have the same length >= 1, got lengths {sorted(m)}")
+    (m,) = m
+    per = {(p, r): {"kl": [], "delta_ppl": [], "agreement": [], "ppl": []} for p, r, _ in cells}
     modify_s = {(p, r): 0.0 for p, r, _ in cells}
     kept = {(p, r): 0 for p, r, _ in cells}
     for start in range(0, len(prompts), batch_size):
         chunk = list(prompts[start:start + batch_size])
+        forced = [[int(t) for t in c] for c in continuations[start:start + batch_size]]
         engine.prefill(chunk)
         saved = _snapshot(engine)
+        ref = engine.decode(max_tokens=m, temperature=0.0, ignore_eos=True, keep_logits=True, forced_ids=forced)
+        ref_logits = [_logit_matrix(o) for o in ref]
         for policy, r, fn in cells:
-            _restore(engine, saved, chunk)
+            outs = ref
             if fn is not None:
+                _restore(engine, saved, chunk)
                 engine.modify(fn)
                 modify_s[policy, r] += engine.metrics.modify.seconds
-            if extensions is not None:
-                engine.extend(list(extensions[start:start + batch_size]))
-            outs = engine.decode(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            texts[policy, r] += [o.answer for o in outs]
-            kept[policy, r] += sum(o.cached_tokens for o in outs)
-    return texts, modify_s, kept
+                outs = engine.decode(max_tokens=m, temperature=0.0, ignore_eos=True, keep_logits=True,
+                                     forced_ids=forced)
+            for o, full, ids in zip(outs, ref_logits, forced):
+                for k, v in continuation_measures(full, _logit_matrix(o), ids).items():
+                    per[policy, r][k].append(v)
+                kept[policy, r] += o.cached_tokens
+    if on_cell is not None:
+        for policy, r, _ in cells:
+            on_cell(policy, r, per[policy, r], modify_s[policy, r], kept[policy, r])
+    return per
+
+
+def continuation_measures(full_logits, logits, continuation: Sequence[int]) -> dict[str, float]:
+    """One prompt's fidelity measures from its teacher-forced logits: `[m, vocab]` tensors of the full cache and of
+    an edited cache at the same m steps (step s predicts `continuation[s]`). Returns `kl` (mean KL(full || edited)
+    per step, nats), `ppl` (`exp` of the mean negative log-likelihood of `continuation` under `logits`),
+    `delta_ppl` (`ppl` minus the full cache's) and `agreement` (fraction of steps with the same argmax).
+
+    Raises:
+        ValueError: shapes that differ or do not match the continuation's length.
+    """
+    import torch
+
+    from ..compression import kl_per_step
+
+    if full_logits.shape != logits.shape or logits.shape[0] != len(continuation):
+        raise ValueError(f"logits {tuple(full_logits.shape)} and {tuple(logits.shape)} must both be [m, vocab] with "
+                         f"m = {len(continuation)} continuation tokens")
+    ids = torch.as_tensor(list(continuation)).unsqueeze(1)
+
+    def ppl(x):
+        return math.exp(float(-torch.log_softmax(x.double(), dim=-1).gather(1, ids).mean()))
+
+    mine = ppl(logits)
+    return {"kl": float(kl_per_step(full_logits, logits).mean()), "delta_ppl": mine - ppl(full_logits),
+            "agreement": float((logits.argmax(-1) == full_logits.argmax(-1)).double().mean()), "ppl": mine}
+
+
+def _logit_matrix(output):
+    """A `RequestOutput`'s kept logits as one `[steps, vocab]` tensor."""
+    import torch
+
+    return output.logits if isinstance(output.logits, torch.Tensor) else torch.stack(list(output.logits))
+
+
+def _snapshot_capable(engine) -> bool:
+    """Whether `engine` is an `Engine` (`snapshot` / `restore`, `extend`): what `run_cells_shared` needs."""
+    from ..engines.base import Engine
+
+    return isinstance(engine, Engine) and callable(getattr(engine, "extend", None))
 
 
 def _snapshot(engine):
@@ -436,4 +690,5 @@ def _restore(engine, saved, prompts) -> None:
 __all__ = ["COLUMNS", "DEFAULT_CONTEXT_LENGTHS", "DEFAULT_DROP_RATIOS", "DEFAULT_N", "DEFAULT_POLICIES",
            "DEFAULT_REAL_CONTEXT_LENGTHS", "DEFAULT_REAL_DROP_RATIOS", "DEFAULT_REAL_N", "DEFAULT_TASK_CONTEXT_LENGTHS",
            "DEFAULT_TASK_DROP_RATIOS", "DEFAULT_TASK_POLICIES", "RULER_MODEL", "TASKS", "TASK_COLUMNS", "TINY_MODEL",
-           "build_cells", "lengths_eval", "passkey_eval", "run_cells", "run_tasks", "task_eval"]
+           "build_cells", "cell_key", "cell_row", "continuation_measures", "lengths_eval", "passkey_eval", "run_cells",
+           "run_cells_shared", "run_forced_cells", "run_tasks", "task_eval", "task_modes"]

@@ -1,14 +1,14 @@
 """The task registry: a task is a name, a dataset maker, the context/question split, a scorer, a decode length and
 the command line's defaults; `task_eval`, `passkey_eval` and `python -m tdutils eval --tasks NAME` find it by name.
 
-Three suites are registered here: `passkey` (the bundled `tiny-qwen3`'s needle, docs/design.md §8; aware mode
+Three suites are registered here (a fourth, `text`, in `task_fidelity.py`): `passkey` (the bundled `tiny-qwen3`'s needle, docs/design.md §8; aware mode
 only); `word`, the word-level RULER-style tasks of `tiny-qwen3-ruler` (`tdutils.data.RULER_TASKS`, `--tasks all`);
 `ruler`, RULER's own templates for real tokenizers (`tdutils.ruler`, Hsieh et al., arXiv:2404.06654), registered as
 `ruler_` + RULER's task name (`--tasks ruler`). A new task is one file `tdutils/eval/task_<name>.py` that calls
 `register_task(Task(...))`: such files are imported at the first lookup, in name order, with no other edit.
 
 A task's examples are dicts with `prompt` (what `prefill` takes: text, or `prompt_ids`) and `values` (the gold items
-its scorer reads); `split(tokenizer, example)` returns `(context ids, question ids)` whose concatenation is exactly
+its scorer reads; a teacher-forced task's examples have `prompt_ids` and `continuation` ids instead); `split(tokenizer, example)` returns `(context ids, question ids)` whose concatenation is exactly
 the aware prompt's ids (None: aware mode only). `Defaults` are what the command line runs when an option is left
 out; a run takes those of its first task that runs on a bundled model (else of its first task).
 """
@@ -22,10 +22,10 @@ from ..data import RULER_PREFIX, RULER_TASKS, TASK_MODES
 from ..models import RULER_MODEL_NAME, TINY_MODEL_NAME
 from .common import FULL
 
-PASSKEY, WORD, RULER = "passkey", "word", "ruler"
-SUITES = (WORD, RULER, PASSKEY)  # the order tasks are listed in
+PASSKEY, WORD, RULER, TEXT = "passkey", "word", "ruler", "text"
+SUITES = (WORD, RULER, TEXT, PASSKEY)  # the order tasks are listed in
 GROUPS = {"all": WORD, "ruler": RULER}  # --tasks words that run a whole suite
-SUITE_LABELS = {WORD: "word-level", RULER: "RULER templates", PASSKEY: "the passkey benchmark"}
+SUITE_LABELS = {WORD: "word-level", RULER: "RULER templates", TEXT: "natural text", PASSKEY: "the passkey benchmark"}
 MODES = TASK_MODES  # ("aware", "agnostic")
 LAYOUTS = ("tasks", "lengths")
 
@@ -85,24 +85,38 @@ class Task:
 
     Attributes:
         name: registry key (`--tasks NAME`).
-        suite: `"word"`, `"ruler"` or `"passkey"` (`SUITES`; `--tasks all` / `ruler` run a whole suite).
+        suite: `"word"`, `"ruler"`, `"text"` or `"passkey"` (`SUITES`; `--tasks all` / `ruler` run a whole suite).
         make_dataset: `(n, context_tokens, tokenizer, seed, chat_template) -> list[dict]`, each example of exactly
             `context_tokens` prompt tokens for that tokenizer; ValueError when the length cannot hold the task.
         split: `(tokenizer, example) -> (context ids, question ids)`; None: the task runs in aware mode only.
-        score: `(values, response text) -> (exact: bool, partial: float in [0, 1])`.
-        max_tokens: `(examples, tokenizer) -> int`, greedy decode tokens that hold the longest full answer.
+        score: `(values, response text) -> (exact: bool, partial: float in [0, 1])`; None for a teacher-forced
+            task (scored from its logits).
+        max_tokens: `(examples, tokenizer) -> int`, greedy decode tokens that hold the longest full answer (a
+            teacher-forced task: its continuation's length).
         about: one line for tables and `--help`.
         defaults: the command line's defaults (`Defaults`).
+        measure: the per-prompt score the task is ranked by (`tdutils.eval.statistics.MEASURES`): `"exact"`
+            (binary exact match), `"partial"` (fraction of the references found), or for a teacher-forced task
+            `"kl"`; every row keeps each prompt's scores of all its measures.
+        teacher_forced: the examples carry a `continuation` that is fed, not generated
+            (`decode(forced_ids=...)`): the cells are compared with the full cache's next-token distributions
+            (`tdutils.eval.runner.run_forced_cells`) instead of scoring answers. Agnostic mode only (the cache is
+            edited before the continuation is seen).
+        grouped: run by its suite's word (`--tasks ruler`) and by default; False for a task that re-scores
+            another task's prompts (`ruler_<task>_partial`), which runs when named.
     """
 
     name: str
     suite: str
     make_dataset: Callable[..., list[dict]]
     split: Callable[[object, Mapping], tuple[list[int], list[int]]] | None
-    score: Callable[[Sequence[str], str | None], tuple[bool, float]]
+    score: Callable[[Sequence[str], str | None], tuple[bool, float]] | None
     max_tokens: Callable[[Sequence[Mapping], object], int]
     about: str = ""
     defaults: Defaults = WORD_DEFAULTS
+    measure: str = "exact"
+    teacher_forced: bool = False
+    grouped: bool = True
 
 
 _TASKS: dict[str, Task] = {}
@@ -112,7 +126,8 @@ def register_task(task: Task) -> Task:
     """Make `task` reachable by name (`get_task`, `task_eval`, `python -m tdutils eval --tasks`).
 
     Raises:
-        ValueError: a name already registered, an unknown suite or layout, or a `"lengths"` task with a split.
+        ValueError: a name already registered, an unknown suite, layout or measure, or a task without a scorer
+            that is not teacher-forced.
     """
     if task.suite not in SUITES:
         raise ValueError(f"task {task.name!r}: suite must be one of {SUITES}, got {task.suite!r}")
@@ -120,6 +135,11 @@ def register_task(task: Task) -> Task:
         raise ValueError(f"task {task.name!r} is already registered")
     if task.defaults.layout not in LAYOUTS:
         raise ValueError(f"task {task.name!r}: layout must be one of {LAYOUTS}, got {task.defaults.layout!r}")
+    from .statistics import get_measure
+
+    get_measure(task.measure)
+    if task.score is None and not task.teacher_forced:
+        raise ValueError(f"task {task.name!r}: a task that generates answers needs a scorer (score=...)")
     _TASKS[task.name] = task
     return task
 
@@ -253,6 +273,24 @@ def _discover() -> None:
             importlib.import_module(f"{__package__}.{module}")
 
 
-__all__ = ["GROUPS", "MODES", "PASSKEY", "PASSKEY_DEFAULTS", "RULER", "RULER_DEFAULTS", "RULER_PREFIX", "SUITES",
-           "SUITE_LABELS", "WORD", "WORD_DEFAULTS", "Defaults", "Task", "get_task", "register_task", "split_question",
-           "task_names", "unregister_task"]
+__all__ = [
+    "GROUPS",
+    "MODES",
+    "PASSKEY",
+    "PASSKEY_DEFAULTS",
+    "RULER",
+    "RULER_DEFAULTS",
+    "RULER_PREFIX",
+    "SUITES",
+    "SUITE_LABELS",
+    "TEXT",
+    "WORD",
+    "WORD_DEFAULTS",
+    "Defaults",
+    "Task",
+    "get_task",
+    "register_task",
+    "split_question",
+    "task_names",
+    "unregister_task",
+]
