@@ -34,6 +34,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("tdutils.eval.cli", ("accuracy of policies x drop ratios x context lengths: passkey, or RULER-style "
                                   "tasks in query-aware / query-agnostic mode")),
     "doctor": ("tdutils.doctor", "check a vLLM + LMCache serving setup end to end and print what to fix"),
+    "patches": ("tdutils.serving.patches", "check, apply or revert the vLLM / LMCache patches of the serving path"),
 }
 
 
@@ -43,11 +44,10 @@ def _fmt(x: float) -> str:
 
 # Words a user may try as a subcommand that belong to another command: word -> what to run instead.
 ELSEWHERE = {
-    "patch": "patching vLLM and LMCache is a module of its own: python -m tdutils.patches apply (or check, revert); "
-             "python -m tdutils doctor says whether a serving setup needs it",
-    "patches": "python -m tdutils.patches apply (or check, revert) patches vLLM and LMCache",
-    "apply": "python -m tdutils.patches apply patches vLLM and LMCache",
-    "check": "python -m tdutils doctor checks a vLLM + LMCache setup; python -m tdutils.patches check shows the patch "
+    "patch": "python -m tdutils patches apply (or check, revert) patches vLLM and LMCache; python -m tdutils doctor "
+             "says whether a serving setup needs it",
+    "apply": "python -m tdutils patches apply patches vLLM and LMCache",
+    "check": "python -m tdutils doctor checks a vLLM + LMCache setup; python -m tdutils patches check shows the patch "
              "state",
     "evaluate": "python -m tdutils eval measures accuracy", "accuracy": "python -m tdutils eval measures accuracy",
     "bench": "python -m tdutils eval measures accuracy, python -m tdutils run throughput",

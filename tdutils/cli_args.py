@@ -30,7 +30,7 @@ def is_usage_error(exc: BaseException) -> bool:
 
     True for `UsageError` and the types the library documents for bad input: `ValueError` (bad values, files
     that do not parse), `OSError` (missing or unwritable files), `ConnectionError` (a server that is down) and
-    `tdutils.completion.CompletionError` (a server that refused or failed a request). False for everything else,
+    `tdutils.serving.completion.CompletionError` (a server that refused or failed a request). False for everything else,
     e.g. `TypeError`, `RuntimeError`, `AssertionError`, `KeyError`, `IndexError`: those mean tdutils itself
     went wrong.
     """

@@ -2,7 +2,7 @@
 
 Checks, in order (each with a finite timeout): the LMCache server answers `/healthcheck` and `/config`
 (chunk size); vLLM answers `/v1/models` and serves the model; which query-export patch fits vLLM's
-version (`/version`; `tdutils.patches.PATCHES`); the patch state of a vLLM visible from here (`--vllm-dir`,
+version (`/version`; `tdutils.serving.patches.PATCHES`); the patch state of a vLLM visible from here (`--vllm-dir`,
 `--vllm-python`, or this environment) and of the LMCache installed next to it (fused K/V layout patch);
 LMCache has the model's KV layout registered (vLLM runs with the LMCache MP connector), in a form its SDK
 can read, and, for policies that need queries, a query registration; a one-token completion
@@ -155,7 +155,7 @@ def _patch_state(rep: Report, vllm_dir: str | None, python: str | None) -> None:
         state = status(install, load_patch(spec or fitting_patch(install))).state
     except (PatchError, OSError) as exc:
         rep.add(WARN, f"patch state unknown: {exc}",
-                "run `python -m tdutils.patches check` in vLLM's environment, or pass --vllm-python / --vllm-dir",
+                "run `python -m tdutils patches check` in vLLM's environment, or pass --vllm-python / --vllm-dir",
                 queries=True)
         return
     _lmcache_patch_state(rep, install)
@@ -170,7 +170,7 @@ def _patch_state(rep: Report, vllm_dir: str | None, python: str | None) -> None:
     else:
         rep.add(FAIL, f"vLLM {install.version} at {install.package_dir}: query-export patch {state}"
                       + (f" ({spec.name})" if spec else ""),
-                "python -m tdutils.patches apply" + (f" --python {python}" if python else "")
+                "python -m tdutils patches apply" + (f" --python {python}" if python else "")
                 + (f" --vllm-dir {vllm_dir}" if vllm_dir else "") + ", then restart vLLM", queries=True)
 
 
@@ -197,7 +197,7 @@ def _lmcache_patch_state(rep: Report, vllm: object) -> None:
     else:
         rep.add(WARN, f"LMCache {install.version} at {install.package_dir}: fused K/V layout patch {spec.name} "
                       f"{state}; vLLM's CPU backend needs it (GPU backends do not)",
-                "python -m tdutils.patches apply --target lmcache --python PY-OF-THAT-ENVIRONMENT, then restart "
+                "python -m tdutils patches apply --target lmcache --python PY-OF-THAT-ENVIRONMENT, then restart "
                 "the LMCache server")
 
 
@@ -257,7 +257,7 @@ def _layout_readable(rep: Report, entry: dict, model: str) -> None:
     unpatched LMCache server publishes `"Unknown (EngineKVFormat.NL_X_NB_NH_BS_CS)"` instead, and the SDK's
     connect fails with "failed to decode KV cache layout" (tests/repro_lmcache_cpu_fused_layout.py): FAIL,
     the fix is tdutils' LMCache patch. A published fused layout is OK (the lmcache engine re-shapes its
-    blocks, `tdutils.engines.kvlayout`), with a warning when it is not float32 (the only dtype whose CPU
+    blocks, `tdutils.serving.kvlayout`), with a warning when it is not float32 (the only dtype whose CPU
     packing was measured, docs/design.md §6).
     """
     from .serving.kvlayout import FUSED_FORMATS
@@ -271,7 +271,7 @@ def _layout_readable(rep: Report, entry: dict, model: str) -> None:
                       f"{g.get('engine_kv_concrete_shape')!r}; LMCache's SDK cannot connect to it, so the lmcache "
                       f"engine cannot edit this cache",
                 "lmcache 0.5.6 needs tdutils' patch for the fused K/V layout of vLLM's CPU backend: python -m "
-                "tdutils.patches apply --target lmcache --python PY-OF-THE-SERVERS-ENVIRONMENT, then restart LMCache "
+                "tdutils patches apply --target lmcache --python PY-OF-THE-SERVERS-ENVIRONMENT, then restart LMCache "
                 "and vLLM")
         return
     fused = [g for g in groups if g.get("engine_kv_format") in FUSED_FORMATS]

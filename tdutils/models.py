@@ -5,7 +5,7 @@
 tokenizer over the words of the bundled filler text, digits 0-9 and the passkey markers. It needs no
 network and exercises the grouped-query-attention (GQA) code paths. `load_model("tiny-qwen3-ruler")` loads
 the second bundled model, 4 layers with the same tokenizer, trained on the RULER-style tasks of
-`tdutils.data` (`tools/train_ruler_model.py`; `tdutils.evaluate.task_eval` evaluates it). Any other name is passed to
+`tdutils.data` (`tools/train_ruler_model.py`; `tdutils.eval.task_eval` evaluates it). Any other name is passed to
 transformers' `from_pretrained` (a hub id such as `Qwen/Qwen3-0.6B`, or a local folder), except names of the
 form `random:ARCH[:NL]` (e.g. `random:qwen3-0.6b:4L`): a real-shaped model with random weights from
 `random_model`, for throughput and memory measurements only (its outputs mean nothing).

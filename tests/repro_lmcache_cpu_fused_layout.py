@@ -17,7 +17,7 @@ Run it with the servers' Python while LMCache and vLLM (CPU, LMCache MP connecto
         tests/repro_lmcache_cpu_fused_layout.py --lmcache-url tcp://127.0.0.1:PORT \\
         --lmcache-http-url http://127.0.0.1:HTTP_PORT
 
-Exit status 1 and a `REPRODUCED:` line on a stock lmcache 0.5.6 (`python -m tdutils.patches revert --target
+Exit status 1 and a `REPRODUCED:` line on a stock lmcache 0.5.6 (`python -m tdutils patches revert --target
 lmcache --python ...` restores one; restart the servers after a change); 0 and `NOT REPRODUCED:` with the
 patch applied (the server tier applies it: tests/servertier.py, `patch_venv`).
 """

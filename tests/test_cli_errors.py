@@ -44,7 +44,7 @@ def test_report_names_the_issue_tracker_of_the_installed_package(capsys):
 
 
 def test_server_refusals_count_as_input_problems():
-    from tdutils.completion import CompletionError, CompletionHTTPError
+    from tdutils.serving.completion import CompletionError, CompletionHTTPError
 
     assert is_usage_error(CompletionError("x")) and issubclass(CompletionHTTPError, CompletionError)
     assert not is_usage_error(RuntimeError("x")) and not is_usage_error(NotImplementedError("x"))

@@ -6,7 +6,7 @@ import time
 import pytest
 from standins import chunk, closed_port_url, serve, usage_chunk
 
-from tdutils.completion import (
+from tdutils.serving.completion import (
     CompletionConnectionError,
     CompletionError,
     CompletionHTTPError,

@@ -45,7 +45,7 @@ def _routes(*, as_text=False, registered=True, queries=True, version="0.25.1", g
 
 
 def _synthetic_vllm(tmp_path, patched: bool):
-    from tdutils import patches as tp
+    from tdutils.serving import patches as tp
 
     pkg = tmp_path / "vllm"
     pkg.mkdir()
@@ -88,7 +88,7 @@ def test_problems_are_reported_with_their_fix(tmp_path):
         rc, out = _doctor("--vllm-url", url, "--lmcache-http-url", url, "--vllm-dir", str(pkg))
     assert rc == 1
     assert "[warn] vLLM 0.26.0 is outside the range" in out
-    assert "query-export patch unapplied" in out and "python -m tdutils.patches apply" in out
+    assert "query-export patch unapplied" in out and "python -m tdutils patches apply" in out
     assert "no KV layout registered" in out and "LMCacheMPConnector" in out
     assert "no query ring registered" in out and "--enable transfer_query" in out
     assert "fix: start vLLM with --return-tokens-as-token-ids" in out
@@ -173,7 +173,7 @@ def test_vllm_cpu_fused_layout_unpatched_patched_and_bfloat16():
                     f"NL_X_NB_NH_BS_CS (vLLM non-MLA blocks-first, fused K/V (HND)), concrete shape '{shape}'; "
                     f"LMCache's SDK cannot connect to it, so the lmcache engine cannot edit this cache") in lines, out
             assert ("       fix: lmcache 0.5.6 needs tdutils' patch for the fused K/V layout of vLLM's CPU backend: "
-                    "python -m tdutils.patches apply --target lmcache --python PY-OF-THE-SERVERS-ENVIRONMENT, then "
+                    "python -m tdutils patches apply --target lmcache --python PY-OF-THE-SERVERS-ENVIRONMENT, then "
                     "restart LMCache and vLLM") in lines, out
             continue
         line = (f"LMCache describes the fused K/V layout vLLM registered for '{MODEL}': NL_X_NB_NH_BS_CS, {shape}, "

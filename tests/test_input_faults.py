@@ -15,7 +15,7 @@ import torch
 
 import tdutils
 from tdutils.answers import extract_answer, score_passkey
-from tdutils.completion import TokenEvent, iter_sse_lines, iter_token_events, make_post_completion
+from tdutils.serving.completion import TokenEvent, iter_sse_lines, iter_token_events, make_post_completion
 from tdutils.data import _read_hub, load_prompts
 from tdutils.textio import NotUTF8Error, read_text
 

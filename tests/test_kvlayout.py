@@ -1,10 +1,10 @@
-"""The fused K/V layout adapter (tdutils.engines.kvlayout): hand-built caches in vLLM-CPU's measured layout
+"""The fused K/V layout adapter (tdutils.serving.kvlayout): hand-built caches in vLLM-CPU's measured layout
 -> the per-token KV the lmcache engine hands to drop functions, the exact inverse, and clear errors."""
 
 import pytest
 import torch
 
-from tdutils.engines.kvlayout import ARRANGEMENTS, KVLayoutError, fused_to_kv, kv_to_fused
+from tdutils.serving.kvlayout import ARRANGEMENTS, KVLayoutError, fused_to_kv, kv_to_fused
 
 NB, H, BS, D, L = 3, 2, 4, 3, 2  # blocks, KV heads, block size, head size, layers (small, so rows are readable)
 

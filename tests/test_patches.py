@@ -1,4 +1,4 @@
-"""The vLLM patch and `python -m tdutils.patches`: synthetic copies of the two files (always), and the real
+"""The vLLM patch and `python -m tdutils patches`: synthetic copies of the two files (always), and the real
 files of a vLLM wheel when `TDUTILS_VLLM_WHEEL` names one (e.g. after
 `pip download vllm==0.25.1 --no-deps -d /tmp/vllm_whl`; download only, never installed)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tdutils import patches as tp
+from tdutils.serving import patches as tp
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
@@ -216,7 +216,7 @@ def test_vllm_not_found_says_how_to_point_at_it(tmp_path, capsys):
     if importlib.util.find_spec("vllm") is None:
         assert tp.main(["check"]) == 2
         assert capsys.readouterr().err.strip() == (
-            f"tdutils.patches: error: vLLM is not installed in this Python environment ({sys.executable}); point at "
+            f"tdutils patches: error: vLLM is not installed in this Python environment ({sys.executable}); point at "
             f"it with --python /path/to/vllm-venv/bin/python or --vllm-dir /path/to/site-packages/vllm")
     assert tp.main(["check", "--python", sys.executable, "--vllm-dir", str(tmp_path)]) == 2
 

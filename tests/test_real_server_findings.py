@@ -73,7 +73,7 @@ def test_doctor_finds_the_path_registration_and_fails_on_the_cpu_layout():
             "'Unknown (EngineKVFormat.NL_X_NB_NH_BS_CS)'; LMCache's SDK cannot connect to it, so the lmcache "
             "engine cannot edit this cache") in lines
     assert ("       fix: lmcache 0.5.6 needs tdutils' patch for the fused K/V layout of vLLM's CPU backend: python -m "
-            "tdutils.patches apply --target lmcache --python PY-OF-THE-SERVERS-ENVIRONMENT, then restart LMCache and "
+            "tdutils patches apply --target lmcache --python PY-OF-THE-SERVERS-ENVIRONMENT, then restart LMCache and "
             "vLLM") in lines
     assert rc == 1
 
@@ -108,7 +108,7 @@ def test_doctor_says_what_helps_when_the_patch_does_not_fit(tmp_path):
 
 
 def test_http_errors_carry_vllms_message_and_the_fix():
-    from tdutils.completion import http_error_message
+    from tdutils.serving.completion import http_error_message
 
     url = "http://127.0.0.1:1/v1/completions"
     body = ('{"error":{"message":"The model `nope` does not exist. Valid aliases: tiny-qwen3.","type":"NotFoundError",'

@@ -1,4 +1,4 @@
-"""Runtime choice of the Colab notebooks (tdutils.runtime) and background server control (tdutils.servers)."""
+"""Runtime choice of the Colab notebooks (tdutils.runtime) and background server control (tdutils.serving.servers)."""
 
 import json
 import os
@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 import torch
 
-from tdutils import runtime, servers
+from tdutils import runtime
+from tdutils.serving import servers
 
 
 def test_plan_falls_back_to_the_bundled_model_on_cpu(monkeypatch):

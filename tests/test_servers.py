@@ -33,8 +33,8 @@ import pytest
 import servertier
 from servertier import Servers, ensure_venv, group_alive, group_rss_mb, venv_info, venv_python
 
-from tdutils.completion import CompletionHTTPError, make_post_completion
-from tdutils.servers import shm_files
+from tdutils.serving.completion import CompletionHTTPError, make_post_completion
+from tdutils.serving.servers import shm_files
 
 pytestmark = pytest.mark.servers
 
@@ -288,7 +288,7 @@ def test_doctor_reports_a_stopped_server(servers, plain_vllm):
 def test_the_layout_patch_fixes_the_upstream_error(servers):
     """The reproduction of lmcache 0.5.6's fault says NOT REPRODUCED against these servers, because the venv
     carries tdutils' LMCache patch (on a stock lmcache it prints REPRODUCED with the SDK's IndexError)."""
-    from tdutils import patches as tp
+    from tdutils.serving import patches as tp
 
     lmc = tp.find_lmcache(tp.find_vllm(python=str(venv_python(servers.venv))))
     st = tp.status(lmc)

@@ -84,22 +84,6 @@ def test_a_real_model_on_word_level_tasks_is_warned(capsys):
     assert "(--tasks ruler)" in err, err
 
 
-def test_the_former_module_names_are_the_same_objects():
-    """`tdutils.evaluate` and `tdutils.tasks` stay importable as the same module objects as their new homes, so an
-    import, an attribute or a monkeypatch through the old name reaches the code."""
-    import tdutils.eval
-    import tdutils.eval.tasks
-    import tdutils.evaluate
-    import tdutils.tasks
-
-    assert tdutils.evaluate is tdutils.eval and tdutils.tasks is tdutils.eval.tasks
-    from tdutils.evaluate import passkey_eval, task_eval
-    from tdutils.tasks import get_task as old_get_task
-
-    assert passkey_eval is tdutils.eval.runner.passkey_eval and task_eval is tdutils.eval.runner.task_eval
-    assert old_get_task("passkey").defaults.layout == "lengths"
-
-
 def test_passkey_is_a_registration_with_its_own_defaults():
     """Passkey is a task like the others: aware mode only (no split), its own model, decode length and layout."""
     task = get_task("passkey")

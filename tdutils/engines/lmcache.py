@@ -9,7 +9,7 @@ and stores the result under the request's own edit salt; requests switch to thei
 request succeeded. `decode` streams from the (edited) caches under the KV budget; `decode(compression=...)` runs
 LMCache's multi-round flow (§9). vLLM decodes at compact positions, so drop functions must re-rotate.
 Fused K/V layouts (vLLM-CPU) are converted by `tdutils.serving.kvlayout` and need tdutils' LMCache patch
-(`python -m tdutils.patches apply --target lmcache`). `lmcache` is imported only when an engine is opened; tests
+(`python -m tdutils patches apply --target lmcache`). `lmcache` is imported only when an engine is opened; tests
 pass a stand-in `sdk`.
 """
 
@@ -317,7 +317,7 @@ class LMCacheEngine(Engine):
                          f"{self.lmcache_model_name!r} (engine KV format {', '.join(formats) or 'unknown'}). "
                          f"For the fused K/V layout of vLLM's CPU backend (NL_X_NB_NH_BS_CS), lmcache 0.5.6 "
                          f"needs tdutils' layout patch in the environment of the LMCache server and of this "
-                         f"client: python -m tdutils.patches apply --target lmcache (docs/design.md §6).")
+                         f"client: python -m tdutils patches apply --target lmcache (docs/design.md §6).")
             raise
         self.q_ctx = None
         self.query_unavailable = None
@@ -327,7 +327,7 @@ class LMCacheEngine(Engine):
                                          self.lmcache_model_name, timeout=self.http_timeout)
             except Exception as exc:  # noqa: BLE001 (policies without queries still run; the reason is kept)
                 self.query_unavailable = (f"no query context ({exc.__class__.__name__}: {exc}); start LMCache with "
-                                          f"--enable transfer_query and vLLM patched (python -m tdutils.patches "
+                                          f"--enable transfer_query and vLLM patched (python -m tdutils patches "
                                           f"apply) with lmcache.mp.transfer_intermediate_tensors")
                 warnings.warn(f"lmcache engine: {self.query_unavailable}", stacklevel=2)
         if int(self.kv_ctx.chunk_size) != self.chunk_size:
@@ -611,7 +611,7 @@ class LMCacheEngine(Engine):
             q = self._retrieve(self.q_ctx, r.tokens[:rows], r.salt, rows, "query")
         except TimeoutError as exc:
             raise TimeoutError(
-                f"{exc}: query capture is incomplete. Check that vLLM is patched (python -m tdutils.patches check), "
+                f"{exc}: query capture is incomplete. Check that vLLM is patched (python -m tdutils patches check), "
                 f"runs with lmcache.mp.transfer_intermediate_tensors, LMCache with --enable transfer_query, and "
                 f"that --max-num-batched-tokens is at least the longest prompt (queries of a prompt prefilled "
                 f"in several steps are not captured)") from None

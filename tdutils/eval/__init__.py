@@ -5,8 +5,7 @@ Modules, from the bottom up: `common` (seeds, checks run once at an entry, the W
 (the task registry: passkey, the word-level RULER-style tasks, RULER's templates; a new task is one file),
 `runner` (`task_eval`, `passkey_eval`: one loop over `build_cells` / `run_cells`), `report` (tables, leaderboard,
 ranking, notes, JSON, plots) and `cli` (`python -m tdutils eval`, defaults from the tasks' registrations). This
-package re-exports their public names; `tdutils.evaluate` and `tdutils.tasks` are the same objects under their
-former names (docs/design.md §7).
+package re-exports their public names (docs/design.md §7).
 """
 
 # isort: skip_file

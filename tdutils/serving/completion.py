@@ -462,7 +462,7 @@ def make_post_completion(base_url: str, model_name: str, *, timeout: float = DEF
         connect_timeout: seconds to establish a connection; finite.
         extra_body: extra JSON fields sent with every request.
         event_type: class built as `event_type(token_id=, text=)` per token; default LMCache's
-            `lmcache.sdk.request.TokenEvent` when lmcache is installed, else `tdutils.completion.TokenEvent`.
+            `lmcache.sdk.request.TokenEvent` when lmcache is installed, else `tdutils.serving.completion.TokenEvent`.
         transport: an httpx transport (tests).
 
     Returns:

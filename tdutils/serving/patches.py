@@ -1,8 +1,8 @@
 """Apply, check and revert the patches the serving path needs (docs/design.md §6).
 
-    python -m tdutils.patches check    # are vLLM (and LMCache) patched?  exit 0 yes, 1 no, 2 error
-    python -m tdutils.patches apply    # patch them (idempotent: a patched file is left as it is)
-    python -m tdutils.patches revert   # undo it (idempotent)
+    python -m tdutils patches check    # are vLLM (and LMCache) patched?  exit 0 yes, 1 no, 2 error
+    python -m tdutils patches apply    # patch them (idempotent: a patched file is left as it is)
+    python -m tdutils patches revert   # undo it (idempotent)
 
 `PATCHES`: one `PatchSpec` per package and version range, shipped in `tdutils/assets/patches/` (`PATCH_DIR`);
 the one that fits the installed version is chosen (`patch_for`): vLLM's query export (the attention layer's
@@ -252,7 +252,7 @@ def find_vllm(vllm_dir: str | os.PathLike | None = None, python: str | None = No
         vllm_dir: the folder holding vLLM's `__init__.py` (e.g. `.../site-packages/vllm`).
         python: an interpreter whose environment has vLLM (`find_spec("vllm")` runs there, 30 s timeout).
         options: the command-line options of the calling command that set `python` and `vllm_dir`, named
-            in the "point at it" hint (`python -m tdutils.patches`: `--python`, `--vllm-dir`; `python -m
+            in the "point at it" hint (`python -m tdutils patches`: `--python`, `--vllm-dir`; `python -m
             tdutils doctor`: `--vllm-python`, `--vllm-dir`).
 
     Raises:
@@ -439,11 +439,19 @@ def apply(install: VllmInstall, *, reverse: bool = False, patch: list[FilePatch]
     return report
 
 
+DESCRIPTION = ("Apply, check or revert the patches of the serving path: vLLM's query export (needed by policies "
+               "that use queries) and LMCache's fused K/V layout (vLLM's CPU backend).")
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tdutils.patches",
-                                 description="Apply, check or revert the patches of the serving path: vLLM's query "
-                                             "export (needed by policies that use queries) and LMCache's fused K/V "
-                                             "layout (vLLM's CPU backend).")
+    """`python -m tdutils patches ARGS` from Python: exit status 0 (applied / done), 1 (check: unapplied), 2 (error)."""
+    ap = argparse.ArgumentParser(prog="python -m tdutils patches", description=DESCRIPTION)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def add_arguments(ap) -> None:
+    """The options of `python -m tdutils patches`."""
     ap.add_argument("action", choices=("check", "apply", "revert"))
     ap.add_argument("--vllm-dir", help="folder holding vLLM's __init__.py (default: find it without importing it)")
     ap.add_argument("--python", help="interpreter of the servers' own environment, used to find vLLM and LMCache")
@@ -452,7 +460,10 @@ def main(argv=None) -> int:
     ap.add_argument("--patch", help="patch file for vLLM (default: the shipped patch that fits its version)")
     ap.add_argument("--force", action="store_true",
                     help="on a version no patch was written for, try the newest patch whose context fits")
-    args = ap.parse_args(argv)
+
+
+def run(args) -> int:
+    """Check, apply or revert (`args.action`); prints one line per file and returns the exit status."""
     try:
         installs = []
         vllm = None
@@ -486,7 +497,7 @@ def main(argv=None) -> int:
                     print(f"  {path}: {state}")
                 print(f"patch {name}: {st.state}")
                 if st.state == "unapplied":
-                    print("apply it with: python -m tdutils.patches apply" + (f" --python {args.python}" if args.python
+                    print("apply it with: python -m tdutils patches apply" + (f" --python {args.python}" if args.python
                                                                              else ""))
                 worst = max(worst, 0 if st.state == "applied" else 1 if st.state == "unapplied" else 2)
                 continue
@@ -494,9 +505,6 @@ def main(argv=None) -> int:
                 print("  " + line)
         return worst
     except (PatchError, OSError) as exc:
-        print(f"tdutils.patches: error: {exc}", file=sys.stderr)
+        print(f"tdutils patches: error: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())
