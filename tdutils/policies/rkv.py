@@ -570,7 +570,8 @@ def compare_redundancy_methods(tensors, tokens, *, drop_ratio: float, model_conf
         tensors: `{CacheKind.KV: kv [2, L, T, D], CacheKind.QUERY: q}` of one request (unedited).
         tokens: its T token ids.
         drop_ratio: fraction dropped.
-        model_config: the model's config (head_dim, RoPE for the re-rotation timing).
+        model_config: the model's facts (`engine.facts`), a loaded model or its config (head_dim, RoPE for the
+            re-rotation timing, the attention the scores use).
         methods: redundancy methods to run; `"exact"` is always run (the agreement baseline).
         method_tiles: optional `{method: {tile: value}}` (e.g. `{"tiled": {"device": "cuda"}}`).
         repeats: timing repeats (median).
@@ -583,16 +584,13 @@ def compare_redundancy_methods(tensors, tokens, *, drop_ratio: float, model_conf
     """
     import pandas as pd
 
-    from ..attention import scoring_attention
     from ..kvcache import apply_keep, get_kv, get_query
     from ..models import model_facts
-    from ..rope import model_rope
 
     method_tiles = method_tiles or {}
     kv, q = get_kv(tensors), get_query(tensors)
-    head_dim = model_facts(model_config).head_dim
-    spec = model_rope(model_config)
-    attention = scoring_attention(model_config)
+    facts = model_facts(model_config)  # a config, a loaded model or engine.facts
+    head_dim, spec, attention = facts.head_dim, facts.rope, facts.attention
     order = ["exact"] + [m for m in methods if m != "exact"]
     rows, base = {}, None
     for method in order:
