@@ -28,12 +28,12 @@ random, snapkv and rkv on 2 quiet CPU cores, 3355 s on the same 2 cores shared w
 
 from __future__ import annotations
 
-import argparse
 import sys
+from pathlib import Path
 
-from _report import read_json  # bench/_report.py (this folder is on sys.path)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
+import harness as H
 
-from tdutils.cli_args import OneLineParser
 from tdutils.eval import FULL, HELDOUT_SEED, add_arguments, run, task_markdown
 
 NAMES = {"random": "random", "snapkv": "SnapKV", "rkv": "R-KV", "middle_chunk": "middle-chunk"}
@@ -62,19 +62,14 @@ def readme_summary(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(ap)
+    ap = H.parser(None, __doc__)
+    add_arguments(ap)  # tdutils.eval's options (the same as `python -m tdutils eval`), --json among them
     ap.set_defaults(json_path="runs/accuracy.json", plot="runs/accuracy.png", seed=HELDOUT_SEED)
-    ap.add_argument("--summary", metavar="PATH", help="print the docs/results.md table of a stored --json file and exit")
+    H.add_standard(ap, json=None)
     args = ap.parse_args(argv)
-    try:
-        if args.summary:
-            print(readme_summary(read_json(args.summary)))
-            return 0
-        return run(args)
-    except (ValueError, OSError, ConnectionError) as exc:  # bad values, missing model or files: one line
-        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
-        return 2
+    if H.summary(ap, args, readme_summary):
+        return 0
+    return H.one_line_errors(ap, run, args)
 
 
 if __name__ == "__main__":

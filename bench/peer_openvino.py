@@ -9,7 +9,7 @@ What it measures, per engine and configuration (one table row each; docs/peer_op
 - tdutils (this venv, `hf` engine, float32): the full cache, and SnapKV at `--drop-ratio` (one kept set per
   request shared by every layer and head, `keep_count(T, r)` tokens, RoPE re-rotated to compact positions):
   `prefill(batch) -> modify(make_drop_fn("snapkv")) -> decode`, batches of `--batch-size`;
-- OpenVINO GenAI (its own venv; `--worker` runs this file there): `ContinuousBatchingPipeline` on the CPU with an
+- OpenVINO GenAI (its own venv; `worker` runs there through `bench/harness.py`): `ContinuousBatchingPipeline` on the CPU with an
   IR exported offline from the same weights, fp32 (`--weight-format fp32`, no int8 weight compression; properties
   `INFERENCE_PRECISION_HINT=f32`, `KV_CACHE_PRECISION=f32`), `--batch-size` requests added at once and the
   pipeline stepped by hand: the full cache (no eviction), and `CacheEvictionConfig(start_size, recent_size,
@@ -35,7 +35,7 @@ token, so prefill + first token + the eviction that follows); `EM`, `part`: RULE
 `same`: answers equal to the same engine family's full-cache answers (OpenVINO full vs tdutils full: the two
 stacks agree).
 
-The venv (`ensure_venv`): `python -m venv`, `pip install torch==2.13.0` first (the CPU wheel on this machine's
+The venv (`VENV`, a `harness.PeerVenv`): `python -m venv`, `pip install torch==2.13.0` first (the CPU wheel on this machine's
 disk), then the OpenVINO packages with a constraint file holding torch==2.13.0; torchvision (pulled in by
 optimum-intel, a CUDA build that fails against the CPU torch with "operator torchvision::nms does not exist" and
 breaks `import transformers`) is uninstalled. Under `$TDUTILS_OPENVINO_VENV` or
@@ -49,20 +49,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
+import harness as H
 
 OV_VERSION = "2026.4.1"
 TORCH_VERSION = "2.13.0"
 PACKAGES = (f"torch=={TORCH_VERSION}", f"openvino=={OV_VERSION}", f"openvino-genai=={OV_VERSION}.0",
             f"openvino-tokenizers=={OV_VERSION}.0", "optimum-intel==2.2.0", "transformers==5.5.4")
 REMOVE = ("torchvision",)  # a CUDA build pulled in by optimum-intel; breaks `import transformers` on CPU torch
-MARKER = ".tdutils-peer-venv.json"
+MARKER = H.MARKER
 BLOCK_SIZE = 32  # the CPU plugin's paged KV block, in tokens (measured: 64 blocks for a 2048-token prompt)
 DEFAULT_OUT = "runs/peer_openvino.json"
 DEFAULT_SEED = 5_000_000  # tdutils.eval.HELDOUT_SEED (not imported: the worker runs without tdutils)
@@ -160,63 +161,16 @@ def format_table(rows: list[dict]) -> str:
 # --------------------------------------------------------------------------------------------------------------
 # The OpenVINO venv and the IR.
 
-def venv_dir() -> Path:
-    if os.environ.get("TDUTILS_OPENVINO_VENV"):
-        return Path(os.environ["TDUTILS_OPENVINO_VENV"]).expanduser()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "tdutils" / f"peer-openvino-venv-{OV_VERSION}"
-
-
-def venv_info(venv: Path | None = None) -> dict | None:
-    """The marker of a complete venv, or None when it must be built."""
-    venv = venv or venv_dir()
-    try:
-        info = json.loads((venv / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    if info.get("packages") != list(PACKAGES) or not (venv / "bin" / "python").exists():
-        return None
-    return info
-
-
-def ensure_venv(*, timeout: float = 3600, log=print) -> Path:
-    """The OpenVINO venv's python, building the venv first when it is missing or incomplete."""
-    venv = venv_dir()
-    if venv_info(venv) is not None:
-        return venv / "bin" / "python"
-    if venv.exists():
-        shutil.rmtree(venv)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    log(f"building the OpenVINO venv in {venv} (once; a few minutes, ~1.6 GB)")
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    py = str(venv / "bin" / "python")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _peer_venv import install_pinned  # torch's CPU wheel first, then the rest pinned to it
-
-    install_pinned(py, PACKAGES, TORCH_VERSION, timeout)
-    subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", *REMOVE], check=True, timeout=600)
-    check = ("import torch, transformers, openvino, openvino_genai, optimum.intel, importlib.metadata as m; "
-             "print(torch.__version__, transformers.__version__, openvino.__version__, m.version('openvino-genai'), "
-             "m.version('optimum-intel'))")
-    out = subprocess.run([py, "-c", check], check=True, timeout=600, capture_output=True, text=True).stdout.split()
-    if not out[0].startswith(TORCH_VERSION):
-        raise RuntimeError(f"the OpenVINO venv got torch {out[0]}, not {TORCH_VERSION}")
-    info = {"packages": list(PACKAGES), "removed": list(REMOVE), "torch": out[0], "transformers": out[1],
-            "openvino": out[2], "openvino_genai": out[3], "optimum_intel": out[4],
-            "build_s": round(time.perf_counter() - t0, 1),
-            "size_mb": round(sum(p.stat().st_size for p in venv.rglob("*") if p.is_file() and not p.is_symlink())
-                             / 2**20),
-            "built": time.strftime("%Y-%m-%d %H:%M:%S")}
-    (venv / MARKER).write_text(json.dumps(info, indent=1))
-    return venv / "bin" / "python"
+VENV = H.PeerVenv(f"peer-openvino-venv-{OV_VERSION}", "TDUTILS_OPENVINO_VENV", PACKAGES,
+                  "import torch, transformers, openvino, openvino_genai, optimum.intel, importlib.metadata as m; "
+                  "print(torch.__version__, transformers.__version__, openvino.__version__, "
+                  "m.version('openvino-genai'), m.version('optimum-intel'))",
+                  ("torch", "transformers", "openvino", "openvino_genai", "optimum_intel"), remove=REMOVE)
+venv_dir, venv_info, ensure_venv = VENV.dir, VENV.info, VENV.ensure
 
 
 def _env(threads: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1")
-    return env
+    return H.peer_env(threads, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
 
 def ensure_ir(py: Path, folder: Path, *, log=print) -> Path:
@@ -243,14 +197,15 @@ def ensure_ir(py: Path, folder: Path, *, log=print) -> Path:
 # --------------------------------------------------------------------------------------------------------------
 # Worker: runs in the OpenVINO venv; must not import tdutils.
 
-def worker(spec_path: str, out_path: str) -> None:
+def worker(spec: dict) -> dict:
+    """Runs in the OpenVINO venv (`harness.call`): every configuration of `spec` on its prompts; the rows and
+    versions come back."""
     import importlib.metadata
 
     import numpy as np
     import openvino as ov
     import openvino_genai as ovg
 
-    spec = json.loads(Path(spec_path).read_text())
     cfg = json.loads((Path(spec["ir"]) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     bytes_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4  # K+V, f32
@@ -315,7 +270,7 @@ def worker(spec_path: str, out_path: str) -> None:
     info = {name: importlib.metadata.version(name) for name in
             ("openvino", "openvino-genai", "openvino-tokenizers", "optimum-intel", "transformers", "torch")}
     info["properties"] = props
-    Path(out_path).write_text(json.dumps({"info": info, "rows": results}))
+    return {"info": info, "rows": results}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -374,11 +329,10 @@ def _block_multiple(text):
 
 
 def parse_args(argv=None):
-    from tdutils.cli_args import OneLineParser, count, positive_int
+    from tdutils.cli_args import count, positive_int
 
-    ap = OneLineParser(prog="peer_openvino.py", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m", help="tdutils real model name (default smollm2-135m)")
+    ap = H.parser("peer_openvino.py", __doc__)
+    H.add_standard(ap, model="smollm2-135m", json=None, summary=False)
     ap.add_argument("--task", default="niah_single_1", help="RULER task (default niah_single_1)")
     ap.add_argument("--context-length", type=positive_int, default=2048, help="prompt tokens (default 2048)")
     ap.add_argument("--n", type=positive_int, default=16, help="prompts (default 16)")
@@ -428,7 +382,7 @@ def main(argv=None) -> int:
         return 0
     try:
         return run(args)
-    except (ValueError, OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+    except (ValueError, OSError, RuntimeError, subprocess.CalledProcessError) as exc:  # WorkerError too
         print(f"{ap.prog}: error: {exc}", file=sys.stderr)
         return 2
 
@@ -475,16 +429,11 @@ def run(args) -> int:
     td = run_tdutils(engine, prompts, args.drop_ratio, max_tokens=args.max_tokens, batch_size=args.batch_size)
     td_s = time.perf_counter() - t0
 
-    with tempfile.TemporaryDirectory(prefix="peer_openvino_") as tmp:
-        spec = {"ir": str(ir), "prompts": prompts, "configs": configs, "max_tokens": args.max_tokens,
-                "batch_size": args.batch_size, "threads": threads, "cache_gb": args.cache_gb}
-        spec_path, res_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-        spec_path.write_text(json.dumps(spec))
-        t1 = time.perf_counter()
-        subprocess.run([str(py), str(Path(__file__).resolve()), "--worker", str(spec_path), str(res_path)],
-                       check=True, env=_env(threads))
-        ov_s = time.perf_counter() - t1
-        peer = json.loads(res_path.read_text())
+    spec = {"ir": str(ir), "prompts": prompts, "configs": configs, "max_tokens": args.max_tokens,
+            "batch_size": args.batch_size, "threads": threads, "cache_gb": args.cache_gb}
+    t1 = time.perf_counter()
+    peer = H.call(__file__, "worker", spec, python=py, env=_env(threads), stream=True)
+    ov_s = time.perf_counter() - t1
 
     eos = sorted(engine.eos_token_ids)  # the ids tdutils' own answers end at
 
@@ -535,7 +484,4 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3])
-        sys.exit(0)
     sys.exit(main())

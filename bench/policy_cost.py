@@ -36,9 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _report import check_json_dest, machine, read_json, write_json
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
+import harness as H
 
 ESSAY = Path(__file__).resolve().parents[1] / "tdutils" / "assets" / "ruler" / "alice_ch1-6.txt"
 # name -> (policy, parameters, target share of the baseline decode)
@@ -158,7 +157,7 @@ def run(args) -> dict:
             "num_layers": facts.num_layers, "num_kv_heads": facts.num_kv_heads, "num_query_heads": facts.num_query_heads,
             "head_dim": facts.head_dim, "num_requests": len(prompts), "prompt_tokens": args.prompt_tokens,
             "max_tokens": args.max_tokens, "drop_ratio": args.drop_ratio, "repeats": args.repeats,
-            "smoke": args.smoke, "threads": torch.get_num_threads(), "machine": machine(),
+            "smoke": args.smoke, "threads": torch.get_num_threads(), "machine": H.machine(),
             "platform": platform.platform(), "torch": torch.__version__, "transformers": transformers.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M"), "prefill_s": prefill_s, "baseline_decode_s": base,
             "baseline_decode_all_s": decode_s, "seconds": time.perf_counter() - t_start}
@@ -209,46 +208,27 @@ def _ratio(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tdutils.cli_args import OneLineParser, positive_int, usable_cores
+    from tdutils.cli_args import positive_int, usable_cores
 
-    ap = OneLineParser(prog="bench/policy_cost.py", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--summary", default=None, metavar="RUN.json", help="print the table of a stored run and exit")
+    ap = H.parser("bench/policy_cost.py", __doc__)
     ap.add_argument("--smoke", action="store_true",
                     help=f"the bundled tiny model, {SMOKE['num_requests']} short prompts, 1 repeat: seconds (CI); "
                          "no pass/fail on timing")
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--device", default=None, help="engine device (default: cuda when available, else cpu)")
+    H.add_standard(ap, model="smollm2-135m", repeats=3, threads=usable_cores(), device=None)
     ap.add_argument("--num-requests", type=positive_int, default=8)
     ap.add_argument("--prompt-tokens", type=positive_int, default=2048)
     ap.add_argument("--max-tokens", type=positive_int, default=64, help="baseline decode tokens per request")
     ap.add_argument("--drop-ratio", type=_ratio, default=0.5)
-    ap.add_argument("--repeats", type=positive_int, default=3, help="timed repeats (median), after one warm-up")
     ap.add_argument("--policies", type=_names, default=list(VARIANTS),
                     help=f"comma-separated, from {', '.join(VARIANTS)} (default: all)")
-    ap.add_argument("--threads", type=positive_int, default=usable_cores(), help="torch threads (default: cores)")
-    ap.add_argument("--json", default=None, metavar="PATH", help="write the run here ('-': stdout)")
     return ap
 
 
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    try:
-        if args.summary:
-            report = read_json(args.summary)
-            if not isinstance(report, dict) or not {"meta", "rows"} <= set(report):
-                raise ValueError(f"--summary {args.summary!r} is not a run of bench/policy_cost.py (no meta and "
-                                 f"rows); give a file it wrote with --json")
-            print(table(report))
-            return 0
-        if args.json is not None:
-            check_json_dest(args.json, example="docs/results/policy_cost.json")
-        from tdutils.models import check_device
-
-        check_device(args.device)
-    except (ValueError, KeyError) as exc:
-        ap.exit(2, f"{ap.prog}: error: {exc}\n")
+    if H.summary_or_check(ap, args, table, "docs/results/policy_cost.json", keys=("meta", "rows")):
+        return 0
     if args.smoke:
         for key, value in SMOKE.items():
             if getattr(args, key) == ap.get_default(key):
@@ -259,12 +239,10 @@ def main(argv=None) -> int:
     try:
         report = run(args)
     except BadModel as exc:
-        ap.exit(2, f"{ap.prog}: error: {exc}\n")
+        H.fail(ap, exc)
     print(table(report))
     if args.json is not None:
-        if args.json != "-":
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        write_json(report, args.json)
+        H.write_json(report, args.json)
     failed = [r["name"] for r in report["rows"] if not r["passed"]]
     return 1 if failed and not args.smoke else 0
 

@@ -45,18 +45,18 @@ parallel region can stall on a descheduled thread, which hits the methods made o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
-from _report import summary_or_check, write_json  # bench/_report.py (this folder is on sys.path)
 
-from tdutils.cli_args import OneLineParser, count, drop_ratio, int_at_least, positive_int
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/harness.py, also when loaded by path
+import harness as H
+
+from tdutils.cli_args import count, drop_ratio, int_at_least, positive_int
 from tdutils.policies.rkv import (
     kept_agreement,
     peak_memory,
@@ -71,7 +71,7 @@ from tdutils.selection import keep_count, keep_top_scores, protected_mask
 METHODS = ("reference", "exact", "tiled", "buffered")
 VARIANTS = (*METHODS, "snapkv", "rkv_scores_exact")
 RKV_WINDOW, SNAPKV_WINDOW, MIX = 16, 64, 0.25
-MiB = 2**20
+MiB = H.MiB
 
 
 # ----------------------------------------------------------------------------------------------- inputs
@@ -94,41 +94,6 @@ def variant_fn(variant: str, keys, kv, q, head_dim: int):
 
 
 # ----------------------------------------------------------------------------------------------- child
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _vmhwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise KeyError("VmHWM")
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # Linux >= 4.0: reset the peak RSS to the current RSS
-        return True
-    except OSError:
-        return False
-
-
-def _mmap_every_tensor() -> bool:
-    """glibc: serve every allocation >= 128 KiB by its own mmap (unmapped on free) and return freed heap."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(-3, 131072) == 1  # M_MMAP_THRESHOLD
-        libc.malloc_trim(0)
-        return ok
-    except (OSError, AttributeError):
-        return False
-
-
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -142,11 +107,13 @@ def _warm_up(kind: str, variants, args, device: str) -> None:
 
 
 def run_time_child(args) -> dict:
-    """Every variant at one size in this (fresh) process, alternated inside each round (A B C, then C B A, ...).
+    """Worker (`harness.call`): every variant at one size in this (fresh) process, alternated inside each round
+    (A B C, then C B A, ...). `args`: the options (a dict from the parent), `time_child` = [kind, n].
 
     Returns `{"kind", "n", "device", "threads", "order": [[variants of round 0], ...], "times_s": {variant:
     [seconds per round]}}`; saves the first round's `exact` and `buffered` redundancies for `agreement`.
     """
+    args = _options(args)
     kind, n = args.time_child[0], int(args.time_child[1])
     variants, device = list(args.variants), args.device
     _warm_up(kind, variants, args, device)
@@ -171,7 +138,9 @@ def run_time_child(args) -> dict:
 
 
 def run_memory_child(args) -> dict:
-    """One variant at one size in this (fresh) process: peak extra memory of one call (and the profiler's peak)."""
+    """Worker (`harness.call`): one variant at one size in this (fresh) process: peak extra memory of one call
+    (and the profiler's peak). `args`: the options (a dict from the parent), `child` = [kind, n, variant]."""
+    args = _options(args)
     kind, n, variant = args.child
     n = int(n)
     device = args.device
@@ -181,18 +150,14 @@ def run_memory_child(args) -> dict:
     _sync(device)
     out = {"kind": kind, "n": n, "variant": variant, "device": device, "threads": torch.get_num_threads()}
     if device.startswith("cuda"):
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        result = fn()
-        _sync(device)
-        out["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - before
+        result, out["peak_extra_bytes"] = H.cuda_peak(fn)
         out["memory_method"] = "torch.cuda.max_memory_allocated - allocated before"
     else:
-        mmap_ok = _mmap_every_tensor()
-        hwm_ok = _reset_hwm()
-        before = _rss_bytes()
+        mmap_ok = H.mmap_every_tensor()
+        hwm_ok = H.reset_peak_rss()
+        before = H.rss_bytes()
         result = fn()
-        peak = _vmhwm_bytes() if hwm_ok else None
+        peak = H.peak_rss_bytes() if hwm_ok else None
         out["peak_extra_bytes"] = max(0, peak - before) if peak is not None else None
         out["memory_method"] = ("VmHWM (reset via /proc/self/clear_refs) - RSS before, fresh subprocess"
                                 if hwm_ok else "unavailable (no /proc/self/clear_refs)")
@@ -204,28 +169,22 @@ def run_memory_child(args) -> dict:
     return out
 
 
-def _common_args(args) -> list[str]:
-    cmd = ["--heads", str(args.heads), "--head-dim", str(args.head_dim), "--query-heads", str(args.query_heads),
-           "--repeats", str(args.repeats), "--seed", str(args.seed), "--device", args.device,
-           "--profile-max-n", str(args.profile_max_n)]
-    return cmd + (["--threads", str(args.threads)] if args.threads else [])
-
-
-def _run(cmd: list[str], what: str) -> dict:
-    res = subprocess.run([sys.executable, os.path.abspath(__file__), *cmd], check=False, capture_output=True,
-                         text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"child {what} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+def _options(args):
+    if isinstance(args, dict):
+        args = argparse.Namespace(**args)
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    return args
 
 
 def spawn_time_child(kind: str, n: int, args, save_dir: str) -> dict:
-    return _run(["--_time-child", kind, str(n), "--variants", *args.variants, "--_save-dir", save_dir,
-                 *_common_args(args)], f"timing {kind} n={n}")
+    payload = {**vars(args), "time_child": [kind, n], "save_dir": save_dir}
+    return H.call(__file__, "run_time_child", payload, what=f"child timing {kind} n={n}")
 
 
 def spawn_memory_child(kind: str, n: int, variant: str, args) -> dict:
-    return _run(["--_child", kind, str(n), variant, *_common_args(args)], f"memory {kind} n={n} {variant}")
+    payload = {**vars(args), "child": [kind, n, variant]}
+    return H.call(__file__, "run_memory_child", payload, what=f"child memory {kind} n={n} {variant}")
 
 
 # ----------------------------------------------------------------------------------------------- agreement
@@ -252,7 +211,7 @@ def agreement(kind: str, n: int, args, save_dir: str) -> dict | None:
 
 # ----------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="bench/rkv_bench.py", description=__doc__.split("\n")[0])
+    p = H.parser("bench/rkv_bench.py", __doc__, raw=False)
     p.add_argument("--sizes", type=int_at_least(RKV_WINDOW + 1, f"R-KV always keeps its last {RKV_WINDOW} tokens"),
                    nargs="+", default=[1024, 4096, 16384], help="key lengths n")
     p.add_argument("--kinds", nargs="+", default=["realistic", "random"], choices=["realistic", "random"])
@@ -260,43 +219,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=positive_int, default=8, help="KV heads H")
     p.add_argument("--head-dim", type=positive_int, default=128)
     p.add_argument("--query-heads", type=positive_int, default=32, help="query heads (SnapKV / R-KV importance)")
-    p.add_argument("--repeats", type=positive_int, default=3, help="timed calls per variant (median)")
     p.add_argument("--drop-ratio", type=drop_ratio, default=0.5)
     p.add_argument("--seed", type=count, default=0)
-    p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--profile-max-n", type=count, default=4096,
                    help="CPU: also measure the profiler's tensor peak for n up to this (one extra call)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON ('-' for stdout)")
-    p.add_argument("--summary", metavar="PATH", help="print the docs/results.md lines of a stored --json file and exit")
-    p.add_argument("--_child", dest="child", nargs=3, help=argparse.SUPPRESS)
-    p.add_argument("--_time-child", dest="time_child", nargs=2, help=argparse.SUPPRESS)
-    p.add_argument("--_save-dir", dest="save_dir", default=None, help=argparse.SUPPRESS)
+    H.add_standard(p, threads=True, repeats=3, device="cuda" if torch.cuda.is_available() else "cpu")
     return p
 
 
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    if summary_or_check(p, args, readme_summary, "runs/rkv_bench.json"):  # bad values in one line, before any child runs
+    if H.summary_or_check(p, args, readme_summary, "runs/rkv_bench.json"):  # bad values in one line, before any child runs
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.query_heads % args.heads:
         p.error("--query-heads must be a multiple of --heads")
 
-    if args.child:  # internal: one memory measurement in a fresh process
-        print(json.dumps(run_memory_child(args)))
-        return 0
-    if args.time_child:  # internal: every variant timed, alternated, in a fresh process
-        print(json.dumps(run_time_child(args)))
-        return 0
-
     print(f"R-KV redundancy bench: H={args.heads} d={args.head_dim} Hq={args.query_heads} one layer, "
           f"device={args.device}, repeats={args.repeats} (variants alternated), torch {torch.__version__}", flush=True)
     results = {"config": {k: v for k, v in vars(args).items()
-                          if k not in ("child", "time_child", "save_dir", "json", "summary")},
-               "torch": torch.__version__, "machine": machine(), "runs": [], "summary": []}
+                          if k not in ("json", "summary")},
+               "torch": torch.__version__, "machine": H.machine_record(), "runs": [], "summary": []}
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as save_dir:
         for kind in args.kinds:
@@ -319,17 +264,9 @@ def main(argv=None) -> int:
     results["seconds"] = time.perf_counter() - t_start
     print_summary(results["summary"])
     if args.json is not None:
-        write_json(results, args.json)
+        H.write_json(results, args.json)
         print(f"wrote {args.json}; docs/results.md lines:\n{readme_summary(results)}")
     return 0
-
-
-def machine() -> dict:
-    """What the figures were measured on."""
-    import platform
-
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version()}
 
 
 def _round_ratio(num: list[float], den: list[float]) -> float:

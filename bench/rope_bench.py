@@ -30,23 +30,22 @@ file (`tests/test_bench_results.py` checks they match).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
-from _report import summary_or_check, write_json  # bench/_report.py (this folder is on sys.path)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/harness.py, also when loaded by path
+import harness as H
 
 from tdutils import rope as R
-from tdutils.cli_args import OneLineParser, positive_float, positive_int
+from tdutils.cli_args import positive_float, positive_int
 from tdutils.rope import RopeSpec, rerotate_k_cache
 
 VARIANTS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MiB = 1024 ** 2
+MiB = H.MiB
 
 
 def make_spec(head_dim: int, theta: float) -> RopeSpec:
@@ -94,33 +93,6 @@ def analytic_extra_bytes(layers: int, tokens: int, dim: int, spec: RopeSpec, com
     }
 
 
-def rss_bytes_now() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def reset_hwm() -> bool:
-    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0: write 5 to clear_refs)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def maxrss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
 def measure_memory_here(args, variant: str) -> dict:
     """One call in this process; CUDA via the allocator's peak, CPU via RSS high-water mark."""
     spec = make_spec(args.head_dim, args.theta)
@@ -128,13 +100,8 @@ def measure_memory_here(args, variant: str) -> dict:
     old, new = make_positions(args.tokens, args.device)
     out_bytes = kv.numel() * kv.element_size()
     if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        out = rerotate_k_cache(kv, old, new, spec, compute_dtype=VARIANTS[variant])
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        method = "torch.cuda.max_memory_allocated"
+        out, peak = H.cuda_peak(lambda: rerotate_k_cache(kv, old, new, spec, compute_dtype=VARIANTS[variant]))
+        before, method = 0, "torch.cuda.max_memory_allocated"
     else:
         # warm-up on a tiny cache first: the first call maps kernel code and starts the OpenMP threads,
         # fixed costs that are not temporaries of the re-rotation
@@ -142,15 +109,15 @@ def measure_memory_here(args, variant: str) -> dict:
         t_old, t_new = make_positions(64, args.device)
         rerotate_k_cache(tiny, t_old, t_new, spec, compute_dtype=VARIANTS[variant])
         del tiny
-        hwm_ok = reset_hwm()
-        before = rss_bytes_now()
+        hwm_ok = H.reset_peak_rss()
+        before = H.rss_bytes()
         out = rerotate_k_cache(kv, old, new, spec, compute_dtype=VARIANTS[variant])
-        maxrss_extra = max(0, maxrss_bytes() - before - out_bytes)
+        maxrss_extra = max(0, H.maxrss_bytes() - before - out_bytes)
         if hwm_ok:
-            peak = _status_kib("VmHWM") * 1024
+            peak = H.peak_rss_bytes()
             method = "VmHWM (reset via /proc/self/clear_refs) - RSS before, subprocess"
         else:
-            peak = maxrss_bytes()
+            peak = H.maxrss_bytes()
             method = "ru_maxrss - RSS before, subprocess"
         del out
         return {"measured_extra_bytes": max(0, peak - before - out_bytes), "memory_method": method,
@@ -188,21 +155,22 @@ def time_variants(kv, old, new, spec, repeats: int, device: str) -> tuple[dict[s
     return times, orders
 
 
+def memory_child(payload: dict) -> dict:
+    """Worker (`harness.call`): one memory measurement in a fresh process; payload: the options and `variant`."""
+    args = argparse.Namespace(**payload)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return measure_memory_here(args, args.variant)
+
+
 def child_memory(args, variant: str) -> dict:
     """Median over --memory-runs fresh subprocesses (RSS readings pick up a few MiB of noise: page cache
     reclaim of code pages, allocator slack)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--layers", str(args.layers), "--tokens", str(args.tokens),
-           "--dim", str(args.dim), "--head-dim", str(args.head_dim), "--theta", str(args.theta),
-           "--device", args.device, "--_memory-child", variant]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
     # every allocation >= 128 KiB gets its own mmap and is unmapped when freed, so RSS follows live tensors
     # instead of glibc's heap (which would keep freed chunks resident and reuse them invisibly)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
-    runs = []
-    for _ in range(args.memory_runs):
-        res = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
-        runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    payload = {**vars(args), "variant": variant, "json": None, "summary": None}
+    runs = [H.call(__file__, "memory_child", payload, env=env) for _ in range(args.memory_runs)]
     extras = [r["measured_extra_bytes"] for r in runs]
     return {"measured_extra_bytes": statistics.median(extras), "measured_extra_bytes_runs": extras,
             "ru_maxrss_extra_bytes_runs": [r["ru_maxrss_extra_bytes"] for r in runs],
@@ -222,26 +190,21 @@ def accuracy_layer0(kv, old, new, spec) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="bench/rope_bench.py", description=__doc__.split("\n")[0])
+    p = H.parser("bench/rope_bench.py", __doc__, raw=False)
     p.add_argument("--layers", type=positive_int, default=36)
     p.add_argument("--tokens", type=positive_int, default=8192)
     p.add_argument("--dim", type=positive_int, default=1024, help="D = H_kv * head_dim")
     p.add_argument("--head-dim", type=positive_int, default=128, help="even: RoPE rotates pairs of dimensions")
     p.add_argument("--theta", type=positive_float, default=1e6)
-    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--memory-runs", type=positive_int, default=3, help="CPU: subprocess measurements per variant")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (CPU)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' for stdout)")
-    p.add_argument("--summary", metavar="PATH", help="print the docs/results.md lines of a stored --json file and exit")
-    p.add_argument("--_memory-child", dest="memory_child", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    H.add_standard(p, threads=True, repeats=3, device="cuda" if torch.cuda.is_available() else "cpu")
     return p
 
 
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    if summary_or_check(p, args, readme_summary, "runs/rope_bench.json"):  # bad values in one line, before any child runs
+    if H.summary_or_check(p, args, readme_summary, "runs/rope_bench.json"):  # bad values in one line, before any child runs
         return 0
     if args.head_dim % 2:
         p.error(f"--head-dim must be even (RoPE rotates pairs of dimensions), got {args.head_dim}")
@@ -249,10 +212,6 @@ def main(argv=None) -> int:
         p.error("--dim must be a multiple of --head-dim")
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    if args.memory_child:  # internal: one memory measurement in a fresh process
-        print(json.dumps(measure_memory_here(args, args.memory_child)))
-        return 0
 
     spec = make_spec(args.head_dim, args.theta)
     on_cuda = args.device.startswith("cuda")
@@ -267,7 +226,7 @@ def main(argv=None) -> int:
           f"threads={torch.get_num_threads()} repeats={args.repeats}")
 
     results = {"shape": shape, "dtype": str(kv.dtype), "device": args.device, "threads": torch.get_num_threads(),
-               "repeats": args.repeats, "torch": torch.__version__, "machine": machine(), "variants": {}}
+               "repeats": args.repeats, "torch": torch.__version__, "machine": H.machine_record(), "variants": {}}
     all_times, results["order"] = time_variants(kv, old, new, spec, args.repeats, args.device)
     for variant, compute in VARIANTS.items():
         times = all_times[variant]
@@ -303,18 +262,10 @@ def main(argv=None) -> int:
     print(f"bound (one layer's keys in fp32): {one_layer / MiB:.1f} MiB; output cache {cache_bytes / MiB:.0f} MiB "
           f"(not counted); memory: {fp32['memory_method']}")
     if args.json is not None:
-        write_json(results, args.json)
+        H.write_json(results, args.json)
         if args.json != "-":
             print(f"wrote {args.json}; docs/results.md lines:\n{readme_summary(results)}")
     return 0
-
-
-def machine() -> dict:
-    """What the figures were measured on."""
-    import platform
-
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version()}
 
 
 def readme_summary(results: dict) -> str:

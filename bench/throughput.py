@@ -21,17 +21,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
+import harness as H
+
 import tdutils
-from tdutils.cli_args import OneLineParser, drop_ratios, positive_int
+from tdutils.cli_args import drop_ratios, positive_int
 from tdutils.data import load_prompts
-from tdutils.eval import check_output_path, check_plot_path
+from tdutils.eval import check_plot_path
 from tdutils.metrics import speedup_notes
 from tdutils.runs import DEFAULT_FULL_REQUESTS
 from tdutils.sweep import SweepConfig, throughput_sweep
@@ -41,17 +43,6 @@ DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
 TABLE_COLUMNS = ("decode_tok_s_median", "decode_tok_s_min", "decode_tok_s_max", "peak_batch", "modify_s",
                  "modify_of_base_decode", "decode_speedup", "decode_speedup_min", "decode_speedup_max", "capacity_limit",
                  "of_limit", "e2e_speedup")
-
-
-def _full_requests(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}") from None
-    if not (math.isfinite(v) and v >= 1):
-        raise argparse.ArgumentTypeError(f"expected a number >= 1 (the budget must hold one undropped request), "
-                                         f"got {text!r}")
-    return v
 
 
 def _policies(text: str) -> list[str]:
@@ -64,21 +55,19 @@ def _policies(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = OneLineParser(prog="bench/throughput.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny-qwen3")
+    ap = H.parser("bench/throughput.py", __doc__)
+    H.add_standard(ap, model="tiny-qwen3", repeats=3, json_dest="json_path", summary=False)
     ap.add_argument("--dataset", default="sample")
     ap.add_argument("--policies", type=_policies, default="snapkv,random",
                     help=f"comma-separated policy names ({', '.join(POLICIES)})")
     ap.add_argument("--drop-ratios", type=drop_ratios, default="0.5,0.75", help="comma-separated ratios in (0, 1)")
     ap.add_argument("--num-requests", type=positive_int, default=16)
     ap.add_argument("--max-tokens", type=positive_int, default=64)
-    ap.add_argument("--full-requests", type=_full_requests, default=DEFAULT_FULL_REQUESTS,
+    ap.add_argument("--full-requests", type=H.at_least_one, default=DEFAULT_FULL_REQUESTS,
                     help="KV budget in undropped requests (>= 1): ceil(N x (longest prompt + max tokens))")
     ap.add_argument("--kv-budget-tokens", type=positive_int, default=None,
                     help="budget in tokens (overrides --full-requests)")
-    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--dtype", choices=DTYPES, default="auto")
-    ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--plot", default=None, help="save the speed-up vs drop ratio plot here (PNG, SVG, ...)")
     return ap
 
@@ -111,26 +100,32 @@ def format_table(table) -> str:
     return table[list(TABLE_COLUMNS)].to_string(formatters=fmt)
 
 
+def setup(args):
+    """`(engine, token ids, configurations)`; every check that needs no model runs before loading it.
+
+    Raises:
+        ValueError / OSError: bad options, dataset or model (reported in one line).
+    """
+    if args.json_path is not None:  # "" too: an empty path is refused, never read as "no JSON"
+        H.check_json_dest(args.json_path, example="runs/throughput.json")
+    if args.plot is not None:
+        check_plot_path(args.plot, "--plot")
+    rows = load_prompts(args.dataset, num_requests=args.num_requests)
+    eng = tdutils.open_engine("hf", model=args.model, dtype=args.dtype, progress=False)  # no loading bar either
+    ids = eng.tokenize(rows)
+    eng.kv_budget_tokens = args.kv_budget_tokens or tdutils.default_kv_budget(map(len, ids), args.max_tokens,
+                                                                              args.full_requests)
+    need = max(map(len, ids)) + args.max_tokens
+    if eng.kv_budget_tokens < need:
+        raise ValueError(f"--kv-budget-tokens {eng.kv_budget_tokens} cannot hold one undropped request ({need} "
+                         f"tokens = longest prompt + --max-tokens); give at least {need}")
+    return eng, ids, [SweepConfig(p, r) for p in args.policies for r in args.drop_ratios]
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    try:  # every check that needs no model runs before loading it
-        if args.json_path is not None:  # "" too: an empty path is refused, never read as "no JSON"
-            check_output_path(args.json_path, "--json", example="runs/throughput.json")
-        if args.plot is not None:
-            check_plot_path(args.plot, "--plot")
-        rows = load_prompts(args.dataset, num_requests=args.num_requests)
-        eng = tdutils.open_engine("hf", model=args.model, dtype=args.dtype, progress=False)  # no loading bar either
-        ids = eng.tokenize(rows)
-        eng.kv_budget_tokens = args.kv_budget_tokens or tdutils.default_kv_budget(map(len, ids), args.max_tokens,
-                                                                                  args.full_requests)
-        need = max(map(len, ids)) + args.max_tokens
-        if eng.kv_budget_tokens < need:
-            raise ValueError(f"--kv-budget-tokens {eng.kv_budget_tokens} cannot hold one undropped request ({need} "
-                             f"tokens = longest prompt + --max-tokens); give at least {need}")
-        configs = [SweepConfig(p, r) for p in args.policies for r in args.drop_ratios]
-    except (ValueError, OSError, ConnectionError) as exc:  # OSError covers FileNotFoundError
-        ap.exit(2, f"{ap.prog}: error: {exc}\n")
+    eng, ids, configs = H.one_line_errors(ap, setup, args)
     print(f"model={args.model} requests={len(ids)} prompt tokens={min(map(len, ids))}-{max(map(len, ids))} "
           f"max_tokens={args.max_tokens} kv_budget_tokens={eng.kv_budget_tokens} repeats={args.repeats} "
           f"torch threads={torch.get_num_threads()}", flush=True)
@@ -138,7 +133,7 @@ def main(argv=None) -> int:
         table, runs = throughput_sweep(eng, ids, configs, max_tokens=args.max_tokens, repeats=args.repeats,
                                        progress=lambda line: print(line, flush=True))
     except ValueError as exc:  # e.g. a policy parameter that does not fit these prompts
-        ap.exit(2, f"{ap.prog}: error: {exc}\n")
+        H.fail(ap, exc)
     except RuntimeError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
@@ -158,11 +153,9 @@ def main(argv=None) -> int:
         ax.figure.savefig(args.plot, dpi=120, bbox_inches="tight")
         print(f"wrote {args.plot}")
     if args.json_path is not None:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps({
-            "args": vars(args), "machine": platform.platform(), "processor": platform.processor(),
-            "date": time.strftime("%Y-%m-%d %H:%M"), "table": json.loads(table.reset_index().to_json(orient="records")),
-            "runs": runs}, indent=1, default=str), encoding="utf-8")
+        H.write_json({"args": vars(args), **H.platform_fields(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                      "table": json.loads(table.reset_index().to_json(orient="records")), "runs": runs},
+                     args.json_path, indent=1, default=str)
         print(f"wrote {args.json_path}")
     return 0
 

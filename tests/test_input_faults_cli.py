@@ -62,7 +62,7 @@ def _one_error_line(err: str, prog: str) -> str:
 
 @pytest.fixture
 def bench_module(monkeypatch):
-    """Import a bench script as a module (its sibling bench/_report.py on sys.path, as when it runs)."""
+    """Import a bench script as a module (its sibling bench/harness.py on sys.path, as when it runs)."""
     import importlib.util
 
     monkeypatch.syspath_prepend(str(BENCH))

@@ -1,0 +1,440 @@
+"""What every bench script shares: standard options, `--summary`, bad input in one line, machine info, memory
+probes, peer venvs and the worker protocol. Run as `python bench/NAME.py`, a bench finds this file as a sibling.
+
+Stdlib at import (tdutils and torch are imported where used): the peer venvs run workers through this file
+without tdutils.
+
+Worker protocol: `call(file, func, payload)` runs `python bench/harness.py --worker FILE FUNC` (any Python:
+this venv's or a peer's), which loads FILE, calls `FUNC(payload)` with the JSON read from stdin and prints
+`RESULT <json>` as its last tagged stdout line. Bad input inside the worker (ValueError, OSError) ends it with
+one line on stderr and exit status 2, which the parent sees as `WorkerError.returncode == 2`.
+
+    python bench/harness.py --worker bench/rope_bench.py memory_child < payload.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parents[1]
+MiB = 2 ** 20
+
+
+# ------------------------------------------------------------------------------------------------ options
+def parser(prog: str, doc: str, *, raw: bool = True) -> argparse.ArgumentParser:
+    """A `tdutils.cli_args.OneLineParser` named `prog` (bad options: one line, exit 2) with `doc` as its help."""
+    from tdutils.cli_args import OneLineParser
+
+    if raw:
+        return OneLineParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return OneLineParser(prog=prog, description=doc.split("\n")[0])
+
+
+def add_standard(ap, *, json: str | None = "--json", json_dest: str = "json", summary: bool = True,
+                 threads=False, repeats: int | None = None, model: str | None = None, device=False) -> None:
+    """The options benches share: `--json PATH` ('-' for stdout), `--summary RUN.json`, `--threads N` (default
+    `threads` when not False/True), `--repeats N`, `--model NAME` and `--device` (when given a value)."""
+    from tdutils.cli_args import positive_int
+
+    if model is not None:
+        ap.add_argument("--model", default=model, help=f"any model load_model takes (default {model})")
+    if repeats is not None:
+        ap.add_argument("--repeats", type=positive_int, default=repeats, help=f"timed repeats (default {repeats})")
+    if threads is not False:
+        ap.add_argument("--threads", type=positive_int, default=None if threads is True else threads,
+                        help="torch CPU threads; 1 is steadier on a machine shared with other work")
+    if device is not False:
+        ap.add_argument("--device", default=device)
+    if json:
+        ap.add_argument(json, dest=json_dest, default=None, metavar="PATH", help="write the run as JSON ('-': stdout)")
+    if summary:
+        ap.add_argument("--summary", default=None, metavar="RUN.json", help="print the tables of a stored run and exit")
+
+
+def fail(ap, message) -> None:
+    """End the bench with `prog: error: message` on stderr, exit status 2 (the project's bad-input convention)."""
+    ap.exit(2, f"{ap.prog}: error: {message}\n")
+
+
+def one_line_errors(ap, fn, *args):
+    """`fn(*args)`, with bad input (`tdutils.cli_args.is_usage_error`: ValueError, OSError, ...) reported in one
+    line as `prog: error: ...`, exit status 2; anything else (a bug) keeps its traceback."""
+    from tdutils.cli_args import is_usage_error
+
+    try:
+        return fn(*args)
+    except Exception as exc:
+        if not is_usage_error(exc):
+            raise
+        fail(ap, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+
+def at_least_one(text: str) -> float:
+    """argparse type of `--full-requests`: a finite number >= 1 (the KV budget must hold one undropped request)."""
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v >= 1):
+        raise argparse.ArgumentTypeError(f"expected a number >= 1 (the budget must hold one undropped request), "
+                                         f"got {text!r}")
+    return v
+
+
+def compression_policies() -> list[str]:
+    """The registered policies that can hold a budget while the cache grows (`tdutils.compression.Compression`):
+    those whose cut, tried on the bundled model's shapes, keeps the budget. Leaves out `h2o` (needs every prompt
+    query) and `middle_chunk` (keeps a fixed share, not the budget)."""
+    from tdutils.compression import Compression
+    from tdutils.models import tiny_qwen3_config
+    from tdutils.policies import policy_names
+
+    config, out = tiny_qwen3_config(64), []
+    for name in policy_names():
+        try:
+            Compression(name, budget=64, buffer=64).drop_fn(model_config=config)
+        except ValueError:
+            continue
+        out.append(name)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ JSON and --summary
+def check_json_dest(dest: str, option: str = "--json", example: str = "runs/bench.json") -> None:
+    """Check before any work that `dest` ("-" for stdout, else a file path) can be written.
+
+    Raises:
+        ValueError: an empty or unwritable path (`tdutils.eval.check_output_path`).
+    """
+    if dest != "-":
+        from tdutils.eval import check_output_path
+
+        check_output_path(dest, option, example=example)
+
+
+def read_json(path: str, option: str = "--summary"):
+    """The JSON value stored in `path` (a bench's own `--json` file).
+
+    Raises:
+        ValueError: the file is missing, unreadable, not UTF-8 or not JSON; the message names `option` and the path.
+    """
+    from tdutils.textio import read_text
+
+    try:
+        return json.loads(read_text(path))
+    except OSError as exc:
+        raise ValueError(f"{option} {path!r}: {exc.strerror or exc}; give a file a bench wrote with --json") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{option} {path!r} is not JSON ({exc}); give a file a bench wrote with --json") from None
+
+
+def write_json(results, dest: str, indent: int = 2, **kw) -> None:
+    """Write `results` as indented JSON to the file `dest` (its folder made), or to stdout when `dest` is "-"."""
+    text = json.dumps(results, indent=indent, **kw)
+    if dest == "-":
+        print(text)
+    else:
+        Path(dest).parent.mkdir(parents=True, exist_ok=True)
+        Path(dest).write_text(text + "\n", encoding="utf-8")
+
+
+def check_report(report, option: str, prog: str, keys=("meta", "rows")) -> None:
+    """Refuse a `--summary` file that is not a run of this bench (a dict without `keys`, or a list of such)."""
+    runs = report if isinstance(report, list) else [report]
+    if not runs or not all(isinstance(r, dict) and set(keys) <= set(r) for r in runs):
+        raise ValueError(f"{option} is not a run of {prog} (no {' and '.join(keys)}); give a file it wrote with --json")
+
+
+def summary(ap, args, render, keys=None, check=None) -> bool:
+    """With `--summary FILE`: print `render(report)` of the stored run and return True (bad files: one line, exit
+    2); `keys` (when given) the run must hold, `check(report)` any further test (raises ValueError)."""
+    if not args.summary:
+        return False
+
+    def show():
+        report = read_json(args.summary)
+        if keys:
+            check_report(report, f"--summary {args.summary!r}", ap.prog, keys)
+        if check:
+            check(report)
+        print(render(report))
+    one_line_errors(ap, show)
+    return True
+
+
+def summary_or_check(ap, args, render, example: str, keys=None) -> bool:
+    """The start of a bench's `main`: `summary(...)`, else check `--device` and `--json` before any work and
+    return False. A bad value ends in one line, exit status 2."""
+    if summary(ap, args, render, keys):
+        return True
+    from tdutils.models import check_device
+
+    one_line_errors(ap, check_device, args.device)
+    if args.json is not None:
+        one_line_errors(ap, check_json_dest, args.json, "--json", example)
+    return False
+
+
+# ------------------------------------------------------------------------------------------------ machine
+def machine() -> str:
+    """The CPU model and core count, as the stored runs record it (e.g. "Intel(R) Xeon(R) Processor, 2 cores
+    (shared)")."""
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)"
+
+
+def machine_record() -> dict:
+    """Platform, processor, CPU count and Python version (the `machine` field of the rope / R-KV runs)."""
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version()}
+
+
+def platform_fields() -> dict:
+    """`machine` (platform string) and `processor`: the fields of the throughput and engine runs."""
+    return {"machine": platform.platform(), "processor": platform.processor()}
+
+
+# ------------------------------------------------------------------------------------------------ memory probes
+def rss_bytes() -> int:
+    """This process's resident set now (bytes, /proc/self/statm)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM, bytes) since it started or since `reset_peak_rss`."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise KeyError("VmHWM")
+
+
+def reset_peak_rss() -> bool:
+    """Reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0: write 5 to /proc/self/clear_refs); False
+    where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def maxrss_bytes() -> int:
+    """getrusage's ru_maxrss (bytes; Linux reports KiB): cannot be reset, and a child inherits its parent's."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def mmap_every_tensor(threshold: int = 128 * 1024) -> bool:
+    """glibc: serve every allocation >= `threshold` bytes by its own mmap (unmapped when freed; also stops glibc
+    raising the threshold) and return freed heap, so RSS follows live tensors. False without glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(-3, threshold) == 1  # M_MMAP_THRESHOLD
+        libc.malloc_trim(0)
+        return ok
+    except (OSError, AttributeError):
+        return False
+
+
+class PeakRSS:
+    """Context manager: `growth`, the peak growth of this process's RSS (bytes) inside the block, sampled every
+    `period` seconds; `start` and `peak` are the RSS before and the peak. `mmap_threshold` (bytes): call
+    `mmap_every_tensor` first so freed tensors leave RSS at once."""
+
+    def __init__(self, period: float = 0.001, mmap_threshold: int | None = 1 << 20):
+        self.period, self.mmap_threshold = period, mmap_threshold
+
+    def __enter__(self):
+        if self.mmap_threshold:
+            mmap_every_tensor(self.mmap_threshold)
+        self.start = self.peak = rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(self.period):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+        self.growth = self.peak - self.start
+        return False
+
+
+def cuda_peak(fn):
+    """`(result, bytes)`: `fn()` and the torch CUDA allocator's peak during it above what was allocated before."""
+    import torch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - before
+
+
+# ------------------------------------------------------------------------------------------------ peer venvs
+MARKER = ".tdutils-peer-venv.json"
+
+
+class PeerVenv:
+    """A peer's own venv (packages that pin another transformers than tdutils', never installed here), built once
+    under `$env_var` or `~/.cache/tdutils/<name>` and reused while its marker file matches `packages`:
+    `python -m venv`; `pip install packages[0]` (torch's CPU wheel, on this machine's disk) first; the rest with a
+    constraint file pinning that torch (so no package pulls a CUDA torch); `pip uninstall remove`; then
+    `check` (Python printing the versions named `versions`, torch's first)."""
+
+    def __init__(self, name: str, env_var: str, packages, check: str, versions, remove=()):
+        self.name, self.env_var, self.packages = name, env_var, tuple(packages)
+        self.check, self.versions, self.remove = check, tuple(versions), tuple(remove)
+        self.torch = self.packages[0].split("==")[1]
+
+    def dir(self) -> Path:
+        if os.environ.get(self.env_var):
+            return Path(os.environ[self.env_var]).expanduser()
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tdutils" / self.name
+
+    def python(self, venv: Path | None = None) -> Path:
+        return (venv or self.dir()) / "bin" / "python"
+
+    def info(self, venv: Path | None = None) -> dict | None:
+        """The marker of a complete venv (packages, versions, build seconds, size), or None when it must be built."""
+        try:
+            info = json.loads(((venv or self.dir()) / MARKER).read_text())
+        except (OSError, ValueError):
+            return None
+        if info.get("packages") != list(self.packages) or not self.python(venv).exists():
+            return None
+        return info
+
+    def ensure(self, *, timeout: float = 3600, log=print) -> Path:
+        """The venv's python, building the venv first when it is missing or incomplete.
+
+        Raises:
+            subprocess.CalledProcessError / TimeoutExpired: venv creation, pip or the import check failed.
+            RuntimeError: the venv got another torch than `packages[0]` pins.
+        """
+        venv = self.dir()
+        if self.info(venv) is not None:
+            return self.python(venv)
+        if venv.exists():  # half-built (an interrupted pip): start again rather than patch it up
+            shutil.rmtree(venv)
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        log(f"building the peer venv in {venv} (once; a few minutes)")
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+        py = str(self.python(venv))
+        pip = [py, "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, self.packages[0]], check=True, timeout=timeout)
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+            f.write(f"torch=={self.torch}\n")
+        try:
+            subprocess.run([*pip, "-c", f.name, *self.packages[1:]], check=True, timeout=timeout)
+        finally:
+            os.unlink(f.name)
+        if self.remove:
+            subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", *self.remove], check=True, timeout=600)
+        out = subprocess.run([py, "-c", self.check], check=True, timeout=600, capture_output=True,
+                             text=True).stdout.split()
+        if not out[0].startswith(self.torch):  # the constraint should make this impossible; say so if it happens
+            raise RuntimeError(f"the peer venv got torch {out[0]}, not {self.torch}")
+        info = {"packages": list(self.packages), **({"removed": list(self.remove)} if self.remove else {}),
+                **dict(zip(self.versions, out)), "build_s": round(time.perf_counter() - t0, 1),
+                "size_mb": round(sum(p.stat().st_size for p in venv.rglob("*") if p.is_file() and not p.is_symlink())
+                                 / MiB), "built": time.strftime("%Y-%m-%d %H:%M:%S")}
+        (venv / MARKER).write_text(json.dumps(info, indent=1))
+        return self.python(venv)
+
+
+def peer_env(threads: int, **extra) -> dict:
+    """The environment of a peer venv's process: no PYTHONPATH / VIRTUAL_ENV of ours, `threads` OpenMP threads."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", **extra)
+    return env
+
+
+# ------------------------------------------------------------------------------------------------ workers
+TAG = "RESULT"
+
+
+class WorkerError(RuntimeError):
+    """A worker ended without a result: `returncode` (2: bad input, its one line is `last_line`) and its
+    stderr's last lines in the message."""
+
+    def __init__(self, what: str, returncode: int, stderr: str):
+        lines = [ln for ln in (stderr or "").splitlines() if ln.strip()]
+        self.returncode, self.last_line = returncode, lines[-1] if lines else ""
+        super().__init__(f"{what} failed (exit {returncode}): {lines[-3:]}")
+
+
+def run_tagged(argv, *, tag: str = TAG, what: str = "worker", input: str | None = None, stream: bool = False,
+               **kw):
+    """Run `argv` and return the JSON of its last stdout line `"<tag> <json>"`. `stream`: its stderr goes to ours
+    (progress of long runs) instead of into the error. `kw` go to `subprocess.run` (timeout, env, cwd).
+
+    Raises:
+        WorkerError: no tagged line (the process failed). subprocess.TimeoutExpired: past `timeout`.
+    """
+    proc = subprocess.run(argv, input=input, stdout=subprocess.PIPE, stderr=None if stream else subprocess.PIPE,
+                          text=True, check=False, **kw)
+    tagged = [ln for ln in proc.stdout.splitlines() if ln.startswith(tag + " ")]
+    if not tagged or proc.returncode:
+        raise WorkerError(what, proc.returncode, proc.stderr or "")
+    return json.loads(tagged[-1][len(tag) + 1:])
+
+
+def call(file, func: str, payload, *, python=sys.executable, what: str | None = None, **kw):
+    """`func(payload)` of the bench `file`, run in a fresh `python` process (this venv's or a peer's); the
+    payload and the result travel as JSON. `kw` as for `run_tagged`."""
+    return run_tagged([str(python), str(HERE), "--worker", str(file), func], input=json.dumps(payload),
+                      what=what or f"{Path(file).name} {func}", **kw)
+
+
+def _worker_main(file: str, func: str) -> int:
+    spec = importlib.util.spec_from_file_location(f"bench_worker_{Path(file).stem}", file)
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(HERE.parent))
+    spec.loader.exec_module(mod)
+    try:
+        result = getattr(mod, func)(json.loads(sys.stdin.read()))
+    except (ValueError, OSError) as exc:  # bad input: one line, exit 2 (the parent reads WorkerError.last_line)
+        print(f"bench/{Path(file).name}: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+              file=sys.stderr)
+        return 2
+    print(f"{TAG} {json.dumps(result)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        sys.exit(_worker_main(sys.argv[2], sys.argv[3]))
+    sys.exit(f"usage: python {Path(__file__).name} --worker FILE FUNC < payload.json")
