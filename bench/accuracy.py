@@ -53,12 +53,8 @@ def readme_summary(report: dict) -> str:
     ratios = {p: sorted({r["drop_ratio"] for r in rows if r["policy"] == p and r["drop_ratio"] > 0}) for p in policies}
     acc = {(r["policy"], r["drop_ratio"], r["context_tokens"]): 100 * r["accuracy"] for r in rows}
     head = ["tokens", "full"] + [f"{NAMES.get(p, p)} {' / '.join(f'{x:g}' for x in ratios[p])}" for p in policies]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for n in lengths:
-        cells = [str(n), f"{acc[FULL, 0.0, n]:.1f}%"]
-        cells += [" / ".join(f"{acc[p, x, n]:.1f}" for x in ratios[p]) for p in policies]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(H.md_table(head, ([str(n), f"{acc[FULL, 0.0, n]:.1f}%"] + [
+        " / ".join(f"{acc[p, x, n]:.1f}" for x in ratios[p]) for p in policies] for n in lengths)))
 
 
 def main(argv=None) -> int:

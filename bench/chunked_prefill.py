@@ -67,12 +67,11 @@ def markdown(report: dict) -> str:
     rows = report["rows"]
     head = ("prompt tokens", "prefill", "peak cache / request", "cache at decode", "peak memory above the model, MiB",
             "prefill s (cut s)", "needle")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        mode = "one shot" if r["mode"] == "one-shot" else f"chunk {r['chunk']}, B = {r['budget']} ({r['policy']})"
-        lines.append(f"| {r['prompt_tokens']} | {mode} | {r['peak_cache_tokens']} | {r['final_cache_tokens']} | "
-                     f"{r['peak_rss_above_load_mib']} | {r['prefill_s']:.1f} ({r['cut_s']:.1f}) | "
-                     f"{'found' if r['correct'] else 'missed'} |")
+    lines = H.md_table(head, ([r["prompt_tokens"], "one shot" if r["mode"] == "one-shot" else
+                               f"chunk {r['chunk']}, B = {r['budget']} ({r['policy']})", r["peak_cache_tokens"],
+                               r["final_cache_tokens"], r["peak_rss_above_load_mib"],
+                               f"{r['prefill_s']:.1f} ({r['cut_s']:.1f})", "found" if r["correct"] else "missed"]
+                              for r in rows))
     r0 = rows[0]
     lines.append("")
     lines.append(f"Model `{r0['model']}`, one `ruler_niah_single_1` prompt per length (held-out seed), each "

@@ -56,6 +56,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness as H
+from harness import alternating_orders  # used below; tests read it here too
 
 PARTS = ("throughput", "fidelity", "ruler", "kvpress")
 FIDELITY_POLICIES = ("rkv", "snapkv", "tova", "knorm", "streaming_llm", "random")
@@ -121,12 +122,6 @@ def summary_stats(values) -> dict:
             "max": max(values)}
 
 
-def alternating_orders(names, repeats: int) -> list[list[str]]:
-    """Run order of every repeat: `names` forward, then backward, then forward ... (machine drift hits all alike)."""
-    names = list(names)
-    return [names if r % 2 == 0 else names[::-1] for r in range(repeats)]
-
-
 def ratio_stats(runs: list[dict], baseline: str = "full") -> dict[str, dict]:
     """Per configuration, decode tok/s over the repeats and its ratio to the baseline's in the same repeat."""
     by = {}
@@ -171,8 +166,7 @@ def _fmt(x, spec=".2f"):
 
 
 def _md(head, rows) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+    return "\n".join(H.md_table(head, rows))
 
 
 def _threads(n):

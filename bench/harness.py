@@ -212,6 +212,18 @@ def machine_record() -> dict:
             "cpu_count": os.cpu_count(), "python": platform.python_version()}
 
 
+def alternating_orders(names, repeats: int) -> list[list[str]]:
+    """Run order of every repeat: `names` forward, then backward, then forward ... (machine drift hits all alike)."""
+    names = list(names)
+    return [names if r % 2 == 0 else names[::-1] for r in range(repeats)]
+
+
+def md_table(head, rows) -> list[str]:
+    """The lines of a markdown table: `head` (column names), then one line per row of cells (str() of each)."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
 def platform_fields() -> dict:
     """`machine` (platform string) and `processor`: the fields of the throughput and engine runs."""
     return {"machine": platform.platform(), "processor": platform.processor()}

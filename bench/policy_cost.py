@@ -173,11 +173,9 @@ def table(report: dict) -> str:
     m = report["meta"]
     head = ["policy", "modify s", "score s", "per request ms", "per request·layer ms", "÷ baseline decode",
             "target", "pass"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in report["rows"]:
-        verdict = "–" if m["smoke"] else ("pass" if r["passed"] else "FAIL")
-        lines.append(f"| {r['name']} | {r['modify_s']:.3f} | {r['score_s']:.3f} | {r['per_request_ms']:.1f} | "
-                     f"{r['per_layer_ms']:.2f} | {r['share']:.1%} | ≤ {r['target']:.0%} | {verdict} |")
+    lines = H.md_table(head, ([r["name"], f"{r['modify_s']:.3f}", f"{r['score_s']:.3f}", f"{r['per_request_ms']:.1f}",
+                               f"{r['per_layer_ms']:.2f}", f"{r['share']:.1%}", f"≤ {r['target']:.0%}",
+                               "–" if m["smoke"] else ("pass" if r["passed"] else "FAIL")] for r in report["rows"]))
     threads = f"{m['threads']} torch thread{'' if m['threads'] == 1 else 's'}"
     lines += ["", f"Model `{m['model']}` ({m['num_layers']} layers, {m['num_query_heads']} query / "
               f"{m['num_kv_heads']} KV heads, head_dim {m['head_dim']}), {m['num_requests']} requests × "

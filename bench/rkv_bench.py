@@ -120,10 +120,8 @@ def run_time_child(args) -> dict:
     keys, kv, q = make_inputs(kind, n, args, device)
     fns = {v: variant_fn(v, keys, kv, q, args.head_dim) for v in variants}
     times = {v: [] for v in variants}
-    order = []
-    for i in range(args.repeats):
-        round_order = variants if i % 2 == 0 else variants[::-1]
-        order.append(list(round_order))
+    order = H.alternating_orders(variants, args.repeats)
+    for i, round_order in enumerate(order):
         for variant in round_order:
             _sync(device)
             t0 = time.perf_counter()
@@ -230,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    if H.summary_or_check(p, args, readme_summary, "runs/rkv_bench.json"):  # bad values in one line, before any child runs
+    # bad values in one line, before any child runs
+    if H.summary_or_check(p, args, readme_summary, "runs/rkv_bench.json", keys=("summary", "config")):
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -140,11 +140,8 @@ def time_variants(kv, old, new, spec, repeats: int, device: str) -> tuple[dict[s
     for compute in VARIANTS.values():
         rerotate_k_cache(kv, old, new, spec, compute_dtype=compute)  # warm-up
     times = {variant: [] for variant in VARIANTS}
-    names = list(VARIANTS)
-    orders = []
-    for i in range(repeats):
-        order = names if i % 2 == 0 else names[::-1]
-        orders.append(list(order))
+    orders = H.alternating_orders(VARIANTS, repeats)
+    for order in orders:
         for variant in order:
             sync()
             t0 = time.perf_counter()
@@ -204,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    if H.summary_or_check(p, args, readme_summary, "runs/rope_bench.json"):  # bad values in one line, before any child runs
+    # bad values in one line, before any child runs
+    if H.summary_or_check(p, args, readme_summary, "runs/rope_bench.json", keys=("variants", "shape")):
         return 0
     if args.head_dim % 2:
         p.error(f"--head-dim must be even (RoPE rotates pairs of dimensions), got {args.head_dim}")
