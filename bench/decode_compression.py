@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import statistics
 import sys
 import time
@@ -297,13 +296,7 @@ def markdown(report) -> str:
 
 # ------------------------------------------------------------------------------------------ shared setup
 def _meta(args, part: str, **extra) -> dict:
-    import torch
-    import transformers
-
-    return {"part": part, "command": " ".join(["bench/decode_compression.py"] + sys.argv[1:]),
-            "model": args.model, "threads": torch.get_num_threads(), "machine": H.machine(),
-            "platform": platform.platform(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M"), **extra}
+    return {"part": part, **H.run_record("bench/decode_compression.py"), "model": args.model, **extra}
 
 
 
@@ -607,7 +600,7 @@ def run_kvpress(args) -> dict:
         del eng
     td_s = time.perf_counter() - t_start
 
-    py = VENV.ensure(log=lambda m: print(m, file=sys.stderr, flush=True))
+    py = VENV.ensure(log=H.log)
     spec = {"folder": folder, "prompts": prompts, "presses": args.presses, "budget": B, "buffer": N, "window": w,
             "max_tokens": args.max_tokens, "threads": args.threads}
     t1 = time.perf_counter()

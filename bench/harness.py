@@ -224,6 +224,43 @@ def md_table(head, rows) -> list[str]:
     return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
+def log(message: str) -> None:
+    """A progress line on stderr (stdout holds the tables and, with `--json -`, the run)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_record(prog: str) -> dict:
+    """What a run was measured with: its command line, torch threads, machine, platform, torch and transformers
+    versions and the date (the `meta` fields of the policy-cost and decode-compression runs)."""
+    import torch
+    import transformers
+
+    return {"command": " ".join([prog] + sys.argv[1:]), "threads": torch.get_num_threads(), "machine": machine(),
+            "platform": platform.platform(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def ruler_prompts(task: str, n: int, context_length: int, tokenizer, seed: int, max_tokens: int | None):
+    """`(rows, prompt ids, max_tokens)` of the peer comparisons: `tdutils.ruler.make_ruler_dataset` rows, their token
+    ids, and `max_tokens` or, when None, enough for every gold value listed once (`" v1, v2, ..."` + 4)."""
+    from tdutils import ruler
+
+    data = ruler.make_ruler_dataset(task, n, context_length, tokenizer=tokenizer, seed=seed)
+    prompts = [list(map(int, ex["prompt_ids"])) for ex in data]
+    if max_tokens is None:
+        max_tokens = 4 + max(len(tokenizer.encode(" " + ", ".join(ex["values"]), add_special_tokens=False))
+                             for ex in data)
+    return data, prompts, max_tokens
+
+
+def check_ruler_task(task: str) -> None:
+    """Raises ValueError unless `task` is a RULER template task (`tdutils.ruler.RULER_TEMPLATE_TASKS`)."""
+    from tdutils import ruler
+
+    if task not in ruler.RULER_TEMPLATE_TASKS:
+        raise ValueError(f"--task {task!r} is not a RULER task; known: {', '.join(ruler.RULER_TEMPLATE_TASKS)}")
+
+
 def platform_fields() -> dict:
     """`machine` (platform string) and `processor`: the fields of the throughput and engine runs."""
     return {"machine": platform.platform(), "processor": platform.processor()}

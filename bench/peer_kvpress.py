@@ -390,23 +390,18 @@ def run(args) -> int:
     missing = [p for p in policies if p not in policy_names()]
     if missing:
         raise ValueError(f"tdutils has no policy {missing}")
-    if args.task not in ruler.RULER_TEMPLATE_TASKS:  # before minutes of model loading
-        raise ValueError(f"--task {args.task!r} is not a RULER task; known: {', '.join(ruler.RULER_TEMPLATE_TASKS)}")
+    H.check_ruler_task(args.task)  # before minutes of model loading
     folder = str(resolve(args.model))
 
     t0 = time.perf_counter()
     engine = HFEngine(args.model, dtype="float32", kv_budget_tokens=None, prefill_batch_size=args.batch_size,
                       query_window=0, progress=False)
-    data = ruler.make_ruler_dataset(args.task, args.n, args.context_length, tokenizer=engine.tokenizer,
-                                    seed=args.seed)
-    prompts = [list(map(int, ex["prompt_ids"])) for ex in data]
-    if args.max_tokens is None:  # enough for every gold value listed once, whatever the task
-        args.max_tokens = 4 + max(len(engine.tokenizer.encode(" " + ", ".join(ex["values"]), add_special_tokens=False))
-                                  for ex in data)
+    data, prompts, args.max_tokens = H.ruler_prompts(args.task, args.n, args.context_length, engine.tokenizer,
+                                                     args.seed, args.max_tokens)
     td = run_tdutils(engine, prompts, policies, args.ratios, max_tokens=args.max_tokens, batch_size=args.batch_size)
     td_s = time.perf_counter() - t0
 
-    py = VENV.ensure(log=lambda m: print(m, file=sys.stderr, flush=True))
+    py = VENV.ensure(log=H.log)
     with tempfile.TemporaryDirectory(prefix="peer_kvpress_") as tmp:
         spec = {"folder": folder, "prompts": prompts, "presses": [FULL] + presses, "ratios": args.ratios,
                 "max_tokens": args.max_tokens, "seed": args.seed, "threads": threads,

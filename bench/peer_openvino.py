@@ -396,19 +396,15 @@ def run(args) -> int:
     from tdutils.models import resolve_real
     from tdutils.selection import keep_count
 
-    def log(message):
-        print(message, file=sys.stderr, flush=True)
-
     folder = Path(resolve_real(args.model, progress=False))
     if not folder.is_dir():
         raise ValueError(f"--model {args.model!r} is not a real model tdutils can resolve to a folder")
-    py = ensure_venv(log=log)
-    ir = ensure_ir(py, folder, log=log)
+    py = ensure_venv(log=H.log)
+    ir = ensure_ir(py, folder, log=H.log)
     if args.build_venv:
         print(json.dumps({"python": str(py), "ir": str(ir), **(venv_info() or {})}, indent=1))
         return 0
-    if args.task not in ruler.RULER_TEMPLATE_TASKS:
-        raise ValueError(f"--task {args.task!r} is not a RULER task; known: {', '.join(ruler.RULER_TEMPLATE_TASKS)}")
+    H.check_ruler_task(args.task)
     out_path = check_output_path(args.out, "--out", example=DEFAULT_OUT)
     threads = args.threads or usable_cores()
     torch.set_num_threads(threads)
@@ -418,11 +414,8 @@ def run(args) -> int:
     engine = HFEngine(args.model, dtype="float32", kv_budget_tokens=None, prefill_batch_size=args.batch_size,
                       query_window=64, progress=False)  # SnapKV scores with the last 64 queries
     tok = engine.tokenizer
-    data = ruler.make_ruler_dataset(args.task, args.n, args.context_length, tokenizer=tok, seed=args.seed)
-    prompts = [list(map(int, ex["prompt_ids"])) for ex in data]
-    if args.max_tokens is None:
-        args.max_tokens = 4 + max(len(tok.encode(" " + ", ".join(ex["values"]), add_special_tokens=False))
-                                  for ex in data)
+    data, prompts, args.max_tokens = H.ruler_prompts(args.task, args.n, args.context_length, tok, args.seed,
+                                                     args.max_tokens)
     keep = keep_count(max(len(p) for p in prompts), args.drop_ratio)
     configs = ov_configs(args, keep)
     t0 = time.perf_counter()

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
 import re
 import statistics
 import sys
@@ -96,14 +95,9 @@ def captured(state: list, rows: int | None) -> list:
 
 
 
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def run(args) -> dict:
     """Prefill once, time the baseline decode and every variant's modify; returns the report (`table` renders it)."""
     import torch
-    import transformers
 
     import tdutils
     from tdutils.policies import query_window_for
@@ -117,7 +111,7 @@ def run(args) -> dict:
     prompts = essay_prompts(eng.tokenizer, args.num_requests, args.prompt_tokens)
     eng.prefill(prompts)
     prefill_s = eng.metrics.prefill.seconds
-    _log(f"model={args.model} layers={facts.num_layers} requests={len(prompts)} prompt_tokens={args.prompt_tokens} "
+    H.log(f"model={args.model} layers={facts.num_layers} requests={len(prompts)} prompt_tokens={args.prompt_tokens} "
          f"threads={torch.get_num_threads()} prefill {prefill_s:.1f} s")
     saved = eng.snapshot()
 
@@ -127,7 +121,7 @@ def run(args) -> dict:
         eng.decode(args.max_tokens, ignore_eos=True)
         if rep:
             decode_s.append(eng.metrics.decode.seconds)
-        _log(f"  baseline decode {'(warm-up)' if not rep else f'repeat {rep}'}: {eng.metrics.decode.seconds:.2f} s")
+        H.log(f"  baseline decode {'(warm-up)' if not rep else f'repeat {rep}'}: {eng.metrics.decode.seconds:.2f} s")
     base = statistics.median(decode_s)
 
     rows = []
@@ -151,15 +145,13 @@ def run(args) -> dict:
                "per_layer_ms": 1e3 * m / (n * L), "share": m / base, "target": target,
                "passed": m / base <= target, "kept_tokens": kept}
         rows.append(row)
-        _log(f"  {name:>14}: modify {m:.3f} s ({row['per_request_ms']:.1f} ms/request, {row['per_layer_ms']:.2f} "
+        H.log(f"  {name:>14}: modify {m:.3f} s ({row['per_request_ms']:.1f} ms/request, {row['per_layer_ms']:.2f} "
              f"ms/request/layer), {row['share']:.1%} of the baseline decode (target {target:.0%})")
-    meta = {"command": " ".join(["bench/policy_cost.py"] + sys.argv[1:]), "model": args.model,
+    meta = {**H.run_record("bench/policy_cost.py"), "model": args.model,
             "num_layers": facts.num_layers, "num_kv_heads": facts.num_kv_heads, "num_query_heads": facts.num_query_heads,
             "head_dim": facts.head_dim, "num_requests": len(prompts), "prompt_tokens": args.prompt_tokens,
             "max_tokens": args.max_tokens, "drop_ratio": args.drop_ratio, "repeats": args.repeats,
-            "smoke": args.smoke, "threads": torch.get_num_threads(), "machine": H.machine(),
-            "platform": platform.platform(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M"), "prefill_s": prefill_s, "baseline_decode_s": base,
+            "smoke": args.smoke, "prefill_s": prefill_s, "baseline_decode_s": base,
             "baseline_decode_all_s": decode_s, "seconds": time.perf_counter() - t_start}
     return {"meta": meta, "rows": rows}
 
