@@ -47,7 +47,7 @@ def load(name: str) -> dict:
 
 
 def _bench(name: str):
-    """`bench/NAME.py` as a module (the scripts import `bench/_report.py` as a sibling)."""
+    """`bench/NAME.py` as a module (the scripts import `bench/harness.py` as a sibling)."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
