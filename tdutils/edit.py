@@ -24,10 +24,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kvcache import CacheKind, apply_keep, check_keep, check_kv, get_kv, get_query
+from .kvcache import (
+    CacheKind,
+    apply_keep,
+    apply_keep_heads,
+    check_keep,
+    check_keep_sets,
+    check_kv,
+    get_kv,
+    get_query,
+)
 from .models import model_facts
 from .policies import get_policy
-from .selection import check_drop_ratio, keep_count
+from .selection import check_drop_ratio, check_granularity, keep_count
 
 ModifyFn = Callable[[Mapping, Sequence[int]], tuple[torch.Tensor, list[int]]]
 # A selection function: (tensors, tokens) -> LongTensor of kept indices.
@@ -221,6 +230,9 @@ class DropFn:
             tests check), so an engine may hand it the cache itself instead of a protective copy.
         modify: the adapted ModifyFn (`as_drop_fn`), else None.
         timings: per-request `Timings` when built with `timed()`, else None.
+        granularity: `"request"` (one kept set `[k]`), `"layer"` (`[L, k]`) or `"head"` (`[L, H_kv, k]`);
+            docs/policies.md, "Granularity". Engines that store one token list per request refuse the others.
+        num_kv_heads: the model's KV heads `H_kv` (from `model_config`), to check per-head sets; None unknown.
     """
 
     name: str
@@ -235,6 +247,8 @@ class DropFn:
     reads_only: bool = False
     modify: ModifyFn | None = None
     timings: Timings | None = None
+    granularity: str = "request"
+    num_kv_heads: int | None = None
 
     def ratio_for(self, n: int) -> float:
         """The drop ratio applied to a cache of `n` tokens: `drop_ratio`, or by budget `1 - B/n` (exactly `B`
@@ -249,7 +263,8 @@ class DropFn:
         return r
 
     def keep_indices(self, tensors: Mapping, tokens: Sequence[int]) -> torch.Tensor:
-        """Sorted LongTensor [k] of the indices this function keeps for one request.
+        """The indices this function keeps for one request: LongTensor `[k]` (granularity `"request"`), `[L, k]`
+        (`"layer"`) or `[L, H_kv, k]` (`"head"`), sorted on the last dim.
 
         Raises:
             TypeError: an adapted ModifyFn (its kept indices are known only from its output: `kept_rows`).
@@ -259,15 +274,28 @@ class DropFn:
                             "tdutils.edit.kept_rows on its output")
         kv = get_kv(tensors)
         check_kv(kv, tokens)
-        return check_keep(self.select(tensors, tokens, self.ratio_for(kv.shape[2])), kv.shape[2])
+        return self._check_sets(self.select(tensors, tokens, self.ratio_for(kv.shape[2])), kv)
+
+    def _check_sets(self, keep, kv: torch.Tensor) -> torch.Tensor:
+        heads = self.num_kv_heads
+        if heads is None:  # unknown: whatever a [L, H, k] result says, as long as it divides D
+            keep = torch.as_tensor(keep)
+            heads = keep.shape[1] if keep.dim() == 3 and keep.shape[1] and kv.shape[3] % keep.shape[1] == 0 else 1
+        return check_keep_sets(keep, kv.shape[2], kv.shape[1], heads)
 
     def __call__(self, tensors: Mapping, tokens: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
         new_kv, new_tokens, _ = self.edit(tensors, tokens)
         return new_kv, new_tokens
 
     def edit(self, tensors: Mapping, tokens: Sequence[int]) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
-        """`__call__` plus the sorted kept indices `LongTensor[k]` (None for an adapted ModifyFn, whose output
-        the engine validates and, for original positions, maps back with `kept_rows`).
+        """`__call__` plus the kept indices: `LongTensor[k]` for one set per request, `[L, H_kv, k]` for sets per
+        layer or per KV head (a layer's set repeated over its heads); None for an adapted ModifyFn, whose output
+        the engine validates and, for original positions, maps back with `kept_rows`.
+
+        Per-layer / per-head sets (`apply_keep_heads`): `new_kv [2, L, k, D]` holds in row `i` of head `h` of
+        layer `l` the token `keep[l, h, i]` (keys re-rotated from that position to `i` with `rerotate`);
+        `new_tokens` are the tokens of layer 0 / head 0's set: exact for the rows every set shares (the protected
+        tokens at the end, and the last token, which every per-head set keeps).
 
         Raises:
             ValueError: the policy's own input errors (bad shapes, too few query rows).
@@ -283,13 +311,19 @@ class DropFn:
         if r == 0.0:  # docs/design.md §5: ratio 0 returns the input unchanged, bit for bit
             return kv.clone(), [int(t) for t in tokens], torch.arange(n)
         t0 = self._tick(kv)
-        keep = check_keep(self.select(tensors, tokens, r), n)
-        if self.budget is not None and keep.numel() > self.budget:
-            raise RuntimeError(f"policy {self.name!r} kept {keep.numel()} tokens of {n}, more than the budget "
+        keep = self._check_sets(self.select(tensors, tokens, r), kv)
+        if self.budget is not None and keep.shape[-1] > self.budget:
+            raise RuntimeError(f"policy {self.name!r} kept {keep.shape[-1]} tokens of {n}, more than the budget "
                                f"{self.budget} (its protected tokens, window and sinks, or a keep rule that does not "
                                f"follow the drop ratio); lower them or raise the budget")
         t1 = self._tick(kv)
-        new_kv, new_tokens = apply_keep(kv, tokens, keep, rope_spec=self.rope_spec, rerotate=bool(self.rerotate))
+        if keep.dim() == 1:
+            new_kv, new_tokens = apply_keep(kv, tokens, keep, rope_spec=self.rope_spec, rerotate=bool(self.rerotate))
+        else:
+            if keep.dim() == 2:  # one set per layer: the same in each of its heads
+                keep = keep[:, None, :].expand(-1, self.num_kv_heads or 1, -1).contiguous()
+            new_kv, new_tokens = apply_keep_heads(kv, tokens, keep, rope_spec=self.rope_spec,
+                                                  rerotate=bool(self.rerotate))
         if self.timings is not None:
             self.timings.score_s.append(t1 - t0)
             self.timings.rerotate_s.append(self._tick(kv) - t1)
@@ -357,7 +391,7 @@ def _user_select(policy: Callable, r: float, params: dict) -> tuple[str, Callabl
 
 
 def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, budget: int | None = None,
-                 model_config=None, rerotate: bool = True, **params) -> DropFn:
+                 model_config=None, rerotate: bool = True, granularity: str = "request", **params) -> DropFn:
     """Build the drop function (LMCache `ModifyFn`) of a policy.
 
     Args:
@@ -377,6 +411,9 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, bud
             attention from its definition, and a model with learned sinks (gpt-oss) then fails for snapkv/rkv
             (their values live in the weights).
         rerotate: re-rotate kept keys to compact positions (True: what vLLM + LMCache decode with).
+        granularity: `"request"` (one kept set for all layers and heads, the default), `"layer"` (one per layer) or
+            `"head"` (one per KV head), for the policies that register it (`Policy.granularities`; docs/policies.md,
+            "Granularity"); not `"request"` needs `model_config` (the KV head count).
         **params: the policy's parameters (e.g. `window=32`); unknown names are refused.
 
     Returns:
@@ -385,8 +422,10 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, bud
 
     Raises:
         ValueError: unknown policy name, drop_ratio outside [0, 1], both or a bad `budget`, unknown or bad
-            params, or `rerotate=True` (or a policy reading head counts) without `model_config`.
+            params, `rerotate=True` (or a policy reading head counts, or a granularity other than `"request"`)
+            without `model_config`, an unknown granularity or one the policy does not define.
     """
+    check_granularity(granularity)
     if budget is not None:
         if drop_ratio is not None:
             raise ValueError(f"give drop_ratio ({drop_ratio}) or budget ({budget}), not both")
@@ -402,23 +441,35 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, bud
             raise ValueError("rerotate=True needs model_config (the model's facts: engine.facts, the model or its "
                              "config) to re-rotate keys; or rerotate=False with positions='original'")
         rope_spec = facts.rope
+    if granularity != "request" and facts is None:
+        raise ValueError(f"granularity={granularity!r} needs model_config (the model's layer and KV head counts)")
+    heads = facts.num_kv_heads if facts is not None else None
     if callable(policy):
+        if granularity != "request":
+            raise ValueError(f"granularity={granularity!r} is for registered policies; a selection function's sets "
+                             f"are what it returns ([k], [L, k] or [L, H_kv, k])")
         name, select = _user_select(policy, 0.5 if r is None else r, params)
-        return DropFn(name, select, r, budget, rerotate, rope_spec, dict(params), needs=None, query_rows=None)
+        return DropFn(name, select, r, budget, rerotate, rope_spec, dict(params), needs=None, query_rows=None,
+                      num_kv_heads=heads)
 
     pol = get_policy(policy)
+    if granularity not in pol.granularities:
+        raise ValueError(f"policy {policy!r} keeps one set per request only (its scores are not defined per layer or "
+                         f"head); use granularity='request', not {granularity!r}")
     p = pol.make_params(**params)
     if facts is None and (pol.needs_model or pol.setup is not None):
         raise ValueError(f"policy {policy!r} needs model_config (head_dim and head counts of the model)")
     extra = dict(pol.setup(facts)) if pol.setup is not None else {}  # per-model values, computed once
     keep, reads_query = pol.keep, pol.needs != "kv"
+    if granularity != "request":  # a policy registered for "request" only never sees the keyword
+        extra["granularity"] = granularity
 
     def select(tensors, tokens, drop_ratio):
         return keep(get_kv(tensors), get_query(tensors) if reads_query else None, drop_ratio, params=p, facts=facts,
                     **extra)
 
     return DropFn(policy, select, r, budget, rerotate, rope_spec, dict(vars(p)), needs=pol.needs,
-                  query_rows=pol.rows(p), reads_only=pol.builtin)
+                  query_rows=pol.rows(p), reads_only=pol.builtin, granularity=granularity, num_kv_heads=heads)
 
 
 __all__ = ["CacheKind", "DropFn", "DropFunctionError", "ModifyFn", "Timings", "apply_keep", "as_drop_fn", "check_keep", "check_kv",

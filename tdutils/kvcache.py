@@ -104,4 +104,68 @@ def apply_keep(kv: torch.Tensor, tokens: Sequence[int], keep: torch.Tensor, *, r
     return new_kv, [int(tokens[i]) for i in keep.tolist()]
 
 
-__all__ = ["CacheKind", "apply_keep", "check_keep", "check_kv", "get_kv", "get_query"]
+def check_keep_sets(keep: torch.Tensor, n: int, num_layers: int, num_kv_heads: int) -> torch.Tensor:
+    """Validate kept indices per request `[k]`, per layer `[L, k]` or per KV head `[L, H, k]` for `n` tokens;
+    returns them as a CPU LongTensor sorted on the last dim (`check_keep` for `[k]`).
+
+    Raises:
+        ValueError: not integers, another `L` or `H`, empty sets, indices out of range or duplicated in a set.
+    """
+    keep = torch.as_tensor(keep)
+    if keep.dim() == 1:
+        return check_keep(keep, n)
+    want = (num_layers,) if keep.dim() == 2 else (num_layers, num_kv_heads)
+    if keep.dim() not in (2, 3) or tuple(keep.shape[:-1]) != want or keep.dtype.is_floating_point \
+            or keep.dtype == torch.bool:
+        raise ValueError(f"kept indices must be an integer tensor [k], [L, k] or [L, H_kv, k] with L = {num_layers}, "
+                         f"H_kv = {num_kv_heads}; got dtype {keep.dtype}, shape {tuple(keep.shape)}")
+    keep = torch.sort(keep.long().cpu(), dim=-1).values
+    if keep.shape[-1] == 0:
+        raise ValueError("a drop function must keep at least one token")
+    if int(keep.min()) < 0 or int(keep.max()) >= n:
+        raise ValueError(f"kept indices must lie in [0, {n}), got min {int(keep.min())}, max {int(keep.max())}")
+    if keep.shape[-1] > 1 and bool((keep[..., 1:] == keep[..., :-1]).any()):
+        raise ValueError("kept indices contain duplicates within a set")
+    return keep
+
+
+def apply_keep_heads(kv: torch.Tensor, tokens: Sequence[int], keep: torch.Tensor, *, rope_spec=None,
+                     rerotate: bool = True) -> tuple[torch.Tensor, list[int]]:
+    """Gather one kept set per (layer, KV head); re-rotate each head's keys to compact positions.
+
+    Args:
+        kv: `[2, L, T, D]`, `D = H * head_dim` (any float dtype, any device); not modified.
+        tokens: the T token ids.
+        keep: LongTensor `[L, H, k]` (sorted on the last dim, `check_keep_sets`).
+        rope_spec: a `tdutils.rope.RopeSpec` or one per layer; required when `rerotate=True`.
+        rerotate: move head `h`'s key `i` of layer `l` from position `keep[l, h, i]` to position `i` (fp32
+            arithmetic, one cast; `tdutils.rope.rerotate_keys` with per-row positions).
+
+    Returns:
+        `(new_kv [2, L, k, D], new_tokens)`: row `i` of head `h` in layer `l` holds token `keep[l, h, i]`;
+        `new_tokens[i] = tokens[keep[0, 0, i]]` (layer 0, head 0; the rows every set shares, such as a protected
+        window at the end, hold the same token in every head).
+    """
+    check_kv(kv, tokens)
+    two, L, T, D = kv.shape
+    _, H, k = keep.shape
+    d = D // H
+    idx = keep.to(kv.device)  # [L, H, k]
+    index = idx.transpose(1, 2)[None, :, :, :, None].expand(two, L, k, H, d)
+    new = torch.gather(kv.view(two, L, T, H, d), 2, index)  # [2, L, k, H, d]
+    if rerotate:
+        if rope_spec is None:
+            raise ValueError("rerotate=True needs the model's RoPE spec; pass model_config= to make_drop_fn")
+        from .rope import rerotate_keys
+
+        new_pos = torch.arange(k, device=kv.device).repeat(H)  # [H*k]: 0..k-1 in every head
+        for layer in range(L):
+            spec = rope_spec[layer] if isinstance(rope_spec, list | tuple) else rope_spec
+            rows = new[0, layer].transpose(0, 1).reshape(H * k, d)  # [H*k, d], head-major
+            rot = rerotate_keys(rows, idx[layer].reshape(-1), new_pos, spec, token_dim=-2)
+            new[0, layer] = rot.view(H, k, d).transpose(0, 1)
+    return new.view(two, L, k, D), [int(tokens[i]) for i in keep[0, 0].tolist()]
+
+
+__all__ = ["CacheKind", "apply_keep", "apply_keep_heads", "check_keep", "check_keep_sets", "check_kv", "get_kv",
+           "get_query"]

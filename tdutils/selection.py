@@ -88,3 +88,63 @@ def keep_top_scores(scores: torch.Tensor, k: int, protected: torch.Tensor | None
     # Stable descending sort: among equal scores the lower index comes first.
     order = torch.sort(-s, stable=True).indices
     return torch.sort(order[:k]).values
+
+
+# ------------------------------------------------------------------------------------------------ granularity
+GRANULARITIES = ("request", "layer", "head")
+
+
+def check_granularity(granularity) -> str:
+    """Return `granularity`; ValueError unless it is `"request"`, `"layer"` or `"head"`."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES} (one kept set per request, per layer or per KV "
+                         f"head), got {granularity!r}")
+    return granularity
+
+
+def keep_top_per_head(scores: torch.Tensor, k: int, protected: torch.Tensor | None, granularity: str
+                      ) -> torch.Tensor:
+    """Kept indices per layer or per KV head from per-(layer, KV head) scores (docs/policies.md, "Granularity").
+
+    `"head"`: top-k of each KV head's own scores; `"layer"`: top-k of the mean of the layer's KV-head scores
+    (`scores.mean(dim=1)`). The same `k` everywhere; the protected tokens and the last token (decode feeds it
+    again at its position, so its row must be the same in every head) are kept in every set and win every tie;
+    ties among the others go to the earlier token, as `keep_top_scores`.
+
+    Args:
+        scores: `[L, H, n]` float scores (ranked in fp32), higher = more worth keeping.
+        k: keep count; raised to the number of protected tokens (the last one included) when smaller.
+        protected: optional BoolTensor `[n]`.
+        granularity: `"layer"` or `"head"`.
+
+    Returns:
+        LongTensor `[L, k]` (`"layer"`) or `[L, H, k]` (`"head"`), sorted on the last dim, on `scores`' device.
+
+    Raises:
+        ValueError: `scores` not `[L, H, n]`, or a granularity other than `"layer"` / `"head"`.
+    """
+    if scores.dim() != 3:
+        raise ValueError(f"per-head scores must have shape [L, H, n], got {tuple(scores.shape)}")
+    if granularity not in ("layer", "head"):
+        raise ValueError(f"keep_top_per_head selects per 'layer' or 'head', got {granularity!r}")
+    n = scores.shape[-1]
+    s = scores.detach().float()
+    s = s.mean(dim=1) if granularity == "layer" else s.clone()  # [L, n] or [L, H, n]
+    keep_mask = torch.zeros(n, dtype=torch.bool, device=s.device)
+    if protected is not None:
+        keep_mask |= protected.to(s.device)
+    keep_mask[-1:] = True
+    k = min(n, max(int(k), int(keep_mask.sum())))
+    s[..., keep_mask] = float("inf")
+    order = torch.sort(-s, dim=-1, stable=True).indices[..., :k]  # stable: the earlier token wins a tie
+    return torch.sort(order, dim=-1).values
+
+
+def repeat_keep(keep: torch.Tensor, num_layers: int, num_kv_heads: int, granularity: str) -> torch.Tensor:
+    """One kept set `[k]` as the set of every layer (`[L, k]`, `"layer"`) or every KV head (`[L, H, k]`,
+    `"head"`); `keep` itself for `"request"`. For policies whose set does not depend on the head (StreamingLLM)
+    and for prompts a policy cannot cut (all tokens protected)."""
+    if granularity == "request":
+        return keep
+    shape = (num_layers, keep.numel()) if granularity == "layer" else (num_layers, num_kv_heads, keep.numel())
+    return keep.expand(*shape).clone()

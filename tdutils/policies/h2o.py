@@ -12,7 +12,8 @@ hitters among the others (ties to the earlier token). Needs the queries of *all*
 `[L, T, Hq*d]` per request; its memory: docs/policies.md); scoring costs `O(L * Hq * T² * d)`.
 
 Departures from the paper: it evicts greedily at every decode step, per layer and head; here the tokens are
-chosen once after prefill, one set per request (shared by all layers and heads), as the serving path needs.
+chosen once after prefill, one set per request (shared by all layers and heads), as the serving path needs;
+`granularity="layer" | "head"` keeps one set per layer or per KV head (docs/policies.md, "Granularity").
 Defaults: `window=None`, the paper's even split (recent tokens = heavy hitters = `k // 2`); `n_sink=0`.
 """
 
@@ -23,7 +24,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import AttentionSpec, LayerAttention, masked_logits, softmax_with_sinks
-from ..selection import check_protected, keep_count, keep_top_scores, protected_mask
+from ..selection import (
+    GRANULARITIES,
+    check_protected,
+    keep_count,
+    keep_top_per_head,
+    keep_top_scores,
+    protected_mask,
+    repeat_keep,
+)
 from .registry import register_policy
 from .scoring import check_query, layer_attentions, model_attention, plain_attention, reduce_gqa
 
@@ -63,15 +72,21 @@ def h2o_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, attention: A
         ValueError: missing query, bad shapes, or fewer than `T` query rows (capture all prompt queries:
             `query_window=None`).
     """
-    T = kv.shape[2]
+    total = None
+    for acc in _head_scores(kv, q, head_dim, attention):
+        total = acc.mean(dim=0) if total is None else total + acc.mean(dim=0)  # [H, T] -> [T]
+    return total / kv.shape[1]
+
+
+def _head_scores(kv: torch.Tensor, q: torch.Tensor, head_dim: int, attention: AttentionSpec | None):
+    """Accumulated attention per KV head (its GQA group's query heads averaged), layer by layer: yields fp32
+    `[H, T]`."""
+    T = kv.shape[2] if kv.dim() == 4 else 0
     q = check_query(kv, q, T, head_dim, "H2O", what="the prompt length (H2O reads every prompt query)")
     L, h = kv.shape[1], kv.shape[3] // head_dim
     layers = layer_attentions(attention, L)
-    total = torch.zeros(T, dtype=torch.float32, device=kv.device)
     for layer in range(L):
-        acc = _accumulated(kv[0, layer], q[layer, -T:], h, layers[layer])  # [Hq, T]
-        total += reduce_gqa(acc, h, "mean").mean(dim=0)  # [Hq, T] -> [H, T] -> [T]
-    return total / L
+        yield reduce_gqa(_accumulated(kv[0, layer], q[layer, -T:], h, layers[layer]), h, "mean")  # [Hq, T] -> [H, T]
 
 
 def _accumulated(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, layer: LayerAttention | None) -> torch.Tensor:
@@ -118,25 +133,30 @@ def _accumulated(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, layer: Layer
 
 
 def h2o_keep(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int | None = None,
-             n_sink: int = 0, attention: AttentionSpec | None = None) -> torch.Tensor:
+             n_sink: int = 0, attention: AttentionSpec | None = None, granularity: str = "request") -> torch.Tensor:
     """Kept indices: the recent window, the sinks, and the heavy hitters, `keep_count(T, drop_ratio)` in all.
 
     `window=None` takes `keep_count(T, drop_ratio) // 2` recent tokens (the paper's split). Returns
-    LongTensor [k], sorted ascending; `arange(T)` when nothing is dropped.
+    LongTensor [k], sorted ascending; `arange(T)` when nothing is dropped. `granularity="layer" | "head"`:
+    `[L, k]` / `[L, H, k]` from the per-KV-head scores (docs/policies.md, "Granularity").
     """
     T = kv.shape[2]
     k = keep_count(T, drop_ratio)
     if k >= T:
-        return torch.arange(T)
+        return repeat_keep(torch.arange(T), kv.shape[1], kv.shape[3] // head_dim, granularity)
     w = k // 2 if window is None else window
+    if granularity != "request":
+        per_head = torch.stack(list(_head_scores(kv, q, head_dim, attention))).cpu()  # [L, H, T]
+        return keep_top_per_head(per_head, k, protected_mask(T, n_sink=n_sink, window=w), granularity)
     scores = h2o_scores(kv, q, head_dim=head_dim, attention=attention).cpu()
     return keep_top_scores(scores, k, protected_mask(T, n_sink=n_sink, window=w))
 
 
 register_policy(
-    "h2o", params=H2OParams, needs="all", builtin=True, setup=model_attention,
-    keep=lambda kv, q, r, *, params, facts, attention=None: h2o_keep(
-        kv, q, r, head_dim=facts.head_dim, window=params.window, n_sink=params.n_sink, attention=attention),
+    "h2o", params=H2OParams, needs="all", builtin=True, setup=model_attention, granularities=GRANULARITIES,
+    keep=lambda kv, q, r, *, params, facts, attention=None, granularity="request": h2o_keep(
+        kv, q, r, head_dim=facts.head_dim, window=params.window, n_sink=params.n_sink, attention=attention,
+        granularity=granularity),
     summary="the recent window plus the heavy hitters: attention accumulated over all prompt queries",
     paper="Zhang et al. 2023, H2O, arXiv:2306.14048")
 

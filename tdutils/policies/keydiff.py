@@ -12,7 +12,7 @@ to the earlier token). Query-free: KV only (no query capture; a stock vLLM on th
 
 Departures from the paper: it evicts block by block while prefilling, per layer and head; here the whole
 prompt is scored at once after prefill, one set per request (shared by all layers and heads), as the serving
-path needs. Defaults: `window=0`, `n_sink=0` (kvpress protects no token).
+path needs (`granularity="layer" | "head"`: one set per layer or per KV head). Defaults: `window=0`, `n_sink=0` (kvpress protects no token).
 """
 
 from __future__ import annotations
@@ -23,7 +23,14 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 
-from ..selection import check_protected, keep_count, keep_top_scores, protected_mask
+from ..selection import (
+    GRANULARITIES,
+    check_protected,
+    keep_count,
+    keep_top_per_head,
+    keep_top_scores,
+    protected_mask,
+)
 from .knorm import key_heads
 from .params import check_choice
 from .registry import register_policy
@@ -66,34 +73,48 @@ def keydiff_scores(kv: torch.Tensor, *, head_dim: int, anchor: Anchor = "normali
 
 def _scores(kv: torch.Tensor, head_dim: int, anchor: Anchor) -> torch.Tensor:
     # `anchor` checked (by `keydiff_scores`, or when the drop function was built)
-    L = kv.shape[1]
     total = torch.zeros(kv.shape[2], dtype=torch.float32, device=kv.device)
-    for layer in range(L):
+    for cos in _head_cosines(kv, head_dim, anchor):
+        total += cos.mean(dim=0)  # mean over heads
+    return total / kv.shape[1]
+
+
+def _head_cosines(kv: torch.Tensor, head_dim: int, anchor: Anchor):
+    """Each key's cosine similarity to its KV head's anchor, layer by layer: yields fp32 `[H, T]`."""
+    for layer in range(kv.shape[1]):
         k = key_heads(kv, layer, head_dim)  # [H, T, d]
         unit = F.normalize(k, dim=-1)
         a = (unit if anchor == "normalized" else k).mean(dim=1, keepdim=True)  # [H, 1, d]
-        total += (unit * F.normalize(a, dim=-1)).sum(dim=-1).mean(dim=0)  # cosine, mean over heads
-    return total / L
+        yield (unit * F.normalize(a, dim=-1)).sum(dim=-1)  # [H, T]
 
 
 def keydiff_keep(kv: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int = 0, n_sink: int = 0,
-                 anchor: Anchor = "normalized") -> torch.Tensor:
+                 anchor: Anchor = "normalized", granularity: str = "request") -> torch.Tensor:
     """Kept indices: the protected tokens plus the keys least similar to the anchor, `keep_count(T, r)` in all.
 
-    Returns LongTensor [k], sorted ascending. Raises ValueError for bad parameters (`KeyDiffParams`).
+    `granularity="head"`: each KV head's own cosines (kvpress' `KeyDiffPress` set per head); `"layer"`: their
+    mean over the layer's KV heads (docs/policies.md, "Granularity").
+
+    Returns LongTensor [k] (`"request"`), `[L, k]` or `[L, H, k]`, sorted on the last dim. Raises ValueError for
+    bad parameters (`KeyDiffParams`).
     """
-    return _keep(kv, drop_ratio, KeyDiffParams(window, n_sink, anchor), head_dim)
+    return _keep(kv, drop_ratio, KeyDiffParams(window, n_sink, anchor), head_dim, granularity)
 
 
-def _keep(kv: torch.Tensor, drop_ratio: float, p: KeyDiffParams, head_dim: int) -> torch.Tensor:
+def _keep(kv: torch.Tensor, drop_ratio: float, p: KeyDiffParams, head_dim: int, granularity: str = "request"
+          ) -> torch.Tensor:
     T = kv.shape[2]
+    protected = protected_mask(T, n_sink=p.n_sink, window=p.window)
+    if granularity != "request":
+        cos = torch.stack(list(_head_cosines(kv, head_dim, p.anchor))).cpu()  # [L, H, T]
+        return keep_top_per_head(-cos, keep_count(T, drop_ratio), protected, granularity)
     scores = -_scores(kv, head_dim, p.anchor).cpu()
-    return keep_top_scores(scores, keep_count(T, drop_ratio), protected_mask(T, n_sink=p.n_sink, window=p.window))
+    return keep_top_scores(scores, keep_count(T, drop_ratio), protected)
 
 
 register_policy(
-    "keydiff", params=KeyDiffParams, needs="kv", builtin=True,
-    keep=lambda kv, q, r, *, params, facts: _keep(kv, r, params, facts.head_dim),
+    "keydiff", params=KeyDiffParams, needs="kv", builtin=True, granularities=GRANULARITIES,
+    keep=lambda kv, q, r, *, params, facts, granularity="request": _keep(kv, r, params, facts.head_dim, granularity),
     summary="the keys least similar (cosine) to the mean key direction",
     paper="Park et al. 2025, KeyDiff, arXiv:2504.15364")
 

@@ -11,7 +11,7 @@ the serving path it runs on a stock vLLM) and the model's `head_dim` to split he
 
 Departure from the paper: the paper (and kvpress's `KnormPress`) keeps a separate set per layer and head;
 here one set per request, shared by all layers and heads, as the serving path (one token list per request)
-needs. Defaults: `window=0`, `n_sink=0` (the paper and kvpress protect no token); a `window` protects the
+needs; `granularity="head"` keeps the paper's set per KV head, `"layer"` one per layer. Defaults: `window=0`, `n_sink=0` (the paper and kvpress protect no token); a `window` protects the
 question at the end of the prompt, `n_sink` the first tokens.
 """
 
@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..selection import check_protected, keep_count, keep_top_scores, protected_mask
+from ..selection import (
+    GRANULARITIES,
+    check_protected,
+    keep_count,
+    keep_top_per_head,
+    keep_top_scores,
+    protected_mask,
+)
 from .registry import register_policy
 
 
@@ -81,7 +88,8 @@ def equal_norms(norms: torch.Tensor, dtype: torch.dtype) -> bool:
     return float(norms.max() - norms.min()) <= tol * float(norms.abs().max())
 
 
-def knorm_keep(kv: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int = 0, n_sink: int = 0) -> torch.Tensor:
+def knorm_keep(kv: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int = 0, n_sink: int = 0,
+               granularity: str = "request") -> torch.Tensor:
     """Kept indices: the protected tokens plus the lowest-norm keys, `keep_count(T, drop_ratio)` in all.
 
     Equal norms: QK-norm models whose `k_norm` weights are all 1 (freshly initialised ones, tiny test models)
@@ -89,18 +97,27 @@ def knorm_keep(kv: torch.Tensor, drop_ratio: float, *, head_dim: int, window: in
     ties and the earliest unprotected tokens are kept (the tie rule of `keep_top_scores`: deterministic, by
     position) instead of a ranking of rounding noise. Ties of exactly equal norms go to the earlier token too.
 
-    Returns LongTensor [k], sorted ascending.
+    `granularity="head"`: each KV head's own key norms (the paper's and kvpress' set per head); `"layer"`: their
+    mean over the layer's KV heads (docs/policies.md, "Granularity"); equal norms (all of them) tie as above.
+
+    Returns LongTensor [k] (`"request"`), `[L, k]` or `[L, H, k]`, sorted on the last dim.
     """
     T = kv.shape[2]
+    protected = protected_mask(T, n_sink=n_sink, window=window)
+    if granularity != "request":
+        check_key_heads(kv, head_dim)
+        norms = kv[0].float().reshape(kv.shape[1], T, -1, head_dim).norm(dim=-1).transpose(1, 2).cpu()  # [L, H, T]
+        scores = torch.zeros_like(norms) if equal_norms(norms.flatten(), kv.dtype) else -norms
+        return keep_top_per_head(scores, keep_count(T, drop_ratio), protected, granularity)
     norms = knorm_scores(kv, head_dim=head_dim).cpu()
     scores = torch.zeros_like(norms) if equal_norms(norms, kv.dtype) else -norms
-    return keep_top_scores(scores, keep_count(T, drop_ratio), protected_mask(T, n_sink=n_sink, window=window))
+    return keep_top_scores(scores, keep_count(T, drop_ratio), protected)
 
 
 register_policy(
-    "knorm", params=KNormParams, needs="kv", builtin=True,
-    keep=lambda kv, q, r, *, params, facts: knorm_keep(kv, r, head_dim=facts.head_dim, window=params.window,
-                                                         n_sink=params.n_sink),
+    "knorm", params=KNormParams, needs="kv", builtin=True, granularities=GRANULARITIES,
+    keep=lambda kv, q, r, *, params, facts, granularity="request": knorm_keep(
+        kv, r, head_dim=facts.head_dim, window=params.window, n_sink=params.n_sink, granularity=granularity),
     summary="the keys with the lowest L2 norm (mean over KV heads and layers)",
     paper="Devoto et al. 2024, KNorm, arXiv:2406.11430")
 

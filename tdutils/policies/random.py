@@ -6,7 +6,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..selection import check_drop_ratio, check_protected, keep_count, protected_mask
+from ..selection import (
+    GRANULARITIES,
+    check_drop_ratio,
+    check_protected,
+    keep_count,
+    keep_top_per_head,
+    protected_mask,
+)
 from .params import check_int, is_int
 from .registry import register_policy
 
@@ -64,6 +71,30 @@ def random_keep(n: int, drop_ratio: float, *, seed: int = 0, n_sink: int = 4, wi
     return torch.sort(keep).values
 
 
+def random_keep_per_head(n: int, drop_ratio: float, *, num_layers: int, num_kv_heads: int, granularity: str,
+                         seed: int = 0, n_sink: int = 4, window: int = 16) -> torch.Tensor:
+    """`random_keep` with an independent uniform sample per layer (`granularity="layer"`) or per KV head
+    (`"head"`, as kvpress' `RandomPress`): every set keeps the protected tokens and the last token, and
+    `keep_count(n, drop_ratio)` tokens in all; the samples are the ranks of `torch.rand` draws (`[L, H, n]` or
+    `[L, 1, n]`, layer-major) from one `torch.Generator` seeded with `seed`.
+
+    Returns:
+        LongTensor `[L, k]` (`"layer"`) or `[L, H, k]` (`"head"`), sorted on the last dim.
+    """
+    gen = torch.Generator().manual_seed(int(seed))
+    heads = num_kv_heads if granularity == "head" else 1
+    draws = torch.rand(num_layers, heads, n, generator=gen)  # [L, H or 1, n]
+    return keep_top_per_head(draws, keep_count(n, drop_ratio), protected_mask(n, n_sink=n_sink, window=window),
+                             granularity)
+
+
+def _random(kv, q, r, *, params: RandomParams, facts, granularity="request"):
+    if granularity == "request":
+        return random_keep(kv.shape[2], r, seed=params.seed, n_sink=params.n_sink, window=params.window)
+    return random_keep_per_head(kv.shape[2], r, num_layers=kv.shape[1], num_kv_heads=facts.num_kv_heads,
+                                granularity=granularity, seed=params.seed, n_sink=params.n_sink, window=params.window)
+
+
 def middle_chunk_keep(n: int, drop_ratio: float = 0.5, *, chunk_size: int = 256) -> torch.Tensor:
     """The reference "random" notebook's policy (LMCache token-dropping examples): split the tokens into
     chunks of `chunk_size`, keep the first and the last chunk whole, and from every chunk in between drop
@@ -95,9 +126,8 @@ def _middle_chunk_keep(n: int, r: float, chunk_size: int) -> torch.Tensor:
 
 
 register_policy(
-    "random", params=RandomParams, needs="kv", needs_model=False, builtin=True,
-    keep=lambda kv, q, r, *, params, facts: random_keep(kv.shape[2], r, seed=params.seed, n_sink=params.n_sink,
-                                                          window=params.window),
+    "random", params=RandomParams, needs="kv", needs_model=False, builtin=True, granularities=GRANULARITIES,
+    keep=_random,
     summary="first n_sink tokens (attention sinks), last window tokens, a seeded uniform sample of the rest",
     paper="baseline")
 register_policy(

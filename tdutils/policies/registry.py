@@ -47,6 +47,9 @@ class Policy:
             drop function is built (per-model values such as the model's attention arithmetic), not per request;
             `facts` is the model's `tdutils.models.ModelFacts` (`facts.rope`, `facts.attention`, `facts.config`).
         builtin: registered by tdutils itself (replacing it needs `replace=True`).
+        granularities: the granularities the policy selects at (`tdutils.selection.GRANULARITIES`): always
+            `"request"` (one set `[k]`); with `"layer"` / `"head"` listed, `keep` also takes
+            `granularity="layer" | "head"` and returns `[L, k]` / `[L, H_kv, k]` (docs/policies.md, "Granularity").
     """
 
     name: str
@@ -59,6 +62,7 @@ class Policy:
     query_rows: Callable | None = None
     setup: Callable | None = None
     builtin: bool = False
+    granularities: tuple = ("request",)
 
     def make_params(self, **values):
         """An instance of `params` from keyword values; ValueError on an unknown name (or a bad value,
@@ -87,7 +91,7 @@ _REGISTRY: dict[str, Policy] = {}
 
 def register_policy(name: str, *, params: type, needs: str, keep: KeepFn, summary: str = "", paper: str = "",
                     needs_model: bool = True, query_rows: Callable | None = None, setup: Callable | None = None,
-                    replace: bool = False, builtin: bool = False) -> Policy:
+                    replace: bool = False, builtin: bool = False, granularities=("request",)) -> Policy:
     """Make a policy reachable by name everywhere (`make_drop_fn`, `--policy`, `passkey_eval`, notebooks).
 
     Args:
@@ -104,13 +108,15 @@ def register_policy(name: str, *, params: type, needs: str, keep: KeepFn, summar
         replace: allow replacing a policy tdutils itself registers. A user's own policy may be registered
             again under its name (re-running a notebook cell) without it.
         builtin: for tdutils' own policies.
+        granularities: the granularities `keep` selects at, `"request"` among them; `"layer"` / `"head"` mean
+            `keep(..., granularity=...)` returns `[L, k]` / `[L, H_kv, k]` (see `Policy`).
 
     Returns:
         The registered `Policy`.
 
     Raises:
-        ValueError: a bad name or `needs`, a parameter without a default, or a built-in name without
-            `replace=True`.
+        ValueError: a bad name, `needs` or `granularities`, a parameter without a default, or a built-in name
+            without `replace=True`.
         TypeError: `params` not a dataclass type, or `keep` not callable as `keep(kv, q, drop_ratio, *, params,
             facts)`.
     """
@@ -132,10 +138,14 @@ def register_policy(name: str, *, params: type, needs: str, keep: KeepFn, summar
     _check_keep_signature(name, keep, setup)
     if needs == "window" and query_rows is None and "window" not in {f.name for f in dataclasses.fields(params)}:
         raise ValueError(f"policy {name!r} needs window queries: give its params a 'window' field or pass query_rows=")
+    granularities = tuple(granularities)
+    if "request" not in granularities or set(granularities) - {"request", "layer", "head"}:
+        raise ValueError(f"granularities of policy {name!r} must include 'request' and be among ('request', 'layer', "
+                         f"'head'), got {granularities!r}")
     old = _REGISTRY.get(name)
     if old is not None and old.builtin and not replace:
         raise ValueError(f"policy {name!r} is built into tdutils; pass replace=True to replace it, or choose another name")
-    policy = Policy(name, params, needs, keep, summary, paper, needs_model, query_rows, setup, builtin)
+    policy = Policy(name, params, needs, keep, summary, paper, needs_model, query_rows, setup, builtin, granularities)
     _REGISTRY[name] = policy
     return policy
 

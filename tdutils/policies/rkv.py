@@ -10,7 +10,7 @@ over the earlier keys (fp32); mean over the window rows; max-pooled along tokens
 same padding). Redundancy `R` (`rkv_redundancy`, over all `n` keys): the softmax of each key's mean cosine
 similarity to the others, each row's newest near-duplicate left out. Score `Z = λ·I − (1 − λ)·R[:, :n−w]`,
 averaged over KV heads and summed over layers: one kept set for the whole request (the serving path stores one
-token list). Keep the top `k − w` earlier tokens plus the window. Defaults `w=16, kernel_size=7, λ=0.25,
+token list); `granularity="layer" | "head"`: one set per layer or per KV head from `Z` (docs/policies.md). Keep the top `k − w` earlier tokens plus the window. Defaults `w=16, kernel_size=7, λ=0.25,
 threshold=0.5` (R-KV's own code: `w=8, λ=0.07`). `R` has four methods, `reference`, `exact`, `tiled` and
 `buffered` (approximate): their algorithms and memory bounds are in `rkv_redundancy`'s docstring.
 """
@@ -25,7 +25,14 @@ import torch
 
 from ..attention import AttentionSpec, LayerAttention, masked_logits
 from ..profiling import kept_agreement, peak_memory, synthetic_keys, timed
-from ..selection import keep_count, keep_top_scores, protected_mask
+from ..selection import (
+    GRANULARITIES,
+    keep_count,
+    keep_top_per_head,
+    keep_top_scores,
+    protected_mask,
+    repeat_keep,
+)
 from .params import check_int, check_odd_kernel, is_number
 from .registry import register_policy
 from .scoring import check_query, layer_attentions, model_attention, pool_tokens
@@ -518,44 +525,64 @@ def _params(window, kernel_size, mix_lambda, threshold, redundancy, eps, tiles: 
 # request's tensors are checked per request.
 def _scores(kv: torch.Tensor, q: torch.Tensor, p: RKVParams, head_dim: int, attention: AttentionSpec | None
             ) -> torch.Tensor:
+    z = _head_scores(kv, q, p, head_dim, attention)  # [L, H, n]
+    if not _batch_layers(_score_device(p, kv)):  # the order of the sums the CPU path has always taken
+        total = torch.zeros(z.shape[-1], dtype=torch.float32, device=z.device)
+        for zl in z:
+            total += zl.mean(dim=0)
+        return total
+    return z.mean(dim=1).sum(dim=0)
+
+
+def _head_scores(kv: torch.Tensor, q: torch.Tensor, p: RKVParams, head_dim: int, attention: AttentionSpec | None
+                 ) -> torch.Tensor:
+    """`Z = λ·I − (1 − λ)·R[:, :T−w]` per layer and KV head: fp32 `[L, H, T - w]` on the KV's device."""
     q = check_query(kv, q, p.window, head_dim, "R-KV")
     L, T = kv.shape[1], kv.shape[2]
     n = T - p.window
-    if n <= 0:
-        return torch.zeros(0, dtype=torch.float32, device=kv.device)
     h = kv.shape[3] // head_dim
+    if n <= 0:
+        return torch.zeros(L, h, 0, dtype=torch.float32, device=kv.device)
     layers = layer_attentions(attention, L)
     settings = p.settings()
-    device = torch.device(settings["device"]) if settings["device"] is not None else kv.device
-    if not _batch_layers(device):
+    if not _batch_layers(_score_device(p, kv)):
         # one layer at a time: on a CPU, temporaries of one layer (that stay in cache and in memory the allocator
         # reuses) beat one batch of every layer, whose arithmetic is the same (measured: bench/policy_cost.py)
-        total = torch.zeros(n, dtype=torch.float32, device=kv.device)
+        z = torch.empty(L, h, n, dtype=torch.float32, device=kv.device)
         for layer in range(L):
             k = kv[0, layer]  # [T, H*d]
             imp = rkv_importance(k, q[layer, -p.window:], h, p.kernel_size, layers[layer])  # [H, n]
             # [H, T]: redundancy among all T keys, window included
             red = _redundancy(k.view(T, h, head_dim).transpose(0, 1), p.redundancy, float(p.threshold), p.eps,
                               settings)
-            total += (p.mix_lambda * imp - (1.0 - p.mix_lambda) * red[:, :n]).mean(dim=0)
-        return total
+            z[layer] = p.mix_lambda * imp - (1.0 - p.mix_lambda) * red[:, :n]
+        return z
     # elsewhere (GPUs), every head of every layer in one batch (`_redundancy` bounds its memory): one kernel per
     # scan step instead of one per layer and step
     imp = torch.stack([rkv_importance(kv[0, i], q[i, -p.window:], h, p.kernel_size, layers[i]) for i in range(L)])
     red = _redundancy(kv[0].view(L, T, h, head_dim).transpose(1, 2), p.redundancy, float(p.threshold), p.eps,
                       settings)  # [L, H, T]
-    z = p.mix_lambda * imp - (1.0 - p.mix_lambda) * red[..., :n].to(imp.device)  # [L, H, n]
-    return z.mean(dim=1).sum(dim=0)
+    return p.mix_lambda * imp - (1.0 - p.mix_lambda) * red[..., :n].to(imp.device)  # [L, H, n]
+
+
+def _score_device(p: RKVParams, kv: torch.Tensor) -> torch.device:
+    """Where the redundancy is computed: `p.device`, else the keys' device."""
+    return torch.device(p.device) if p.device is not None else kv.device
 
 
 def _keep_indices(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, p: RKVParams, head_dim: int,
-                  attention: AttentionSpec | None) -> torch.Tensor:
+                  attention: AttentionSpec | None, granularity: str = "request") -> torch.Tensor:
     T = kv.shape[2]
     k = keep_count(T, drop_ratio)
     if T <= p.window:
-        return torch.arange(T)
+        return repeat_keep(torch.arange(T), kv.shape[1], kv.shape[3] // head_dim, granularity)
+    protected = protected_mask(T, window=p.window)
+    if granularity != "request":  # the per-KV-head scores, the window's slots protected
+        z = _head_scores(kv, q, p, head_dim, attention).cpu()  # [L, H, T - w]
+        full = torch.cat([z, z.new_zeros(*z.shape[:2], p.window)], dim=-1)
+        return keep_top_per_head(full, k, protected, granularity)
     full = torch.cat([_scores(kv, q, p, head_dim, attention).cpu(), torch.zeros(p.window)])  # window: protected
-    return keep_top_scores(full, k, protected_mask(T, window=p.window))
+    return keep_top_scores(full, k, protected)
 
 
 # --------------------------------------------------------------------------------------------- method table
@@ -615,11 +642,12 @@ def compare_redundancy_methods(tensors, tokens, *, drop_ratio: float, model_conf
     return table.loc[[m for m in methods if m in rows] + ([] if "exact" in methods else ["exact"])]
 
 
-def _keep(kv, q, drop_ratio, *, params: RKVParams, facts, attention=None):
-    return _keep_indices(kv, q, drop_ratio, params, facts.head_dim, attention)
+def _keep(kv, q, drop_ratio, *, params: RKVParams, facts, attention=None, granularity="request"):
+    return _keep_indices(kv, q, drop_ratio, params, facts.head_dim, attention, granularity)
 
 
 register_policy("rkv", params=RKVParams, needs="window", keep=_keep, builtin=True, setup=model_attention,
+                granularities=GRANULARITIES,
                 summary="the window plus the earlier tokens with the highest importance minus redundancy",
                 paper="Cai et al. 2025, R-KV, arXiv:2505.24133")
 

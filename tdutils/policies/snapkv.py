@@ -13,7 +13,9 @@ denominator (gpt-oss) and sliding window (a window query at position `p` votes o
 votes are reduced per group (`mean`, or `max`). Votes are pooled along tokens (`avg` or `max`, stride 1, same
 padding) so that neighbours of a voted token survive with it, then averaged over KV heads and layers into one
 score per token: one kept set for all layers and heads, as the serving path (one token list per request)
-needs. Keep the `k - w` best earlier tokens plus the whole window.
+needs. Keep the `k - w` best earlier tokens plus the whole window. `granularity="head"` keeps the paper's (and
+kvpress') set per KV head instead, from the pooled votes of each KV head; `"layer"` one set per layer from their
+mean over the layer's KV heads (docs/policies.md, "Granularity").
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import AttentionSpec
-from ..selection import keep_count, keep_top_scores, protected_mask
+from ..selection import (
+    GRANULARITIES,
+    keep_count,
+    keep_top_per_head,
+    keep_top_scores,
+    protected_mask,
+    repeat_keep,
+)
 from .params import check_choice, check_int, check_odd_kernel
 from .registry import register_policy
 from .scoring import (
@@ -99,42 +108,58 @@ def snapkv_keep(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, *, head_di
 
 # Below the public functions the parameters are a checked `SnapKVParams` (checked once, when built); the
 # request's tensors are checked per request.
-def _scores(kv: torch.Tensor, q: torch.Tensor, p: SnapKVParams, head_dim: int, attention: AttentionSpec | None
-            ) -> torch.Tensor:
+def _pooled_votes(kv: torch.Tensor, q: torch.Tensor, p: SnapKVParams, head_dim: int,
+                  attention: AttentionSpec | None):
+    """The pooled votes per KV head of each batch of layers (`layer_batches`): yields fp32 `[B, H, T - w]`;
+    nothing when `T <= w`."""
     q = check_query(kv, q, p.window, head_dim, "SnapKV")
     layers = layer_attentions(attention, kv.shape[1])
-    L, T = kv.shape[1], kv.shape[2]
+    T = kv.shape[2]
     n = T - p.window
     if n <= 0:
-        return torch.zeros(0, dtype=torch.float32, device=kv.device)
+        return
     h = kv.shape[3] // head_dim
     hq = q.shape[2] // head_dim
-    total = torch.zeros(n, dtype=torch.float32, device=kv.device)
     # batches of layers (`layer_batches`): the [B, Hq, w, T] logits are the big temporary
     for a, b, layer in layer_batches(layers, p.window, T, hq):
         sums = window_column_sums(kv[0, a:b], q[a:b, -p.window:], h, layer)  # [B, Hq, T]
         grouped = sums[..., :n].reshape(b - a, h, hq // h, n)  # query head h*g+j reads KV head h
         vote = grouped.mean(dim=2) if p.gqa_reduce == "mean" else grouped.amax(dim=2)  # [B, H, n]
-        total += pool_tokens(vote, p.kernel_size, p.pooling).mean(dim=1).sum(dim=0)
-    return total / L
+        yield pool_tokens(vote, p.kernel_size, p.pooling)
+
+
+def _scores(kv: torch.Tensor, q: torch.Tensor, p: SnapKVParams, head_dim: int, attention: AttentionSpec | None
+            ) -> torch.Tensor:
+    check_query(kv, q, p.window, head_dim, "SnapKV")  # before reading kv's shape
+    n = max(0, kv.shape[2] - p.window)
+    total = torch.zeros(n, dtype=torch.float32, device=kv.device)
+    for votes in _pooled_votes(kv, q, p, head_dim, attention):
+        total += votes.mean(dim=1).sum(dim=0)
+    return total / kv.shape[1]
 
 
 def _keep_indices(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, p: SnapKVParams, head_dim: int,
-                  attention: AttentionSpec | None) -> torch.Tensor:
+                  attention: AttentionSpec | None, granularity: str = "request") -> torch.Tensor:
     T = kv.shape[2]
     k = keep_count(T, drop_ratio)
     if T <= p.window:  # the whole prompt is the observation window
-        return torch.arange(T)
+        return repeat_keep(torch.arange(T), kv.shape[1], kv.shape[3] // head_dim, granularity)
+    protected = protected_mask(T, window=p.window)
+    if granularity != "request":  # the per-KV-head votes, the window's slots protected
+        votes = torch.cat(list(_pooled_votes(kv, q, p, head_dim, attention))).cpu()  # [L, H, T - w]
+        full = torch.cat([votes, votes.new_zeros(*votes.shape[:2], p.window)], dim=-1)
+        return keep_top_per_head(full, k, protected, granularity)
     scores = _scores(kv, q, p, head_dim, attention)
     full = torch.cat([scores.cpu(), torch.zeros(p.window)])  # window slots are protected below
-    return keep_top_scores(full, k, protected_mask(T, window=p.window))
+    return keep_top_scores(full, k, protected)
 
 
-def _keep(kv, q, drop_ratio, *, params: SnapKVParams, facts, attention=None):
-    return _keep_indices(kv, q, drop_ratio, params, facts.head_dim, attention)
+def _keep(kv, q, drop_ratio, *, params: SnapKVParams, facts, attention=None, granularity="request"):
+    return _keep_indices(kv, q, drop_ratio, params, facts.head_dim, attention, granularity)
 
 
 register_policy("snapkv", params=SnapKVParams, needs="window", keep=_keep, builtin=True, setup=model_attention,
+                granularities=GRANULARITIES,
                 summary="the observation window plus the earlier tokens its queries attend to most (pooled vote)",
                 paper="Li et al. 2024, SnapKV, arXiv:2404.14469")
 

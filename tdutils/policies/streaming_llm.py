@@ -8,7 +8,7 @@ Query-free: it reads neither keys nor queries, so it needs no model config and n
 serving path it runs on a stock vLLM). Defaults: `n_sink=4` (the paper's four initial tokens); `window=0`
 (the paper's recent window is the rest of the budget; `window` is a floor: that many recent tokens are kept
 even when the budget is smaller, e.g. at drop ratio 1). One kept set per request, as in the paper (which
-evicts the same positions in every layer and head).
+evicts the same positions in every layer and head); `granularity="layer" | "head"` repeats that set.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..selection import check_protected, keep_count, protected_mask
+from ..selection import GRANULARITIES, check_protected, keep_count, protected_mask, repeat_keep
 from .registry import register_policy
 
 
@@ -57,8 +57,10 @@ def streaming_llm_keep(n: int, drop_ratio: float, *, n_sink: int = 4, window: in
 
 register_policy(
     "streaming_llm", params=StreamingLLMParams, needs="kv", needs_model=False, builtin=True,
-    keep=lambda kv, q, r, *, params, facts: streaming_llm_keep(kv.shape[2], r, n_sink=params.n_sink,
-                                                                 window=params.window),
+    granularities=GRANULARITIES,  # a set of positions: the same set in every layer and head
+    keep=lambda kv, q, r, *, params, facts, granularity="request": repeat_keep(
+        streaming_llm_keep(kv.shape[2], r, n_sink=params.n_sink, window=params.window), kv.shape[1],
+        facts.num_kv_heads if facts is not None else 1, granularity),
     summary="the first n_sink tokens (attention sinks) and the most recent ones",
     paper="Xiao et al. 2023, StreamingLLM, arXiv:2309.17453")
 

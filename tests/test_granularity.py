@@ -1,0 +1,142 @@
+"""Kept sets per request, per layer and per KV head (docs/policies.md, "Granularity")."""
+
+import pytest
+import torch
+
+from tdutils import make_drop_fn
+from tdutils.edit import CacheKind
+from tdutils.engines.hf import HFEngine
+from tdutils.kvcache import apply_keep, apply_keep_heads
+from tdutils.policies.scoring import pool_tokens, reduce_gqa, window_attention
+from tdutils.rope import rerotate_keys
+from tdutils.selection import keep_count
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PER_HEAD = ("snapkv", "rkv", "tova", "h2o", "knorm", "keydiff", "random", "streaming_llm")
+SMALL = {"snapkv": {"window": 8}, "rkv": {"window": 8}}  # the prompts are short
+
+
+@pytest.fixture(scope="module")
+def request0(tiny, sample_ids):
+    """(engine, tensors, tokens) of one prefilled request, every prompt query captured."""
+    model, tok = tiny
+    eng = HFEngine(model, tokenizer=tok, progress=False, query_window=None)
+    eng.prefill([sample_ids[1]])
+    return eng, eng.tensors(0), eng.tokens(0)
+
+
+def _fn(eng, name, granularity, r=0.5, **kw):
+    return make_drop_fn(name, drop_ratio=r, model_config=eng.facts, granularity=granularity,
+                        **{**SMALL.get(name, {}), **kw})
+
+
+@pytest.mark.parametrize("name", PER_HEAD)
+def test_every_granularity_keeps_the_same_count_sorted_with_the_protected_tokens(request0, name):
+    eng, tensors, tokens = request0
+    L, H, T = eng.facts.num_layers, eng.facts.num_kv_heads, len(tokens)
+    k = _fn(eng, name, "request").keep_indices(tensors, tokens).numel()
+    assert k == keep_count(T, 0.5)
+    for granularity, shape in (("layer", (L, k)), ("head", (L, H, k))):
+        keep = _fn(eng, name, granularity).keep_indices(tensors, tokens)
+        assert tuple(keep.shape) == shape
+        assert bool((keep[..., 1:] > keep[..., :-1]).all())  # sorted, no duplicates
+        assert bool((keep[..., -1] == T - 1).all())  # the last token in every set (decode refeeds it)
+        if name in ("snapkv", "rkv"):  # the observation window in every set
+            assert bool((keep[..., -8:] == torch.arange(T - 8, T)).all())
+
+
+def test_head_sets_differ_between_heads_and_layer_sets_are_their_mean(request0):
+    eng, tensors, tokens = request0
+    head = _fn(eng, "snapkv", "head").keep_indices(tensors, tokens)
+    assert not torch.equal(head[:, 0], head[:, 1])  # the heads disagree: a real per-head selection
+    # knorm by hand: each head's lowest key norms; "layer": the mean of the layer's head norms
+    kv = tensors[CacheKind.KV]
+    L, T, H, d = kv.shape[1], kv.shape[2], eng.facts.num_kv_heads, eng.facts.head_dim
+    k = keep_count(T, 0.5)
+    norms = kv[0].float().view(L, T, H, d).norm(dim=-1).permute(0, 2, 1)  # [L, H, T]
+    norms[..., -1] = -1.0  # the last token is kept in every set
+    by_hand = torch.sort(torch.sort(norms, dim=-1, stable=True).indices[..., :k], dim=-1).values
+    assert torch.equal(_fn(eng, "knorm", "head").keep_indices(tensors, tokens), by_hand)
+    layer_norms = kv[0].float().view(L, T, H, d).norm(dim=-1).mean(dim=2)  # [L, T]
+    layer_norms[:, -1] = -1.0
+    by_hand = torch.sort(torch.sort(layer_norms, dim=-1, stable=True).indices[:, :k], dim=-1).values
+    assert torch.equal(_fn(eng, "knorm", "layer").keep_indices(tensors, tokens), by_hand)
+
+
+def test_snapkv_head_sets_are_the_top_k_of_each_kv_heads_pooled_vote_by_hand(request0):
+    eng, tensors, tokens = request0
+    kv, q = tensors[CacheKind.KV], tensors[CacheKind.QUERY]
+    L, T, H, w = kv.shape[1], kv.shape[2], eng.facts.num_kv_heads, 8
+    k = keep_count(T, 0.5)
+    expected = []
+    for layer in range(L):
+        att = window_attention(kv[0, layer], q[layer, -w:], H, eng.facts.attention.layers[layer])  # [Hq, w, T]
+        vote = pool_tokens(reduce_gqa(att.sum(dim=1), H, "mean")[:, :T - w], 5, "avg")  # [H, T - w]
+        rows = []
+        for h in range(H):
+            top = torch.sort(vote[h], descending=True, stable=True).indices[:k - w]
+            rows.append(torch.sort(torch.cat([top, torch.arange(T - w, T)])).values)
+        expected.append(torch.stack(rows))
+    got = _fn(eng, "snapkv", "head").keep_indices(tensors, tokens)
+    assert torch.equal(got, torch.stack(expected))
+
+
+def test_tova_per_head_equals_snapkv_per_head_with_window_1_and_no_pooling(request0):
+    eng, tensors, tokens = request0
+    for granularity in ("layer", "head"):
+        tova = _fn(eng, "tova", granularity).keep_indices(tensors, tokens)
+        snap = make_drop_fn("snapkv", drop_ratio=0.5, model_config=eng.facts, granularity=granularity, window=1,
+                            kernel_size=1).keep_indices(tensors, tokens)
+        assert torch.equal(tova, snap)
+
+
+def test_random_draws_per_head_and_streaming_llm_repeats_its_set(request0):
+    eng, tensors, tokens = request0
+    a = _fn(eng, "random", "head", seed=3).keep_indices(tensors, tokens)
+    assert torch.equal(a, _fn(eng, "random", "head", seed=3).keep_indices(tensors, tokens))  # seeded
+    assert not torch.equal(a[0, 0], a[0, 1]) and not torch.equal(a[0, 0], a[1, 0])  # independent draws
+    s = _fn(eng, "streaming_llm", "head").keep_indices(tensors, tokens)
+    one = _fn(eng, "streaming_llm", "request").keep_indices(tensors, tokens)
+    assert torch.equal(s, one.expand_as(s))
+
+
+def test_unsupported_granularities_are_refused_in_one_line(tiny):
+    model, _ = tiny
+    with pytest.raises(ValueError, match="middle_chunk.*one set per request only"):
+        make_drop_fn("middle_chunk", model_config=model.config, granularity="head")
+    with pytest.raises(ValueError, match="granularity must be one of"):
+        make_drop_fn("snapkv", model_config=model.config, granularity="token")
+    with pytest.raises(ValueError, match="needs model_config"):
+        make_drop_fn("random", rerotate=False, granularity="layer")
+    with pytest.raises(ValueError, match="registered policies"):
+        make_drop_fn(lambda tensors, tokens: torch.arange(3), model_config=model.config, granularity="head")
+
+
+@pytest.mark.parametrize("rerotate", [True, False])
+def test_one_set_repeated_per_head_is_bit_identical_to_the_request_path(request0, rerotate):
+    eng, tensors, tokens = request0
+    kv, L, H = tensors[CacheKind.KV], eng.facts.num_layers, eng.facts.num_kv_heads
+    keep = _fn(eng, "snapkv", "request").keep_indices(tensors, tokens)
+    a_kv, a_tok = apply_keep(kv, tokens, keep, rope_spec=eng.facts.rope, rerotate=rerotate)
+    b_kv, b_tok = apply_keep_heads(kv, tokens, keep.expand(L, H, -1), rope_spec=eng.facts.rope, rerotate=rerotate)
+    assert torch.equal(a_kv, b_kv) and a_tok == b_tok
+
+
+def test_per_head_edit_gathers_and_rerotates_each_heads_own_rows(request0):
+    eng, tensors, tokens = request0
+    kv, H, d = tensors[CacheKind.KV], eng.facts.num_kv_heads, eng.facts.head_dim
+    fn = _fn(eng, "snapkv", "head")
+    new_kv, new_tokens, keep = fn.edit(tensors, tokens)
+    L, k = kv.shape[1], keep.shape[-1]
+    assert new_kv.shape == (2, L, k, kv.shape[3]) and tuple(keep.shape) == (L, H, k)
+    assert new_tokens == [tokens[i] for i in keep[0, 0].tolist()]
+    for layer in range(L):
+        for h in range(H):
+            cols = slice(h * d, (h + 1) * d)
+            assert torch.equal(new_kv[1, layer, :, cols], kv[1, layer, keep[layer, h], cols])
+            moved = rerotate_keys(kv[0, layer, keep[layer, h], cols], keep[layer, h], torch.arange(k), eng.facts.rope)
+            assert torch.equal(new_kv[0, layer, :, cols], moved)
+    layer = _fn(eng, "snapkv", "layer")
+    _, _, keep_l = layer.edit(tensors, tokens)
+    assert tuple(keep_l.shape) == (L, H, k) and torch.equal(keep_l[:, 0], keep_l[:, 1])
