@@ -7,6 +7,7 @@ from tdutils import make_drop_fn
 from tdutils.edit import CacheKind
 from tdutils.engines.hf import HFEngine
 from tdutils.kvcache import apply_keep, apply_keep_heads
+from tdutils.models import model_facts
 from tdutils.policies.scoring import pool_tokens, reduce_gqa, window_attention
 from tdutils.rope import rerotate_keys
 from tdutils.selection import keep_count
@@ -140,3 +141,136 @@ def test_per_head_edit_gathers_and_rerotates_each_heads_own_rows(request0):
     layer = _fn(eng, "snapkv", "layer")
     _, _, keep_l = layer.edit(tensors, tokens)
     assert tuple(keep_l.shape) == (L, H, k) and torch.equal(keep_l[:, 0], keep_l[:, 1])
+
+
+# ------------------------------------------------------------------------------------------------ hf engine
+def _decode_after(tiny, ids, fn, positions="compact", model=None, max_tokens=6):
+    _, tok = tiny
+    eng = HFEngine(model or tiny[0], tokenizer=tok, progress=False, query_window=None, positions=positions)
+    eng.prefill(ids)
+    keeps = [fn.keep_indices(eng.tensors(i), eng.tokens(i)) for i in range(len(ids))]
+    eng.modify(fn)
+    return keeps, eng.decode(max_tokens=max_tokens, keep_logits=True)
+
+
+def test_request_sets_through_the_per_head_path_decode_bit_identically(tiny, sample_ids):
+    """(a) One set per request, handed to the engine as [L, H, k] (the per-head gather, re-rotation and decode),
+    decodes exactly as the request path."""
+    model, _ = tiny
+    request = make_drop_fn("snapkv", drop_ratio=0.5, model_config=model, window=8)
+    L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
+
+    def as_heads(tensors, tokens):
+        return request.keep_indices(tensors, tokens).expand(L, H, -1)
+
+    per_head = make_drop_fn(as_heads, drop_ratio=0.5, model_config=model)
+    _, outs_a = _decode_after(tiny, sample_ids, request)
+    _, outs_b = _decode_after(tiny, sample_ids, per_head)
+    for a, b in zip(outs_a, outs_b):
+        assert a.output_ids == b.output_ids
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+def _per_layer_masks(model, keep, T, S, H, g):
+    """Additive masks `[1, Hq, 1, S]` per layer (`H` KV heads of `g` query heads): query heads of KV group h see the kept keys of head h before
+    `T - 1` and every key from `T - 1` on (the refed token and the generated ones)."""
+    masks = []
+    for layer in range(keep.shape[0]):
+        seen = torch.zeros(H, S, dtype=torch.bool)
+        for h in range(H):
+            kept = keep[layer, h]
+            seen[h, kept[kept < T - 1]] = True
+        seen[:, T - 1:] = True
+        add = torch.zeros(H, S, dtype=model.dtype).masked_fill_(~seen, float("-inf"))
+        masks.append(add.repeat_interleave(g, dim=0)[None, :, None, :])  # [1, Hq, 1, S]
+    return masks
+
+
+@pytest.mark.parametrize("granularity", ["layer", "head"])
+def test_original_positions_per_head_equal_the_models_forward_masked_per_head(tiny, sample_ids, granularity):
+    """(b) Per-layer / per-head sets at original positions decode as the model's own forward over the full
+    prompt with, in each layer, each KV head's dropped keys masked for its query heads (hooks hand each
+    attention layer its own `[1, Hq, 1, S]` mask). fp64, sdpa, as the request-level test in test_hf_engine."""
+    import copy
+
+    model = copy.deepcopy(tiny[0]).double()
+    model.set_attn_implementation("sdpa")
+    fn = make_drop_fn("snapkv", drop_ratio=0.5, model_config=model, rerotate=False, granularity=granularity,
+                      window=8)
+    keeps, outs = _decode_after(tiny, sample_ids[:2], fn, positions="original", model=model)
+    _assert_masked_forward(model, sample_ids[:2], keeps, outs, atol=1e-10)
+
+
+def _assert_masked_forward(model, prompts, keeps, outs, atol):
+    """Each decode step's logits equal the model's forward over its full prompt cache with every layer's own
+    per-head mask (`_per_layer_masks`, handed to each attention module by a hook), within `atol`."""
+    from transformers import DynamicCache
+
+    facts = model_facts(model)  # before the hooks (it may run the model); GPT-NeoX has no GQA whatever its config says
+    H, g = facts.num_kv_heads, facts.gqa_group_size
+    layers = model.base_model.layers
+    current = {}
+    hooks = [(getattr(layer, "self_attn", None) or layer.attention).register_forward_pre_hook(
+        lambda mod, args, kwargs, i=i: (args, {**kwargs, "attention_mask": current[i]}), with_kwargs=True)
+        for i, layer in enumerate(layers)]
+    try:
+        with torch.inference_mode():
+            for ids, keep, out in zip(prompts, keeps, outs):
+                keep = keep[:, None].expand(-1, H, -1) if keep.dim() == 2 else keep
+                T = len(ids)
+                cache = DynamicCache(config=model.config)
+                current.update({i: None for i in range(len(layers))})
+                model(input_ids=torch.tensor([ids[:-1]]), cache=cache, use_cache=True)  # unmasked prefill
+                tok, pos = ids[-1], T - 1
+                for step in range(len(out.logits)):
+                    current.update(enumerate(_per_layer_masks(model, keep, T, pos + 1, H, g)))
+                    logits = model(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[pos]]),
+                                   cache=cache, use_cache=True).logits[0, -1]
+                    torch.testing.assert_close(out.logits[step], logits, atol=atol, rtol=0)
+                    tok, pos = int(logits.argmax()), pos + 1
+                    assert tok == out.output_ids[step]
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+FULL_ATTENTION = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3", "qwen3_moe", "olmo2", "granite", "gpt_neox",
+                  "phi")
+
+
+@pytest.mark.parametrize("family", FULL_ATTENTION)
+def test_families_per_head_original_positions_equal_the_masked_forward_fp32(family, tiny):
+    """The same on every tiny full-attention family in fp32 (<= 1e-5), per-head random sets (query-free; KNorm ties
+    on the QK-norm families, whose fresh norms are all equal)."""
+    from families import family_model
+
+    model = family_model(family)
+    fn = make_drop_fn("random", drop_ratio=0.5, model_config=model, rerotate=False, granularity="head", n_sink=2,
+                      window=2, seed=1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 200, (n,), generator=g).tolist() for n in (40, 57)]
+    keeps, outs = _decode_after(tiny, prompts, fn, positions="original", model=model, max_tokens=4)
+    assert not torch.equal(keeps[0][:, 0], keeps[0][:, 1])
+    _assert_masked_forward(model, prompts, keeps, outs, atol=1e-5)
+
+
+def test_sliding_window_models_refuse_per_head_sets_in_one_line(tiny):
+    from families import family_model
+
+    model = family_model("gemma3")
+    eng = HFEngine(model, tokenizer=tiny[1], progress=False)
+    eng.prefill([list(range(4, 60))])
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        eng.modify(make_drop_fn("knorm", model_config=model, granularity="head"))
+
+
+def test_per_head_original_edits_refuse_what_needs_one_position_per_row(tiny, sample_ids):
+    model, tok = tiny
+    eng = HFEngine(model, tokenizer=tok, progress=False, positions="original")
+    eng.prefill(sample_ids[:1])
+    eng.modify(make_drop_fn("knorm", drop_ratio=0.5, model_config=model, rerotate=False, granularity="head"))
+    for call in (lambda: eng.extend([" more"]), lambda: eng.modify(make_drop_fn("knorm", model_config=model,
+                                                                                 rerotate=False))):
+        with pytest.raises(ValueError, match="one position per cache row"):
+            call()
+    assert len(eng.decode(max_tokens=2)[0].output_ids) == 2  # decoding it needs none

@@ -584,3 +584,18 @@ def test_multi_round_compression_refuses_sampling_and_a_small_budget(tiny, sampl
             eng.decode(8, temperature=0.7, compression=Compression("knorm", budget=16, buffer=4))
         with pytest.raises(ValueError, match="needs 31 KV tokens"):
             eng.decode(8, compression=Compression("knorm", budget=20, buffer=10))
+
+
+def test_per_layer_and_per_head_sets_are_refused_in_one_line(tiny, sample_ids):
+    """LMCache stores one token list per request: a per-layer / per-head drop function is refused before any
+    cache is read, and the caches stay as they were."""
+    with engine(tiny, 16) as eng:
+        eng.prefill(sample_ids)
+        before = _snapshot(eng)
+        for granularity in ("layer", "head"):
+            fn = make_drop_fn("knorm", drop_ratio=0.5, model_config=eng.facts, granularity=granularity)
+            with pytest.raises(ValueError, match=f"granularity='request' only, got '{granularity}'"):
+                eng.modify(fn)
+        after = _snapshot(eng)
+        assert all(a[0] == b[0] and torch.equal(a[2], b[2]) for a, b in zip(before, after))
+        assert all(not r.edited for r in eng.requests)

@@ -464,10 +464,10 @@ class Engine(ABC):
                     # decode refeeds the last kept token at its own position: any drop function's kept rows
                     # must be known, not assumed to end at T - 1
                     keep = kept_rows(reference, tokens, new_kv, new_tokens, window=self._position_window())
+                staged[i] = self._edit_stage(i, new_kv, new_tokens, keep)  # may refuse this request's sets
             except Exception as exc:  # noqa: BLE001 (any failure of user code is reported below, never swallowed)
                 failures.append((i, f"{exc.__class__.__name__}: {exc}{self._failure_note(i, tensors)}"))
                 continue
-            staged[i] = self._edit_stage(i, new_kv, new_tokens, keep)
             del tensors, result
         mm.seconds = time.perf_counter() - t0
         if failures and on_error == "raise":

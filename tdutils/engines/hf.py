@@ -459,7 +459,19 @@ class HFEngine(Engine):
         if rerotate is not None and rerotate != (positions == "compact"):
             raise ValueError(f"positions={positions!r} needs a drop function with rerotate={positions == 'compact'}, "
                              f"got rerotate={rerotate}; build it with make_drop_fn(..., rerotate={positions == 'compact'})")
+        if drop_fn.granularity != "request" and self._mask_windows is not None:
+            raise ValueError(f"granularity={drop_fn.granularity!r} needs a model with full attention only: this model's "
+                             "sliding-window layers mask keys by one position per cache row; use granularity='request'")
+        if positions == "original":
+            self._refuse_per_head_positions("another modify()")
         return positions
+
+    def _refuse_per_head_positions(self, op: str) -> None:
+        """ValueError when a request holds per-head kept positions (an `"original"` edit per layer or head):
+        its cache rows have no single position, which `op` would need."""
+        if any(r.positions is not None and r.positions.dim() > 1 for r in self.requests):
+            raise ValueError(f"{op} needs one position per cache row, and a request was edited per layer or head with "
+                             f"positions='original' (its rows' positions differ by head); prefill again first")
 
     def _position_window(self) -> float:
         # sliding-window layers mask keys by position; full-attention layers see every earlier key
@@ -480,6 +492,10 @@ class HFEngine(Engine):
         if keep is not None:
             old = req.positions if req.positions is not None else torch.arange(req.kv.shape[2])
             keep = old[keep.cpu()]  # positions of the kept rows (a second edit indexes the first's rows)
+            if keep.dim() > 1 and bool((keep[..., -1] != keep.flatten()[-1]).any()):
+                # decode refeeds the last row's token at its position: one token, one position in every head
+                raise ValueError("per-head kept sets must end in the same row in every layer and head (decode feeds "
+                                 "its token again); keep the last token in every set")
         return new_kv, new_tokens, keep
 
     def _edit_commit(self, request_id, staged, positions):
@@ -491,7 +507,7 @@ class HFEngine(Engine):
         if positions == "compact":
             req.positions, req.refeed_pos = None, len(req.tokens) - 1
         else:
-            req.positions, req.refeed_pos = kept_pos, int(kept_pos[-1])
+            req.positions, req.refeed_pos = kept_pos, int(kept_pos.flatten()[-1])  # [k], or [L, H, k] per head
 
     def _cut(self, cut: DropFn, reqs: list[_Request]) -> None:
         """Cut each request's cache to `cut.budget` (chunked prefill); a failure raises (the caller drops the batch)."""
@@ -556,6 +572,7 @@ class HFEngine(Engine):
         """
         if not self.requests:
             raise RuntimeError("extend() needs prefilled requests; call prefill(prompts) first")
+        self._refuse_per_head_positions("extend()")
         ext = tokenize_extensions(self.tokenizer, prompts, len(self.requests), self.model.config.vocab_size)
         budget = self.kv_budget_tokens
         if budget is not None:
@@ -729,6 +746,7 @@ class HFEngine(Engine):
         limit = {r.request_id: m for r, m in zip(self.requests, per_request)}
         comp = None
         if compression is not None:
+            self._refuse_per_head_positions("decode(compression=...)")
             if not isinstance(compression, Compression):
                 raise TypeError(f"compression must be a tdutils.compression.Compression, got {type(compression).__name__}")
             comp = _DecodeCompressor(self, compression)

@@ -709,6 +709,10 @@ class LMCacheEngine(Engine):
         if drop_fn.rerotate is False:
             raise ValueError("vLLM decodes the kept tokens at compact positions, so the drop function must re-rotate "
                              "keys; build it with make_drop_fn(..., rerotate=True)")
+        if drop_fn.granularity != "request":
+            raise ValueError(f"the lmcache engine stores one token list per request (LMCache keys its chunks by the "
+                             f"request's tokens), so it takes granularity='request' only, got {drop_fn.granularity!r}; "
+                             f"use the hf engine for per-layer or per-head sets")
         if any(r.edited for r in self.requests):
             raise RuntimeError("this run's caches were already modified; call prefill(prompts) to start a new run")
         # a query-free policy (needs="kv") never waits for query rows, which an unpatched vLLM never sends
