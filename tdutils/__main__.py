@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--positions", choices=("compact", "original"), default="compact",
                      help="compact: re-rotate kept keys to 0..k-1 and decode at k (default, as vLLM+LMCache); "
                           "original: keep rotations and decode at T")
+    run.add_argument("--granularity", choices=("request", "layer", "head"), default="request",
+                     help="kept sets: one per request (default; what LMCache stores), one per layer, or one per KV head "
+                          "(the papers' and kvpress' selection; hf engine only; docs/policies.md, Granularity)")
     run.add_argument("--repeats", type=positive_int, default=3,
                      help="run the baseline and the dropped configuration alternately this many times; the table "
                           "shows medians, the ratio is the median of the per-repeat ratios with its min-max, and a "
@@ -212,6 +215,11 @@ def cmd_run(args) -> int:
         named = [f"--{k.replace('_', '-')} {v}" for k, v in params.items() if k in str(exc)] or \
             [f"--{k.replace('_', '-')} {v}" for k, v in params.items()]
         raise UsageError(f"{', '.join(named)}: {exc}" if named else str(exc)) from None
+    if args.granularity not in policy.granularities:
+        raise UsageError(f"--granularity {args.granularity}: policy {args.policy!r} keeps one set per request only; "
+                         f"choose one of {', '.join(policy.granularities)}")
+    if args.granularity != "request" and args.engine != "hf":
+        raise UsageError(f"--granularity {args.granularity} needs --engine hf: LMCache stores one token list per request")
     window = getattr(settings, "window", None)  # protected recent tokens (None: the policy decides)
     from .models import _check_local
 
@@ -287,8 +295,8 @@ def cmd_run(args) -> int:
         raise UsageError(f"--window {window} is not shorter than the shortest prompt ({shortest} tokens); "
                          f"the {args.policy} window is always kept, so nothing would be dropped: give a smaller --window")
     drop_fn = make_drop_fn(args.policy, drop_ratio=args.drop_ratio, model_config=engine.facts,
-                           rerotate=args.positions == "compact", **params)
-    name = f"{args.policy}@{args.drop_ratio:g}"
+                           rerotate=args.positions == "compact", granularity=args.granularity, **params)
+    name = f"{args.policy}@{args.drop_ratio:g}" + ("" if args.granularity == "request" else f"/{args.granularity}")
     print(f"engine={args.engine} model={args.model} dataset={args.dataset} requests={len(rows)} "
           f"prompt tokens={sum(map(len, prompt_ids))} max_tokens={args.max_tokens} "
           f"kv_budget_tokens={engine.kv_budget_tokens} positions={args.positions}", flush=True)

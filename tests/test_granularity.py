@@ -274,3 +274,26 @@ def test_per_head_original_edits_refuse_what_needs_one_position_per_row(tiny, sa
         with pytest.raises(ValueError, match="one position per cache row"):
             call()
     assert len(eng.decode(max_tokens=2)[0].output_ids) == 2  # decoding it needs none
+
+
+# ------------------------------------------------------------------------------------------------ command line
+def test_cli_runs_a_policy_per_head_and_refuses_what_cannot(tiny, tmp_path, capsys):
+    import json
+
+    from tdutils.__main__ import main
+    from tdutils.data import make_passkey_dataset
+
+    data = tmp_path / "passkey.jsonl"
+    rows = make_passkey_dataset(2, 160, tokenizer=tiny[1], seed=3)
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))
+    common = ["--dataset", str(data), "--num-requests", "2", "--max-tokens", "2", "--no-progress", "--repeats", "1"]
+    rc = main(["run", "--policy", "snapkv", "--window", "8", "--granularity", "head", *common,
+               "--json", str(tmp_path / "run.json")])
+    out = capsys.readouterr()
+    assert rc == 0, out.out + out.err
+    assert "decode throughput ratio (snapkv@0.5/head / baseline)" in out.out, out.out
+    report = json.loads((tmp_path / "run.json").read_text())
+    assert report["table"][1]["kv_tokens_after"] == 2 * 80, report["table"]
+    rc = main(["run", "--policy", "middle_chunk", "--granularity", "layer", *common, "--json", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "policy 'middle_chunk' keeps one set per request only" in err, err
