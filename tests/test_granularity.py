@@ -297,3 +297,20 @@ def test_cli_runs_a_policy_per_head_and_refuses_what_cannot(tiny, tmp_path, caps
     rc = main(["run", "--policy", "middle_chunk", "--granularity", "layer", *common, "--json", str(tmp_path / "r.json")])
     err = capsys.readouterr().err
     assert rc == 2 and "policy 'middle_chunk' keeps one set per request only" in err, err
+
+
+# ------------------------------------------------------------------------------------------------ eval cells
+def test_eval_cells_take_a_granularity_per_policy_label(tiny):
+    """`name/head` is a cell of its own: its kept-token count equals the request cell's (same k everywhere), its
+    modify ran per head (the answers may differ), and a request-only policy's `/head` is refused before any work."""
+    from tdutils.eval.runner import passkey_eval
+
+    model, tok = tiny
+    eng = HFEngine(model, tokenizer=tok, progress=False, prefill_batch_size=8, query_window=64)
+    table = passkey_eval(policies=("snapkv", "snapkv/head", "knorm/layer"), drop_ratios=(0.5,),
+                         context_lengths=(200,), n=2, seed=5, max_tokens=4, engine=eng,
+                         policy_params={"snapkv": {"window": 8}})
+    assert list(table["policy"]) == ["snapkv", "snapkv/head", "knorm/layer"]
+    assert table["kept_tokens"].nunique() == 1 and float(table["kept_tokens"].iloc[0]) > 0  # the same k everywhere
+    with pytest.raises(ValueError, match="middle_chunk.*one set per request only"):
+        passkey_eval(policies=("middle_chunk/head",), drop_ratios=(0.5,), context_lengths=(200,), n=1, engine=eng)

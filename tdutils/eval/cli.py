@@ -37,7 +37,7 @@ from .report import (
     weak_task_notes,
     write_json,
 )
-from .runner import COLUMNS, TASK_COLUMNS, _open_engine, lengths_eval, task_eval
+from .runner import COLUMNS, TASK_COLUMNS, _open_engine, lengths_eval, split_granularity, task_eval
 from .tasks import GROUPS, MODES, RULER, SUITE_LABELS, SUITES, Defaults, get_task, task_names
 
 ALL = "all"  # --policies: every registered policy; --tasks: every word-level task
@@ -109,7 +109,8 @@ def add_arguments(parser) -> None:
                              "the context alone, question prefilled after the edit) or 'both'; default: the modes the "
                              "tasks run in (passkey: aware only; RULER tasks: both)")
     parser.add_argument("--policies", nargs="+", default=None,
-                        help="'full' (no dropping) and/or registered policy names, space- or comma-separated; "
+                        help="'full' (no dropping) and/or registered policy names, space- or comma-separated, each "
+                             "optionally NAME/layer or NAME/head (one kept set per layer or KV head; hf engine); "
                              f"'all' for every registered policy (default: {each('policies')})")
     parser.add_argument("--drop-ratios", nargs="+", default=None,
                         help=f"fractions dropped, each in [0, 1] (default: {each('drop_ratios')})")
@@ -257,10 +258,11 @@ def run(args) -> int:
 
     if ALL in policies:  # every registered policy, in registration order, after "full" when given
         policies = list(dict.fromkeys(p for q in policies for p in ([*policy_names()] if q == ALL else [q])))
-    unknown = [p for p in policies if p not in (FULL, *policy_names())]
+    unknown = [p for p in policies if p != FULL and (split_granularity(p)[0] not in policy_names()
+                                                     or split_granularity(p)[1] not in ("request", "layer", "head"))]
     if unknown:
         raise ValueError(f"--policies: unknown {', '.join(map(repr, unknown))}; choose from {[FULL, *policy_names()]} "
-                         f"or {ALL!r}")
+                         f"or {ALL!r}, each optionally with /layer or /head (its granularity)")
     for option, value in (("--n", args.n), ("--max-tokens", 1 if max_tokens is None else max_tokens)):
         if value < 1:
             raise ValueError(f"{option} must be >= 1, got {value}")
@@ -297,7 +299,8 @@ def run(args) -> int:
         raise ValueError(f"--window {window} must be >= 0 and shorter than the shortest context length "
                          f"({min(lengths)} tokens): the window is always kept, so nothing would be dropped; give a "
                          "smaller --window")
-    given = {p: policy_params(args, p, skip=POLICY_OPTION_SKIP, strict=False) for p in policies if p != FULL}
+    given = {p: policy_params(args, split_granularity(p)[0], skip=POLICY_OPTION_SKIP, strict=False)
+             for p in policies if p != FULL}
     params = {p: values for p, values in given.items() if values}
     chat = getattr(args, "chat_template", "auto") or "auto"
     meta = {"model": model, "tasks": tasks, "modes": modes, "policies": policies,

@@ -477,10 +477,18 @@ def _open_engine(engine, model, seed: int, *, device=None, dtype="auto"):
                     query_window=0, progress=False)
 
 
+def split_granularity(label: str) -> tuple[str, str]:
+    """A policy label of a cell: `"snapkv"` -> `("snapkv", "request")`, `"snapkv/head"` -> `("snapkv", "head")`
+    (the granularity dimension of the cells: docs/policies.md, "Granularity")."""
+    name, _, granularity = str(label).partition("/")
+    return name, granularity or "request"
+
+
 def build_cells(engine, policies: Sequence[str], ratios: Sequence[float], params: Mapping[str, Mapping]) -> list:
     """Every `(policy, drop ratio, drop function)` cell (`"full"`: one cell at ratio 0 with no function), built
     before any work so that a bad name or parameter fails fast; widens the engine's query capture to what the
-    policies read (none, a window, or all queries for H2O)."""
+    policies read (none, a window, or all queries for H2O). A policy given as `name/layer` or `name/head` is a
+    cell of that granularity (`split_granularity`), with the parameters of `name`."""
     from ..edit import make_drop_fn
 
     cells: list[tuple[str, float, object]] = []
@@ -488,9 +496,11 @@ def build_cells(engine, policies: Sequence[str], ratios: Sequence[float], params
         if policy == FULL:
             cells.append((FULL, 0.0, None))
             continue
+        name, granularity = split_granularity(policy)
         for r in ratios:
-            cells.append((policy, r, make_drop_fn(policy, drop_ratio=r, model_config=engine.facts,
-                                                  **params.get(policy, {}))))
+            cells.append((policy, r, make_drop_fn(name, drop_ratio=r, model_config=engine.facts,
+                                                  granularity=granularity,
+                                                  **params.get(policy, params.get(name, {})))))
     if hasattr(engine, "capture_for"):
         engine.capture_for(*(fn for _, _, fn in cells))
     return cells
