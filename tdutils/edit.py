@@ -185,6 +185,13 @@ def _match_in_order(old: list, new: list) -> list[int]:
     return keep
 
 
+def one_set(keep: torch.Tensor) -> torch.Tensor | None:
+    """The one kept set `[k]` of `keep` (`[k]`, or `[L, H, k]` with every set equal), else None."""
+    if keep.dim() == 1:
+        return keep
+    return keep[0, 0] if bool((keep == keep[:1, :1]).all()) else None
+
+
 @dataclass
 class Timings:
     """Per request, the seconds a drop function spent choosing tokens (`score_s`) and applying the choice
@@ -317,11 +324,12 @@ class DropFn:
                                f"{self.budget} (its protected tokens, window and sinks, or a keep rule that does not "
                                f"follow the drop ratio); lower them or raise the budget")
         t1 = self._tick(kv)
-        if keep.dim() == 1:
-            new_kv, new_tokens = apply_keep(kv, tokens, keep, rope_spec=self.rope_spec, rerotate=bool(self.rerotate))
+        if keep.dim() == 2:  # one set per layer: the same in each of its heads
+            keep = keep[:, None, :].expand(-1, self.num_kv_heads or 1, -1).contiguous()
+        one = one_set(keep)
+        if one is not None:  # one set (StreamingLLM's, repeated): gathered once, as apply_keep_heads would, bit for bit
+            new_kv, new_tokens = apply_keep(kv, tokens, one, rope_spec=self.rope_spec, rerotate=bool(self.rerotate))
         else:
-            if keep.dim() == 2:  # one set per layer: the same in each of its heads
-                keep = keep[:, None, :].expand(-1, self.num_kv_heads or 1, -1).contiguous()
             new_kv, new_tokens = apply_keep_heads(kv, tokens, keep, rope_spec=self.rope_spec,
                                                   rerotate=bool(self.rerotate))
         if self.timings is not None:

@@ -153,9 +153,9 @@ def _decode_after(tiny, ids, fn, positions="compact", model=None, max_tokens=6):
     return keeps, eng.decode(max_tokens=max_tokens, keep_logits=True)
 
 
-def test_request_sets_through_the_per_head_path_decode_bit_identically(tiny, sample_ids):
-    """(a) One set per request, handed to the engine as [L, H, k] (the per-head gather, re-rotation and decode),
-    decodes exactly as the request path."""
+def test_request_sets_through_the_per_head_path_decode_bit_identically(tiny, sample_ids, monkeypatch):
+    """(a) One set per request, handed to the engine as [L, H, k] (the per-head gather, re-rotation and decode;
+    `one_set` disabled, which would otherwise gather a repeated set once), decodes exactly as the request path."""
     model, _ = tiny
     request = make_drop_fn("snapkv", drop_ratio=0.5, model_config=model, window=8)
     L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
@@ -165,10 +165,29 @@ def test_request_sets_through_the_per_head_path_decode_bit_identically(tiny, sam
 
     per_head = make_drop_fn(as_heads, drop_ratio=0.5, model_config=model)
     _, outs_a = _decode_after(tiny, sample_ids, request)
+    monkeypatch.setattr("tdutils.edit.one_set", lambda keep: keep if keep.dim() == 1 else None)
     _, outs_b = _decode_after(tiny, sample_ids, per_head)
     for a, b in zip(outs_a, outs_b):
         assert a.output_ids == b.output_ids
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+def test_compact_per_head_sets_decode_from_k_rows_re_rotated_per_head(tiny, sample_ids):
+    """Per-head sets at compact positions: every request decodes from its `k` kept rows, whose layer-0 keys are
+    each head's kept keys moved to `0..k-1` (values gathered per head), and greedy decoding runs."""
+    model, _ = tiny
+    fn = make_drop_fn("snapkv", drop_ratio=0.5, model_config=model, window=8, granularity="head")
+    eng = HFEngine(model, tokenizer=tiny[1], progress=False, query_window=8)
+    eng.prefill(sample_ids)
+    before = [eng.kv(i).clone() for i in range(len(sample_ids))]
+    keeps = [fn.keep_indices(eng.tensors(i), eng.tokens(i)) for i in range(len(sample_ids))]
+    eng.modify(fn)
+    for i, keep in enumerate(keeps):
+        assert torch.equal(eng.kv(i), apply_keep_heads(before[i], list(range(before[i].shape[2])), keep,
+                                                       rope_spec=eng.facts.rope)[0])
+    outs = eng.decode(max_tokens=3)
+    assert [o.cached_tokens for o in outs] == [keep_count(len(x), 0.5) for x in sample_ids]
+    assert all(len(o.output_ids) == 3 for o in outs)
 
 
 def _per_layer_masks(model, keep, T, S, H, g):
