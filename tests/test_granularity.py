@@ -222,13 +222,14 @@ def test_original_positions_per_head_equal_the_models_forward_masked_per_head(ti
 
 def _assert_masked_forward(model, prompts, keeps, outs, atol):
     """Each decode step's logits equal the model's forward over its full prompt cache with every layer's own
-    per-head mask (`_per_layer_masks`, handed to each attention module by a hook), within `atol`."""
+    per-head mask (`_per_layer_masks`, handed to each attention module by a hook), within `atol`; returns the
+    largest difference seen."""
     from transformers import DynamicCache
 
     facts = model_facts(model)  # before the hooks (it may run the model); GPT-NeoX has no GQA whatever its config says
     H, g = facts.num_kv_heads, facts.gqa_group_size
     layers = model.base_model.layers
-    current = {}
+    current, worst = {}, 0.0
     hooks = [(getattr(layer, "self_attn", None) or layer.attention).register_forward_pre_hook(
         lambda mod, args, kwargs, i=i: (args, {**kwargs, "attention_mask": current[i]}), with_kwargs=True)
         for i, layer in enumerate(layers)]
@@ -246,11 +247,13 @@ def _assert_masked_forward(model, prompts, keeps, outs, atol):
                     logits = model(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[pos]]),
                                    cache=cache, use_cache=True).logits[0, -1]
                     torch.testing.assert_close(out.logits[step], logits, atol=atol, rtol=0)
+                    worst = max(worst, float((out.logits[step] - logits).abs().max()))
                     tok, pos = int(logits.argmax()), pos + 1
                     assert tok == out.output_ids[step]
     finally:
         for h in hooks:
             h.remove()
+    return worst
 
 
 FULL_ATTENTION = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3", "qwen3_moe", "olmo2", "granite", "gpt_neox",
@@ -281,6 +284,23 @@ def test_sliding_window_models_refuse_per_head_sets_in_one_line(tiny):
     eng.prefill([list(range(4, 60))])
     with pytest.raises(ValueError, match="sliding-window layers"):
         eng.modify(make_drop_fn("knorm", model_config=model, granularity="head"))
+
+
+@pytest.mark.real_models
+def test_smollm2_per_head_original_positions_equal_the_masked_forward(tiny):
+    """The same on SmolLM2-135M (fp32, <= 1e-4), per-head SnapKV sets on a 300-token text prompt; Gemma 3's
+    sliding-window layers refuse non-request granularity (`test_sliding_window_models_refuse_...`)."""
+    from tdutils.models import load_model
+
+    try:
+        model, tok = load_model("smollm2-135m", device="cpu", dtype="float32", progress=False)
+    except (OSError, ImportError) as exc:
+        pytest.skip(str(exc))
+    ids = tok("The grass is green. The sky is blue. The sun is yellow. " * 20)["input_ids"][:300]
+    fn = make_drop_fn("snapkv", drop_ratio=0.5, model_config=model, rerotate=False, granularity="head", window=16)
+    keeps, outs = _decode_after((model, tok), [ids], fn, positions="original", model=model, max_tokens=3)
+    assert not torch.equal(keeps[0][:, 0], keeps[0][:, 1])
+    _assert_masked_forward(model, [ids], keeps, outs, atol=1e-4)
 
 
 def test_per_head_original_edits_refuse_what_needs_one_position_per_row(tiny, sample_ids):
