@@ -336,6 +336,10 @@ def test_cli_runs_a_policy_per_head_and_refuses_what_cannot(tiny, tmp_path, caps
     rc = main(["run", "--policy", "middle_chunk", "--granularity", "layer", *common, "--json", str(tmp_path / "r.json")])
     err = capsys.readouterr().err
     assert rc == 2 and "policy 'middle_chunk' keeps one set per request only" in err, err
+    rc = main(["run", "--policy", "knorm", "--granularity", "head", "--engine", "lmcache", *common,
+               "--json", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--granularity head needs --engine hf" in err, err
 
 
 # ------------------------------------------------------------------------------------------------ eval cells
@@ -353,3 +357,13 @@ def test_eval_cells_take_a_granularity_per_policy_label(tiny):
     assert table["kept_tokens"].nunique() == 1 and float(table["kept_tokens"].iloc[0]) > 0  # the same k everywhere
     with pytest.raises(ValueError, match="middle_chunk.*one set per request only"):
         passkey_eval(policies=("middle_chunk/head",), drop_ratios=(0.5,), context_lengths=(200,), n=1, engine=eng)
+
+
+def test_eval_command_line_names_a_bad_granularity_label():
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "tdutils", "eval", "--policies", "full", "snapkv/token", "--n", "2"],
+                       check=False, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "--policies: unknown 'snapkv/token'" in p.stderr and "optionally with /layer or /head" in p.stderr, p.stderr
