@@ -8,8 +8,9 @@ Contract (docs/design.md §3, LMCache's `ModifyFnType`)::
 `[L, Tq, Hq * head_dim]` aligned to the end of the KV. The result is `new_kv [2, L, k, D]` and `k` ids: kept
 indices sorted ascending, values gathered, keys gathered and (with `rerotate=True`) moved by RoPE from position
 `keep[i]` to `i`. A drop function never mutates its input; engines validate its output (`validate_drop_output`)
-and keep a request's cache unchanged when it fails. `make_drop_fn` finds policies by name in `tdutils.policies`;
-`kept_rows` recovers the kept indices of any ModifyFn's output. The tensor helpers live in `tdutils.kvcache` and
+and keep a request's cache unchanged when it fails. With `granularity="layer" | "head"` each layer or KV head keeps
+its own `k` rows (`apply_keep_heads`; docs/policies.md, "Granularity"). `make_drop_fn` finds policies by name in
+`tdutils.policies`; `kept_rows` recovers the kept indices of any ModifyFn's output. The tensor helpers live in `tdutils.kvcache` and
 are re-exported here.
 """
 

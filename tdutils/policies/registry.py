@@ -3,7 +3,8 @@
 A policy declares its name, a parameters dataclass (fields with defaults, each checked once in
 `__post_init__`; `field(metadata={"help": ...})` is its `--help` text, see `tdutils.policies.cli`), what it
 needs from the engine, and `keep(kv [2, L, T, D], q [L, Tq, Hq*d] | None, drop_ratio, *, params, facts) ->
-sorted LongTensor [k]`. `tdutils.make_drop_fn(name, ...)`, `python -m tdutils run --policy NAME`,
+sorted LongTensor [k]` (with `granularities=("request", "layer", "head")` also `keep(..., granularity=...)` ->
+`[L, k]` / `[L, H_kv, k]`). `tdutils.make_drop_fn(name, ...)`, `python -m tdutils run --policy NAME`,
 `passkey_eval`, `tdutils.sweep` and the notebooks look policies up here, so a policy is one file nothing else
 has to know about; a user's own registers the same way (example: docs/policies.md, section "Your own
 policy"). Errors: `ValueError` (unknown name or parameter, bad registration), `TypeError` (bad signature).
