@@ -53,7 +53,7 @@ def test_bundled_texts_and_windows(tiny):
         text = load_text(b)
         assert len(text) > 120_000 and "\r" not in text and text.isascii()
     data = make_fidelity_dataset(9, 96, tok, seed=3, continuation=8)
-    assert [d["source"] for d in data] == [*TEXTS, TEXTS[0]]
+    assert [d["source"] for d in data] == [*TEXTS, *TEXTS, TEXTS[0]]  # prompt i from TEXTS[i % 4]
     assert all(len(d["prompt_ids"]) == 96 and len(d["continuation"]) == 8 for d in data)
     # the first k examples of a seed are those of any larger n; another seed draws other windows
     assert make_fidelity_dataset(2, 96, tok, seed=3, continuation=8) == data[:2]
