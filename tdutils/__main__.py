@@ -217,7 +217,7 @@ def cmd_run(args) -> int:
         raise UsageError(f"{', '.join(named)}: {exc}" if named else str(exc)) from None
     if args.granularity not in policy.granularities:
         raise UsageError(f"--granularity {args.granularity}: policy {args.policy!r} keeps one set per request only; "
-                         f"choose one of {', '.join(policy.granularities)}")
+                         "drop --granularity (or give --granularity request)")
     if args.granularity != "request" and args.engine != "hf":
         raise UsageError(f"--granularity {args.granularity} needs --engine hf: LMCache stores one token list per request")
     window = getattr(settings, "window", None)  # protected recent tokens (None: the policy decides)
