@@ -17,7 +17,6 @@ from __future__ import annotations
 import inspect
 import time
 import warnings
-from collections import deque
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -43,11 +42,19 @@ from .base import (
     register_engine,
     tokenize_extensions,
 )
+from .decode_compression import SlotCompressor
 from .kvstore import SlotKVStore, plan_slots
 from .packed import MIN_ELEMENTS, PackedLinears, packing_available, packing_pays
+from .sampling import check_forced_ids, choose_tokens, request_generators
+from .scheduler import (
+    KV_BLOCK_TOKENS,
+    DecodeScheduler,
+    check_extension_fits,
+    context_limits,
+    warn_past_context,
+)
 
 POSITIONS = ("compact", "original")
-KV_BLOCK_TOKENS = 256  # with EOS honoured, decode grants a request its tokens (reservation, storage) in blocks
 
 
 @dataclass
@@ -67,6 +74,23 @@ class _Request:
     logits: list | None = None
     finish_reason: str = "length"
     resume: tuple | None = None  # preempted mid-decode: (keys, values, positions, next token, its position)
+
+
+@dataclass
+class _DecodeRun:
+    """The state of one `decode` call's loop."""
+
+    sched: DecodeScheduler
+    store: SlotKVStore
+    comp: SlotCompressor | None
+    dm: DecodeMetrics
+    temperature: float  # 0 = greedy
+    generators: dict  # request_id -> torch.Generator (`request_generators`)
+    forced: dict | None  # request_id -> forced token ids (teacher forcing)
+    keep_logits: bool
+    ignore_eos: bool
+    next_ids: torch.Tensor  # [S] per slot: the token fed next step
+    next_pos: torch.Tensor  # [S] and its position
 
 
 @register_engine("hf")
@@ -269,10 +293,8 @@ class HFEngine(Engine):
         return self._prefill_chunked(ids, chunk, compression)
 
     def _prefill_ids(self, ids: list[list[int]]) -> list[int]:
-        max_pos = getattr(self.model.config, "max_position_embeddings", None)
-        if max_pos and max(map(len, ids)) > max_pos:
-            warnings.warn(f"a prompt of {max(map(len, ids))} tokens is longer than the model's "
-                          f"max_position_embeddings {max_pos}: positions past it are extrapolation", stacklevel=2)
+        warn_past_context("prefill", max(map(len, ids)) - 1, getattr(self.model.config, "max_position_embeddings", None),
+                          stacklevel=2)
         self.requests, self.metrics = [], RunMetrics("run")
         pm = self.metrics.prefill
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -338,14 +360,11 @@ class HFEngine(Engine):
                                  f"last chunk borrows tokens from the one before; use chunk >= {2 * rows}")
             self.capture_for(cut)  # the chunk's last queries score the cut
         bounds = [_chunk_bounds(len(x), size, rows) for x in ids]
-        max_pos = getattr(self.model.config, "max_position_embeddings", None)
         compact = compression.budget if cut is not None and self.positions == "compact" else None
-        last = max(_chunk_last_position(b, compact) for b in bounds)
-        if max_pos and last >= max_pos:
-            how = "" if compact is None else (f" (compact cuts renumber the cache to 0..{compact - 1} and the next chunk "
-                                              f"of up to {size} tokens follows it: budget + chunk reaches past it)")
-            warnings.warn(f"prefill feeds position {last}, beyond the model's max_position_embeddings {max_pos}: "
-                          f"positions past it are extrapolation{how}", stacklevel=4)
+        how = "" if compact is None else (f" (compact cuts renumber the cache to 0..{compact - 1} and the next chunk "
+                                          f"of up to {size} tokens follows it: budget + chunk reaches past it)")
+        warn_past_context("prefill", max(_chunk_last_position(b, compact) for b in bounds),
+                          getattr(self.model.config, "max_position_embeddings", None), how, stacklevel=4)
         try:
             return self._run_chunks(ids, bounds, cut, compression)
         except BaseException:
@@ -574,19 +593,10 @@ class HFEngine(Engine):
             raise RuntimeError("extend() needs prefilled requests; call prefill(prompts) first")
         self._refuse_per_head_positions("extend()")
         ext = tokenize_extensions(self.tokenizer, prompts, len(self.requests), self.model.config.vocab_size)
-        budget = self.kv_budget_tokens
-        if budget is not None:
-            for r, x in zip(self.requests, ext):
-                if r.kv.shape[2] + len(x) + 1 > budget:
-                    raise ValueError(f"request {r.request_id} would hold {r.kv.shape[2] + len(x)} KV tokens "
-                                     f"({r.kv.shape[2]} cached + {len(x)} extension) and needs at least one more to "
-                                     f"decode, but kv_budget_tokens is {budget}; raise kv_budget_tokens, shorten the "
-                                     f"extension, or drop more tokens")
-        max_pos = getattr(self.model.config, "max_position_embeddings", None)
-        last = max(r.refeed_pos + len(x) for r, x in zip(self.requests, ext))
-        if max_pos and last >= max_pos:
-            warnings.warn(f"extend() feeds position {last}, beyond the model's max_position_embeddings {max_pos}: "
-                          f"positions past it are extrapolation", stacklevel=2)
+        for r, x in zip(self.requests, ext):
+            check_extension_fits(r.request_id, r.kv.shape[2], len(x), self.kv_budget_tokens)
+        warn_past_context("extend()", max(r.refeed_pos + len(x) for r, x in zip(self.requests, ext)),
+                          getattr(self.model.config, "max_position_embeddings", None))
         updates = []
         for start in range(0, len(self.requests), self.prefill_batch_size):
             updates += self._extend_batch(self.requests[start:start + self.prefill_batch_size],
@@ -703,10 +713,10 @@ class HFEngine(Engine):
             max_tokens: tokens to generate per request (>= 1): one int for all, or one per request (list, tuple,
                 numpy array or tensor of ints). Capped at the model's context (`max_position_embeddings`, with
                 EOS honoured or not; a warning says so): the request stops there with finish_reason "length"
-                (`_context_limits`; compact compression caps only when `B + N` reaches past the context).
+                (`engines.scheduler.context_limits`; compact compression caps only when `B + N` reaches past the context).
             temperature: 0 = greedy (as is any temperature below `GREEDY_BELOW`, 1e-5, vLLM's convention); > 0
                 samples from softmax(logits / temperature), each request from its own generator seeded with
-                `request_seed(seed, request_id)`, so its tokens do not depend on the batch.
+                `engines.sampling.request_seed(seed, request_id)`, so its tokens do not depend on the batch.
             ignore_eos: keep generating after an EOS token (fixed output lengths, for benchmarks); EOS is any of
                 `eos_token_ids`: the tokenizer's EOS and every id in the model's `generation_config.eos_token_id`.
                 `RequestOutput.answer` holds the text before the first EOS either way.
@@ -737,206 +747,137 @@ class HFEngine(Engine):
         """
         if not self.requests:
             raise RuntimeError("decode() needs prefilled requests; call prefill(prompts) first")
+        run = self._plan_decode(max_tokens, temperature, ignore_eos, seed, keep_logits, compression, forced_ids)
+        bar = self._bar(sum(run.sched.limits.values()), "decode")
+        t0 = time.perf_counter()
+        # once per decode: entering packs again the weights edited since the last one (engines.packed)
+        with self._packed or nullcontext():
+            while run.sched.waiting or run.sched.running:
+                self._admit_waiting(run)
+                self._decode_step(run, t0, bar)
+        run.dm.seconds = time.perf_counter() - t0
+        bar.close()
+        if run.comp is None:  # the step that fed a request's last token attended over its whole cache
+            run.dm.kv_peak_cache_tokens = max(r.kv.shape[2] - 1 + len(r.output_ids) for r in self.requests)
+        events = (lambda r: None) if run.comp is None else run.comp.events
+        return [request_output(r, self.tokenizer, self.eos_token_ids, run.dm, events(r)) for r in self.requests]
+
+    def _plan_decode(self, max_tokens, temperature, ignore_eos, seed, keep_logits, compression, forced_ids
+                     ) -> _DecodeRun:
+        """`decode`'s checks (in its order: max_tokens, forced ids, temperature, compression, context, budget),
+        then its scheduler, storage and sampling state; the requests' decode state is reset."""
+        rids = [r.request_id for r in self.requests]
         per_request = check_max_tokens(max_tokens, len(self.requests))
-        forced = None if forced_ids is None else _check_forced_ids(forced_ids, self.requests, per_request,
-                                                                   self._vocab_size())
+        forced = None if forced_ids is None else check_forced_ids(forced_ids, rids, per_request, self._vocab_size())
         temperature = check_temperature(temperature)
         if temperature < GREEDY_BELOW:
             temperature = 0.0
-        limit = {r.request_id: m for r, m in zip(self.requests, per_request)}
         comp = None
         if compression is not None:
             self._refuse_per_head_positions("decode(compression=...)")
-            if not isinstance(compression, Compression):
-                raise TypeError(f"compression must be a tdutils.compression.Compression, got {type(compression).__name__}")
-            comp = _DecodeCompressor(self, compression)
-        limit = self._context_limits(limit, comp)
-        budget = self.kv_budget_tokens
+            comp = SlotCompressor(self, compression)
+        compact = comp is not None and comp.compact  # cuts renumber positions: a request feeds below its bound
+        limits = context_limits(dict(zip(rids, per_request)), {r.request_id: r.refeed_pos for r in self.requests},
+                                getattr(self.model.config, "max_position_embeddings", None),
+                                {r.request_id: comp.bound(r) for r in self.requests} if compact else None,
+                                comp.budget + comp.buffer if compact else None)
         # KV tokens a request may hold at once (+ 1, the token it generates last): all its tokens, or with
         # compression at most its bound (B + N, or longer while it starts)
-        cap = {r.request_id: None if comp is None else comp.bound(r) + 1 for r in self.requests}
-
-        def capped(rid, n):
-            return n if cap[rid] is None else min(n, cap[rid])
-
-        need = {r.request_id: capped(r.request_id, r.kv.shape[2] + limit[r.request_id]) for r in self.requests}
-        if budget is not None:
-            for r in self.requests:
-                if need[r.request_id] > budget:
-                    if cap[r.request_id] is not None and need[r.request_id] == cap[r.request_id]:
-                        raise ValueError(
-                            f"request {r.request_id} needs {need[r.request_id]} KV tokens at once under compression "
-                            f"(the largest cache it holds, max(budget + buffer = {compression.budget + compression.buffer}"
-                            f", its {r.kv.shape[2]} cached entries), + 1) but kv_budget_tokens is {budget}; raise "
-                            f"kv_budget_tokens, lower the compression's budget or buffer, or cut the prompt at prefill "
-                            f"(prefill(..., compression=...))")
-                    raise ValueError(
-                        f"request {r.request_id} needs {need[r.request_id]} KV tokens ({r.kv.shape[2]} cached + "
-                        f"{limit[r.request_id]} to generate) but kv_budget_tokens is {budget}; raise kv_budget_tokens, "
-                        f"lower max_tokens, or drop more tokens")
-        dm = self.metrics.decode = DecodeMetrics(kv_budget_tokens=budget)
-        # one generator per request, seeded from (seed, request_id): a request samples the same tokens whatever
-        # batch it decodes in (vLLM's per-request seed semantics)
-        gens = {r.request_id: torch.Generator(device="cpu").manual_seed(request_seed(seed, r.request_id))
-                for r in self.requests}
-        eos = self.eos_token_ids
+        caps = {r.request_id: None if comp is None else comp.bound(r) + 1 for r in self.requests}
         block = None if ignore_eos else KV_BLOCK_TOKENS
-        # tokens each request may generate before it needs more: all of them, or one block at a time
-        grant = {rid: limit[rid] if block is None else min(limit[rid], block) for rid in limit}
-
-        def reservation(r):
-            return capped(r.request_id, r.kv.shape[2] + grant[r.request_id])
-
+        sched = DecodeScheduler({r.request_id: r.kv.shape[2] for r in self.requests}, limits,
+                                budget=self.kv_budget_tokens, max_batch_size=self.max_batch_size, block=block, caps=caps)
+        sched.check_fits(compression)
+        dm = self.metrics.decode = DecodeMetrics(kv_budget_tokens=self.kv_budget_tokens)
         for r in self.requests:
             r.output_ids, r.token_times, r.finish_reason = [], [], "length"
             r.logits = [] if keep_logits else None
             r.resume = None
-
-        store = self._new_store([reservation(r) for r in self.requests], budget,
-                                max(need.values()) - 1 if block is None else None, positions=comp is not None)
+        store = self._new_store([sched.reservation(rid) for rid in rids], self.kv_budget_tokens,
+                                max(map(sched.need, rids)) - 1 if block is None else None, positions=comp is not None)
         if comp is not None:
             comp.start(store)
-        next_ids = torch.zeros(store.slots, dtype=torch.long, device=self.device)  # per slot: token fed next step
-        next_pos = torch.zeros(store.slots, dtype=torch.long, device=self.device)  # and its position
-        waiting = deque(self.requests)
-        running: dict[int, _Request] = {}  # slot -> request, in admission order
+        sched.waiting.extend(self.requests)
+        return _DecodeRun(sched, store, comp, dm, temperature, request_generators(seed, rids), forced, keep_logits,
+                          ignore_eos, torch.zeros(store.slots, dtype=torch.long, device=self.device),
+                          torch.zeros(store.slots, dtype=torch.long, device=self.device))
 
-        def preempt(slot):  # out of the batch with its cache and generated tokens; resumes where it stopped
-            r = running.pop(slot)
-            if comp is not None:
-                comp.leave(slot, r)
-            r.resume = (*store.take(slot), int(next_ids[slot]), int(next_pos[slot]))
-            if len(r.output_ids) >= grant[r.request_id]:  # it used its block: resume with the next one
-                grant[r.request_id] = min(limit[r.request_id], grant[r.request_id] + block)
-            waiting.appendleft(r)
-            dm.preemptions += 1
+    def _admit_waiting(self, run: _DecodeRun) -> None:
+        """Admit waiting requests while a slot is free and their reservations fit (`DecodeScheduler`)."""
+        sched, store = run.sched, run.store
+        while (r := sched.pop_admissible(store.free_slots)) is not None:
+            store.grow(sched.reservation(r.request_id) - 1)
+            resumed = r.resume is not None
+            slot = self._admit(store, r)
+            sched.running[slot] = r
+            if run.comp is not None:
+                run.comp.join(slot, r, resumed)
+            if r.resume is None:
+                run.next_ids[slot], run.next_pos[slot] = r.tokens[-1], r.refeed_pos
+            else:
+                run.next_ids[slot], run.next_pos[slot] = r.resume[3], r.resume[4]
+                r.resume = None
+        reserved = sched.reserved()
+        run.dm.peak_batch_size = max(run.dm.peak_batch_size, len(sched.running))
+        run.dm.kv_peak_reserved_tokens = max(run.dm.kv_peak_reserved_tokens, reserved)
+        assert sched.budget is None or reserved <= sched.budget, (reserved, sched.budget)  # admission and grants keep this
 
-        bar = self._bar(sum(limit.values()), "decode")
-        t0 = time.perf_counter()
-        # once per decode: entering packs again the weights edited since the last one (engines.packed)
-        with self._packed or nullcontext():
-            while waiting or running:
-                reserved = sum(reservation(r) for r in running.values())
-                while waiting and store.free_slots and (budget is None or reserved + reservation(waiting[0]) <= budget) and (
-                        self.max_batch_size is None or len(running) < self.max_batch_size):
-                    r = waiting.popleft()
-                    store.grow(reservation(r) - 1)
-                    resumed = r.resume is not None
-                    slot = self._admit(store, r)
-                    running[slot] = r
-                    if comp is not None:
-                        comp.join(slot, r, resumed)
-                    if r.resume is None:
-                        next_ids[slot], next_pos[slot] = r.tokens[-1], r.refeed_pos
-                    else:
-                        next_ids[slot], next_pos[slot] = r.resume[3], r.resume[4]
-                        r.resume = None
-                    reserved += reservation(r)
-                dm.peak_batch_size = max(dm.peak_batch_size, len(running))
-                dm.kv_peak_reserved_tokens = max(dm.kv_peak_reserved_tokens, reserved)
-                assert budget is None or reserved <= budget, (reserved, budget)  # admission and grants keep this
+    def _decode_step(self, run: _DecodeRun, t0: float, bar) -> None:
+        """One forward of the running batch: choose each row's token, book it, cut caches that reached `B + N`,
+        grant blocks (preempting where needed)."""
+        sched, store, comp, dm = run.sched, run.store, run.comp, run.dm
+        rows = store.rows
+        store.begin_step(run.next_pos[:rows])
+        fed = run.next_ids[:rows].tolist() if comp is not None else None
+        with comp.capture(rows) if comp is not None else nullcontext():
+            out = self._forward(run.next_ids[:rows, None], self._decode_masks(store, run.next_pos[:rows]),
+                                run.next_pos[:rows, None], store.cache())
+        store.end_step()
+        logits = out.logits[:, -1, :]  # [rows, vocab]; idle rows (free slots) are ignored
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # sampling and keep_logits in at least fp32
+        new_ids = choose_tokens(logits, sched.running, run.temperature, run.generators, run.forced)  # [rows]
+        now = time.perf_counter() - t0
+        dm.steps += 1
+        bar.update(len(sched.running))
+        run.next_ids[:rows] = new_ids.to(self.device)
+        run.next_pos[:rows] += 1
+        stepped = list(sched.running.items())  # every request this step fed, including those that finish now
+        for slot, r in stepped:
+            tok = int(new_ids[slot])
+            r.output_ids.append(tok)
+            r.token_times.append(now)
+            if run.keep_logits:
+                r.logits.append(logits[slot].cpu())
+            done = len(r.output_ids) >= sched.limits[r.request_id]
+            if not done and not run.ignore_eos and tok in self.eos_token_ids:
+                r.finish_reason, done = "stop", True
+            if done:
+                del sched.running[slot]
+                store.release(slot)
+        if comp is not None:  # the fed tokens are cached now: cut the caches that reached B + N
+            comp.after_step(stepped, sched.running, fed, run.next_pos, dm)
+        self._grant_blocks(run)
+        dm.kv_storage_tokens = max(dm.kv_storage_tokens, store.slots * store.width)
+        dm.kv_storage_bytes = max(dm.kv_storage_bytes, store.bytes)
 
-                rows = store.rows
-                store.begin_step(next_pos[:rows])
-                fed = next_ids[:rows].tolist() if comp is not None else None
-                with comp.capture(rows) if comp is not None else nullcontext():
-                    out = self._forward(next_ids[:rows, None], self._decode_masks(store, next_pos[:rows]),
-                                        next_pos[:rows, None], store.cache())
-                store.end_step()
-                logits = out.logits[:, -1, :]  # [rows, vocab]; idle rows (free slots) are ignored
-                if logits.dtype in (torch.float16, torch.bfloat16):
-                    logits = logits.float()  # sampling and keep_logits in at least fp32
-                if temperature > 0:
-                    probs = torch.softmax(logits / temperature, dim=-1).cpu()
-                    new_ids = torch.zeros(rows, dtype=torch.long)
-                    for slot, r in running.items():
-                        new_ids[slot] = torch.multinomial(probs[slot], 1, generator=gens[r.request_id])[0]
-                else:
-                    new_ids = logits.argmax(dim=-1).cpu()
-                if forced is not None:  # teacher forcing: the given token is the output and is fed next
-                    for slot, r in running.items():
-                        new_ids[slot] = forced[r.request_id][len(r.output_ids)]
-                now = time.perf_counter() - t0
-                dm.steps += 1
-                bar.update(len(running))
-                next_ids[:rows] = new_ids.to(self.device)
-                next_pos[:rows] += 1
-                stepped = list(running.items())  # every request this step fed, including those that finish now
-                for slot, r in stepped:
-                    tok = int(new_ids[slot])
-                    r.output_ids.append(tok)
-                    r.token_times.append(now)
-                    if keep_logits:
-                        r.logits.append(logits[slot].cpu())
-                    if len(r.output_ids) >= limit[r.request_id]:
-                        del running[slot]
-                        store.release(slot)
-                    elif not ignore_eos and tok in eos:
-                        r.finish_reason = "stop"
-                        del running[slot]
-                        store.release(slot)
-                if comp is not None:  # the fed tokens are cached now: cut the caches that reached B + N
-                    comp.after_step(stepped, running, fed, next_pos, dm)
-                # grant the next block to requests that used theirs, preempting the latest admitted others if needed
-                for slot, r in list(running.items()):
-                    rid = r.request_id
-                    if slot not in running or len(r.output_ids) < grant[rid]:
-                        continue
-                    grant[rid] = min(limit[rid], grant[rid] + block)
-                    while budget is not None and sum(reservation(x) for x in running.values()) > budget:
-                        preempt(next(s for s in reversed(running) if s != slot))
-                    store.grow(reservation(r) - 1)
-                dm.kv_storage_tokens = max(dm.kv_storage_tokens, store.slots * store.width)
-                dm.kv_storage_bytes = max(dm.kv_storage_bytes, store.bytes)
-        dm.seconds = time.perf_counter() - t0
-        bar.close()
-        if comp is None:  # the step that fed a request's last token attended over its whole cache
-            dm.kv_peak_cache_tokens = max(r.kv.shape[2] - 1 + len(r.output_ids) for r in self.requests)
-
-        outputs = []
-        for r in self.requests:
-            dm.output_tokens += len(r.output_ids)
-            t = r.token_times
-            tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else float("nan")
-            if len(t) > 1:
-                dm.tpot_s.append(tpot)
-            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-            outputs.append(RequestOutput(
-                request_id=r.request_id, prompt_tokens=len(r.prompt_ids), cached_tokens=r.kv.shape[2],
-                output_ids=list(r.output_ids), text=text, answer=answer_text(self.tokenizer, r.output_ids, eos, text),
-                finish_reason=r.finish_reason, ttft_s=r.ttft_s, tpot_s=tpot, logits=r.logits,
-                compressions=None if comp is None else comp.events(r)))
-        return outputs
-
-    def _context_limits(self, limit: dict[int, int], comp: _DecodeCompressor | None) -> dict[int, int]:
-        """`max_tokens` per request capped at the model's context, for every decode setting (EOS honoured or
-        not, with or without compression): the largest position a request feeds, `refeed_pos + max_tokens - 1`
-        (under compact compression at most its cache bound `B + N` - 1: cuts renumber the cache), stays below
-        `max_position_embeddings`; a warning names the capped requests. A cache already past the context (a
-        prompt longer than it) decodes one token and warns that it is extrapolation."""
-        max_pos = getattr(self.model.config, "max_position_embeddings", None)
-        if not max_pos:
-            return limit
-        capped = {}
-        for r in self.requests:
-            n = limit[r.request_id]
-            last = r.refeed_pos + n - 1
-            if comp is not None and comp.compact:
-                last = min(last, comp.bound(r) - 1)
-            capped[r.request_id] = max(1, min(n, max_pos - r.refeed_pos)) if last >= max_pos else n
-        few = [i for i in capped if capped[i] < limit[i]]
-        if few:
-            why = "" if comp is None or not comp.compact else (
-                f"; compact compression renumbers positions, but budget + buffer = {comp.budget + comp.buffer} "
-                f"(or a longer start cache) reaches past the context")
-            warnings.warn(f"max_tokens capped at the model's context (max_position_embeddings {max_pos}) for "
-                          f"{len(few)} request(s), e.g. request {few[0]}: {capped[few[0]]} tokens; they stop there "
-                          f"with finish_reason 'length'{why}", stacklevel=4)
-        last = max(r.refeed_pos for r in self.requests)
-        if last >= max_pos:
-            warnings.warn(f"decoding feeds position {last}, beyond the model's max_position_embeddings {max_pos} "
-                          f"(the prompt is past it): outputs there are extrapolation", stacklevel=4)
-        return capped
+    def _grant_blocks(self, run: _DecodeRun) -> None:
+        """Grant the next block to requests that used theirs, preempting the latest admitted others if needed:
+        a preempted request leaves with its cache and generated tokens and resumes, unchanged, later."""
+        sched = run.sched
+        for slot, r in list(sched.running.items()):
+            if not sched.needs_block(slot, r):
+                continue
+            sched.grant_block(r.request_id)
+            while sched.over_budget():
+                victim = sched.victim(slot)
+                if run.comp is not None:
+                    run.comp.leave(victim, sched.running[victim])
+                sched.running[victim].resume = (*run.store.take(victim), int(run.next_ids[victim]),
+                                                int(run.next_pos[victim]))
+                sched.preempt(victim)
+                run.dm.preemptions += 1
+            run.store.grow(sched.reservation(r.request_id) - 1)
 
     # ------------------------------------------------------------------ batch bookkeeping
     def _row_kv(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -983,139 +924,6 @@ class HFEngine(Engine):
         return masks.get(None, masks)
 
 
-class _RingRecorder:
-    """Capture hook of one decode step: each layer's query of the fed tokens `[rows, Hq, 1, d]` goes into its
-    row's ring slot (`ring [S, L, w, Hq*d]`, column `cols[row]`)."""
-
-    def __init__(self, ring: torch.Tensor, index: torch.Tensor, cols: torch.Tensor):
-        self.ring, self.index, self.cols = ring, index, cols
-
-    def record(self, layer_idx, query, key, kwargs):
-        self.ring[self.index, layer_idx, self.cols] = query[:, :, 0, :].reshape(query.shape[0], -1).to(self.ring.dtype)
-
-
-class _DecodeCompressor:
-    """Decode-time compression of one `decode` call (`HFEngine.decode(compression=...)`, R-KV's loop).
-
-    Per slot it keeps a ring of the last `w` fed tokens' queries `[S, L, w, Hq*d]` (written by the capture hook
-    during the forward); per request the token ids of its cached entries and their index in the request's
-    sequence (its cache at decode start, then its generated tokens), so each cut is reported by sequence index.
-    """
-
-    def __init__(self, engine: HFEngine, compression: Compression):
-        self.engine = engine
-        self.cut = compression.drop_fn(model_config=engine.facts, rerotate=engine.positions == "compact")
-        self.budget, self.buffer, self.w = compression.budget, compression.buffer, self.cut.query_rows
-        self.compact = engine.positions == "compact"
-        f = engine.facts
-        self.L, self.h, self.d = f.num_layers, f.num_kv_heads, f.head_dim
-        self.state: dict[int, dict] = {}
-        if self.w:
-            engine._prepare_capture(self.w, ())  # the capture hook is installed even with query_window=0
-
-    def _prompt_rows(self, r: _Request) -> int:
-        """Rows of the captured prompt query usable as the ring's first rows (the refed token's own row is
-        computed again by the first step, so it is left out)."""
-        if not self.w or r.query is None:
-            return 0
-        return min(self.w, r.query.shape[1] - 1)
-
-    def bound(self, r: _Request) -> int:
-        """Most cache entries `r` holds at once: `B + N`, or its start cache (plus the steps until its first `w`
-        queries exist) when that is longer."""
-        T = r.kv.shape[2]
-        return max(self.budget + self.buffer, T, T - 1 + self.w - self._prompt_rows(r))
-
-    def start(self, store: SlotKVStore) -> None:
-        self.store = store
-        if self.w:
-            hq_d = self.engine.facts.num_query_heads * self.d
-            self.ring = torch.zeros((store.slots, self.L, self.w, hq_d), dtype=self.engine.model.dtype,
-                                    device=self.engine.device)
-        self.count = [0] * store.slots  # queries written to each slot's ring since it joined / was last cut
-
-    def join(self, slot: int, r: _Request, resumed: bool) -> None:
-        st = self.state.get(r.request_id)
-        if st is None:  # first admission: the cached entries are the start cache minus the refed token
-            T = r.kv.shape[2]
-            st = self.state[r.request_id] = {"tokens": list(r.tokens[:-1]), "seq": list(range(T - 1)), "next": T - 1,
-                                             "events": [], "saved": None}
-            a = self._prompt_rows(r)
-            if a:
-                self.ring[slot, :, :a] = r.query[:, -1 - a:-1].to(self.ring.dtype)
-            self.count[slot] = a
-        elif resumed and st["saved"] is not None:  # back from preemption with its ring
-            ring, self.count[slot] = st["saved"]
-            if self.w:
-                self.ring[slot] = ring
-            st["saved"] = None
-
-    def leave(self, slot: int, r: _Request) -> None:
-        st = self.state[r.request_id]
-        st["saved"] = (self.ring[slot].clone() if self.w else None, self.count[slot])
-
-    def capture(self, rows: int):
-        """Context manager for one step's forward: each layer's query of the fed tokens goes into the ring."""
-        from ..attention import recording
-
-        if not self.w:
-            return nullcontext()
-        cols = torch.tensor([c % self.w for c in self.count[:rows]], device=self.engine.device)
-        return recording(_RingRecorder(self.ring, torch.arange(rows, device=self.engine.device), cols))
-
-    def after_step(self, stepped: list, running: dict, fed: list[int], next_pos: torch.Tensor, dm) -> None:
-        """Book the tokens the step cached (every request in `stepped`); cut every cache still `running` that
-        reached `B + N` (with its `w` queries)."""
-        B = self.budget
-        for slot, r in stepped:
-            st = self.state[r.request_id]
-            st["tokens"].append(fed[slot])
-            st["seq"].append(st["next"])
-            st["next"] += 1
-            self.count[slot] += 1
-            n = len(st["tokens"])
-            dm.kv_peak_cache_tokens = max(dm.kv_peak_cache_tokens, n)
-            assert n <= self.bound(r), (n, self.bound(r))  # the reservation admission counted on
-            if slot in running and n >= B + self.buffer and self.count[slot] >= self.w:
-                t0 = time.perf_counter()
-                self._cut_slot(slot, r, st, n, next_pos)
-                dm.compressions += 1
-                dm.compress_seconds += time.perf_counter() - t0
-
-    def _cut_slot(self, slot: int, r: _Request, st: dict, n: int, next_pos: torch.Tensor) -> None:
-        store, L, h, d = self.store, self.L, self.h, self.d
-        keys = torch.stack([store.keys[i][slot, :, :n] for i in range(L)])  # [L, H_kv, n, d]
-        values = torch.stack([store.values[i][slot, :, :n] for i in range(L)])
-        kv = torch.stack([keys, values]).transpose(2, 3).reshape(2, L, n, h * d)  # [2, L, n, D]
-        tensors = {CacheKind.KV: kv}
-        if self.w:
-            c = self.count[slot]
-            order = [(c - self.w + i) % self.w for i in range(self.w)]  # oldest first: aligned to the KV's end
-            tensors[CacheKind.QUERY] = self.ring[slot][:, order]  # [L, w, Hq*d]
-        new_kv, new_tokens, keep = self.cut.edit(tensors, st["tokens"])
-        k = new_kv.shape[2]
-        assert k <= self.budget, (k, self.budget)  # DropFn (by budget) refuses more; the budget is never exceeded
-        new = new_kv.view(2, L, k, h, d).transpose(2, 3)  # [2, L, H_kv, k, d]
-        for i in range(L):
-            store.keys[i][slot, :, :k] = new[0, i]
-            store.values[i][slot, :, :k] = new[1, i]
-        keep_list = keep.tolist()
-        if self.compact:  # kept keys now sit at 0..k-1; the token generated last is fed at k
-            store.positions[slot, :k] = torch.arange(k, device=store.positions.device)
-            next_pos[slot] = k
-        else:  # keys keep their rotation and positions
-            store.positions[slot, :k] = store.positions[slot, :n][keep.to(store.positions.device)].clone()
-        store.lengths[slot] = k
-        st["tokens"] = new_tokens
-        st["seq"] = [st["seq"][j] for j in keep_list]
-        st["events"].append({"step": len(r.output_ids), "before": n, "after": k, "kept": list(st["seq"])})
-        self.count[slot] = 0  # the ring's rows belong to the cache before the cut (compact: other positions)
-
-    def events(self, r: _Request) -> list[dict]:
-        st = self.state.get(r.request_id)
-        return [] if st is None else st["events"]
-
-
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -1142,42 +950,6 @@ def _chunk_last_position(bounds: list[tuple[int, int]], budget: int | None) -> i
         if budget is not None and held > budget:
             held = budget
     return last
-
-
-def _check_forced_ids(forced_ids, requests, per_request: list[int], vocab_size: int) -> dict[int, list[int]]:
-    """`decode(forced_ids=...)` checked: one list of at least `max_tokens` integer ids in the vocabulary per request.
-
-    Raises:
-        TypeError: not a sequence of sequences of integers (a string, a float or bool id, a generator).
-        ValueError: another number of lists than requests, a list shorter than its `max_tokens`, an id outside
-            `[0, vocab_size)` (the message names the list, the index and the id).
-    """
-    import operator
-
-    if isinstance(forced_ids, (str, bytes)) or not isinstance(forced_ids, Sequence):
-        raise TypeError(f"forced_ids must be a list with one token-id list per request, got {type(forced_ids).__name__}")
-    if len(forced_ids) != len(requests):
-        raise ValueError(f"forced_ids must hold one token-id list per request ({len(requests)}), got {len(forced_ids)}")
-    out = {}
-    for r, m, ids in zip(requests, per_request, forced_ids):
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, torch.Tensor)):
-            raise TypeError(f"forced_ids[{r.request_id}] must be a list of token ids, got {type(ids).__name__}")
-        clean = []
-        for j, t in enumerate(ids[:m]):
-            if isinstance(t, (bool, float, str, bytes)) or (isinstance(t, torch.Tensor) and t.is_floating_point()):
-                raise TypeError(f"forced_ids[{r.request_id}][{j}] = {t!r} is not an integer token id")
-            try:
-                t = operator.index(t)
-            except TypeError:
-                raise TypeError(f"forced_ids[{r.request_id}][{j}] = {t!r} is not an integer token id") from None
-            if not 0 <= t < vocab_size:
-                raise ValueError(f"forced_ids[{r.request_id}][{j}] = {t} lies outside the vocabulary [0, {vocab_size})")
-            clean.append(t)
-        if len(clean) < m:
-            raise ValueError(f"forced_ids[{r.request_id}] holds {len(clean)} token ids; decode generates {m} for this "
-                             f"request, so it needs at least {m}")
-        out[r.request_id] = clean
-    return out
 
 
 def _check_loaded_model_settings(model, dtype, device, attn_implementation) -> None:
@@ -1220,13 +992,20 @@ def _mask_windows(config, windows: list[int | None]) -> dict:
     return by_type
 
 
-def request_seed(seed: int, request_id: int) -> int:
-    """The seed of one request's sampling generator: the first 4 bytes of BLAKE2b(`"seed:request_id"`), as an
-    unsigned int (torch's CPU generator uses 32 bits of a seed): distinct streams per request and per seed,
-    independent of the batch the request decodes in."""
-    import hashlib
-
-    return int.from_bytes(hashlib.blake2b(f"{int(seed)}:{int(request_id)}".encode(), digest_size=4).digest(), "little")
+def request_output(r: _Request, tokenizer, eos: frozenset[int], dm: DecodeMetrics, compressions) -> RequestOutput:
+    """The `RequestOutput` of one decoded request (its text decoded without special tokens, its answer up to the
+    first EOS, its TPOT: mean seconds per token after the first, NaN with one token); books its output tokens and
+    TPOT in `dm`."""
+    dm.output_tokens += len(r.output_ids)
+    t = r.token_times
+    tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else float("nan")
+    if len(t) > 1:
+        dm.tpot_s.append(tpot)
+    text = tokenizer.decode(r.output_ids, skip_special_tokens=True)
+    return RequestOutput(request_id=r.request_id, prompt_tokens=len(r.prompt_ids), cached_tokens=r.kv.shape[2],
+                         output_ids=list(r.output_ids), text=text, answer=answer_text(tokenizer, r.output_ids, eos, text),
+                         finish_reason=r.finish_reason, ttft_s=r.ttft_s, tpot_s=tpot, logits=r.logits,
+                         compressions=compressions)
 
 
 def _eos_ids(tokenizer, model) -> frozenset[int]:
