@@ -646,12 +646,29 @@ class HFEngine(Engine):
         for layer in range(L):
             cache.update(keys[layer], values[layer], layer)
         del keys, values
+        masks = self._extend_masks(key_ok, key_pos, query_pos, ms, C)
+        recorder = QueryRecorder(self.query_window)
+        if self.query_window != 0:
+            self._prepare_capture(self.query_window, ())
+        with recording(recorder):
+            self._forward(input_ids.to(self.device), masks, query_pos.to(self.device), cache)
+        if self.query_window != 0:
+            recorder.spec(L)  # ValueError naming the layers whose attention did not run through the capture
+        return [self._extend_row(b, r, ms[b], cache, recorder, C + M) for b, r in enumerate(reqs)]
+
+    def _extend_masks(self, key_ok: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor, ms: list[int],
+                      C: int):
+        """`_extend_batch`'s 4D masks `[B, 1, M, C + M]` from each key column's position `key_pos` `[B, C + M]`
+        (`key_ok` False on padding) and each query's `query_pos` `[B, M]` (`ms`: real extension lengths, the
+        rest left padding): causal by position, sliding windows by position; boolean for sdpa, additive for
+        eager and sliding-window models; a dict by layer type when layers' windows differ."""
+        M = query_pos.shape[1]
         # [B, M, C + M]: a real key at a position <= the query's (causal by position, as the slot store masks)
         allowed = key_ok[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
         rows = torch.arange(M)
         padded_query = rows[None, :] < (M - torch.tensor(ms))[:, None]  # [B, M]
 
-        def mask(window):
+        def mask(window, additive):
             a = allowed if window is None else allowed & (key_pos[:, None, :] > query_pos[:, :, None] - window)
             a = a.clone()
             a[:, rows, C + rows] |= padded_query  # a padding query sees itself only (no all-masked row)
@@ -661,38 +678,28 @@ class HFEngine(Engine):
             return torch.zeros(a.shape, dtype=additive, device=self.device).masked_fill_(~a, torch.finfo(additive).min)
 
         if self._mask_windows is None:
-            additive = self.model.dtype if "eager" in self.model.config._attn_implementation else None
-            masks = mask(None)
-        else:
-            additive = self.model.dtype
-            masks = {key: mask(w) for key, w in self._mask_windows.items()}
-            masks = masks.get(None, masks)
-        recorder = QueryRecorder(self.query_window)
-        if self.query_window != 0:
-            self._prepare_capture(self.query_window, ())
-        with recording(recorder):
-            self._forward(input_ids.to(self.device), masks, query_pos.to(self.device), cache)
-        if self.query_window != 0:
-            recorder.spec(L)  # ValueError naming the layers whose attention did not run through the capture
-        out = []
-        for b, r in enumerate(reqs):
-            m = ms[b]
-            # cache layer [B, H_kv, C + M, d] -> this row's new [L, m, H_kv*d]
-            k = torch.stack([lay.keys[b, :, C + M - m:, :].transpose(0, 1).reshape(m, -1) for lay in cache.layers])
-            v = torch.stack([lay.values[b, :, C + M - m:, :].transpose(0, 1).reshape(m, -1) for lay in cache.layers])
-            kv = torch.cat([r.kv, torch.stack([k, v])], dim=2)  # [2, L, T + m, D]
-            query = None
-            if self.query_window != 0:
-                # recorded [B, Hq, <= window, d] -> this row's last extension rows [L, t, Hq*d]
-                t = min(m, recorder.layers[0].shape[2])
-                query = torch.stack([recorder.layers[i][b, :, -t:, :].transpose(0, 1).reshape(t, -1)
-                                     for i in range(L)])
-                if r.query is not None:  # rows aligned to the end of the cache: earlier rows, then these
-                    query = torch.cat([r.query, query], dim=1)
-                if self.query_window is not None:
-                    query = query[:, -self.query_window:]
-            out.append((kv, query))
-        return out
+            return mask(None, self.model.dtype if "eager" in self.model.config._attn_implementation else None)
+        masks = {key: mask(w, self.model.dtype) for key, w in self._mask_windows.items()}
+        return masks.get(None, masks)
+
+    def _extend_row(self, b: int, r: _Request, m: int, cache, recorder: QueryRecorder, width: int) -> tuple:
+        """Row `b`'s new `(kv [2, L, T + m, D], query [L, Tq, Hq*d] or None)` after `_extend_batch`'s forward
+        (`width` = C + M cache columns, the row's `m` extension tokens last)."""
+        L = self.facts.num_layers
+        # cache layer [B, H_kv, C + M, d] -> this row's new [L, m, H_kv*d]
+        k = torch.stack([lay.keys[b, :, width - m:, :].transpose(0, 1).reshape(m, -1) for lay in cache.layers])
+        v = torch.stack([lay.values[b, :, width - m:, :].transpose(0, 1).reshape(m, -1) for lay in cache.layers])
+        kv = torch.cat([r.kv, torch.stack([k, v])], dim=2)  # [2, L, T + m, D]
+        if self.query_window == 0:
+            return kv, None
+        # recorded [B, Hq, <= window, d] -> this row's last extension rows [L, t, Hq*d]
+        t = min(m, recorder.layers[0].shape[2])
+        query = torch.stack([recorder.layers[i][b, :, -t:, :].transpose(0, 1).reshape(t, -1) for i in range(L)])
+        if r.query is not None:  # rows aligned to the end of the cache: earlier rows, then these
+            query = torch.cat([r.query, query], dim=1)
+        if self.query_window is not None:
+            query = query[:, -self.query_window:]
+        return kv, query
     @torch.inference_mode()
     def decode(self, max_tokens: int | Sequence[int] = 64, *, temperature: float = 0.0, ignore_eos: bool = True, seed: int = 0,
                keep_logits: bool = False, compression: Compression | None = None,

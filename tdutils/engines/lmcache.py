@@ -28,12 +28,13 @@ from typing import ClassVar
 
 import torch
 
+from ..compression import Compression
 from ..edit import CacheKind, check_kv
 from ..metrics import DecodeMetrics, RunMetrics
 from ..models import bundled_model_path, model_facts
 from ..serving.completion import CompletionError, make_post_completion
 from ..serving.kvlayout import ARRANGEMENTS, FUSED_FORMATS, fused_to_kv, kv_to_fused
-from ..serving.probes import (  # noqa: F401 (re-exported: the engine's errors and start hints)
+from ..serving.probes import (  # the engine's errors and start hints, importable from here too
     LMCACHE_START_HINT,
     VLLM_START_HINT,
     ServerError,
@@ -54,6 +55,14 @@ from .base import (
     check_seconds,
     check_temperature,
     register_engine,
+)
+from .decode_compression import cut_event, decode_cut
+from .scheduler import (
+    admits,
+    check_extension_fits,
+    check_prompt_fits,
+    compressed_budget_error,
+    request_budget_error,
 )
 
 ALIGN = ("pad", "none")
@@ -248,7 +257,23 @@ class LMCacheEngine(Engine):
         self.http_timeout, self.retrieve_timeout = float(http_timeout), float(retrieve_timeout)
         self.positions = "compact"
 
-        # 1. Both servers up, the model served and registered (clear errors before anything heavy).
+        registered = self._connect_servers(model)
+        self._read_layout(config, registered, fused_arrangement)
+        self._tokenizer = tokenizer
+        self.pad_token_id = pad_token_id
+        self._layer0 = None
+        self._layer0_loaded = False
+        self._connect_sdk(sdk, lmcache_url, query_window, registered)
+        self.post_completion = make_post_completion(self.vllm_url, self.model_name, timeout=timeout,
+                                                    connect_timeout=min(self.http_timeout, 5.0))
+        self.requests: list[_Request] = []
+        self.metrics = RunMetrics("run")
+        self.run_id = None
+
+    def _connect_servers(self, model: str | None) -> dict:
+        """Both servers up, the model served and registered (clear errors before anything heavy): sets
+        `model_name`, `max_model_len`, `model_source`, `chunk_size`, `lmcache_model_name`; returns LMCache's
+        registered layouts by model name."""
         lmcache_health(self.lmcache_http_url, timeout=self.http_timeout)
         models = served_models(self.vllm_url, timeout=self.http_timeout)
         names = [m.get("id") for m in models]
@@ -278,8 +303,12 @@ class LMCacheEngine(Engine):
                 f"LMCache has no KV layout registered for {model!r} (registered: {sorted(registered)}); vLLM registers "
                 f"it at start-up when it runs with the LMCacheMPConnector pointing at this LMCache server: "
                 f"{VLLM_START_HINT}")
+        return registered
 
-        # 2. Model facts: from the served checkpoint, cross-checked with the layout LMCache registered.
+    def _read_layout(self, config, registered: dict, fused_arrangement: str) -> None:
+        """Model facts from the served checkpoint (or `config`), cross-checked with the KV layout LMCache
+        registered: sets `config`, `facts`, `engine_kv_format`, `block_size`, `fused`, `fused_arrangement`."""
+        model = self.model_name
         self.config = config if config is not None else self._load_config(self.model_source)
         self.facts = model_facts(self.config)
         layout = registered[self.lmcache_model_name].get("kv_cache_layout") or {}
@@ -294,12 +323,11 @@ class LMCacheEngine(Engine):
         if self.fused and (self.block_size < 1 or self.chunk_size % self.block_size):
             raise ServerError(f"LMCache's layout for {model!r} has {self.block_size} tokens per block, which does not "
                               f"divide its chunk size {self.chunk_size}; the fused K/V layout cannot be read")
-        self._tokenizer = tokenizer
-        self.pad_token_id = pad_token_id
-        self._layer0 = None
-        self._layer0_loaded = False
 
-        # 3. The SDK (imported only now) and its contexts; the completion client.
+    def _connect_sdk(self, sdk, lmcache_url: str, query_window: int | None, registered: dict) -> None:
+        """The SDK (imported only now when `sdk` is None) and its KV (and, unless `query_window=0`, query)
+        contexts: sets `sdk`, `kv_ctx`, `q_ctx`, `query_unavailable`."""
+        layout = registered[self.lmcache_model_name].get("kv_cache_layout") or {}
         if sdk is None:
             try:
                 from lmcache import sdk  # type: ignore
@@ -333,11 +361,6 @@ class LMCacheEngine(Engine):
         if int(self.kv_ctx.chunk_size) != self.chunk_size:
             raise ServerError(f"LMCache /config says chunk_size {self.chunk_size} but the SDK context uses "
                               f"{self.kv_ctx.chunk_size}")
-        self.post_completion = make_post_completion(self.vllm_url, model, timeout=timeout,
-                                                    connect_timeout=min(self.http_timeout, 5.0))
-        self.requests: list[_Request] = []
-        self.metrics = RunMetrics("run")
-        self.run_id = None
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -416,9 +439,8 @@ class LMCacheEngine(Engine):
         with ThreadPoolExecutor(max_workers=max(1, min(n, self.max_batch_size or n))) as pool:
             for i in range(n):
                 with cond:  # first come, first served admission, as the hf engine does
-                    while state["running"] and (
-                            (budget is not None and state["reserved"] + needs[i] > budget)
-                            or (self.max_batch_size is not None and state["running"] >= self.max_batch_size)):
+                    while state["running"] and not admits(state["reserved"], needs[i] if budget is not None else 0,
+                                                          state["running"], budget, self.max_batch_size):
                         cond.wait()
                     state["reserved"] += needs[i] if budget is not None else 0
                     state["running"] += 1
@@ -464,9 +486,7 @@ class LMCacheEngine(Engine):
         self.requests, self.metrics = [], RunMetrics("run")
         for i, x in enumerate(ids):
             tokens, pad = self._aligned(x)
-            if self.max_model_len and len(tokens) >= self.max_model_len:
-                raise ValueError(f"prompt {i} has {len(tokens)} tokens (with {pad} padding) but vLLM's max_model_len "
-                                 f"is {self.max_model_len}; shorten it or start vLLM with a larger --max-model-len")
+            check_prompt_fits(i, len(tokens), pad, self.max_model_len)
             self.requests.append(_Request(i, x, tokens, self._salt_prefill, len(tokens), pad))
         params = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
         _, perfs, starts, seconds, _, _ = self._run_streams([(r.tokens, r.salt) for r in self.requests], params, None,
@@ -790,14 +810,7 @@ class LMCacheEngine(Engine):
         self._require_requests("extend()")
         ext = tokenize_extensions(self.tokenizer, prompts, len(self.requests))
         for r, x in zip(self.requests, ext):
-            n = len(r.tokens) + len(x)
-            if self.max_model_len and n >= self.max_model_len:
-                raise ValueError(f"request {r.request_id} would be {n} tokens ({len(r.tokens)} + {len(x)} extension) "
-                                 f"but vLLM's max_model_len is {self.max_model_len}; shorten the extension or drop more")
-            if self.kv_budget_tokens is not None and n + 1 > self.kv_budget_tokens:
-                raise ValueError(f"request {r.request_id} would hold {n} KV tokens ({len(r.tokens)} cached + {len(x)} "
-                                 f"extension) and needs at least one more to decode, but kv_budget_tokens is "
-                                 f"{self.kv_budget_tokens}; raise kv_budget_tokens, shorten the extension, or drop more")
+            check_extension_fits(r.request_id, len(r.tokens), len(x), self.kv_budget_tokens, self.max_model_len)
         for r, x in zip(self.requests, ext):
             r.tokens = r.tokens + x  # a new list: the cached prefix r.tokens[:r.cached] is unchanged
         return [len(r.tokens) for r in self.requests]
@@ -839,9 +852,7 @@ class LMCacheEngine(Engine):
         if budget is not None:
             for r, need in zip(self.requests, needs):
                 if need > budget:
-                    raise ValueError(f"request {r.request_id} needs {need} KV tokens ({len(r.tokens)} cached + "
-                                     f"{max_tokens} to generate) but kv_budget_tokens is {budget}; raise "
-                                     f"kv_budget_tokens, lower max_tokens, or drop more tokens")
+                    raise request_budget_error(r.request_id, len(r.tokens), max_tokens, budget)
         params = {"max_tokens": int(max_tokens), "temperature": float(temperature), "ignore_eos": bool(ignore_eos)}
         if temperature > 0:
             params["seed"] = int(seed)
@@ -876,23 +887,20 @@ class LMCacheEngine(Engine):
 
     def _decode_rounds(self, max_tokens: int, compression, temperature: float, ignore_eos: bool) -> list[RequestOutput]:
         """`decode(compression=...)`: rounds of decode -> prefill of what was fed -> cut -> store (see `decode`)."""
-        from ..compression import Compression
-
-        if not isinstance(compression, Compression):
-            raise TypeError(f"compression must be a tdutils.compression.Compression, got {type(compression).__name__}")
-        if temperature > 0:
+        if temperature > 0 and isinstance(compression, Compression):
             raise ValueError("decode-time compression on the lmcache engine is greedy only: every round is a new vLLM "
                              "request, whose sampler would restart from its seed; use temperature=0")
-        cut = compression.drop_fn(model_config=self.config, rerotate=True)
+        cut = decode_cut(compression, self.config, rerotate=True)
         self._reads_query = cut.needs != "kv"
         if self._reads_query and (self.q_ctx is None or self.query_window == 0):
             raise ValueError(f"{cut.name} needs query tensors, but this lmcache engine has none "
                              f"({self.query_unavailable or 'query_window=0'})")
         top = compression.budget + compression.buffer  # cache entries at which a request is cut
         budget = self.kv_budget_tokens
-        if budget is not None and top + 1 > budget:
-            raise ValueError(f"a request needs {top + 1} KV tokens (budget {compression.budget} + buffer "
-                             f"{compression.buffer} + 1, compressed) but kv_budget_tokens is {budget}")
+        for r in self.requests:  # a request holds at most max(top, its cache) entries, + 1 it generates
+            need = max(top, len(r.tokens)) + 1
+            if budget is not None and need > budget:
+                raise compressed_budget_error(r.request_id, need, top, len(r.tokens), budget)
         eos = self._eos_ids()
         dm = self.metrics.decode = DecodeMetrics(kv_budget_tokens=budget)
         state = {r.request_id: {"seq": list(range(len(r.tokens))), "T": len(r.tokens), "out": [], "events": [],
@@ -982,8 +990,8 @@ class LMCacheEngine(Engine):
         # sequence indices (the cache at decode start, then the generated tokens) of the entries fed
         fed_seq = st["seq"] + [st["T"] + j for j in range(st["round_start"], len(st["out"]) - 1)]
         assert len(fed_seq) == n, (len(fed_seq), n)
-        kept = [fed_seq[j] for j in keep.tolist()] + fed_seq[rows:]
-        st["events"].append({"step": len(st["out"]), "before": n, "after": len(kept), "kept": list(kept)})
+        kept, event = cut_event(fed_seq, keep.tolist(), len(st["out"]), rows)
+        st["events"].append(event)
         st["seq"] = kept + [st["T"] + len(st["out"]) - 1]  # the kept entries, then the pending token
         r.tokens = list(new_tokens) + list(r.tokens[rows:]) + [st["pending"]]
         r.cached, r.salt, r.edited = len(new_tokens), salt, True
