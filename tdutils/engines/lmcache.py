@@ -861,22 +861,29 @@ class LMCacheEngine(Engine):
         dm = self.metrics.decode = DecodeMetrics(kv_budget_tokens=budget)
         dm.seconds, dm.peak_batch_size = seconds, peak
         dm.kv_peak_reserved_tokens = peak_reserved
-        eos = self._eos_ids()
         outputs = []
         for r, stream, perf in zip(self.requests, streams, perfs):
-            r.output_ids = [int(t) for t in stream.tokens[len(r.tokens):]]
-            r.text = getattr(stream, "output_text", "")
             tpot = list(getattr(perf, "tpot", []) or [])
             r.tpot_s = sum(tpot) / len(tpot) if tpot else float("nan")
             if tpot:
                 dm.tpot_s.append(r.tpot_s)
-            dm.output_tokens += len(r.output_ids)
-            outputs.append(RequestOutput(
-                request_id=r.request_id, prompt_tokens=len(r.prompt_ids) + r.pad, cached_tokens=r.cached,
-                output_ids=list(r.output_ids), text=r.text, answer=answer_text(self.tokenizer, r.output_ids, eos, r.text),
-                finish_reason="length" if len(r.output_ids) >= max_tokens else "stop",
-                ttft_s=r.ttft_s, tpot_s=r.tpot_s))
+            outputs.append(self._request_output(r, [int(t) for t in stream.tokens[len(r.tokens):]],
+                                                getattr(stream, "output_text", ""), max_tokens, r.cached, dm, tpot=r.tpot_s))
         return outputs
+
+    def _request_output(self, r: _Request, ids: list[int], text: str, max_tokens: int, cached: int,
+                        dm: DecodeMetrics, compressions: list | None = None, tpot: float = float("nan")
+                        ) -> RequestOutput:
+        """The `RequestOutput` of request `r` that generated `ids` (`text`; its answer up to the first EOS;
+        finish_reason "length" when it has `max_tokens`, else "stop"), its cache holding `cached` entries, `tpot`
+        its mean seconds per output token after the first; books the output tokens in `dm`."""
+        r.output_ids, r.text = ids, text
+        dm.output_tokens += len(ids)
+        return RequestOutput(
+            request_id=r.request_id, prompt_tokens=len(r.prompt_ids) + r.pad, cached_tokens=cached,
+            output_ids=list(ids), text=text, answer=answer_text(self.tokenizer, ids, self._eos_ids(), text),
+            finish_reason="length" if len(ids) >= max_tokens else "stop", ttft_s=r.ttft_s, tpot_s=tpot,
+            compressions=compressions)
 
     def _eos_ids(self) -> set[int]:
         """EOS ids as vLLM stops on them: the tokenizer's and the checkpoint config's (an int or a list)."""
@@ -949,14 +956,8 @@ class LMCacheEngine(Engine):
         for r in self.requests:
             st = state[r.request_id]
             ids = st["out"][:max_tokens]
-            r.output_ids = ids
-            r.text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            dm.output_tokens += len(ids)
-            outputs.append(RequestOutput(
-                request_id=r.request_id, prompt_tokens=len(r.prompt_ids) + r.pad, cached_tokens=len(st["seq"]),
-                output_ids=list(ids), text=r.text, answer=answer_text(self.tokenizer, ids, eos, r.text),
-                finish_reason="length" if len(ids) >= max_tokens else "stop", ttft_s=r.ttft_s,
-                compressions=st["events"]))
+            outputs.append(self._request_output(r, ids, self.tokenizer.decode(ids, skip_special_tokens=True),
+                                                max_tokens, len(st["seq"]), dm, st["events"]))
         return outputs
 
     def _cut_request(self, r: _Request, cut, st: dict, round_no: int) -> None:
