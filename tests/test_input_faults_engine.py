@@ -2,7 +2,6 @@
 settings of the wrong type, huge `max_tokens` with EOS honoured, tiny temperatures, prompts without text,
 keep functions of the wrong signature, chat templates."""
 
-import math
 
 import pytest
 import torch
@@ -116,7 +115,7 @@ def test_eos_terminated_requests_reserve_and_store_only_what_they_generate(tiny,
     first = free[0].output_ids.index(eos)
     assert outs[0].output_ids == free[0].output_ids[:first + 1] and outs[0].finish_reason == "stop"
     d = eng.metrics.decode
-    from tdutils.engines.hf import KV_BLOCK_TOKENS
+    from tdutils.engines.scheduler import KV_BLOCK_TOKENS
 
     longest = max(map(len, sample_ids))
     assert d.kv_storage_tokens <= d.peak_batch_size * (longest + KV_BLOCK_TOKENS)
