@@ -4,12 +4,12 @@ Per request the engine keeps its KV cache as one `[2, L, T, D]` tensor (docs/des
 left-padded batches (`DynamicCache`), with query capture (after q_norm and RoPE) for the policies that need it;
 `extend` prefills more tokens on top of a (possibly edited) cache; decode runs many requests of different
 lengths in one batch over preallocated slots (`engines.kvstore`), admitting requests while their reservations
-fit `kv_budget_tokens` (§2), and regenerates from the edited cache as vLLM does (the last kept token is fed again
+fit `kv_budget_tokens` (§2; `engines.scheduler`), choosing tokens with `engines.sampling`, and regenerates from the edited cache as vLLM does (the last kept token is fed again
 at its position); decode steps run the model's large linears on oneDNN-prepacked weights (`engines.packed`). Positions: `"compact"` (kept keys re-rotated to `0..k-1`) or `"original"` (keys unchanged,
 decoding continues after the last kept position, equal to the model's forward with dropped positions masked).
 Sliding-window layers keep every token and apply their window by position in the masks, so dropping means the
-same in every layer. `decode(compression=...)` and `prefill(chunk=..., compression=...)` hold caches at a budget
-while they grow (§9). Model families: docs/models.md; errors name the family and why.
+same in every layer. `decode(compression=...)` (`engines.decode_compression`) and `prefill(chunk=...,
+compression=...)` hold caches at a budget while they grow (§9). Model families: docs/models.md; errors name the family and why.
 """
 
 from __future__ import annotations
@@ -766,8 +766,8 @@ class HFEngine(Engine):
         bar.close()
         if run.comp is None:  # the step that fed a request's last token attended over its whole cache
             run.dm.kv_peak_cache_tokens = max(r.kv.shape[2] - 1 + len(r.output_ids) for r in self.requests)
-        events = (lambda r: None) if run.comp is None else run.comp.events
-        return [request_output(r, self.tokenizer, self.eos_token_ids, run.dm, events(r)) for r in self.requests]
+        return [request_output(r, self.tokenizer, self.eos_token_ids, run.dm, None if run.comp is None else
+                               run.comp.events(r)) for r in self.requests]
 
     def _plan_decode(self, max_tokens, temperature, ignore_eos, seed, keep_logits, compression, forced_ids
                      ) -> _DecodeRun:
