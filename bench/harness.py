@@ -190,23 +190,18 @@ def write_json(results, dest: str, indent: int = 2, **kw) -> None:
         Path(dest).write_text(text + "\n", encoding="utf-8")
 
 
-def check_report(report, option: str, prog: str, keys=("meta", "rows")) -> None:
-    """Refuse a `--summary` file that is not a run of this bench (a dict without `keys`, or a list of such)."""
-    runs = report if isinstance(report, list) else [report]
-    if not runs or not all(isinstance(r, dict) and set(keys) <= set(r) for r in runs):
-        raise ValueError(f"{option} is not a run of {prog} (no {' and '.join(keys)}); give a file it wrote with --json")
-
-
 def summary(ap, args, render, keys=None, check=None) -> bool:
     """With `--summary FILE`: print `render(report)` of the stored run and return True (bad files: one line, exit
-    2); `keys` (when given) the run must hold, `check(report)` any further test (raises ValueError)."""
+    2); `keys` the run (a dict, or a list of such) must hold, `check(report)` any further test (raises ValueError)."""
     if not args.summary:
         return False
 
     def show():
         report = read_json(args.summary)
-        if keys:
-            check_report(report, f"--summary {args.summary!r}", ap.prog, keys)
+        runs = report if isinstance(report, list) else [report]
+        if keys and not (runs and all(isinstance(r, dict) and set(keys) <= set(r) for r in runs)):
+            raise ValueError(f"--summary {args.summary!r} is not a run of {ap.prog} (no {' and '.join(keys)}); "
+                             f"give a file it wrote with --json")
         if check:
             check(report)
         print(render(report))
@@ -516,11 +511,13 @@ def time_alternated(fns: dict, repeats: int, device: str = "cpu", keep=None):
 
 def extra_memory(fn, device: str = "cpu") -> tuple:
     """`(fn(), bytes, method, ru_maxrss bytes)`: the memory one call of `fn` takes above what was held before.
-    CUDA: the allocator's peak (`cuda_peak`). CPU (run it in a fresh process): the peak RSS (VmHWM, reset first)
-    minus the RSS before, or getrusage's ru_maxrss where VmHWM cannot be reset (ru_maxrss cannot be reset, and a
-    child inherits its parent's, so it is only a fallback); the returned tensors count."""
+    CUDA: the allocator's peak (`tdutils.profiling.peak_memory`). CPU (run it in a fresh process): the peak RSS
+    (VmHWM, reset first) minus the RSS before, or getrusage's ru_maxrss where VmHWM cannot be reset (ru_maxrss
+    cannot be reset, and a child inherits its parent's, so it is only a fallback); the returned tensors count."""
     if device.startswith("cuda"):
-        out, extra = cuda_peak(fn)
+        from tdutils.profiling import peak_memory
+
+        out, extra = peak_memory(fn, device=device)
         return out, extra, "torch.cuda.max_memory_allocated - allocated before", None
     hwm_ok = reset_peak_rss()
     before = rss_bytes()
@@ -529,18 +526,6 @@ def extra_memory(fn, device: str = "cpu") -> tuple:
     peak = peak_rss_bytes() if hwm_ok else before + maxrss
     method = ("VmHWM (reset via /proc/self/clear_refs)" if hwm_ok else "ru_maxrss") + " - RSS before, subprocess"
     return out, max(0, peak - before), method, maxrss
-
-
-def cuda_peak(fn):
-    """`(result, bytes)`: `fn()` and the torch CUDA allocator's peak during it above what was allocated before."""
-    import torch
-
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated() - before
 
 
 # ------------------------------------------------------------------------------------------------ peer venvs

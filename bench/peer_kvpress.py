@@ -14,7 +14,6 @@ docs/benchmarks.md#benchpeer_kvpresspy-nvidia-kvpress-on-the-same-token-ids.
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import tempfile
@@ -116,6 +115,40 @@ def _record_kept(press, record: dict):
     return press
 
 
+def _run_request(model, key: str, ratio: float, ids: list[int], max_tokens: int):
+    """One prompt through kvpress: `(generated ids, decode seconds, cache lengths, kept mask [L, H, T] or None)`.
+    `with press(model): model.model(ids[:-1])` compresses each layer's cache after its attention; then the last
+    prompt token is re-fed at T-1 and greedy decoding goes on at T, T+1, ... (EOS ignored)."""
+    import torch
+    from transformers import DynamicCache
+
+    record: dict = {}
+    cache, t = DynamicCache(), len(ids)
+    with torch.inference_mode():
+        if key == FULL:
+            model.model(input_ids=torch.tensor([ids[:-1]]), past_key_values=cache)
+        else:
+            with _record_kept(_make_press(key, ratio), record)(model):
+                model.model(input_ids=torch.tensor([ids[:-1]]), past_key_values=cache)
+        cached = [layer.keys.shape[2] for layer in cache.layers]
+        t0 = time.perf_counter()
+        out = model(input_ids=torch.tensor([[ids[-1]]]), past_key_values=cache, position_ids=torch.tensor([[t - 1]]),
+                    logits_to_keep=1)
+        gen = [int(out.logits[0, -1].argmax())]
+        for step in range(max_tokens - 1):
+            out = model(input_ids=torch.tensor([[gen[-1]]]), past_key_values=cache,
+                        position_ids=torch.tensor([[t + step]]))
+            gen.append(int(out.logits[0, -1].argmax()))
+        seconds = time.perf_counter() - t0
+    if key == FULL:
+        return gen, seconds, cached, None
+    layers = len(model.model.layers)
+    if sorted(record) != list(range(layers)):
+        raise RuntimeError(f"the press compressed layers {sorted(record)}, not all {layers}")
+    mask = torch.stack([record[layer] for layer in range(layers)])  # [L, H, T-1]: the press' rows of ids[:-1]
+    return gen, seconds, cached, torch.cat([mask, torch.ones(*mask.shape[:2], 1, dtype=torch.bool)], dim=2)  # + T-1
+
+
 def worker(spec: dict) -> dict:
     """Runs in the peer venv (`harness.call`): every press and ratio on the prompts of `spec`; the kept sets go
     to `spec["kept_path"]` (torch.save: too large for JSON), the rows and versions come back."""
@@ -123,67 +156,32 @@ def worker(spec: dict) -> dict:
 
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(spec["threads"])
     transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars would flood the log
-    models = {}
-
-    def model_for(attn: str):
-        if attn not in models:
-            models[attn] = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32,
-                                                                attn_implementation=attn).eval()
-        return models[attn]
-
+    models = {attn: AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32,
+                                                         attn_implementation=attn).eval()
+              for attn in {"eager" if k != FULL and PRESSES[k][3] else "sdpa" for k in spec["presses"]}}
     results, kept_masks = [], {}
     for key in spec["presses"]:
         for ratio in ([0.0] if key == FULL else spec["ratios"]):
-            eager = key != FULL and PRESSES[key][3]
-            model = model_for("eager" if eager else "sdpa")
+            model = models["eager" if key != FULL and PRESSES[key][3] else "sdpa"]
             row = {"press": key, "ratio": ratio, "requests": []}
             try:
                 for i, ids in enumerate(spec["prompts"]):
                     torch.manual_seed(spec["seed"] + i)  # RandomPress draws from torch's default generator
-                    record: dict = {}
-                    cache = DynamicCache()
-                    ctx = torch.tensor([ids[:-1]])
-                    with torch.inference_mode():
-                        if key == FULL:
-                            model.model(input_ids=ctx, past_key_values=cache)
-                        else:
-                            press = _record_kept(_make_press(key, ratio), record)
-                            with press(model):
-                                model.model(input_ids=ctx, past_key_values=cache)
-                        t = len(ids)
-                        cached = [cache.layers[layer].keys.shape[2] for layer in range(len(cache.layers))]
-                        # decode: re-feed the last prompt token at T-1, then greedy at T, T+1, ... (EOS ignored)
-                        t0 = time.perf_counter()
-                        out = model(input_ids=torch.tensor([[ids[-1]]]), past_key_values=cache,
-                                    position_ids=torch.tensor([[t - 1]]), logits_to_keep=1)
-                        gen = [int(out.logits[0, -1].argmax())]
-                        for step in range(spec["max_tokens"] - 1):
-                            out = model(input_ids=torch.tensor([[gen[-1]]]), past_key_values=cache,
-                                        position_ids=torch.tensor([[t + step]]))
-                            gen.append(int(out.logits[0, -1].argmax()))
-                        seconds = time.perf_counter() - t0
-                    if key != FULL:
-                        layers = len(model.model.layers)
-                        if sorted(record) != list(range(layers)):
-                            raise RuntimeError(f"the press compressed layers {sorted(record)}, not all {layers}")
-                        # [L, H, T]: the press' rows of ids[:-1], plus the re-fed token T-1 (always cached)
-                        mask = torch.stack([record[layer] for layer in range(layers)])
-                        mask = torch.cat([mask, torch.ones(*mask.shape[:2], 1, dtype=torch.bool)], dim=2)
+                    gen, seconds, cached, mask = _run_request(model, key, ratio, ids, spec["max_tokens"])
+                    kept = float(len(ids)) if mask is None else mask.sum(-1).float().mean().item()
+                    if mask is not None:
                         kept_masks[f"{key}|{ratio}|{i}"] = mask
-                        kept = mask.sum(-1).float().mean().item()
-                    else:
-                        kept = float(t)
                     row["requests"].append({"output_ids": gen, "decode_s": seconds, "kept": kept,
                                             "cache_lengths": sorted(set(cached))})
-                    print(f"[kvpress] {key} r={ratio} prompt {i + 1}/{len(spec['prompts'])}: "
-                          f"{len(gen) / seconds:.1f} tok/s, kept {kept:.0f}/{t}", file=sys.stderr, flush=True)
+                    H.log(f"[kvpress] {key} r={ratio} prompt {i + 1}/{len(spec['prompts'])}: "
+                          f"{len(gen) / seconds:.1f} tok/s, kept {kept:.0f}/{len(ids)}")
             except Exception as exc:  # noqa: BLE001 (a press that cannot run here is reported, the others go on)
                 row = {"press": key, "ratio": ratio, "error": f"{type(exc).__name__}: {exc}"[:500]}
-                print(f"[kvpress] {key} r={ratio} FAILED: {row['error']}", file=sys.stderr, flush=True)
+                H.log(f"[kvpress] {key} r={ratio} FAILED: {row['error']}")
             results.append(row)
     torch.save(kept_masks, spec["kept_path"])
     info = {"torch": torch.__version__, "transformers": transformers.__version__,
@@ -195,43 +193,22 @@ def worker(spec: dict) -> dict:
 # --------------------------------------------------------------------------------------------------------------
 # Command line and report.
 
-def _list(cast, what):
-    def parse(text):
-        out = []
-        for part in str(text).split(","):
-            if part.strip():
-                try:
-                    out.append(cast(part.strip()))
-                except ValueError:
-                    raise argparse.ArgumentTypeError(f"bad {what} {part.strip()!r}") from None
-        if not out:
-            raise argparse.ArgumentTypeError(f"expected at least one {what}")
-        return out
-    return parse
-
-
-def _ratio(text):
-    r = float(text)
-    if not 0.0 < r < 1.0:  # kvpress refuses 1, and 0 is the full row already
-        raise ValueError
-    return r
-
-
-def _press(text):
-    key = text.lower().removesuffix("press").replace("-", "_")
-    key = {"streamingllm": "streaming_llm", "observedattention": "observed_attention", "h2o": "observed_attention",
-           "expectedattention": "expected_attention"}.get(key, key)
-    if key not in PRESSES:
-        raise ValueError
-    return key
+def _presses(text: str) -> list[str]:
+    """argparse type of `--presses`: press keys, also as kvpress class names (`SnapKVPress`) or `h2o`."""
+    alias = {"streamingllm": "streaming_llm", "observedattention": "observed_attention", "h2o": "observed_attention",
+             "expectedattention": "expected_attention"}
+    keys = (t.strip().lower().removesuffix("press").replace("-", "_") for t in text.split(","))
+    return H.name_list(PRESSES, "press")(",".join(alias.get(k, k) for k in keys))
 
 
 def parse_args(argv=None):
+    from tdutils.cli_args import drop_ratios
+
     ap = H.parser("peer_kvpress.py", __doc__)
     H.add_peer_options(ap, n=50, batch_size=8, out=DEFAULT_OUT)
-    ap.add_argument("--ratios", type=_list(_ratio, "ratio in (0, 1)"), default=[0.5, 0.75],
+    ap.add_argument("--ratios", type=drop_ratios, default=[0.5, 0.75],
                     help="compression ratios, fraction of tokens dropped (default 0.5,0.75)")
-    ap.add_argument("--presses", type=_list(_press, f"press (one of {', '.join(PRESSES)})"), default=list(PRESSES),
+    ap.add_argument("--presses", type=_presses, default=list(PRESSES),
                     help=f"comma-separated presses (default all: {', '.join(PRESSES)})")
     return ap, ap.parse_args(argv)
 

@@ -157,80 +157,87 @@ def ensure_ir(py: Path, folder: Path, *, log=print) -> Path:
 # --------------------------------------------------------------------------------------------------------------
 # Worker: runs in the OpenVINO venv; must not import tdutils.
 
+def _pipeline(spec: dict, conf: dict, props: dict):
+    """`(ContinuousBatchingPipeline, eviction config text or None)` of one configuration: whole prompts first then
+    pure decode steps (no dynamic split-fuse), `batch_size` sequences, no prefix caching, `conf["eviction"]`."""
+    import openvino_genai as ovg
+
+    sc = ovg.SchedulerConfig()
+    sc.cache_size = spec["cache_gb"]
+    sc.dynamic_split_fuse = False
+    sc.max_num_batched_tokens = spec["batch_size"] * (max(map(len, spec["prompts"])) + spec["max_tokens"])
+    sc.max_num_seqs = spec["batch_size"]
+    sc.enable_prefix_caching = False
+    ev, text = conf.get("eviction"), None
+    if ev:
+        sc.use_cache_eviction = True
+        sc.cache_eviction_config = ovg.CacheEvictionConfig(
+            ev["start_size"], ev["recent_size"], ev["max_cache_size"],
+            getattr(ovg.AggregationMode, ev["aggregation"].upper()), apply_rotation=ev["apply_rotation"],
+            snapkv_window_size=ev["snapkv_window_size"])
+        text = sc.cache_eviction_config.to_string()
+    return ovg.ContinuousBatchingPipeline(spec["ir"], sc, "CPU", props), text
+
+
+def _run_batch(pipe, chunk, start: int, max_tokens: int, bytes_per_token: int):
+    """One batch added at once and the pipeline stepped by hand (greedy, EOS ignored): `(generated ids per
+    request, batch figures: `phase_split` + block slots per request at the last step and at the peak)`."""
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as ovg
+
+    gc = ovg.GenerationConfig()
+    gc.max_new_tokens, gc.ignore_eos, gc.do_sample = max_tokens, True, False
+    handles = [pipe.add_request(start + i, ov.Tensor(np.array([p], dtype=np.int64)), gc) for i, p in enumerate(chunk)]
+    ids, steps = [[] for _ in chunk], []
+    while pipe.has_non_finished_requests():
+        t = time.perf_counter()
+        pipe.step()
+        dt, new = time.perf_counter() - t, [0] * len(chunk)
+        for i, h in enumerate(handles):
+            while h.can_read():
+                for out in h.read().values():
+                    ids[i] += list(out.generated_ids)
+                    new[i] += len(out.generated_ids)
+        m = pipe.get_metrics()
+        steps.append({"seconds": dt, "new": new, "cache_usage": m.cache_usage})
+    slots = m.kv_cache_size_in_bytes / bytes_per_token / 100 / len(chunk)  # per request, per % of the pool
+    return ids, {**phase_split(steps, len(chunk)), "size": len(chunk), "slots_last": steps[-1]["cache_usage"] * slots,
+                 "slots_peak": max(st["cache_usage"] for st in steps) * slots, "steps": len(steps)}
+
+
 def worker(spec: dict) -> dict:
     """Runs in the OpenVINO venv (`harness.call`): every configuration of `spec` on its prompts; the rows and
     versions come back."""
     import importlib.metadata
 
-    import numpy as np
-    import openvino as ov
-    import openvino_genai as ovg
-
     cfg = json.loads((Path(spec["ir"]) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     bytes_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4  # K+V, f32
-    props = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32",
-             "INFERENCE_NUM_THREADS": spec["threads"]}
+    props = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "INFERENCE_NUM_THREADS": spec["threads"]}
     prompts, bs = spec["prompts"], spec["batch_size"]
-    longest = max(len(p) for p in prompts)
     results = []
     for conf in spec["configs"]:
         row = {"config": conf["name"], "requests": [], "batches": []}
         try:
-            sc = ovg.SchedulerConfig()
-            sc.cache_size = spec["cache_gb"]
-            sc.dynamic_split_fuse = False  # whole prompts first, then pure decode steps
-            sc.max_num_batched_tokens = bs * (longest + spec["max_tokens"])
-            sc.max_num_seqs = bs
-            sc.enable_prefix_caching = False
-            ev = conf.get("eviction")
-            if ev:
-                sc.use_cache_eviction = True
-                sc.cache_eviction_config = ovg.CacheEvictionConfig(
-                    ev["start_size"], ev["recent_size"], ev["max_cache_size"],
-                    getattr(ovg.AggregationMode, ev["aggregation"].upper()), apply_rotation=ev["apply_rotation"],
-                    snapkv_window_size=ev["snapkv_window_size"])
-                row["eviction_config"] = sc.cache_eviction_config.to_string()
-            pipe = ovg.ContinuousBatchingPipeline(spec["ir"], sc, "CPU", props)
-            gc = ovg.GenerationConfig()
-            gc.max_new_tokens, gc.ignore_eos, gc.do_sample = spec["max_tokens"], True, False
+            pipe, text = _pipeline(spec, conf, props)
+            if text:
+                row["eviction_config"] = text
             for start in range(0, len(prompts), bs):
-                chunk = prompts[start:start + bs]
-                handles = [pipe.add_request(start + i, ov.Tensor(np.array([p], dtype=np.int64)), gc)
-                           for i, p in enumerate(chunk)]
-                ids = [[] for _ in chunk]
-                steps = []
-                while pipe.has_non_finished_requests():
-                    t = time.perf_counter()
-                    pipe.step()
-                    dt = time.perf_counter() - t
-                    new = [0] * len(chunk)
-                    for i, h in enumerate(handles):
-                        while h.can_read():
-                            for out in h.read().values():
-                                ids[i] += list(out.generated_ids)
-                                new[i] += len(out.generated_ids)
-                    m = pipe.get_metrics()
-                    steps.append({"seconds": dt, "new": new, "cache_usage": m.cache_usage})
-                total_slots = m.kv_cache_size_in_bytes / bytes_per_token
-                last = steps[-1]["cache_usage"] / 100 * total_slots / len(chunk)  # block slots per request
-                peak = max(s["cache_usage"] for s in steps) / 100 * total_slots / len(chunk)
-                ph = phase_split(steps, len(chunk))
-                row["batches"].append({**ph, "size": len(chunk), "slots_last": last, "slots_peak": peak,
-                                       "steps": len(steps)})
-                row["requests"] += [{"output_ids": x, "ttft_s": f} for x, f in zip(ids, ph["first_token_s"])]
-                print(f"[openvino] {conf['name']} prompts {start + 1}-{start + len(chunk)}: "
-                      f"{ph['decode_tokens'] / ph['decode_s']:.1f} tok/s, prefill {ph['prefill_s']:.1f} s, "
-                      f"{last:.0f} slots/request", file=sys.stderr, flush=True)
+                ids, batch = _run_batch(pipe, prompts[start:start + bs], start, spec["max_tokens"], bytes_per_token)
+                row["batches"].append(batch)
+                row["requests"] += [{"output_ids": x, "ttft_s": f} for x, f in zip(ids, batch["first_token_s"])]
+                H.log(f"[openvino] {conf['name']} prompts {start + 1}-{start + len(ids)}: "
+                      f"{batch['decode_tokens'] / batch['decode_s']:.1f} tok/s, prefill {batch['prefill_s']:.1f} s, "
+                      f"{batch['slots_last']:.0f} slots/request")
             del pipe
         except Exception as exc:  # noqa: BLE001 (a configuration that cannot run is reported, the others go on)
             row = {"config": conf["name"], "error": f"{type(exc).__name__}: {exc}"[:800]}
-            print(f"[openvino] {conf['name']} FAILED: {row['error']}", file=sys.stderr, flush=True)
+            H.log(f"[openvino] {conf['name']} FAILED: {row['error']}")
         results.append(row)
     info = {name: importlib.metadata.version(name) for name in
             ("openvino", "openvino-genai", "openvino-tokenizers", "optimum-intel", "transformers", "torch")}
-    info["properties"] = props
-    return {"info": info, "rows": results}
+    return {"info": {**info, "properties": props}, "rows": results}
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -125,16 +125,6 @@ def _options(args):
     return args
 
 
-def spawn_time_child(kind: str, n: int, args, save_dir: str) -> dict:
-    payload = {**vars(args), "time_child": [kind, n], "save_dir": save_dir}
-    return H.call(__file__, "run_time_child", payload, what=f"child timing {kind} n={n}")
-
-
-def spawn_memory_child(kind: str, n: int, variant: str, args) -> dict:
-    payload = {**vars(args), "child": [kind, n, variant]}
-    return H.call(__file__, "run_memory_child", payload, what=f"child memory {kind} n={n} {variant}")
-
-
 # ----------------------------------------------------------------------------------------------- agreement
 def agreement(kind: str, n: int, args, save_dir: str) -> dict | None:
     """Kept-set agreement of buffered with exact: full R-KV score (λ·I − (1−λ)·R) and redundancy alone."""
@@ -196,8 +186,10 @@ def main(argv=None) -> int:
         for kind in args.kinds:
             for n in args.sizes:
                 # memory children first, while the timing child's memory is not around
-                memory = {v: spawn_memory_child(kind, n, v, args) for v in args.variants}
-                timing = spawn_time_child(kind, n, args, save_dir)
+                memory = {v: H.call(__file__, "run_memory_child", {**vars(args), "child": [kind, n, v]},
+                                    what=f"child memory {kind} n={n} {v}") for v in args.variants}
+                timing = H.call(__file__, "run_time_child", {**vars(args), "time_child": [kind, n], "save_dir": save_dir},
+                                what=f"child timing {kind} n={n}")
                 runs = {}
                 for variant in args.variants:
                     times = timing["times_s"][variant]
