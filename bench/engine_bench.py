@@ -172,14 +172,8 @@ def prefill_point(model, tok, batch: int, tokens: int, repeats: int, log) -> dic
     ids = [torch.randint(10, model.config.vocab_size - 10, (tokens,), generator=g).tolist() for _ in range(batch)]
     engines = {"no_capture": HFEngine(model, tokenizer=tok, query_window=0, progress=False),
                "capture": HFEngine(model, tokenizer=tok, progress=False)}
-    secs = {k: [] for k in engines}
-    for rep in range(repeats):
-        for name in (list(engines) if rep % 2 == 0 else list(engines)[::-1]):
-            t0 = time.perf_counter()
-            engines[name].prefill(ids)
-            secs[name].append(time.perf_counter() - t0)
-        log(f"  prefill {batch}x{tokens} repeat {rep + 1}/{repeats}: " + ", ".join(
-            f"{k} {v[-1]:.1f} s" for k, v in secs.items()))
+    secs, _ = H.time_alternated({k: (lambda e=e: e.prefill(ids)) for k, e in engines.items()}, repeats)
+    log(f"  prefill {batch}x{tokens}, {repeats} repeats: " + ", ".join(f"{k} {v}" for k, v in secs.items()) + " s")
     return {"batch": batch, "tokens": tokens, "prefill_batch_size": min(batch, engines["capture"].prefill_batch_size),
             "no_capture_s": H.spread(secs["no_capture"]), "capture_s": H.spread(secs["capture"]),
             "tok_s": batch * tokens / statistics.median(secs["no_capture"]),

@@ -209,17 +209,23 @@ def summary(ap, args, render, keys=None, check=None) -> bool:
     return True
 
 
-def summary_or_check(ap, args, render, example: str, keys=None) -> bool:
-    """The start of a bench's `main`: `summary(...)`, else check `--device` and `--json` before any work and
-    return False. A bad value ends in one line, exit status 2."""
+def start(ap, argv, render, example: str, keys):
+    """The first lines of a measuring bench's `main`: parse `argv`; with `--summary` print the stored run
+    (`summary`) and return None; else check `--device` and `--json` before any work (a bad value: one line, exit
+    2), set torch's CPU threads to `--threads` when given, and return the options."""
+    args = ap.parse_args(argv)
     if summary(ap, args, render, keys):
-        return True
+        return None
     from tdutils.models import check_device
 
     one_line_errors(ap, check_device, args.device)
     if args.json is not None:
         one_line_errors(ap, check_json_dest, args.json, "--json", example)
-    return False
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return args
 
 
 # ------------------------------------------------------------------------------------------------ machine

@@ -153,16 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
-    if H.summary_or_check(ap, args, table, "docs/results/policy_cost.json", keys=("meta", "rows")):
+    args = H.start(ap, argv, table, "docs/results/policy_cost.json", ("meta", "rows"))
+    if args is None:
         return 0
     if args.smoke:
         for key, value in SMOKE.items():
             if getattr(args, key) == ap.get_default(key):
                 setattr(args, key, value)
-    import torch
-
-    torch.set_num_threads(args.threads)
     report = H.one_line_errors(ap, run, args)
     print(table(report))
     if args.json is not None:

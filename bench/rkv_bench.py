@@ -167,12 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     p = build_parser()
-    args = p.parse_args(argv)
-    # bad values in one line, before any child runs
-    if H.summary_or_check(p, args, readme_summary, "runs/rkv_bench.json", keys=("summary", "config")):
+    args = H.start(p, argv, readme_summary, "runs/rkv_bench.json", ("summary", "config"))  # before any child runs
+    if args is None:
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.query_heads % args.heads:
         p.error("--query-heads must be a multiple of --heads")
 
@@ -263,26 +260,22 @@ def readme_summary(results: dict) -> str:
 
 
 def print_summary(summary: list[dict]) -> None:
-    print("\nratios: speed-up = reference time / method time; memory = method peak extra / reference peak extra; "
+    print("\nspeed-up = reference time / method time; memory = method peak extra / reference peak extra; "
           "x SnapKV = time / SnapKV scoring time")
     for s in summary:
-        print(f"-- {s['kind']} n={s['n']}")
-        for name in VARIANTS:
-            if name not in s:
-                continue
-            r = s[name]
-            parts = [f"{r['median_s']:8.3f} s", f"{r['peak_extra_mib']:8.1f} MiB"]
-            if "speedup_vs_reference" in r:
-                parts.append(f"speed-up {r['speedup_vs_reference']:6.2f}x")
-            if "memory_vs_reference" in r:
-                parts.append(f"memory {r['memory_vs_reference']:6.1%}")
-            if "time_vs_snapkv" in r:
-                parts.append(f"{r['time_vs_snapkv']:6.2f}x SnapKV")
-            print(f"   {name:17} " + "  ".join(parts))
+        print(f"\n{s['kind']} keys, n={s['n']}:")
+        print("\n".join(H.md_table(("variant", "median s", "peak extra MiB", "speed-up", "memory", "x SnapKV"), [
+            (name, f"{r['median_s']:.3f}", f"{r['peak_extra_mib']:.1f}", _fmt(r.get("speedup_vs_reference"), ".2f"),
+             _fmt(r.get("memory_vs_reference"), ".1%"), _fmt(r.get("time_vs_snapkv"), ".2f"))
+            for name in VARIANTS if name in s for r in [s[name]]])))
         a = s["agreement"]
         if a:
-            print(f"   buffered vs exact kept sets at drop {a['drop_ratio']}: {a['buffered_vs_exact_rkv']:.1%} (R-KV "
+            print(f"buffered vs exact kept sets at drop {a['drop_ratio']}: {a['buffered_vs_exact_rkv']:.1%} (R-KV "
                   f"score), {a['buffered_vs_exact_redundancy_only']:.1%} (redundancy alone)")
+
+
+def _fmt(x, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
 
 
 if __name__ == "__main__":

@@ -154,16 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     p = build_parser()
-    args = p.parse_args(argv)
-    # bad values in one line, before any child runs
-    if H.summary_or_check(p, args, readme_summary, "runs/rope_bench.json", keys=("variants", "shape")):
+    args = H.start(p, argv, readme_summary, "runs/rope_bench.json", ("variants", "shape"))  # before any child runs
+    if args is None:
         return 0
     if args.head_dim % 2:
         p.error(f"--head-dim must be even (RoPE rotates pairs of dimensions), got {args.head_dim}")
     if args.dim % args.head_dim:
         p.error("--dim must be a multiple of --head-dim")
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
     spec = make_spec(args.head_dim, args.theta)
     on_cuda = args.device.startswith("cuda")
