@@ -48,7 +48,8 @@ def parser(prog: str, doc: str, *, raw: bool = True) -> argparse.ArgumentParser:
 def add_standard(ap, *, json: str | None = "--json", json_dest: str = "json", summary: bool = True,
                  threads=False, repeats: int | None = None, model: str | None = None, device=False) -> None:
     """The options benches share: `--json PATH` ('-' for stdout), `--summary RUN.json`, `--threads N` (default
-    `threads` when not False/True), `--repeats N`, `--model NAME` and `--device` (when given a value)."""
+    `threads` when not False/True), `--repeats N`, `--model NAME` and `--device` (when given a value; "auto": CUDA
+    where there is one)."""
     from tdutils.cli_args import positive_int
 
     if model is not None:
@@ -58,6 +59,10 @@ def add_standard(ap, *, json: str | None = "--json", json_dest: str = "json", su
     if threads is not False:
         ap.add_argument("--threads", type=positive_int, default=None if threads is True else threads,
                         help="torch CPU threads; 1 is steadier on a machine shared with other work")
+    if device == "auto":  # CUDA where there is one
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device is not False:
         ap.add_argument("--device", default=device)
     if json:

@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=count, default=0)
     p.add_argument("--profile-max-n", type=count, default=4096,
                    help="CPU: also measure the profiler's tensor peak for n up to this (one extra call)")
-    H.add_standard(p, threads=True, repeats=3, device="cuda" if torch.cuda.is_available() else "cpu")
+    H.add_standard(p, threads=True, repeats=3, device="auto")
     return p
 
 

@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=positive_int, default=128, help="even: RoPE rotates pairs of dimensions")
     p.add_argument("--theta", type=positive_float, default=1e6)
     p.add_argument("--memory-runs", type=positive_int, default=3, help="CPU: subprocess measurements per variant")
-    H.add_standard(p, threads=True, repeats=3, device="cuda" if torch.cuda.is_available() else "cpu")
+    H.add_standard(p, threads=True, repeats=3, device="auto")
     return p
 
 
