@@ -1,29 +1,14 @@
-"""Accuracy benchmarks: passkey and RULER-style tasks in query-aware / query-agnostic mode.
+"""Accuracy benchmarks: passkey and RULER-style tasks in query-aware / query-agnostic mode (`tdutils.eval`).
 
     python bench/accuracy.py                                   # passkey: n=200 per cell, 512/1024/2048 tokens
-    python bench/accuracy.py --n 50 --context-lengths 512      # quicker
-    python bench/accuracy.py --policies full random snapkv rkv # R-KV too
     python bench/accuracy.py --policies full all --drop-ratios 0.5 --context-lengths 1024   # every policy
     python bench/accuracy.py --policies knorm keydiff --window 64   # protect the last 64 tokens (the question)
+    python bench/accuracy.py --tasks all --mode both --json runs/ruler.json --plot runs/ruler.png   # RULER
     python bench/accuracy.py --summary docs/results/accuracy.json   # the docs/results.md table of a stored run
-    python bench/accuracy.py --tasks all --mode both --json runs/ruler.json --plot runs/ruler.png
-                                                               # RULER leaderboard: 5 tasks x 2 modes, n=200,
-                                                               # 1024/2048/4096 tokens, drop 0.25/0.5/0.75/0.9
-    python bench/accuracy.py --tasks niah_multikey --mode agnostic --n 50 --context-lengths 1024   # quicker
-    python bench/accuracy.py --summary runs/ruler.json        # its per-task table (markdown)
 
-A thin script over `tdutils.eval` (the same code as `python -m tdutils eval`): prints the table
-(exact match, 95% Wilson interval, modify seconds; RULER tasks also partial credit and the per-task markdown
-table), writes it as JSON and a plot as PNG (defaults `runs/accuracy.json`, `runs/accuracy.png`): passkey
-accuracy vs drop ratio per length, or the RULER leaderboard (mean exact match over tasks vs drop ratio, one
-panel per mode). `--tasks passkey` (default) runs the passkey benchmark on `tiny-qwen3`; `--tasks all` or task
-names run `tdutils.eval.task_eval` on `tiny-qwen3-ruler` with `--mode aware|agnostic|both` (default both). Its dataset seed
-defaults to `tdutils.eval.HELDOUT_SEED` (5_000_000), which no training, selection or test step uses
-(`tdutils.eval.common`, "Seeds"); `python -m tdutils eval` defaults to the development seed 0 instead.
-
-Targets (n >= 200 per cell): full cache >= 98% at 512, 1024 and 2048 tokens; SnapKV and R-KV at
-drop ratio 0.5 >= 97%; at 0.75, report what they reach. Runtime: 467 s at n=200 with the policies full,
-random, snapkv and rkv on 2 quiet CPU cores, 3355 s on the same 2 cores shared with six other jobs (docs/results.md), most of it prefilling the 2048-token prompts.
+The code and options of `python -m tdutils eval`, on the held-out seed (`tdutils.eval.HELDOUT_SEED`) and writing
+`runs/accuracy.json` / `runs/accuracy.png` by default. Suites, defaults and targets:
+docs/benchmarks.md#benchaccuracypy-and-python--m-tdutils-eval-exact-match.
 """
 
 from __future__ import annotations

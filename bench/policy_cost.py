@@ -1,35 +1,20 @@
-"""What choosing the tokens costs on a real model (issue 34, item 3): each policy's `modify` ÷ the baseline decode.
+"""What choosing the tokens costs on a real model: each policy's `modify` ÷ the baseline decode.
 
     python bench/policy_cost.py                       # SmolLM2-135M, 8 requests x 2048 tokens, 64 decode tokens
     python bench/policy_cost.py --json docs/results/policy_cost.json
     python bench/policy_cost.py --smoke               # the bundled tiny model, seconds (CI): no pass/fail on timing
     python bench/policy_cost.py --summary docs/results/policy_cost.json
 
-One `hf` engine (`tdutils.open_engine("hf", model=...)`, all prompt queries captured, `query_window=None`, since
-H2O reads every one) prefills `--num-requests` prompts of `--prompt-tokens` tokens once (continuation prompts from
-the RULER essay haystack, as `bench/decode_compression.py` builds them; passages wrap around the text when it is
-too short for that many distinct ones). From that one prefill (`snapshot` / `restore`; each policy gets the
-query rows a run of it alone would capture, `captured`, as the engine would hold in a run of that policy):
-
-- the baseline decodes `--max-tokens` tokens per request (greedy, EOS ignored), `--repeats` times;
-- every policy's drop function (`tdutils.make_drop_fn(policy, drop_ratio=0.5, model_config=engine.model)`, keys
-  re-rotated to compact positions) is applied through `engine.modify`, `--repeats` times: the modify time is the
-  engine's own `metrics.modify.seconds` (what `tdutils.compare` reports as `modify_s`: the choice of tokens,
-  the gather and RoPE re-rotation, the output checks; tdutils' own policies read the cache in place,
-  `DropFn.reads_only`, a user's function gets a copy), of which `score s` is
-  the choice of tokens alone (`DropFn.timed()`).
-
-Columns: modify seconds for the whole batch (median over repeats), per request and per request and layer (ms),
-modify ÷ the baseline's decode seconds (median), the target (issue 34: ≤ 10% for the cheap policies, ≤ 25% for
-R-KV and H2O, which compute attention or key similarities) and whether the run meets it. `--smoke` runs the
-bundled tiny model with short prompts and reports the table without judging it.
+One prefill of `--num-requests` essay prompts (`harness.essay_prompts`), then from it (`snapshot` / `restore`) the
+baseline decode and every policy's `engine.modify` (its `metrics.modify.seconds`; `score s` the choice of tokens
+alone, `DropFn.timed()`), `--repeats` times after one warm-up; targets: <= 10% of the baseline decode for the
+cheap policies, <= 25% for R-KV and H2O. The method in full: docs/benchmarks.md#benchpolicy_costpy-what-choosing-the-tokens-costs.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import re
 import statistics
 import sys
 import time
@@ -37,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness as H
+from harness import essay_prompts  # the prompts (tests read it here too)
 
-ESSAY = Path(__file__).resolve().parents[1] / "tdutils" / "assets" / "ruler" / "alice_ch1-6.txt"
 # name -> (policy, parameters, target share of the baseline decode)
 VARIANTS = {
     "snapkv": ("snapkv", {}, 0.10),
@@ -52,29 +37,6 @@ VARIANTS = {
     "h2o": ("h2o", {}, 0.25),
 }
 SMOKE = {"model": "tiny-qwen3", "num_requests": 2, "prompt_tokens": 96, "max_tokens": 4, "repeats": 1}
-
-
-def essay_prompts(tokenizer, n: int, tokens: int) -> list[list[int]]:
-    """`n` continuation prompts of exactly `tokens` token ids from the RULER essay haystack, each led by the
-    tokenizer's own leading special tokens: passages starting at `n` evenly spaced words of the text, read on
-    from the start of the text when they run past its end (so the text need not hold `n` disjoint passages).
-
-    Raises:
-        ValueError: a passage has fewer than `tokens` tokens (not reachable with English prose).
-    """
-    words = re.sub(r"\s+", " ", ESSAY.read_text(encoding="utf-8")).strip().split(" ")
-    lead = list(tokenizer("", add_special_tokens=True)["input_ids"])
-    body = tokens - len(lead)
-    span = 2 * body + 16  # words: more than enough for `body` tokens of English prose
-    ring = words * (1 + span // len(words) + 1)
-    step = len(words) // max(n, 1)
-    out = []
-    for i in range(n):
-        ids = tokenizer(" ".join(ring[i * step:i * step + span]), add_special_tokens=False)["input_ids"]
-        if len(ids) < body:
-            raise ValueError(f"passage {i} has {len(ids)} tokens, fewer than {body}")
-        out.append(lead + list(ids[:body]))
-    return out
 
 
 def captured(state: list, rows: int | None) -> list:
@@ -93,8 +55,6 @@ def captured(state: list, rows: int | None) -> list:
     return out
 
 
-
-
 def run(args) -> dict:
     """Prefill once, time the baseline decode and every variant's modify; returns the report (`table` renders it)."""
     import torch
@@ -105,8 +65,8 @@ def run(args) -> dict:
     t_start = time.perf_counter()
     try:
         eng = tdutils.open_engine("hf", model=args.model, query_window=None, progress=False, device=args.device)
-    except (OSError, ValueError) as exc:  # a model that does not load: one line, as for the other arguments
-        raise BadModel(f"--model {args.model!r}: {str(exc).splitlines()[0]}") from None
+    except (OSError, ValueError) as exc:  # a model that does not load: one line, naming the option
+        raise ValueError(f"--model {args.model!r}: {str(exc).splitlines()[0]}") from None
     facts = eng.facts
     prompts = essay_prompts(eng.tokenizer, args.num_requests, args.prompt_tokens)
     eng.prefill(prompts)
@@ -156,10 +116,6 @@ def run(args) -> dict:
     return {"meta": meta, "rows": rows}
 
 
-class BadModel(ValueError):
-    """The `--model` does not load (reported in one line, exit status 2)."""
-
-
 def table(report: dict) -> str:
     """The report as a markdown table plus one line of conditions (pass/fail left out for `--smoke` runs)."""
     m = report["meta"]
@@ -178,25 +134,6 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _names(text: str) -> list[str]:
-    out = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in out if x not in VARIANTS]
-    if bad or not out:
-        raise argparse.ArgumentTypeError(f"unknown policy {bad[0] if bad else text!r}; choose from "
-                                         f"{', '.join(VARIANTS)}")
-    return out
-
-
-def _ratio(text: str) -> float:
-    try:
-        r = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 < r < 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1)")
-    return r
-
-
 def build_parser() -> argparse.ArgumentParser:
     from tdutils.cli_args import positive_int, usable_cores
 
@@ -208,28 +145,22 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-requests", type=positive_int, default=8)
     ap.add_argument("--prompt-tokens", type=positive_int, default=2048)
     ap.add_argument("--max-tokens", type=positive_int, default=64, help="baseline decode tokens per request")
-    ap.add_argument("--drop-ratio", type=_ratio, default=0.5)
-    ap.add_argument("--policies", type=_names, default=list(VARIANTS),
+    ap.add_argument("--drop-ratio", type=H.open_ratio, default=0.5)
+    ap.add_argument("--policies", type=H.name_list(VARIANTS), default=list(VARIANTS),
                     help=f"comma-separated, from {', '.join(VARIANTS)} (default: all)")
     return ap
 
 
 def main(argv=None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
-    if H.summary_or_check(ap, args, table, "docs/results/policy_cost.json", keys=("meta", "rows")):
+    args = H.start(ap, argv, table, "docs/results/policy_cost.json", ("meta", "rows"))
+    if args is None:
         return 0
     if args.smoke:
         for key, value in SMOKE.items():
             if getattr(args, key) == ap.get_default(key):
                 setattr(args, key, value)
-    import torch
-
-    torch.set_num_threads(args.threads)
-    try:
-        report = run(args)
-    except BadModel as exc:
-        H.fail(ap, exc)
+    report = H.one_line_errors(ap, run, args)
     print(table(report))
     if args.json is not None:
         H.write_json(report, args.json)

@@ -1,45 +1,15 @@
 """Time and peak extra memory of R-KV redundancy (four methods) and of SnapKV / R-KV scoring.
 
-For each key distribution and length n (default n in {1024, 4096, 16384}, H=8 KV heads, d=128, one layer):
-
-- `reference`, `exact`, `tiled`, `buffered`: `rkv_redundancy(keys [H, n, d])` with each method's defaults;
-- `snapkv`: `snapkv_scores` (window 64, avg-pool 5) of one layer, 32 query heads;
-- `rkv_scores_exact`: the whole R-KV score (importance + exact redundancy, window 16) of that layer.
-
-Key distributions: `random` — i.i.d. N(0, 1); `realistic` — `0.6·μ_h + 0.4·N(0, 1)` with one N(0, 1) mean per
-head (real keys share a large per-head component: most rows find a near-duplicate next to the right edge).
-Queries are N(0, 1). Kept-set agreement of `buffered` with `exact` is reported at `--drop-ratio` (0.5), for
-the full R-KV score and for the redundancy alone.
-
-Method, for every (distribution, n):
-- time: one fresh subprocess builds the inputs once, warms every variant up on a 64-token input (kernel code
-  pages, OpenMP threads) and then runs the variants alternated inside each of --repeats rounds (A B C …, then
-  … C B A, so no variant always runs first or last), with the default allocator settings (CUDA synchronised).
-  Each variant's time is the median of its rounds, and each ratio (speed-up over `reference`, time over
-  SnapKV scoring) is the median of the per-round ratios, so machine load that changes between rounds moves
-  numerator and denominator together;
-- memory: every variant in a fresh subprocess of its own, so no variant's high-water mark can hide another's.
-  On the CPU the child warms up, switches glibc malloc to `M_MMAP_THRESHOLD = 128 KiB` (mallopt) and
-  `malloc_trim(0)`, so that every tensor of 128 KiB or more is its own mapping, unmapped when freed, and RSS
-  follows live tensors instead of glibc's heap (which keeps freed chunks resident and reuses them invisibly);
-  it resets its peak RSS (VmHWM, by writing 5 to /proc/self/clear_refs), reads its RSS, makes one call and
-  reads VmHWM: extra = VmHWM − RSS before (the returned tensors included). Memory is measured apart from the
-  timing because mmap-per-tensor makes the many small temporaries of the block scans page-fault on every
-  allocation (10x slower `exact` here). RSS also moves with non-tensor memory (code pages, allocator slack: a
-  few MiB of noise), so for n <= --profile-max-n the child also replays the torch profiler's allocation
-  events of one more call (`tdutils.policies.rkv.peak_memory`): the peak of live tensor bytes, an independent
-  figure. CUDA: `torch.cuda.max_memory_allocated()` during one call minus what was allocated before.
-
-`--json docs/results/rkv_bench.json` stores every time, memory figure and ratio; docs/results.md's R-KV figures are
-`readme_summary` of that file (`tests/test_bench_results.py` checks they match).
-
-On a CPU shared with other busy processes, use `--threads 1`: with more OpenMP threads than free cores every
-parallel region can stall on a descheduled thread, which hits the methods made of many small operations
-(`exact`, `buffered`) far harder than one large matmul.
-
     python bench/rkv_bench.py                                   # full size, CPU or CUDA
     python bench/rkv_bench.py --sizes 1024 4096 --repeats 1 --json out.json
     python bench/rkv_bench.py --summary docs/results/rkv_bench.json   # the docs/results.md lines of a stored run
+
+Variants, for each key distribution (`realistic`, `random`) and length n (H=8 KV heads, d=128, one layer):
+`reference`, `exact`, `tiled`, `buffered` (`rkv_redundancy(keys [H, n, d], method=...)`), `snapkv`
+(`snapkv_scores`, window 64, 32 query heads) and `rkv_scores_exact` (the whole R-KV score, window 16). Times: one
+fresh process per (distribution, n), variants alternated inside each of `--repeats` rounds, ratios the medians of
+per-round ratios; memory: one fresh process per variant; the kept-set agreement of `buffered` with `exact` at
+`--drop-ratio`. The method in full: docs/benchmarks.md#benchrkv_benchpy-r-kvs-redundancy-methods.
 """
 
 from __future__ import annotations
@@ -94,11 +64,6 @@ def variant_fn(variant: str, keys, kv, q, head_dim: int):
 
 
 # ----------------------------------------------------------------------------------------------- child
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def _warm_up(kind: str, variants, args, device: str) -> None:
     """One call of each variant on a 64-token input: thread pools, kernel code pages, allocator."""
     wk, wkv, wq = make_inputs(kind, 64, args, device)
@@ -118,19 +83,13 @@ def run_time_child(args) -> dict:
     variants, device = list(args.variants), args.device
     _warm_up(kind, variants, args, device)
     keys, kv, q = make_inputs(kind, n, args, device)
-    fns = {v: variant_fn(v, keys, kv, q, args.head_dim) for v in variants}
-    times = {v: [] for v in variants}
-    order = H.alternating_orders(variants, args.repeats)
-    for i, round_order in enumerate(order):
-        for variant in round_order:
-            _sync(device)
-            t0 = time.perf_counter()
-            result = fns[variant]()
-            _sync(device)
-            times[variant].append(time.perf_counter() - t0)
-            if i == 0 and args.save_dir and variant in ("exact", "buffered"):
-                torch.save(result.cpu(), os.path.join(args.save_dir, f"{kind}_{n}_{variant}.pt"))
-            del result
+
+    def keep(i, variant, result):  # the first round's redundancies, for `agreement`
+        if i == 0 and args.save_dir and variant in ("exact", "buffered"):
+            torch.save(result.cpu(), os.path.join(args.save_dir, f"{kind}_{n}_{variant}.pt"))
+
+    times, order = H.time_alternated({v: variant_fn(v, keys, kv, q, args.head_dim) for v in variants},
+                                     args.repeats, device, keep)
     return {"kind": kind, "n": n, "device": device, "threads": torch.get_num_threads(), "order": order,
             "times_s": times}
 
@@ -145,20 +104,11 @@ def run_memory_child(args) -> dict:
     _warm_up(kind, [variant], args, device)
     keys, kv, q = make_inputs(kind, n, args, device)
     fn = variant_fn(variant, keys, kv, q, args.head_dim)
-    _sync(device)
     out = {"kind": kind, "n": n, "variant": variant, "device": device, "threads": torch.get_num_threads()}
-    if device.startswith("cuda"):
-        result, out["peak_extra_bytes"] = H.cuda_peak(fn)
-        out["memory_method"] = "torch.cuda.max_memory_allocated - allocated before"
-    else:
-        mmap_ok = H.mmap_every_tensor()
-        hwm_ok = H.reset_peak_rss()
-        before = H.rss_bytes()
-        result = fn()
-        peak = H.peak_rss_bytes() if hwm_ok else None
-        out["peak_extra_bytes"] = max(0, peak - before) if peak is not None else None
-        out["memory_method"] = ("VmHWM (reset via /proc/self/clear_refs) - RSS before, fresh subprocess"
-                                if hwm_ok else "unavailable (no /proc/self/clear_refs)")
+    # CPU: each tensor >= 128 KiB its own mapping, unmapped when freed, so RSS follows live tensors
+    mmap_ok = not device.startswith("cuda") and H.mmap_every_tensor()
+    result, out["peak_extra_bytes"], out["memory_method"], _ = H.extra_memory(fn, device)
+    if not device.startswith("cuda"):
         out["memory_method"] += ", mallopt(M_MMAP_THRESHOLD=128 KiB)" if mmap_ok else ", default malloc"
     del result
     if not device.startswith("cuda") and n <= args.profile_max_n:
@@ -173,16 +123,6 @@ def _options(args):
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     return args
-
-
-def spawn_time_child(kind: str, n: int, args, save_dir: str) -> dict:
-    payload = {**vars(args), "time_child": [kind, n], "save_dir": save_dir}
-    return H.call(__file__, "run_time_child", payload, what=f"child timing {kind} n={n}")
-
-
-def spawn_memory_child(kind: str, n: int, variant: str, args) -> dict:
-    payload = {**vars(args), "child": [kind, n, variant]}
-    return H.call(__file__, "run_memory_child", payload, what=f"child memory {kind} n={n} {variant}")
 
 
 # ----------------------------------------------------------------------------------------------- agreement
@@ -221,18 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=count, default=0)
     p.add_argument("--profile-max-n", type=count, default=4096,
                    help="CPU: also measure the profiler's tensor peak for n up to this (one extra call)")
-    H.add_standard(p, threads=True, repeats=3, device="cuda" if torch.cuda.is_available() else "cpu")
+    H.add_standard(p, threads=True, repeats=3, device="auto")
     return p
 
 
 def main(argv=None) -> int:
     p = build_parser()
-    args = p.parse_args(argv)
-    # bad values in one line, before any child runs
-    if H.summary_or_check(p, args, readme_summary, "runs/rkv_bench.json", keys=("summary", "config")):
+    args = H.start(p, argv, readme_summary, "runs/rkv_bench.json", ("summary", "config"))  # before any child runs
+    if args is None:
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.query_heads % args.heads:
         p.error("--query-heads must be a multiple of --heads")
 
@@ -246,8 +183,10 @@ def main(argv=None) -> int:
         for kind in args.kinds:
             for n in args.sizes:
                 # memory children first, while the timing child's memory is not around
-                memory = {v: spawn_memory_child(kind, n, v, args) for v in args.variants}
-                timing = spawn_time_child(kind, n, args, save_dir)
+                memory = {v: H.call(__file__, "run_memory_child", {**vars(args), "child": [kind, n, v]},
+                                    what=f"child memory {kind} n={n} {v}") for v in args.variants}
+                timing = H.call(__file__, "run_time_child", {**vars(args), "time_child": [kind, n], "save_dir": save_dir},
+                                what=f"child timing {kind} n={n}")
                 runs = {}
                 for variant in args.variants:
                     times = timing["times_s"][variant]
@@ -321,26 +260,22 @@ def readme_summary(results: dict) -> str:
 
 
 def print_summary(summary: list[dict]) -> None:
-    print("\nratios: speed-up = reference time / method time; memory = method peak extra / reference peak extra; "
+    print("\nspeed-up = reference time / method time; memory = method peak extra / reference peak extra; "
           "x SnapKV = time / SnapKV scoring time")
     for s in summary:
-        print(f"-- {s['kind']} n={s['n']}")
-        for name in VARIANTS:
-            if name not in s:
-                continue
-            r = s[name]
-            parts = [f"{r['median_s']:8.3f} s", f"{r['peak_extra_mib']:8.1f} MiB"]
-            if "speedup_vs_reference" in r:
-                parts.append(f"speed-up {r['speedup_vs_reference']:6.2f}x")
-            if "memory_vs_reference" in r:
-                parts.append(f"memory {r['memory_vs_reference']:6.1%}")
-            if "time_vs_snapkv" in r:
-                parts.append(f"{r['time_vs_snapkv']:6.2f}x SnapKV")
-            print(f"   {name:17} " + "  ".join(parts))
+        print(f"\n{s['kind']} keys, n={s['n']}:")
+        print("\n".join(H.md_table(("variant", "median s", "peak extra MiB", "speed-up", "memory", "x SnapKV"), [
+            (name, f"{r['median_s']:.3f}", f"{r['peak_extra_mib']:.1f}", _fmt(r.get("speedup_vs_reference"), ".2f"),
+             _fmt(r.get("memory_vs_reference"), ".1%"), _fmt(r.get("time_vs_snapkv"), ".2f"))
+            for name in VARIANTS if name in s for r in [s[name]]])))
         a = s["agreement"]
         if a:
-            print(f"   buffered vs exact kept sets at drop {a['drop_ratio']}: {a['buffered_vs_exact_rkv']:.1%} (R-KV "
+            print(f"buffered vs exact kept sets at drop {a['drop_ratio']}: {a['buffered_vs_exact_rkv']:.1%} (R-KV "
                   f"score), {a['buffered_vs_exact_redundancy_only']:.1%} (redundancy alone)")
+
+
+def _fmt(x, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
 
 
 if __name__ == "__main__":

@@ -1,30 +1,14 @@
 """Time and peak memory of `tdutils.rope.rerotate_k_cache`: fp32 arithmetic vs cache-dtype (bf16) arithmetic.
 
-Default cache: [2, 36, 8192, 1024] bf16 (Qwen3-8B: 36 layers, 8 KV heads x 128), keys moved from sorted
-positions in [0, 2T) to 0..T-1, as after a 50% drop. Both variants run side by side in one invocation: after one
-warm-up call each, every repeat times both, alternating which goes first (fp32 bf16, bf16 fp32, ...), and the
-time ratio is the median of the per-repeat ratios. Extra memory does not depend on the layer count (the code
-works one layer at a time), so `--layers 8` measures the same memory as 36 layers in less time.
-
-Memory ("extra" = beyond the input cache and the returned cache, which any non-mutating re-rotation needs):
-- CUDA: torch.cuda.max_memory_allocated() during one call, minus what was allocated before, minus the output.
-- CPU: each variant runs in its own subprocess (so one variant's high-water mark cannot hide the other's):
-  the child (glibc MALLOC_MMAP_THRESHOLD_=128 KiB, so freed tensors leave RSS at once and are not
-  reused invisibly) builds the cache layer by layer (no full-size fp32 temporary), makes one warm-up call on a tiny
-  cache (kernel code pages, OpenMP thread stacks), resets its peak RSS (VmHWM, via /proc/self/clear_refs),
-  reads its current RSS, makes one call, and reads VmHWM again. extra = peak - RSS before - output bytes,
-  median of --memory-runs children. getrusage's ru_maxrss is recorded too, but it cannot be reset and
-  Linux carries the spawning parent's peak RSS into it, so the children run before this process grows. RSS also moves with things that are
-  not tensors (code pages re-faulted after reclaim, allocator slack), so read it next to the analytic
-  figure computed from the code's chunk sizes, which counts tensors only.
-- The reference bound: one layer's keys in fp32 (T * D * 4 bytes).
-
     python bench/rope_bench.py                          # full size
     python bench/rope_bench.py --layers 8 --tokens 4096 --repeats 3 --json out.json
     python bench/rope_bench.py --summary docs/results/rope_bench.json   # the docs/results.md lines of a stored run
 
-`--json docs/results/rope_bench.json` stores the run; docs/results.md's RoPE figures are `readme_summary` of that
-file (`tests/test_bench_results.py` checks they match).
+Default cache: [2, 36, 8192, 1024] bf16 (Qwen3-8B), keys moved as after a 50% drop; both variants alternated
+inside each repeat; extra memory (beyond the input and output caches) measured in fresh processes on the CPU
+(the allocator's peak on CUDA) beside the analytic figure; errors against fp64 on layer 0. Extra memory does not
+depend on the layer count, so `--layers 8` measures the same memory faster. The method in full:
+docs/benchmarks.md#benchrope_benchpy-re-rotation-in-fp32-or-bf16.
 """
 
 from __future__ import annotations
@@ -33,7 +17,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -94,62 +77,33 @@ def analytic_extra_bytes(layers: int, tokens: int, dim: int, spec: RopeSpec, com
 
 
 def measure_memory_here(args, variant: str) -> dict:
-    """One call in this process; CUDA via the allocator's peak, CPU via RSS high-water mark."""
+    """One call in this process; extra = peak - before - output bytes (`harness.extra_memory`)."""
     spec = make_spec(args.head_dim, args.theta)
     kv = make_cache(args.layers, args.tokens, args.dim, args.device)
     old, new = make_positions(args.tokens, args.device)
     out_bytes = kv.numel() * kv.element_size()
-    if args.device.startswith("cuda"):
-        out, peak = H.cuda_peak(lambda: rerotate_k_cache(kv, old, new, spec, compute_dtype=VARIANTS[variant]))
-        before, method = 0, "torch.cuda.max_memory_allocated"
-    else:
+    if not args.device.startswith("cuda"):
         # warm-up on a tiny cache first: the first call maps kernel code and starts the OpenMP threads,
         # fixed costs that are not temporaries of the re-rotation
         tiny = make_cache(1, 64, args.dim, args.device)
-        t_old, t_new = make_positions(64, args.device)
-        rerotate_k_cache(tiny, t_old, t_new, spec, compute_dtype=VARIANTS[variant])
+        rerotate_k_cache(tiny, *make_positions(64, args.device), spec, compute_dtype=VARIANTS[variant])
         del tiny
-        hwm_ok = H.reset_peak_rss()
-        before = H.rss_bytes()
-        out = rerotate_k_cache(kv, old, new, spec, compute_dtype=VARIANTS[variant])
-        maxrss_extra = max(0, H.maxrss_bytes() - before - out_bytes)
-        if hwm_ok:
-            peak = H.peak_rss_bytes()
-            method = "VmHWM (reset via /proc/self/clear_refs) - RSS before, subprocess"
-        else:
-            peak = H.maxrss_bytes()
-            method = "ru_maxrss - RSS before, subprocess"
-        del out
-        return {"measured_extra_bytes": max(0, peak - before - out_bytes), "memory_method": method,
-                "ru_maxrss_extra_bytes": maxrss_extra}
+    out, extra, method, maxrss = H.extra_memory(
+        lambda: rerotate_k_cache(kv, old, new, spec, compute_dtype=VARIANTS[variant]), args.device)
     del out
-    return {"measured_extra_bytes": max(0, peak - before - out_bytes), "memory_method": method}
+    res = {"measured_extra_bytes": max(0, extra - out_bytes), "memory_method": method}
+    if maxrss is not None:
+        res["ru_maxrss_extra_bytes"] = max(0, maxrss - out_bytes)
+    return res
 
 
 def time_variants(kv, old, new, spec, repeats: int, device: str) -> tuple[dict[str, list[float]], list[list[str]]]:
-    """Seconds per call of every variant, alternated inside each repeat (fp32 bf16, then bf16 fp32, ...).
-
-    One warm-up call per variant first (allocator, kernels). Returns `({variant: [seconds per repeat]},
-    [order of each repeat])`: the i-th times of two variants come from the same repeat, so their ratio is
-    measured side by side.
-    """
-    def sync():
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-
-    for compute in VARIANTS.values():
-        rerotate_k_cache(kv, old, new, spec, compute_dtype=compute)  # warm-up
-    times = {variant: [] for variant in VARIANTS}
-    orders = H.alternating_orders(VARIANTS, repeats)
-    for order in orders:
-        for variant in order:
-            sync()
-            t0 = time.perf_counter()
-            out = rerotate_k_cache(kv, old, new, spec, compute_dtype=VARIANTS[variant])
-            sync()
-            times[variant].append(time.perf_counter() - t0)
-            del out
-    return times, orders
+    """Seconds per call of every variant, alternated inside each repeat (fp32 bf16, then bf16 fp32, ...), after
+    one warm-up call each: `({variant: [seconds per repeat]}, [order of each repeat])`."""
+    fns = {v: (lambda c=c: rerotate_k_cache(kv, old, new, spec, compute_dtype=c)) for v, c in VARIANTS.items()}
+    for fn in fns.values():
+        fn()  # warm-up
+    return H.time_alternated(fns, repeats, device)
 
 
 def memory_child(payload: dict) -> dict:
@@ -194,22 +148,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=positive_int, default=128, help="even: RoPE rotates pairs of dimensions")
     p.add_argument("--theta", type=positive_float, default=1e6)
     p.add_argument("--memory-runs", type=positive_int, default=3, help="CPU: subprocess measurements per variant")
-    H.add_standard(p, threads=True, repeats=3, device="cuda" if torch.cuda.is_available() else "cpu")
+    H.add_standard(p, threads=True, repeats=3, device="auto")
     return p
 
 
 def main(argv=None) -> int:
     p = build_parser()
-    args = p.parse_args(argv)
-    # bad values in one line, before any child runs
-    if H.summary_or_check(p, args, readme_summary, "runs/rope_bench.json", keys=("variants", "shape")):
+    args = H.start(p, argv, readme_summary, "runs/rope_bench.json", ("variants", "shape"))  # before any child runs
+    if args is None:
         return 0
     if args.head_dim % 2:
         p.error(f"--head-dim must be even (RoPE rotates pairs of dimensions), got {args.head_dim}")
     if args.dim % args.head_dim:
         p.error("--dim must be a multiple of --head-dim")
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
     spec = make_spec(args.head_dim, args.theta)
     on_cuda = args.device.startswith("cuda")

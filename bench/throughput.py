@@ -3,17 +3,10 @@
     python bench/throughput.py                                   # bundled model, 16 x 1024-token prompts
     python bench/throughput.py --policies snapkv,random --drop-ratios 0.5,0.75 --repeats 5 --json out.json
 
-One process, one model, one budget. The default budget holds 4.25 undropped requests (`--full-requests`): the
-baseline decodes 4 at a time, and a request at drop ratio 0.5 (a T/2-token cache plus its max_tokens decode
-tokens, 53% of an undropped one at T=1024, max_tokens=64) fits 8 times, so the batch can reach the 2x capacity
-limit. At exactly 4 undropped requests the decode tokens, which dropping does not shrink, cap it at 7 (4352
-tokens / 576 = 7.6), and 16 requests then decode in waves of 7 + 7 + 2. Each repeat runs the baseline
-and every configuration back to back, so machine noise hits them alike; ratios are taken per repeat.
-Prints decode tok/s (median, min, max), peak batch, modify seconds, the ratio to baseline (median, min, max) and
-to the capacity limit 1/(1-r), and the end-to-end ratio (prefill + modify + decode), then a note for every ratio
-that does not measure what dropping buys (`tdutils.metrics.speedup_notes`: machine busy, no larger batch, slower
-despite a larger batch, above the capacity limit). Exits 1 if any run decoded a
-different number of tokens than requested.
+One model, one KV budget (default 4.25 undropped requests, `--full-requests`), the baseline and every
+configuration back to back in each repeat (`tdutils.sweep.throughput_sweep`), ratios taken per repeat; then a note
+for every ratio that does not measure what dropping buys (`tdutils.metrics.speedup_notes`). Exits 1 if a run
+decoded a different number of tokens than requested. Columns and the budget: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -45,20 +38,11 @@ TABLE_COLUMNS = ("decode_tok_s_median", "decode_tok_s_min", "decode_tok_s_max", 
                  "of_limit", "e2e_speedup")
 
 
-def _policies(text: str) -> list[str]:
-    names = [p.strip() for p in text.split(",")]
-    bad = [p for p in names if p not in POLICIES]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown policy {bad[0]!r}; give comma-separated names from "
-                                         f"{', '.join(POLICIES)}")
-    return names
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = H.parser("bench/throughput.py", __doc__)
     H.add_standard(ap, model="tiny-qwen3", repeats=3, json_dest="json_path", summary=False)
     ap.add_argument("--dataset", default="sample")
-    ap.add_argument("--policies", type=_policies, default="snapkv,random",
+    ap.add_argument("--policies", type=H.name_list(POLICIES), default="snapkv,random",
                     help=f"comma-separated policy names ({', '.join(POLICIES)})")
     ap.add_argument("--drop-ratios", type=drop_ratios, default="0.5,0.75", help="comma-separated ratios in (0, 1)")
     ap.add_argument("--num-requests", type=positive_int, default=16)

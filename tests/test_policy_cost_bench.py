@@ -57,7 +57,7 @@ def test_bad_arguments_fail_in_one_line():
     p = _bench("--policies", "snapkv,foo")
     assert p.returncode == 2 and "unknown policy 'foo'" in p.stderr and p.stdout == ""
     p = _bench("--drop-ratio", "1")
-    assert p.returncode == 2 and "not in (0, 1)" in p.stderr
+    assert p.returncode == 2 and "expected a drop ratio in (0, 1), got '1'" in p.stderr
     p = _bench("--smoke", "--model", "/nonexistent/model-folder")  # a path: no hub look-up
     assert p.returncode == 2 and p.stderr.startswith("bench/policy_cost.py: error: --model '/nonexistent/model-fold"), p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
