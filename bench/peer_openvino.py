@@ -40,7 +40,7 @@ disk), then the OpenVINO packages with a constraint file holding torch==2.13.0; 
 optimum-intel, a CUDA build that fails against the CPU torch with "operator torchvision::nms does not exist" and
 breaks `import transformers`) is uninstalled. Under `$TDUTILS_OPENVINO_VENV` or
 `~/.cache/tdutils/peer-openvino-venv-<version>`. The IR: `optimum-cli export openvino --task
-text-generation-with-past --weight-format fp32` of `tdutils.models.resolve_real(model)` (offline, HF_HUB_OFFLINE=1),
+text-generation-with-past --weight-format fp32` of `tdutils.models.resolve_model(model).files()` (offline, HF_HUB_OFFLINE=1),
 into `<model folder>-openvino-fp32`, tokenizers converted by openvino-tokenizers alongside.
 """
 
@@ -393,11 +393,12 @@ def run(args) -> int:
     from tdutils import ruler
     from tdutils.cli_args import usable_cores
     from tdutils.eval import check_output_path
-    from tdutils.models import resolve_real
+    from tdutils.models import resolve_model
     from tdutils.selection import keep_count
 
-    folder = Path(resolve_real(args.model, progress=False))
-    if not folder.is_dir():
+    ref = resolve_model(args.model)
+    folder = Path(ref.files(progress=False)) if ref.kind != "random" else None
+    if folder is None or not folder.is_dir():
         raise ValueError(f"--model {args.model!r} is not a real model tdutils can resolve to a folder")
     py = ensure_venv(log=H.log)
     ir = ensure_ir(py, folder, log=H.log)

@@ -462,11 +462,12 @@ def cell_row(measure: str, per: Mapping[str, list], modify_s: float, kept_tokens
 def _open_engine(engine, model, seed: int, *, device=None, dtype="auto"):
     """`engine`, or an `HFEngine` opened for `model` (no progress bars, query capture off until `build_cells`
     widens it); refuses a negative seed (`check_seed`) and a training seed with a bundled model."""
-    from ..models import bundled_model_path
+    from ..models import resolve_model
 
     seed = check_seed(seed)
     name = model if engine is None else getattr(engine, "model_name", None)
-    if isinstance(name, str) and bundled_model_path(name) is not None and seed >= TRAIN_SEED_BASE:
+    bundled = isinstance(name, str) and resolve_model(name, check=False).kind == "bundled"
+    if bundled and seed >= TRAIN_SEED_BASE:
         raise ValueError(f"seed {seed} is a training stream of the bundled model {name!r} (>= {TRAIN_SEED_BASE}); "
                          f"evaluate with a seed below it")
     if engine is not None:
