@@ -27,7 +27,7 @@ Method, for every (distribution, n):
   timing because mmap-per-tensor makes the many small temporaries of the block scans page-fault on every
   allocation (10x slower `exact` here). RSS also moves with non-tensor memory (code pages, allocator slack: a
   few MiB of noise), so for n <= --profile-max-n the child also replays the torch profiler's allocation
-  events of one more call (`tdutils.policies.rkv.peak_memory`): the peak of live tensor bytes, an independent
+  events of one more call (`tdutils.profiling.peak_memory`): the peak of live tensor bytes, an independent
   figure. CUDA: `torch.cuda.max_memory_allocated()` during one call minus what was allocated before.
 
 `--json docs/results/rkv_bench.json` stores every time, memory figure and ratio; docs/results.md's R-KV figures are
@@ -57,15 +57,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/harness.
 import harness as H
 
 from tdutils.cli_args import count, drop_ratio, int_at_least, positive_int
-from tdutils.policies.rkv import (
-    kept_agreement,
-    peak_memory,
-    rkv_importance,
-    rkv_redundancy,
-    rkv_scores,
-    synthetic_keys,
-)
+from tdutils.policies.rkv import rkv_importance, rkv_redundancy, rkv_scores
 from tdutils.policies.snapkv import snapkv_scores
+from tdutils.profiling import kept_agreement, peak_memory, synthetic_keys
 from tdutils.selection import keep_count, keep_top_scores, protected_mask
 
 METHODS = ("reference", "exact", "tiled", "buffered")

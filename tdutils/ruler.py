@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 
-from .chat import uses_chat_template  # noqa: F401 (re-exported: RULER prompts are wrapped by it)
+from .chat import uses_chat_template
 
 _ASSETS = Path(__file__).parent / "assets" / "ruler"
 

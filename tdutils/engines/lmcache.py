@@ -28,12 +28,12 @@ from typing import ClassVar
 
 import torch
 
-from ..edit import CacheKind, check_kv
+from ..kvcache import CacheKind, check_kv
 from ..metrics import DecodeMetrics, RunMetrics
 from ..models import model_facts, resolve_model
 from ..serving.completion import CompletionError, make_post_completion
 from ..serving.kvlayout import ARRANGEMENTS, FUSED_FORMATS, fused_to_kv, kv_to_fused
-from ..serving.probes import (  # noqa: F401 (re-exported: the engine's errors and start hints)
+from ..serving.probes import (
     LMCACHE_START_HINT,
     VLLM_START_HINT,
     ServerError,

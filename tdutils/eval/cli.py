@@ -443,7 +443,7 @@ def _resume_rows(json_path, meta: dict) -> tuple[list[dict], float]:
 
 
 def _uses_chat(tokenizer, chat_template) -> bool:
-    from ..ruler import uses_chat_template
+    from ..chat import uses_chat_template
 
     return uses_chat_template(tokenizer, chat_template)
 
