@@ -576,10 +576,10 @@ def run_kvpress(args) -> dict:
     from peer_kvpress import VENV
 
     from tdutils.compression import Compression
-    from tdutils.gguf import resolve
+    from tdutils.models import resolve_model
 
     t_start = time.perf_counter()
-    folder = str(resolve(args.model))
+    folder = resolve_model(args.model).files()  # the folder (or hub id) the peer's transformers loads
     B, N, w = args.budget, args.buffer, args.window
     prompt_tokens = args.prompt_tokens or B  # T = B: both sides cut first when the cache reaches B + N
     td = {}

@@ -243,7 +243,7 @@ def run(args) -> int:
     from tdutils.cli_args import usable_cores
     from tdutils.engines.hf import HFEngine
     from tdutils.eval import build_cells, check_output_path
-    from tdutils.gguf import resolve
+    from tdutils.models import resolve_model
     from tdutils.policies import policy_names
     from tdutils.policies.registry import get_policy
 
@@ -256,7 +256,7 @@ def run(args) -> int:
     if missing:
         raise ValueError(f"tdutils has no policy {missing}")
     H.check_ruler_task(args.task)  # before minutes of model loading
-    folder = str(resolve(args.model))
+    folder = resolve_model(args.model).files()  # the folder (or hub id) the peer's transformers loads
 
     t0 = time.perf_counter()
     engine = HFEngine(args.model, dtype="float32", kv_budget_tokens=None, prefill_batch_size=args.batch_size,

@@ -306,11 +306,12 @@ def run(args) -> int:
     from tdutils.cli_args import usable_cores
     from tdutils.engines.hf import HFEngine
     from tdutils.eval import check_output_path
-    from tdutils.models import resolve_real
+    from tdutils.models import resolve_model
     from tdutils.selection import keep_count
 
-    folder = Path(resolve_real(args.model, progress=False))
-    if not folder.is_dir():
+    ref = resolve_model(args.model)
+    folder = Path(ref.files(progress=False)) if ref.kind != "random" else None
+    if folder is None or not folder.is_dir():
         raise ValueError(f"--model {args.model!r} is not a real model tdutils can resolve to a folder")
     py = ensure_venv(log=H.log)
     ir = ensure_ir(py, folder, log=H.log)

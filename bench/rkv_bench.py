@@ -27,14 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/harness.
 import harness as H
 
 from tdutils.cli_args import count, drop_ratio, int_at_least, positive_int
-from tdutils.policies.rkv import (
-    kept_agreement,
-    peak_memory,
-    rkv_importance,
-    rkv_redundancy,
-    rkv_scores,
-    synthetic_keys,
-)
+from tdutils.policies.rkv import rkv_importance, rkv_redundancy, rkv_scores
+from tdutils.profiling import kept_agreement, peak_memory, synthetic_keys
 from tdutils.policies.snapkv import snapkv_scores
 from tdutils.selection import keep_count, keep_top_scores, protected_mask
 

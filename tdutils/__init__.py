@@ -11,8 +11,9 @@ _exit_on_interrupt()
 # after the Ctrl-C handler; policies is the policy registry (tdutils.policies.register_policy, policy_names)
 from . import policies
 from .compression import Compression
-from .edit import CacheKind, DropFn, DropFunctionError, as_drop_fn, make_drop_fn
+from .edit import DropFn, DropFunctionError, as_drop_fn, make_drop_fn
 from .engines import compare, default_kv_budget, open_engine, run_once
+from .kvcache import CacheKind
 from .selection import keep_count
 
 __version__ = "0.1.0"

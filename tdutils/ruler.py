@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 
-from .chat import uses_chat_template  # noqa: F401 (re-exported: RULER prompts are wrapped by it)
+from .chat import uses_chat_template
 
 _ASSETS = Path(__file__).parent / "assets" / "ruler"
 
@@ -696,22 +696,27 @@ def check_spells_english(tokenizer, task: str) -> None:
 
 
 def check_ruler_model(model, what: str = "RULER's templates") -> None:
-    """Refuse, before any work, a model name whose tokenizer cannot spell RULER's text: a bundled model (its
-    word-level vocabulary) or a `random:ARCH` model (an id tokenizer). Other names (real models) pass.
+    """Refuse, before any work, a model whose tokenizer cannot spell RULER's text (`ModelRef.tokenizer` other than
+    `"checkpoint"`): a bundled model (its word-level vocabulary) or a `random:ARCH` model (an id tokenizer). Other
+    names (real models) and objects that are not names (a loaded model, None) pass.
+
+    Args:
+        model: a model name or its `tdutils.models.ModelRef`.
 
     Raises:
         ValueError: one line starting with `what` (e.g. `"--dataset ruler_vt"`), naming the model.
     """
-    from .models import BUNDLED_MODELS, parse_random_name
+    from .models import ModelRef, resolve_model
 
-    if not isinstance(model, str):
+    if not isinstance(model, (str, ModelRef)):
         return
-    if model in BUNDLED_MODELS:
-        raise ValueError(f"{what}: RULER's templates need a real model and tokenizer (e.g. smollm2-135m); {model!r} "
+    ref = resolve_model(model, check=False)  # the spelling decides; files are checked where they are read
+    if ref.tokenizer == "word-level":
+        raise ValueError(f"{what}: RULER's templates need a real model and tokenizer (e.g. smollm2-135m); {ref.name!r} "
                          f"reads only its own word-level vocabulary")
-    if parse_random_name(model) is not None:
-        raise ValueError(f"{what}: RULER's templates need a real model and tokenizer (e.g. smollm2-135m); {model} has "
-                         f"random weights and an id tokenizer that cannot spell RULER's text")
+    if ref.tokenizer == "ids":
+        raise ValueError(f"{what}: RULER's templates need a real model and tokenizer (e.g. smollm2-135m); {ref.name} "
+                         f"has random weights and an id tokenizer that cannot spell RULER's text")
 
 
 def min_context_tokens(task: str, tokenizer, *, chat_template: str | bool = "auto", context_tokens: int = 0) -> int:

@@ -30,9 +30,9 @@ def main() -> int:
     args = ap.parse_args()
 
     import tdutils
-    from tdutils.data import load_prompts
-    from tdutils.edit import CacheKind
     from tdutils.compression import Compression
+    from tdutils.data import load_prompts
+    from tdutils.kvcache import CacheKind
     from tdutils.policies import snapkv_scores
 
     eng = tdutils.open_engine("lmcache", vllm_url=args.vllm_url, lmcache_url=args.lmcache_url,

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from tdutils import CacheKind, DropFunctionError, make_drop_fn
-from tdutils.edit import apply_keep, validate_drop_output
+from tdutils.edit import validate_drop_output
+from tdutils.kvcache import apply_keep
 from tdutils.rope import RopeSpec, apply_rope
 
 

@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from tdutils import make_drop_fn
-from tdutils.edit import CacheKind
 from tdutils.engines.hf import HFEngine
-from tdutils.kvcache import apply_keep, apply_keep_heads
+from tdutils.kvcache import CacheKind, apply_keep, apply_keep_heads
 from tdutils.models import model_facts
 from tdutils.policies.scoring import pool_tokens, reduce_gqa, window_attention
 from tdutils.rope import rerotate_keys

@@ -237,13 +237,13 @@ def test_a_truncated_cached_safetensors_is_found_and_rebuilt(cache, bpe_tokenize
     from tdutils import gguf
 
     folder = _converted(cache / "models" / "smollm2-135m", bpe_tokenizer)
-    assert gguf.resolve("smollm2-135m") == folder  # whole: used as it is, no fetch
+    assert gguf.packaged_folder("smollm2-135m") == folder  # whole: used as it is, no fetch
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     assert gguf.damage(folder) == "model.safetensors is truncated or not a safetensors file"
     assert not gguf._complete(folder)  # resolve converts it again (here: nothing to fetch it from)
     with pytest.raises(OSError, match="not installed and fetching is off"):
-        gguf.resolve("smollm2-135m", fetch=False)
+        gguf.packaged_folder("smollm2-135m", fetch=False)
 
 
 def test_a_rewritten_cached_file_is_checked_by_its_checksum(cache, bpe_tokenizer):
@@ -289,7 +289,7 @@ def test_an_interrupted_conversions_temporary_folder_is_removed_by_the_next_run(
     for d in (dead, live):
         d.mkdir()
         (d / "model.safetensors").write_bytes(b"x" * 1000)
-    gguf.resolve("smollm2-135m")
+    gguf.packaged_folder("smollm2-135m")
     assert not dead.exists() and live.exists()
 
 
@@ -322,12 +322,13 @@ def test_an_uncreatable_cache_is_named_before_the_conversion(tmp_path, monkeypat
     from transformers import AutoModelForCausalLM
 
     from tdutils import gguf
+    from tdutils.models import resolve_model
 
     (tmp_path / "file").write_text("")
     monkeypatch.setenv(gguf.CACHE_ENV, str(tmp_path / "file" / "cache"))
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", _never("the conversion"))
     with pytest.raises(OSError) as info:
-        gguf.resolve(str(_tiny_gguf(tmp_path / "m.gguf")))
+        resolve_model(str(_tiny_gguf(tmp_path / "m.gguf"))).files()
     msg = str(info.value)
     assert msg.startswith(f"TDUTILS_CACHE='{tmp_path / 'file' / 'cache'}': the model cache ") and \
         "set TDUTILS_CACHE to a writable folder or unset it" in msg, msg

@@ -104,7 +104,7 @@ def test_engine_decode_equals_generate_in_admission_waves(tiny, sample_ids):
 
 
 def test_random_model_has_the_real_shapes_and_a_clear_name_syntax():
-    from tdutils.models import _check_local, parse_random_name, random_model
+    from tdutils.models import parse_random_name, random_model, resolve_model
 
     model, tok = random_model("qwen3-0.6b", num_layers=2, device="meta")  # shapes only, no memory
     c = model.config
@@ -119,4 +119,4 @@ def test_random_model_has_the_real_shapes_and_a_clear_name_syntax():
     with pytest.raises(ValueError, match="layer count must look like 4L"):
         parse_random_name("random:qwen3-0.6b:four")
     with pytest.raises(ValueError, match="unknown random architecture 'llama-9b'.*known: qwen3-0.6b"):
-        _check_local("random:llama-9b")
+        resolve_model("random:llama-9b")

@@ -23,9 +23,10 @@ import tdutils
 from tdutils import CacheKind, DropFunctionError, make_drop_fn
 from tdutils.attention import QueryRecorder, capture_implementation, recording
 from tdutils.engines.hf import HFEngine
-from tdutils.serving.kvlayout import fused_to_kv, kv_to_fused
-from tdutils.engines.lmcache import LMCacheEngine, QueryCheckError, ServerError
+from tdutils.engines.lmcache import LMCacheEngine, QueryCheckError
 from tdutils.models import TINY_MODEL_DIR
+from tdutils.serving.kvlayout import fused_to_kv, kv_to_fused
+from tdutils.serving.probes import ServerError
 
 MODEL = "tiny"
 

@@ -426,13 +426,9 @@ def test_a_new_policys_parameter_reaches_the_cli_with_no_edit(capsys):
     assert "stride" not in _options(build_parser()._subparsers._group_actions[0].choices["run"])
 
 
-def test_old_import_paths_of_the_shared_helpers_and_profiling_tools():
-    from tdutils import profiling
-    from tdutils.policies import rkv, scoring, snapkv
+def test_reduce_gqa_takes_the_max_or_mean_over_each_kv_heads_query_group():
+    from tdutils.policies import scoring
 
-    assert snapkv.window_attention is scoring.window_attention  # the hf engine and notebooks import it so
-    for name in ("kept_agreement", "peak_memory", "synthetic_keys", "timed"):
-        assert getattr(rkv, name) is getattr(profiling, name), name
     x = torch.arange(24.0).view(4, 3, 2)  # [Hq=4, ...], 2 KV heads: groups (0, 1) and (2, 3)
     assert torch.equal(scoring.reduce_gqa(x, 2, "max"), x[[1, 3]])
     assert torch.equal(scoring.reduce_gqa(x, 2, "mean"), (x[[0, 2]] + x[[1, 3]]) / 2)

@@ -16,8 +16,8 @@ import io
 from standins import chunk, models_route, serve, usage_chunk
 
 from tdutils.__main__ import build_parser
-from tdutils.engines.lmcache import lmcache_model_name
 from tdutils.policies import policy_names
+from tdutils.serving.probes import lmcache_model_name
 
 PATH = "/tmp/tdutils-servers-x/model"
 CPU_ENTRY = {

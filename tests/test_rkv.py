@@ -7,16 +7,8 @@ import torch
 
 from tdutils import CacheKind, make_drop_fn
 from tdutils.engines.hf import HFEngine
-from tdutils.policies.rkv import (
-    RKV_METHODS,
-    compare_redundancy_methods,
-    kept_agreement,
-    peak_memory,
-    rkv_keep,
-    rkv_redundancy,
-    rkv_scores,
-    synthetic_keys,
-)
+from tdutils.policies.rkv import RKV_METHODS, compare_redundancy_methods, rkv_keep, rkv_redundancy, rkv_scores
+from tdutils.profiling import kept_agreement, peak_memory, synthetic_keys
 from tdutils.selection import keep_top_scores
 
 # tile settings that do not divide the test lengths (257, 3000); the one-column and 7-row extremes only run

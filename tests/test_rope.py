@@ -193,7 +193,7 @@ def test_rerotate_k_cache_extra_memory_within_its_documented_bound(kv_heads):
     profiler counts allocated bytes exactly, so there is no measurement noise to leave room for: measured
     62.5% / 150% / 300% of a layer for H = 8 / 2 / 1, the bound itself.
     """
-    from tdutils.policies.rkv import peak_memory
+    from tdutils.profiling import peak_memory
 
     t, d = 4096, 128  # a quarter layer is between the chunk floor (64 Ki elements) and cap (4 Mi)
     spec = RopeSpec.from_config(NS(head_dim=d, rope_theta=1e6))

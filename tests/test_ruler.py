@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tdutils import ruler
+from tdutils.chat import uses_chat_template
 from tdutils.ruler import (
     NEEDLE,
     NOISE,
@@ -17,7 +18,6 @@ from tdutils.ruler import (
     make_ruler_dataset,
     make_ruler_example,
     score_ruler,
-    uses_chat_template,
 )
 
 NIAH = [t for t in RULER_TEMPLATE_TASKS if t.startswith("niah")]

@@ -5,7 +5,8 @@ import torch
 
 from tdutils import CacheKind, make_drop_fn
 from tdutils.engines.hf import HFEngine
-from tdutils.policies.snapkv import snapkv_keep, snapkv_scores, window_attention
+from tdutils.policies.scoring import window_attention
+from tdutils.policies.snapkv import snapkv_keep, snapkv_scores
 
 
 def _gqa_example():

@@ -17,7 +17,7 @@ import torch
 
 from ..attention import recording
 from ..compression import Compression
-from ..edit import CacheKind
+from ..kvcache import CacheKind
 from .kvstore import SlotKVStore
 
 

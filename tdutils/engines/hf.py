@@ -26,7 +26,8 @@ import torch
 from ..attention import AttentionSpec, QueryRecorder, capture_implementation, ensure_capture, recording
 from ..chat import uses_chat_template
 from ..compression import Compression
-from ..edit import CacheKind, DropFn, check_kv
+from ..edit import DropFn
+from ..kvcache import CacheKind, check_kv
 from ..metrics import DecodeMetrics, RunMetrics
 from ..models import load_model, model_facts
 from .base import (
@@ -432,7 +433,7 @@ class HFEngine(Engine):
     def check_query(self, request_id: int, rows: int = 8) -> float:
         """Validate a request's captured queries against its keys: recompute the attention of its last
         `rows` prompt tokens from the captured `q` and `kv` with the scoring helper the query-aware policies
-        use (`policies.snapkv.window_attention` with the scale, soft-cap, sinks and sliding window the model's
+        use (`policies.scoring.window_attention` with the scale, soft-cap, sinks and sliding window the model's
         attention was called with at prefill, `self.attention`) and compare with the model's own attention
         probabilities (eager attention, `output_attentions=True`).
 
@@ -444,7 +445,7 @@ class HFEngine(Engine):
             RuntimeError: the request has no captured query (query_window=0), or its cache was edited (`modify`:
                 the model's forward over the prompt no longer describes it).
         """
-        from ..policies.snapkv import window_attention
+        from ..policies.scoring import window_attention
 
         req = self.requests[request_id]
         if req.query is None or req.edited:

@@ -29,12 +29,12 @@ from typing import ClassVar
 import torch
 
 from ..compression import Compression
-from ..edit import CacheKind, check_kv
+from ..kvcache import CacheKind, check_kv
 from ..metrics import DecodeMetrics, RunMetrics
-from ..models import bundled_model_path, model_facts
+from ..models import model_facts, resolve_model
 from ..serving.completion import CompletionError, make_post_completion
 from ..serving.kvlayout import ARRANGEMENTS, FUSED_FORMATS, fused_to_kv, kv_to_fused
-from ..serving.probes import (  # the engine's errors and start hints, importable from here too
+from ..serving.probes import (
     LMCACHE_START_HINT,
     VLLM_START_HINT,
     ServerError,
@@ -138,7 +138,7 @@ class _Layer0:
         """The checker for a local folder / bundled name / hub id already in the local cache, or None."""
         if source is None or getattr(config, "model_type", None) not in cls.MODEL_TYPES:
             return None
-        path = bundled_model_path(source) or Path(source)
+        path = Path(resolve_model(source, check=False).target)  # a bundled name's folder, else the source
         if not path.is_dir():
             try:
                 from huggingface_hub import snapshot_download
@@ -367,7 +367,7 @@ class LMCacheEngine(Engine):
     def _load_config(source: str):
         from transformers import AutoConfig
 
-        path = bundled_model_path(source) or source
+        path = resolve_model(source, check=False).target  # a bundled name's folder, else the source
         try:
             return AutoConfig.from_pretrained(str(path))
         except OSError as exc:

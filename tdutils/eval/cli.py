@@ -190,11 +190,11 @@ def default_tasks(model: str | None) -> list[str]:
     """The tasks `eval` runs without `--tasks`: those registered with `model` as their default model (no model: the
     first registered task's, `passkey` on `tiny-qwen3`); for a model that is not bundled, the tasks that need a real
     model. A `"lengths"` task runs alone, so only the first of those is taken."""
-    from ..models import BUNDLED_MODELS
+    from ..models import resolve_model
 
     if model is None:
         model = get_task(task_names()[0]).defaults.model
-    if model not in BUNDLED_MODELS:
+    if resolve_model(model, check=False).kind != "bundled":
         return [t for t in _grouped() if get_task(t).defaults.real_model]
     own = [t for t in task_names() if get_task(t).defaults.model == model] or list(task_names()[:1])
     return own[:1] if get_task(own[0]).defaults.layout == "lengths" else own
@@ -210,7 +210,7 @@ def run(args) -> int:
     import argparse
     import sys
 
-    from ..models import BUNDLED_MODELS
+    from ..models import resolve_model
 
     model_arg = getattr(args, "model", None)
     tasks = parse_tasks(getattr(args, "tasks", None) or default_tasks(model_arg))
@@ -238,18 +238,19 @@ def run(args) -> int:
     ratios = DropRatios(ratios, option="--drop-ratios")  # checked here once; the runner does not check them again
     model = args.model or d.model
     args.n = args.n if args.n is not None else d.n
-    if d.real_model and model in BUNDLED_MODELS:
+    bundled = resolve_model(model, check=False).kind == "bundled"
+    if d.real_model and bundled:
         raise ValueError(f"--model {model}: the bundled models know only their own word-level vocabulary; RULER's "
                          f"templates need a real tokenizer and model (e.g. --model {d.model}), or use the "
                          f"word-level tasks ({ALL!r})")
     max_tokens = args.max_tokens if args.max_tokens is not None else d.max_tokens
-    if model in BUNDLED_MODELS and model != d.model:  # a bundled model on tasks it was never trained on
+    if bundled and model != d.model:  # a bundled model on tasks it was never trained on
         owner = next((get_task(t) for t in task_names() if get_task(t).defaults.model == model), None)
         trained_for = "other tasks" if owner is None else f"{owner.defaults.title} (--tasks {_group_word(owner.suite)})"
         print(f"tdutils: warning: --model {model} was trained only on {trained_for}, not on {d.title}: its "
               f"accuracy there says nothing about the policies; omit --model to use {d.model}", file=sys.stderr,
               flush=True)
-    if model not in BUNDLED_MODELS and not d.real_model:  # a real model on the bundled models' word-level formats
+    if not bundled and not d.real_model:  # a real model on the bundled models' word-level formats
         print(f"tdutils: warning: --model {model} meets tasks in the bundled models' word-level format "
               f"(needles 'pass key ...'), which real models were never taught; RULER's own templates measure them "
               f"(--tasks {_group_word(RULER)})", file=sys.stderr, flush=True)
@@ -442,7 +443,7 @@ def _resume_rows(json_path, meta: dict) -> tuple[list[dict], float]:
 
 
 def _uses_chat(tokenizer, chat_template) -> bool:
-    from ..ruler import uses_chat_template
+    from ..chat import uses_chat_template
 
     return uses_chat_template(tokenizer, chat_template)
 

@@ -216,7 +216,7 @@ def task_eval(
         responses: when a dict is given, filled with `{(task, mode, policy, ratio, length): [answers]}`, each the
             decoded text up to its first EOS token (`RequestOutput.answer`), what is scored.
         chat_template: RULER template tasks: `"auto"` (default) wraps each prompt in the tokenizer's chat template
-            when it has one, `"none"` never (`tdutils.ruler.uses_chat_template`); word-level tasks ignore it.
+            when it has one, `"none"` never (`tdutils.chat.uses_chat_template`); word-level tasks ignore it.
         partial: when a list is given, each cell's row (a dict of `TASK_COLUMNS`) is appended to it as soon as the
             cell is scored, so a caller keeps the finished cells of a run stopped by KeyboardInterrupt.
         done: rows of a stored run of the same grid (model, seed, n, decode tokens): their cells are not run again
@@ -462,11 +462,12 @@ def cell_row(measure: str, per: Mapping[str, list], modify_s: float, kept_tokens
 def _open_engine(engine, model, seed: int, *, device=None, dtype="auto"):
     """`engine`, or an `HFEngine` opened for `model` (no progress bars, query capture off until `build_cells`
     widens it); refuses a negative seed (`check_seed`) and a training seed with a bundled model."""
-    from ..models import bundled_model_path
+    from ..models import resolve_model
 
     seed = check_seed(seed)
     name = model if engine is None else getattr(engine, "model_name", None)
-    if isinstance(name, str) and bundled_model_path(name) is not None and seed >= TRAIN_SEED_BASE:
+    bundled = isinstance(name, str) and resolve_model(name, check=False).kind == "bundled"
+    if bundled and seed >= TRAIN_SEED_BASE:
         raise ValueError(f"seed {seed} is a training stream of the bundled model {name!r} (>= {TRAIN_SEED_BASE}); "
                          f"evaluate with a seed below it")
     if engine is not None:
@@ -699,6 +700,6 @@ def _restore(engine, saved, prompts) -> None:
 
 __all__ = ["COLUMNS", "DEFAULT_CONTEXT_LENGTHS", "DEFAULT_DROP_RATIOS", "DEFAULT_N", "DEFAULT_POLICIES",
            "DEFAULT_REAL_CONTEXT_LENGTHS", "DEFAULT_REAL_DROP_RATIOS", "DEFAULT_REAL_N", "DEFAULT_TASK_CONTEXT_LENGTHS",
-           "DEFAULT_TASK_DROP_RATIOS", "DEFAULT_TASK_POLICIES", "RULER_MODEL", "TASKS", "TASK_COLUMNS", "TINY_MODEL",
+           "DEFAULT_TASK_DROP_RATIOS", "DEFAULT_TASK_POLICIES", "TASKS", "TASK_COLUMNS",
            "build_cells", "cell_key", "cell_row", "continuation_measures", "lengths_eval", "passkey_eval", "run_cells",
            "run_cells_shared", "run_forced_cells", "run_tasks", "task_eval", "task_modes"]

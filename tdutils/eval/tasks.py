@@ -280,7 +280,6 @@ __all__ = [
     "PASSKEY_DEFAULTS",
     "RULER",
     "RULER_DEFAULTS",
-    "RULER_PREFIX",
     "SUITES",
     "SUITE_LABELS",
     "TEXT",

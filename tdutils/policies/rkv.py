@@ -24,7 +24,7 @@ from typing import Literal, get_args
 import torch
 
 from ..attention import AttentionSpec, LayerAttention, masked_logits
-from ..profiling import kept_agreement, peak_memory, synthetic_keys, timed
+from ..profiling import kept_agreement, peak_memory, timed
 from ..selection import (
     GRANULARITIES,
     keep_count,
@@ -586,8 +586,6 @@ def _keep_indices(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, p: RKVPa
 
 
 # --------------------------------------------------------------------------------------------- method table
-# `kept_agreement`, `peak_memory`, `synthetic_keys` and `timed` (tdutils.profiling) stay
-# importable from here: the docs, notebooks, benches and tests import them so.
 
 def compare_redundancy_methods(tensors, tokens, *, drop_ratio: float, model_config, methods=RKV_METHODS,
                                method_tiles: dict | None = None, repeats: int = 1, **params):
@@ -652,6 +650,5 @@ register_policy("rkv", params=RKVParams, needs="window", keep=_keep, builtin=Tru
                 paper="Cai et al. 2025, R-KV, arXiv:2505.24133")
 
 
-__all__ = ["RKV_METHODS", "RKVParams", "compare_redundancy_methods", "kept_agreement",
-           "normalize_keys", "peak_memory", "rkv_importance", "rkv_keep", "rkv_redundancy", "rkv_scores",
-           "synthetic_keys", "timed"]
+__all__ = ["RKV_METHODS", "RKVParams", "compare_redundancy_methods", "normalize_keys", "rkv_importance", "rkv_keep",
+           "rkv_redundancy", "rkv_scores"]

@@ -45,7 +45,6 @@ from .scoring import (
     layer_batches,
     model_attention,
     pool_tokens,
-    window_attention,
     window_column_sums,
 )
 
@@ -163,5 +162,4 @@ register_policy("snapkv", params=SnapKVParams, needs="window", keep=_keep, built
                 summary="the observation window plus the earlier tokens its queries attend to most (pooled vote)",
                 paper="Li et al. 2024, SnapKV, arXiv:2404.14469")
 
-# `window_attention` (from `scoring`) stays importable from here: the hf engine, tests and notebooks import it so.
-__all__ = ["SnapKVParams", "snapkv_keep", "snapkv_scores", "window_attention"]
+__all__ = ["SnapKVParams", "snapkv_keep", "snapkv_scores"]

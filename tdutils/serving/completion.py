@@ -232,38 +232,18 @@ def iter_token_events(lines: Iterable[str | bytes], *, result: StreamResult | No
     """
     result = result if result is not None else StreamResult()
     pending: list[str] = []  # data lines of the current event not yet forming a complete JSON value
-
-    def dispatch(data: str):
-        chunk = json.loads(data)
-        if not isinstance(chunk, dict):
-            raise TokenFormatError(f"SSE data is not a JSON object: {_quote(data)}")
-        result.chunks += 1
-        return _chunk_events(chunk, data, result)
-
-    first = True
-    for raw in lines:
-        line = raw.decode("utf-8") if isinstance(raw, bytes | bytearray) else str(raw)
-        if first:
-            line, first = line.removeprefix(_BOM), False
-        line = line.rstrip("\r\n")
-        if not line:
-            if pending:  # end of an event whose data never parsed
-                data = "\n".join(pending)
-                raise TokenFormatError(f"malformed JSON in SSE data: {_quote(data)}")
+    for line, value in _sse_data_lines(lines):
+        if value is None:  # a blank line: the end of an event
+            if pending:  # whose data never parsed
+                raise TokenFormatError(f"malformed JSON in SSE data: {_quote(chr(10).join(pending))}")
             continue
-        if line.startswith(":"):
-            continue
-        name, _, value = line.partition(":")
-        if name != "data":
-            continue  # event:, id:, retry: and unknown fields carry nothing we use
-        value = value.removeprefix(" ")
         if not pending and value.strip() == "[DONE]":
             result.done = True
             break
         pending.append(value)
         data = "\n".join(pending)
         try:
-            events = dispatch(data)
+            events = _dispatch(data, result)
         except json.JSONDecodeError as exc:
             if len(pending) > 1 or not _maybe_incomplete(data, exc):
                 raise TokenFormatError(f"malformed JSON in SSE data line {_quote(line)}: {exc.msg}") from None
@@ -282,6 +262,33 @@ def iter_token_events(lines: Iterable[str | bytes], *, result: StreamResult | No
     if usage_count is not None and int(usage_count) != result.tokens:
         raise CompletionError(f"the server reports usage.completion_tokens={usage_count} but the stream carried "
                               f"{result.tokens} token ids; tokens were lost or duplicated")
+
+
+def _sse_data_lines(lines: Iterable[str | bytes]) -> Iterator[tuple[str, str | None]]:
+    """`(line, value)` for each blank line (value None: an event ends) and each `data:` line (value: the field's
+    value, one leading space removed) of an event stream; comments (`:`), other fields (`event:`, `id:`,
+    `retry:`, unknown ones) and a byte-order mark at the start of the first line are skipped."""
+    first = True
+    for raw in lines:
+        line = raw.decode("utf-8") if isinstance(raw, bytes | bytearray) else str(raw)
+        if first:
+            line, first = line.removeprefix(_BOM), False
+        line = line.rstrip("\r\n")
+        if not line:
+            yield line, None
+            continue
+        name, _, value = line.partition(":")
+        if name == "data":  # a comment has the empty name; event:, id:, retry: carry nothing we use
+            yield line, value.removeprefix(" ")
+
+
+def _dispatch(data: str, result: StreamResult) -> list[TokenEvent]:
+    """The events of one complete `data:` JSON value (json.JSONDecodeError while it is incomplete)."""
+    chunk = json.loads(data)
+    if not isinstance(chunk, dict):
+        raise TokenFormatError(f"SSE data is not a JSON object: {_quote(data)}")
+    result.chunks += 1
+    return _chunk_events(chunk, data, result)
 
 
 def _maybe_incomplete(data: str, exc: json.JSONDecodeError) -> bool:
