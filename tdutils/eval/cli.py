@@ -270,11 +270,11 @@ def plan_eval(args) -> EvalPlan:
     if len(d.modes) == 1 and mode not in (None, *d.modes):
         raise ValueError(f"--mode {mode}: {d.title} runs in {d.modes[0]} mode only; use RULER tasks "
                          f"(--tasks {ALL}) for the query-agnostic mode")
-    policies, ratios, lengths = _grid_options(args, d)
     model = args.model or d.model
+    _check_model(model, d)  # warnings first: they hold whatever else is wrong
+    policies, ratios, lengths = _grid_options(args, d)
     args.n = args.n if args.n is not None else d.n
     max_tokens = args.max_tokens if args.max_tokens is not None else d.max_tokens
-    _check_model(model, d)
     for option, value in (("--n", args.n), ("--max-tokens", 1 if max_tokens is None else max_tokens)):
         if value < 1:
             raise ValueError(f"{option} must be >= 1, got {value}")
