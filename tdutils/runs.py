@@ -158,7 +158,8 @@ def _check_configs(configs: dict, repeats) -> dict[str, RunConfig]:
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1 (rounds of baseline and every configuration), got {repeats!r}")
     if "baseline" in configs:
-        raise ValueError("a configuration is named 'baseline', the name of the run without dropping; rename it")
+        raise ValueError("a drop function is named 'baseline', the name of the run without dropping or compression; "
+                         "rename it")
     return {"baseline": RunConfig(), **{name: as_config(c) for name, c in configs.items()}}
 
 
