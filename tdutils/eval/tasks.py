@@ -19,9 +19,11 @@ out; a run takes those of its first task that runs on a bundled model (else of i
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..answers import CHOICES, ScoreReport
 from ..data import MC_SAMPLE_NAME, RULER_PREFIX, SAMPLE_NAME, TASK_MODES, PromptRow, load_prompts
@@ -258,6 +260,11 @@ def load_rows(dataset: str, *, num_requests: int | None = None, model=None, toke
     if isinstance(dataset, str) and dataset in task_names() and get_task(dataset).suite != SAMPLES:
         return task_rows(dataset, 16 if num_requests is None else num_requests, model=model, tokenizer=tokenizer,
                          context_tokens=context_tokens, chat_template=chat_template, seed=seed)
+    made = [t for t in task_names() if get_task(t).suite != SAMPLES]  # load_prompts names the bundled ones' typos
+    close = difflib.get_close_matches(str(dataset), made, n=1, cutoff=0.8)
+    if close and not Path(str(dataset)).expanduser().exists():  # a typo of a task name, not a file or hub id
+        raise ValueError(f"dataset {dataset!r} is not a registered task, a bundled dataset or a file: did you mean "
+                         f"{close[0]!r}?")
     return load_prompts(dataset, num_requests=num_requests, **file_options)
 
 
