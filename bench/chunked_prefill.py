@@ -32,13 +32,12 @@ def run_one(args: dict) -> dict:
 
     torch.set_num_threads(args.threads)
     import tdutils
-    from tdutils.answers import score_rows
     from tdutils.compression import Compression
-    from tdutils.data import load_prompts
+    from tdutils.eval.tasks import load_rows, score_rows
 
     eng = tdutils.open_engine("hf", model=args.model, progress=False, query_window=64)
-    rows = load_prompts("ruler_niah_single_1", model=args.model, num_requests=1, context_tokens=args.length,
-                        seed=args.seed)
+    rows = load_rows("ruler_niah_single_1", model=args.model, num_requests=1, context_tokens=args.length,
+                     seed=args.seed)
     gc.collect()
     with H.PeakRSS(period=0.005, mmap_threshold=None) as mem:  # resident memory every 5 ms while prefill runs
         t0 = time.perf_counter()

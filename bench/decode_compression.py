@@ -320,31 +320,17 @@ def run_throughput(args) -> dict:
     eng = _engine(args)
     prompts = essay_prompts(eng.tokenizer, args.num_requests, args.prompt_tokens)
     eng.kv_budget_tokens = tdutils.default_kv_budget(map(len, prompts), args.max_tokens, args.full_requests)
-    configs = {"full": None}
-    for b in args.budgets:
-        configs[f"B={b}"] = Compression(args.policy, budget=b, buffer=args.buffer, window=args.window)
-    eng.prefill(prompts)
-    saved = eng.snapshot()
-    orders = alternating_orders(configs, args.repeats)
+    configs = {f"B={b}": Compression(args.policy, budget=b, buffer=args.buffer, window=args.window)
+               for b in args.budgets}
+    orders = alternating_orders(["full", *configs], args.repeats)
     _log(f"model={args.model} requests={len(prompts)} prompt_tokens={args.prompt_tokens} max_tokens={args.max_tokens} "
          f"kv_budget_tokens={eng.kv_budget_tokens} policy={args.policy} N={args.buffer} w={args.window}")
-    runs = []
-    for rep, order in enumerate(orders):
-        for name in order:
-            eng.restore(saved)
-            outs = eng.decode(args.max_tokens, ignore_eos=True, compression=configs[name])
-            dm = eng.metrics.decode
-            got = sum(len(o.output_ids) for o in outs)
-            if got != len(prompts) * args.max_tokens:
-                raise RuntimeError(f"{name}: decoded {got} tokens, not {len(prompts) * args.max_tokens}")
-            run = {"config": name, "repeat": rep, "decode_tok_s": dm.tokens_per_s, "decode_s": dm.seconds,
-                   "steps": dm.steps, "peak_batch": dm.peak_batch_size, "compressions": dm.compressions,
-                   "compress_s": dm.compress_seconds, "kv_peak_cache_tokens": dm.kv_peak_cache_tokens or
-                   max(o.cached_tokens + len(o.output_ids) - 1 for o in outs),
-                   "kv_peak_reserved_tokens": dm.kv_peak_reserved_tokens, "preemptions": dm.preemptions}
-            runs.append(run)
-            _log(f"  repeat {rep} {name:>7}: {run['decode_tok_s']:.1f} tok/s, batch {run['peak_batch']}, "
-                 f"{run['decode_s']:.1f} s, {run['compressions']} cuts ({run['compress_s']:.2f} s)")
+    # the shared comparison loop (tdutils.runs.compare): forward, then backward order in every repeat
+    results, _ = tdutils.compare(eng, prompts, configs, max_tokens=args.max_tokens, repeats=args.repeats,
+                                 order="alternate", progress=_log, ignore_eos=True)
+    runs = [_throughput_run(name, rep, results["baseline" if name == "full" else name], len(prompts) * args.max_tokens)
+            for rep, order in enumerate(orders) for name in order]
+    configs = {"full": None, **configs}
     stats = ratio_stats(runs)
     rows = []
     for name, comp in configs.items():
@@ -363,6 +349,18 @@ def run_throughput(args) -> dict:
                  positions=eng.positions, repeats=args.repeats, orders=orders,
                  seconds=time.perf_counter() - t_start)
     return {"part": "throughput", "meta": meta, "rows": rows, "runs": runs}
+
+
+def _throughput_run(name: str, rep: int, result, tokens: int) -> dict:
+    """The throughput record of repeat `rep` of configuration `name` (a `tdutils.runs.RunResult` of `compare`)."""
+    dm = result.repeats[rep].decode
+    if dm.output_tokens != tokens:
+        raise RuntimeError(f"{name}: decoded {dm.output_tokens} tokens, not {tokens}")
+    return {"config": name, "repeat": rep, "decode_tok_s": dm.tokens_per_s, "decode_s": dm.seconds,
+            "steps": dm.steps, "peak_batch": dm.peak_batch_size, "compressions": dm.compressions,
+            "compress_s": dm.compress_seconds, "kv_peak_cache_tokens": dm.kv_peak_cache_tokens or
+            max(o.cached_tokens + len(o.output_ids) - 1 for o in result.outputs),
+            "kv_peak_reserved_tokens": dm.kv_peak_reserved_tokens, "preemptions": dm.preemptions}
 
 
 # ------------------------------------------------------------------------------------------ fidelity
@@ -445,15 +443,15 @@ def run_fidelity(args) -> dict:
 # ------------------------------------------------------------------------------------------ ruler
 def run_ruler(args) -> dict:
     from tdutils import ruler
-    from tdutils.answers import score_rows, wilson_interval
+    from tdutils.answers import wilson_interval
     from tdutils.compression import Compression
-    from tdutils.data import load_prompts
+    from tdutils.eval.tasks import load_rows, score_rows
     from tdutils.policies import get_policy
 
     t_start = time.perf_counter()
     eng = _engine(args, prefill_batch_size=args.prefill_batch_size)
-    rows_in = load_prompts(f"ruler_{args.task}", model=args.model, tokenizer=eng.tokenizer, num_requests=args.n,
-                           context_tokens=args.context_length, seed=args.seed)
+    rows_in = load_rows(f"ruler_{args.task}", model=args.model, tokenizer=eng.tokenizer, num_requests=args.n,
+                        context_tokens=args.context_length, seed=args.seed)
     max_tokens = args.max_tokens or ruler.RULER_CPU_MAX_TOKENS[args.task]
     chat = rows_in[0].meta.get("chat_template")
     _log(f"model={args.model} task={args.task} n={len(rows_in)} T={args.context_length} B={args.budget} "

@@ -17,16 +17,33 @@ import argparse
 import importlib
 import json
 import sys
+from dataclasses import dataclass
 
+from . import (
+    make_drop_fn,
+    metrics,  # module access: tests replace metrics.speedup_notes
+    open_engine,
+)
+from .answers import CHOICES
+from .chat import uses_chat_template
 from .cli_args import (
     INTERRUPTED,
     OneLineParser,
     UsageError,
+    check_device_output,
     drop_ratio,
     interrupt_as_exception,
     positive_int,
     report_error,
 )
+from .data import MC_SAMPLE_NAME, SAMPLE_NAME
+from .engines import engine_kinds
+from .eval.common import check_output_path
+from .eval.tasks import SAMPLES, dataset_task, get_task, load_rows, score_rows, task_names
+from .models import check_context_lengths, context_window, resolve_model
+from .policies import get_policy, policy_names
+from .policies.cli import policy_arguments, policy_params
+from .runs import Interrupted, compare, default_kv_budget
 
 # Subcommands defined in other modules: name -> (module, help). Each module provides
 # `add_arguments(parser)` and `run(args) -> int` (exit status).
@@ -87,16 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="baseline vs token dropping: phase metrics and the decode-throughput ratio",
         description="Prefill the prompts, drop tokens from every request's KV cache with a policy, decode under "
                     "a fixed KV budget, and compare with the baseline (no dropping) on the same prompts.")
-    from .policies import get_policy, policy_names
-
     names = policy_names()
     run.add_argument("--policy", choices=names, default="snapkv", metavar="{" + ",".join(names) + "}",
                      help="token-selection policy (default: snapkv): " + "; ".join(
                          f"{n}: {get_policy(n).summary}" for n in names))
     run.add_argument("--drop-ratio", type=drop_ratio, default=0.5,
                      help="fraction of each request's tokens to drop, in [0, 1] (default: 0.5)")
-    from .engines import engine_kinds
-
     run.add_argument("--engine", choices=engine_kinds(), default="hf",
                      help="hf: embedded transformers engine (default); lmcache: vLLM + LMCache serving path; any other "
                           "registered engine (tdutils.engines.register_engine)")
@@ -109,12 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "random:qwen3-0.6b:4L, for throughput only) (default: tiny-qwen3)")
     run.add_argument("--dataset", default=None,
                      help="'sample' (bundled passkey prompts, ~1k tokens), 'mc-sample' (bundled English multiple "
-                          "choice), a RULER template task such as 'ruler_niah_single_1' (built for the model's "
-                          "tokenizer at --context-length tokens), a .jsonl/.json/.csv/.parquet file with a 'prompt' "
+                          "choice), any task of 'python -m tdutils eval --tasks' such as 'ruler_niah_single_1' or "
+                          "'passkey' (built for the model's tokenizer at --context-length tokens, scored by the "
+                          "task's own scorer), a .jsonl/.json/.csv/.parquet file with a 'prompt' "
                           "column, or a hub dataset id such as raniayu/token-dropping-demo (default: 'sample' for "
                           f"the bundled and random models; '{REAL_MODEL_DATASET}' for real models)")
     run.add_argument("--context-length", type=positive_int, default=2048,
-                     help="RULER template datasets: prompt tokens per request (default: 2048)")
+                     help="task datasets: prompt tokens per request (default: 2048)")
     run.add_argument("--chat-template", choices=("auto", "none"), default="auto",
                      help="'auto' wraps every prompt as a user turn in the tokenizer's chat template when it has one "
                           "(default; instruction-tuned models answer raw prompts poorly); 'none' never")
@@ -135,8 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the baseline and the dropped configuration alternately this many times; the table "
                           "shows medians, the ratio is the median of the per-repeat ratios with its min-max, and a "
                           "note says when the repeats disagree (a busy machine); 1 for a quick look (default: 3)")
-    from .policies.cli import policy_arguments
-
     policy_arguments(run)  # --window, --n-sink, --kernel-size, ...: one per policy parameter
     run.add_argument("--dtype", default="auto", help="model dtype: auto, float32, float16, bfloat16 (default: auto)")
     run.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
@@ -155,15 +167,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 REAL_MODEL_DATASET = "ruler_niah_single_1"  # `run`'s default dataset for a real model
-
-
-def _chance(rows) -> float | None:
-    """Accuracy of guessing: 1/4 for multiple-choice rows (gold A-D), None otherwise (a passkey has no chance level
-    worth naming)."""
-    from .answers import CHOICES
-
-    gold = [getattr(r, "answer", None) for r in rows or []]
-    return 1 / len(CHOICES) if gold and all(str(g).strip() in CHOICES for g in gold) else None
 
 
 def accuracy_notes(reports, *, chance: float | None, missing: int = 0) -> list[str]:
@@ -191,22 +194,77 @@ def accuracy_notes(reports, *, chance: float | None, missing: int = 0) -> list[s
     return []
 
 
-def cmd_run(args) -> int:
-    import pandas as pd
+@dataclass
+class RunPlan:
+    """What `run` does, decided once before the engine opens (`plan_run`).
 
-    from . import make_drop_fn, open_engine
-    from .data import load_prompts
-    from .eval.common import check_output_path
-    from .metrics import phase_table, repeat_ratios, speedup_line, speedup_notes
-    from .runs import RunResult, alternate_runs, default_kv_budget
+    Attributes:
+        policy, params, settings, window: the policy (`tdutils.policies.Policy`), its parameters as given, its
+            checked settings, and the recent tokens it always keeps (None: the policy decides).
+        name: the dropped configuration's name (`snapkv@0.5`, `/layer` or `/head` appended for a granularity).
+        rows: the dataset's rows (`tdutils.eval.tasks.load_rows`); generated: they are a task's examples, made for
+            the model's tokenizer (token ids), rather than read.
+        task: the task whose scorer scores the rows (`tdutils.eval.tasks.dataset_task`); None: no accuracy.
+        scored: the rows with a gold answer (none for a random-weight model: its outputs mean nothing).
+        random_weights: the model is `random:ARCH` (throughput only).
+    """
 
-    out = check_output_path(args.json_path, "--json", example="runs/run.json")  # before any work
-    from .cli_args import check_device_output
+    policy: object
+    params: dict
+    settings: object
+    window: int | None
+    name: str
+    rows: list
+    generated: bool
+    task: object
+    scored: list
+    random_weights: bool
 
-    check_device_output(out, "--json")  # /dev/full would fail only after all the work
-    from .policies import get_policy
-    from .policies.cli import policy_params
 
+def plan_run(args) -> RunPlan:
+    """Check every option of `run` that can be checked without the model, load the dataset and pick its scorer.
+
+    Raises:
+        UsageError: a bad policy parameter or granularity, a dataset whose gold answers cannot be scored.
+        ValueError: those of `load_rows` (a missing file, a context length the model cannot hold, ...).
+    """
+    policy, params, settings = _plan_policy(args)
+    # the model name resolved once; a broken local folder fails before the dataset loads
+    model_ref = resolve_model(args.model, weights=args.engine == "hf")
+    random_weights = model_ref.kind == "random"
+    if args.dataset is None:
+        # the bundled sample for the bundled model and for random (throughput-only) models: no download; a real
+        # model gets a task it can do (a RULER needle: SmolLM2-135M scores chance on the multiple-choice sample)
+        local = model_ref.kind in ("bundled", "random")
+        args.dataset = SAMPLE_NAME if local else REAL_MODEL_DATASET
+    generated = args.dataset in task_names() and get_task(args.dataset).suite != SAMPLES
+    if generated:  # before the prompts are built (a 300k-token prompt takes seconds and gigabytes to make)
+        task = get_task(args.dataset)
+        if task.check_model is not None:
+            task.check_model(args.model, f"--dataset {args.dataset}")
+        check_context_lengths([args.context_length], context_window(args.model, progress=not args.no_progress),
+                              model=args.model, option="--context-length", decode_tokens=args.max_tokens,
+                              decode_option="--max-tokens")
+    rows = load_rows(args.dataset, num_requests=args.num_requests, model=args.model,
+                     context_tokens=args.context_length, chat_template=args.chat_template)
+    if generated:
+        print(f"dataset {args.dataset}: {len(rows)} prompts of {args.context_length} tokens, chat template "
+              f"{'applied' if rows[0].meta.get('chat_template') else 'not applied'}", flush=True)
+    scored = [] if random_weights else [r for r in rows if r.answer is not None]
+    task = None
+    if scored:  # unscorable gold answers fail now, before any work
+        try:
+            task = dataset_task(args.dataset, scored)
+            score_rows(scored, [""] * len(scored), task=task)
+        except ValueError as exc:
+            raise UsageError(f"dataset {args.dataset!r}: {exc}") from None
+    name = f"{args.policy}@{args.drop_ratio:g}" + ("" if args.granularity == "request" else f"/{args.granularity}")
+    return RunPlan(policy, params, settings, getattr(settings, "window", None), name, rows, generated, task, scored,
+                   random_weights)
+
+
+def _plan_policy(args):
+    """`(policy, params, settings)` of `run`'s `--policy` and its options, checked (UsageError naming the options)."""
     params = policy_params(args, args.policy)
     policy = get_policy(args.policy)
     try:
@@ -220,132 +278,110 @@ def cmd_run(args) -> int:
                          "drop --granularity (or give --granularity request)")
     if args.granularity != "request" and args.engine != "hf":
         raise UsageError(f"--granularity {args.granularity} needs --engine hf: LMCache stores one token list per request")
-    window = getattr(settings, "window", None)  # protected recent tokens (None: the policy decides)
-    from .models import resolve_model
+    return policy, params, settings
 
-    # the model name resolved once; a broken local folder fails before the dataset loads
-    model_ref = resolve_model(args.model, weights=args.engine == "hf")
-    if args.dataset is None:
-        from .data import SAMPLE_NAME
 
-        # the bundled sample for the bundled model and for random (throughput-only) models: no download; a real
-        # model gets a task it can do (a RULER needle: SmolLM2-135M scores chance on the multiple-choice sample)
-        local = model_ref.kind in ("bundled", "random")
-        args.dataset = SAMPLE_NAME if local else REAL_MODEL_DATASET
-    from .eval.tasks import task_names
+def open_run_engine(args, plan: RunPlan):
+    """Open `run`'s engine, tokenize the rows and set the KV budget: `(engine, prompt ids)`.
 
-    ruler_task = args.dataset if args.dataset in task_names("ruler") else None
-    if ruler_task is not None:
-        from .models import check_context_lengths, context_window
-        from .ruler import check_ruler_model
-
-        check_ruler_model(model_ref, f"--dataset {ruler_task}")
-        # before the prompts are built (a 300k-token prompt takes seconds and gigabytes to make)
-        check_context_lengths([args.context_length], context_window(args.model, progress=not args.no_progress),
-                              model=args.model, option="--context-length", decode_tokens=args.max_tokens,
-                              decode_option="--max-tokens")
-    # RULER template rows are made for the model's own tokenizer
-    rows = load_prompts(args.dataset, num_requests=args.num_requests, model=args.model,
-                        context_tokens=args.context_length, chat_template=args.chat_template)
-    if ruler_task is not None:
-        print(f"dataset {ruler_task}: {len(rows)} prompts of {args.context_length} tokens, chat template "
-              f"{'applied' if rows[0].meta['chat_template'] else 'not applied'}", flush=True)
-    # Accuracy is scored over the rows with a gold answer, and not at all for a random-weight model (its outputs
-    # mean nothing); unscorable gold answers fail now, before any work.
-    random_weights = model_ref.kind == "random"
-    scored = [] if random_weights else [r for r in rows if r.answer is not None]
-    if scored:
-        from .answers import score_rows
-
-        try:
-            score_rows(scored, [""] * len(scored))
-        except ValueError as exc:
-            raise UsageError(f"dataset {args.dataset!r}: {exc}") from None
+    Raises:
+        UsageError: a KV budget that cannot hold one undropped request, prompts plus `--max-tokens` beyond the
+            model's positions, or a `--window` not shorter than the shortest prompt.
+    """
     if args.no_progress:
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # transformers: seconds to import, only here
 
         hf_logging.disable_progress_bar()
     servers = {} if args.engine == "hf" else {
         "vllm_url": args.vllm_url, "lmcache_url": args.lmcache_url, "lmcache_http_url": args.lmcache_http_url}
     engine = open_engine(args.engine, model=args.model, dtype=args.dtype, device=args.device,
                          positions=args.positions, progress=not args.no_progress,
-                         query_window=policy.rows(settings), chat_template=args.chat_template,
-                         **servers)  # 0: nothing captured
-    prompt_ids = engine.tokenize(rows)  # text rows wrapped in the chat template here; RULER rows are ids already
-    if ruler_task is None:
-        from .chat import uses_chat_template
-
-        print(f"dataset {args.dataset}: {len(rows)} prompts, chat template "
+                         query_window=plan.policy.rows(plan.settings), chat_template=args.chat_template, **servers)
+    prompt_ids = engine.tokenize(plan.rows)  # text rows wrapped in the chat template here; generated rows are ids
+    if not plan.generated:
+        print(f"dataset {args.dataset}: {len(plan.rows)} prompts, chat template "
               f"{'applied' if uses_chat_template(engine.tokenizer, args.chat_template) else 'not applied'}", flush=True)
-    if args.kv_budget_tokens is None:
-        engine.kv_budget_tokens = default_kv_budget(map(len, prompt_ids), args.max_tokens)
-    else:
-        engine.kv_budget_tokens = args.kv_budget_tokens
-    need = max(map(len, prompt_ids)) + args.max_tokens
+    engine.kv_budget_tokens = args.kv_budget_tokens or default_kv_budget(map(len, prompt_ids), args.max_tokens)
+    longest, shortest = max(map(len, prompt_ids)), min(map(len, prompt_ids))
+    need = longest + args.max_tokens
     if engine.kv_budget_tokens < need:  # the baseline cannot drop: say so before any work
         raise UsageError(f"--kv-budget-tokens {engine.kv_budget_tokens} cannot hold one undropped request of the "
                          f"baseline ({need} tokens = longest prompt + --max-tokens); give at least {need}")
     max_pos = getattr(engine.config, "max_position_embeddings", None)
-    if max_pos and max(map(len, prompt_ids)) + args.max_tokens > max_pos:  # the baseline decodes at T..T+m-1
-        raise UsageError(f"the longest prompt ({max(map(len, prompt_ids))} tokens) plus --max-tokens {args.max_tokens} "
+    if max_pos and need > max_pos:  # the baseline decodes at T..T+m-1
+        raise UsageError(f"the longest prompt ({longest} tokens) plus --max-tokens {args.max_tokens} "
                          f"exceeds the model's {max_pos} positions (max_position_embeddings); lower --max-tokens")
-    shortest = min(map(len, prompt_ids))
-    if window is not None and window >= shortest:  # the window is always kept: nothing would be dropped
-        raise UsageError(f"--window {window} is not shorter than the shortest prompt ({shortest} tokens); "
+    if plan.window is not None and plan.window >= shortest:  # the window is always kept: nothing would be dropped
+        raise UsageError(f"--window {plan.window} is not shorter than the shortest prompt ({shortest} tokens); "
                          f"the {args.policy} window is always kept, so nothing would be dropped: give a smaller --window")
+    return engine, prompt_ids
+
+
+def cmd_run(args) -> int:
+    """`python -m tdutils run`: plan once (`plan_run`: options, dataset, scorer), open the engine
+    (`open_run_engine`), compare the baseline with the dropped configuration (`tdutils.runs.compare`: A B A B ...,
+    an untimed warm-up first) and report (`report_run`); Ctrl-C keeps the runs that finished (`Interrupted`)."""
+    out = check_output_path(args.json_path, "--json", example="runs/run.json")  # before any work
+    check_device_output(out, "--json")  # /dev/full would fail only after all the work
+    plan = plan_run(args)
+    engine, prompt_ids = open_run_engine(args, plan)
     drop_fn = make_drop_fn(args.policy, drop_ratio=args.drop_ratio, model_config=engine.facts,
-                           rerotate=args.positions == "compact", granularity=args.granularity, **params)
-    name = f"{args.policy}@{args.drop_ratio:g}" + ("" if args.granularity == "request" else f"/{args.granularity}")
-    print(f"engine={args.engine} model={args.model} dataset={args.dataset} requests={len(rows)} "
+                           rerotate=args.positions == "compact", granularity=args.granularity, **plan.params)
+    print(f"engine={args.engine} model={args.model} dataset={args.dataset} requests={len(plan.rows)} "
           f"prompt tokens={sum(map(len, prompt_ids))} max_tokens={args.max_tokens} "
           f"kv_budget_tokens={engine.kv_budget_tokens} positions={args.positions}", flush=True)
-
-    # A B A B ...: both configurations see the same machine noise, each ratio is taken within one repeat; an
-    # untimed warm-up of both comes first (a process's first forward passes can be many times slower). The runs
-    # are collected here (as `compare` does) so that Ctrl-C keeps the ones that finished.
-    results: dict[str, RunResult] = {}
-    finished = []
+    progress = (lambda line: print(line, flush=True)) if args.repeats > 1 else None
     try:
-        for _, run_name, res, _ in alternate_runs(
-                engine, prompt_ids, {name: drop_fn}, max_tokens=args.max_tokens, repeats=args.repeats,
-                progress=(lambda line: print(line, flush=True)) if args.repeats > 1 else None):
-            earlier = results[run_name].repeats if run_name in results else []
-            results[run_name] = RunResult(run_name, res.outputs, res.metrics, repeats=[*earlier, res.metrics])
-            finished.append(res.metrics)
-    except KeyboardInterrupt:
-        accuracy, notes = _accuracy(rows, scored, results, random_weights, args.model, ruler_task, quiet=True)
-        report = {"args": _args_dict(args), "interrupted": True, "accuracy": accuracy, "notes": notes,
-                  "runs": [m.to_dict() for m in finished]}
-        if not finished:
-            print("python -m tdutils run: interrupted before any run finished; nothing was written", file=sys.stderr)
-        else:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
-            print(f"python -m tdutils run: interrupted; the {len(finished)} finished run(s) are in {out} "
-                  f"(\"interrupted\": true)", file=sys.stderr)
-        return INTERRUPTED
-    table = phase_table(results.values(), baseline="baseline")
+        results, table = compare(engine, prompt_ids, {plan.name: drop_fn}, max_tokens=args.max_tokens,
+                                 repeats=args.repeats, progress=progress)
+    except Interrupted as stop:
+        return _write_interrupted(args, plan, out, stop)
+    return report_run(args, plan, out, results, table)
+
+
+RUN_COLUMNS = ["requests", "prompt_tokens", "kv_tokens_after", "kept_fraction", "prefill_s", "modify_s",
+               "decode_tokens", "decode_s", "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max", "tpot_mean_s",
+               "peak_batch", "kv_budget_tokens", "end_to_end_s", "decode_speedup", "decode_speedup_min",
+               "decode_speedup_max", "capacity_limit"]
+
+
+def report_run(args, plan: RunPlan, out, results, table) -> int:
+    """Print `run`'s phase table, speed-up line, notes and accuracy, and write its JSON to `out`; exit status 0."""
+    name = plan.name
     runs = [m.to_dict() for pair in zip(results["baseline"].repeats, results[name].repeats) for m in pair]
-    speedups = repeat_ratios(results["baseline"], results[name])
-    med = float(table.loc[name, "decode_speedup"])
-    cols = ["requests", "prompt_tokens", "kv_tokens_after", "kept_fraction", "prefill_s", "modify_s", "decode_tokens", "decode_s",
-            "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max", "tpot_mean_s", "peak_batch", "kv_budget_tokens",
-            "end_to_end_s", "decode_speedup", "decode_speedup_min", "decode_speedup_max", "capacity_limit"]
+    import pandas as pd  # seconds to import; `_preload` has it loaded before a run
+
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", _fmt):
-        print(table[cols].T.to_string())
-    print(f"\n{speedup_line(table, name)}")
-    speed_notes = speedup_notes(table)
+        print(table[RUN_COLUMNS].T.to_string())
+    print(f"\n{metrics.speedup_line(table, name)}")
+    speed_notes = metrics.speedup_notes(table)
     for line in speed_notes:
         print(f"note: {line}")
-    accuracy, notes = _accuracy(rows, scored, results, random_weights, args.model, ruler_task)
-    notes = [*notes, *speed_notes]  # the JSON keeps every note the run printed
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"args": _args_dict(args), "interrupted": False, "decode_speedups": speedups,
-              "decode_speedup_median": med, "accuracy": accuracy, "notes": notes,
+    accuracy, notes = _accuracy(args, plan, results)
+    report = {"args": _args_dict(args), "interrupted": False,
+              "decode_speedups": metrics.repeat_ratios(results["baseline"], results[name]),
+              "decode_speedup_median": float(table.loc[name, "decode_speedup"]), "accuracy": accuracy,
+              "notes": [*notes, *speed_notes],  # the JSON keeps every note the run printed
               "table": json.loads(table.reset_index().to_json(orient="records")), "runs": runs}
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
     print(f"wrote {out}")
     return 0
+
+
+def _write_interrupted(args, plan: RunPlan, out, stop: Interrupted) -> int:
+    """Ctrl-C stopped `run`: write the finished runs to `out`, marked `"interrupted": true`; exit status 130."""
+    accuracy, notes = _accuracy(args, plan, stop.results, quiet=True)
+    if not stop.runs:
+        print("python -m tdutils run: interrupted before any run finished; nothing was written", file=sys.stderr)
+        return INTERRUPTED
+    report = {"args": _args_dict(args), "interrupted": True, "accuracy": accuracy, "notes": notes,
+              "runs": [m.to_dict() for m in stop.runs]}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
+    print(f"python -m tdutils run: interrupted; the {len(stop.runs)} finished run(s) are in {out} "
+          f"(\"interrupted\": true)", file=sys.stderr)
+    return INTERRUPTED
 
 
 def _args_dict(args) -> dict:
@@ -356,30 +392,28 @@ EOS_NOTE = ("answers are scored up to each response's first EOS token: decoding 
             "decodes the same number of tokens, and what a model writes after its EOS is not its answer")
 
 
-def _accuracy(rows, scored, results, random_weights: bool, model: str, ruler_task, *, quiet: bool = False):
+def _accuracy(args, plan: RunPlan, results, *, quiet: bool = False):
     """`(accuracy, notes)` of the finished runs: `{run name: ScoreReport.to_dict()}` over the rows with a gold
-    answer (`scored`), and the notes printed with them (what the figures mean, or why there are none). Prints the
-    accuracy and note lines unless `quiet`."""
-    from .answers import score_rows
-
+    answer (`plan.scored`, by `plan.task`'s scorer), and the notes printed with them (what the figures mean, or
+    why there are none). Prints the accuracy and note lines unless `quiet`."""
     notes = []
-    if random_weights:
-        notes.append(f"no accuracy: {model} has random weights (a real architecture's shapes, for throughput "
+    if plan.random_weights:
+        notes.append(f"no accuracy: {args.model} has random weights (a real architecture's shapes, for throughput "
                      f"and memory only), so its answers mean nothing")
-    elif not scored:
+    elif not plan.scored:
         notes.append("no accuracy: no row of the dataset has a gold 'answer'")
     reports = {}
-    if scored:
-        ok = [r.answer is not None for r in rows]
-        reports = {run_name: score_rows(scored, [o.answer for o, has in zip(res.outputs, ok) if has])
-                   for run_name, res in results.items()}
+    if plan.scored:
+        ok = [r.answer is not None for r in plan.rows]
+        reports = {run_name: score_rows(plan.scored, [o.answer for o, has in zip(res.outputs, ok) if has],
+                                        task=plan.task) for run_name, res in results.items()}
     for run_name, rep in reports.items():
         lo, hi = rep.ci95 or (float("nan"), float("nan"))
         if not quiet:
             print(f"accuracy {run_name} ({rep.mode}): {rep} [95% CI {100 * lo:.0f}-{100 * hi:.0f}%]")
     if reports:
-        notes += accuracy_notes(reports, chance=None if ruler_task else _chance(scored),
-                                missing=len(rows) - len(scored)) + [EOS_NOTE]
+        chance = 1 / len(CHOICES) if plan.task.name == MC_SAMPLE_NAME else None  # four-choice guessing
+        notes += accuracy_notes(reports, chance=chance, missing=len(plan.rows) - len(plan.scored)) + [EOS_NOTE]
     if not quiet:
         for line in notes:
             print(f"note: {line}")

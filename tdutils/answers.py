@@ -5,15 +5,15 @@ documents; `build_prompt` and `extract_answer(mode="official")` reproduce its 0-
 answer parsing, so accuracy figures compare with published ones. Added: a `lenient` extraction mode (reported
 separately, never mixed into `official`); `score_answers`, where every response counts in the denominator (empty
 and unparsed ones count as wrong and are reported), with per-difficulty and per-length buckets and 95% Wilson
-intervals; `score_passkey` (exact digits, the bundled model's task, §8); `score_rows` / `task_scorer`, which score
-rows of the built-in tasks (RULER templates, word-level tasks) by their own scorer.
+intervals; `score_passkey` (exact digits, the bundled model's task, §8); `score_task` (the word-level RULER-style tasks). Rows of a
+dataset are scored by their task's scorer (`tdutils.eval.tasks.score_rows`), built from these.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 # The official LongBench-v2 0-shot template (THUDM/LongBench, prompts/0shot.txt), word for word: the
@@ -449,63 +449,3 @@ def score_task(task: str, values: Sequence[str], response: str | None) -> tuple[
             remaining.remove(g)
             found += 1
     return (found == len(gold) and not remaining), found / len(gold)
-
-
-def task_scorer(task) -> Callable[[Sequence[str], str | None], tuple[bool, float]] | None:
-    """`scorer(values, response) -> (exact, partial)` of a built-in task's rows: a word-level RULER-style task
-    (`score_task`) or a RULER template `ruler_<task>` (`tdutils.ruler.score_ruler`); None for any other name."""
-    from .data import RULER_TASKS, ruler_template
-
-    if task in RULER_TASKS:
-        return lambda values, response: score_task(task, values, response)
-    name = ruler_template(task)
-    if name is None:
-        return None
-    from .ruler import score_ruler
-
-    return lambda values, response: score_ruler(name, values, response)
-
-
-def score_rows(rows, responses: Sequence[str | None], *, mode: str = "official") -> ScoreReport:
-    """Score responses against dataset rows, choosing the scoring their gold answers call for.
-
-    Rows of a built-in task (`meta["task"]`, e.g. `load_prompts("ruler_niah_single_1", model=...)`) are scored by
-    that task's scorer (`task_scorer`; RULER: every reference in the response); passkey rows (gold answers made of
-    digits, e.g. the bundled `sample`) by `score_passkey`;
-    multiple-choice rows (gold `A`..`D`, e.g. the demo datasets or `mc-sample`) by `score_answers` with
-    `mode`, using the rows' `difficulty` / `length` labels when present.
-
-    Args:
-        rows: `tdutils.data.PromptRow`s or dicts with `answer` (and optional `difficulty`, `length`).
-        responses: generated texts aligned with `rows`.
-
-    Raises:
-        ValueError: a row without a gold answer, or gold answers that are neither all digits nor all A-D.
-    """
-    def field(row, name):
-        if isinstance(row, Mapping):
-            return row.get(name)
-        return getattr(row, name, None) if name == "answer" else getattr(row, "meta", {}).get(name)
-
-    if isinstance(responses, str):
-        raise TypeError("responses must be a list with one text per row, not a single string")
-    metas = [(r.get("meta") if isinstance(r, Mapping) else getattr(r, "meta", None)) or {} for r in rows]
-    if rows and all("values" in m and task_scorer(m.get("task")) is not None for m in metas):
-        # rows of built-in tasks (data.load_prompts("ruler_...")): each row by its task's own scorer
-        if len(responses) != len(rows):
-            raise ValueError(f"{len(responses)} responses for {len(rows)} rows: pass one response per row")
-        ok = [task_scorer(m["task"])(m["values"], t)[0] for m, t in zip(metas, responses)]
-        names = ", ".join(dict.fromkeys(m["task"] for m in metas))
-        return ScoreReport(mode=f"{names}: every reference", correct=sum(ok), total=len(ok), unparsed=0,
-                           is_correct=ok)
-    gold = [field(r, "answer") for r in rows]
-    if any(g is None for g in gold):
-        raise ValueError("every row needs a gold 'answer' to be scored")
-    gold = [str(g).strip() for g in gold]
-    if all(re.fullmatch(r"[0-9\s]+", g) for g in gold):
-        return score_passkey(gold, responses)
-    if all(g in CHOICES for g in gold):
-        labels = {n: [field(r, n) for r in rows] for n in ("difficulty", "length")}
-        labels = {n: v if any(x is not None for x in v) else None for n, v in labels.items()}
-        return score_answers(gold, responses, mode=mode, **labels)
-    raise ValueError(f"cannot tell how to score gold answers like {gold[:3]}: expected digit passkeys or letters A-D")

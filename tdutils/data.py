@@ -7,6 +7,7 @@ English text `assets/sample/filler.txt`, whose words never include the markers `
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -95,26 +96,19 @@ def make_passkey_dataset(n: int, context_tokens: int, *, tokenizer, seed: int) -
 
 
 def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None, split: str = "train",
-                 prompt_column: str = "prompt", answer_column: str = "answer", model=None, tokenizer=None,
-                 context_tokens: int = 2048, chat_template: str | bool = "auto", seed: int = 0) -> list[PromptRow]:
-    """Load prompts from the bundled sample, a local file, a Hugging Face hub dataset, or RULER's templates.
+                 prompt_column: str = "prompt", answer_column: str = "answer") -> list[PromptRow]:
+    """Read prompts from the bundled samples, a local file or a Hugging Face hub dataset.
+
+    Generated datasets (a registered task such as `"ruler_niah_single_1"`, made for a model's tokenizer) are
+    `tdutils.eval.tasks.load_rows`'s, which reads everything else through this function.
 
     Args:
         dataset: `"sample"` (bundled: 16 passkey prompts of ~1k tokens), `"mc-sample"` (bundled English
-            multiple-choice prompts, see `load_mc_sample`), a RULER template task (`ruler_` + a name of `tdutils.ruler`) such as
-            `"ruler_niah_single_1"` (made for a real model's tokenizer: pass `model` or `tokenizer`), a local
-            `.jsonl`/`.json`/`.csv`/`.parquet` file, or a hub id such as `raniayu/token-dropping-demo-short`.
-        num_requests: keep the first `num_requests` rows (None: all; RULER tasks: 16). Fewer rows than asked is an
-            error.
+            multiple-choice prompts, see `load_mc_sample`), a local `.jsonl`/`.json`/`.csv`/`.parquet` file, or a
+            hub id such as `raniayu/token-dropping-demo-short`.
+        num_requests: keep the first `num_requests` rows (None: all). Fewer rows than asked is an error.
+        split: the hub split (ignored for local files).
         prompt_column / answer_column: columns holding the prompt text and the gold answer.
-        model, tokenizer: RULER tasks only: the tokenizer the prompts are made for (exact token counts), or the
-            model whose tokenizer to load (`tdutils.models.load_tokenizer`); other datasets ignore both.
-        context_tokens, chat_template, seed: RULER tasks only: prompt length in tokens, `"auto"` / `"none"`
-            (`tdutils.chat.uses_chat_template`) and the dataset seed.
-
-    A RULER row's `prompt` is its token ids (list[int], what `Engine.tokenize` passes through), `answer` the gold
-    references joined by `", "`, and `meta` holds `task`, `values` and `chat_template`; `tdutils.answers.score_rows`
-    scores such rows with the task's own scorer.
 
     Values arrive exactly as the file holds them (docs/design.md §7): text files are read as UTF-8 (a byte-order mark
     tolerated); a CSV cell is text as written, never type-guessed (`04819` stays `"04819"`, `NA` stays
@@ -126,18 +120,12 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
         FileNotFoundError: a local path that does not exist.
         ValueError: the dataset has no rows (an empty file, a CSV header alone), the rows lack `prompt_column`, or
             the dataset has fewer rows than `num_requests`; a file that does not parse (the message names it and
-            the line where one is known).
+            the line where one is known); a registered task's name (read with `tdutils.eval.tasks.load_rows`).
         NotUTF8Error (a ValueError): a text file that is not UTF-8 (the message names the line and byte offset).
         ConnectionError: a hub dataset that cannot be downloaded (offline); says how to pass a local file.
-        ValueError (RULER tasks): a bundled or `random:ARCH` model, or a tokenizer that reads English as its
-            unknown token (`tdutils.ruler.check_ruler_model`, `check_spells_english`: the prompts would hold no
-            needle); a `context_tokens` below the task's floor for the tokenizer (`tdutils.ruler.min_context_tokens`).
     """
     if num_requests is not None and num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
-    if ruler_template(dataset) is not None:
-        return _ruler_rows(dataset, 16 if num_requests is None else num_requests, model=model, tokenizer=tokenizer,
-                           context_tokens=context_tokens, chat_template=chat_template, seed=seed)
     rows = _read_rows(dataset, split)
     if not rows:  # an empty file, blank lines only, a CSV header alone, `[]`: nothing to run is not a dataset
         where = f"dataset file {str(Path(dataset).expanduser())!r}" if Path(dataset).expanduser().is_file() \
@@ -168,35 +156,8 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
     return out
 
 
-RULER_PREFIX = "ruler_"  # dataset and task names of RULER's templates: "ruler_" + RULER's own task name (two of
-# which, niah_multivalue and niah_multiquery, are also names of word-level tasks)
-
-
-def ruler_template(dataset) -> str | None:
-    """RULER's own task name (`tdutils.ruler.RULER_TEMPLATE_TASKS`) of a dataset or task name `ruler_<task>`, else
-    None."""
-    from .ruler import RULER_TEMPLATE_TASKS
-
-    if isinstance(dataset, str) and dataset.startswith(RULER_PREFIX) and dataset[len(RULER_PREFIX):] in RULER_TEMPLATE_TASKS:
-        return dataset[len(RULER_PREFIX):]
-    return None
-
-
-def _ruler_rows(task: str, n: int, *, model, tokenizer, context_tokens: int, chat_template, seed: int) -> list[PromptRow]:
-    from .models import load_tokenizer
-    from .ruler import check_ruler_model, make_ruler_dataset
-
-    check_ruler_model(model, f"dataset {task!r}")  # a bundled or random:ARCH model, even with its tokenizer given
-    if tokenizer is None:
-        if model is None:
-            raise ValueError(f"dataset {task!r} is made for a model's own tokenizer: pass model= (e.g. 'smollm2-135m') "
-                             f"or tokenizer=")
-        tokenizer = load_tokenizer(model)
-    examples = make_ruler_dataset(ruler_template(task), n, context_tokens, tokenizer=tokenizer, seed=seed,
-                                  chat_template=chat_template)
-    return [PromptRow(prompt=list(e["prompt_ids"]), answer=", ".join(e["values"]),
-                      meta={"task": task, "values": list(e["values"]), "chat_template": e["chat_template"]})
-            for e in examples]
+RULER_PREFIX = "ruler_"  # task names of RULER's templates: "ruler_" + RULER's own task name (two of which,
+# niah_multivalue and niah_multiquery, are also names of word-level tasks)
 
 
 def locate_text(tokenizer, ids: Sequence[int], text: str) -> tuple[int, int] | None:
@@ -498,7 +459,7 @@ def _task_parts(task: str, rng: random.Random) -> tuple[list[str], str, str, lis
     if task == "variable_tracking":
         names = rng.sample(TASK_KEY_WORDS, TASK_HOPS + 1)
         value = _value(rng)
-        needles = [f"pass key {names[0]} {value} ."] + [f"pass key {b} {a} ." for a, b in zip(names, names[1:])]
+        needles = [f"pass key {names[0]} {value} ."] + [f"pass key {b} {a} ." for a, b in itertools.pairwise(names)]
         return needles, f"pass key ? {value} :", " ".join(names) + " .", names
     raise ValueError(f"unknown task {task!r}; choose one of {', '.join(RULER_TASKS)}")
 

@@ -1,9 +1,12 @@
-"""Runs over an open engine: one configuration (`run_once`), a baseline against drop functions measured
+"""Runs over an open engine: one configuration (`run_once`), a baseline against configurations measured
 alternately (`alternate_runs`, `compare`), and the default KV budget (`default_kv_budget`).
 
-`compare` runs a baseline and one or more drop functions on the same prompts, alternately (`repeats` rounds of
-baseline, fn1, fn2, ...), so that load from other work on the machine hits every configuration alike; the
-ratios are taken per repeat, against the baseline of the same repeat. `tdutils.sweep` builds on it.
+A configuration (`RunConfig`) is a drop function applied once after prefill, a decode-time compression
+(`tdutils.compression.Compression`, a budget held while the cache grows), or both. `compare` runs a baseline and
+one or more configurations on the same prompts, alternately (`repeats` rounds of baseline, c1, c2, ...), so that
+load from other work on the machine hits every configuration alike; the ratios are taken per repeat, against the
+baseline of the same repeat. Ctrl-C during `compare` raises `Interrupted`, which carries the runs that finished.
+`tdutils.sweep`, `python -m tdutils run` and `bench/decode_compression.py` build on it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .compression import Compression
 from .edit import as_drop_fn
 from .metrics import RunMetrics, phase_table
 
@@ -65,8 +69,51 @@ def default_kv_budget(prompt_lengths, max_tokens: int, full_requests: float = DE
     return math.ceil(full_requests * (max(lengths) + int(max_tokens)))
 
 
-def run_once(engine, prompts, *, name: str = "baseline", drop_fn=None, max_tokens: int = 64, **decode_kwargs) -> RunResult:
-    """Prefill `prompts`, apply `drop_fn` (None: baseline, no modify), decode `max_tokens` per request.
+@dataclass(frozen=True)
+class RunConfig:
+    """One configuration of a comparison: what is done to the caches between prefill and the end of decoding.
+
+    Attributes:
+        drop_fn: a drop function (`make_drop_fn`, `DropFn`, or a bare modify function) applied once after
+            prefill (`engine.modify`); None: none.
+        compression: a decode-time compression (`tdutils.compression.Compression`, R-KV's setting,
+            arXiv:2505.24133) held while the cache grows (`engine.decode(compression=...)`); None: none.
+    The baseline is `RunConfig()` (neither).
+    """
+
+    drop_fn: object = None
+    compression: Compression | None = None
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.drop_fn is None and self.compression is None
+
+
+def as_config(value) -> RunConfig:
+    """`value` as a `RunConfig`: None (the baseline), a `RunConfig`, a `Compression`, or a drop function."""
+    if value is None:
+        return RunConfig()
+    if isinstance(value, RunConfig):
+        return value
+    if isinstance(value, Compression):
+        return RunConfig(compression=value)
+    return RunConfig(drop_fn=value)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C stopped `compare`: `results` maps each configuration that finished at least one run to its
+    `RunResult` (as `compare` returns them), `runs` lists the `RunMetrics` of every finished run in run order.
+    A `KeyboardInterrupt`, so code that catches Ctrl-C still does."""
+
+    def __init__(self, results: dict, runs: list):
+        super().__init__(f"interrupted after {len(runs)} finished run(s)")
+        self.results, self.runs = results, runs
+
+
+def run_once(engine, prompts, *, name: str = "baseline", drop_fn=None, compression: Compression | None = None,
+             max_tokens: int = 64, **decode_kwargs) -> RunResult:
+    """Prefill `prompts`, apply `drop_fn` (None: no modify), decode `max_tokens` per request, holding
+    `compression` (a `Compression`; None: none) while the caches grow.
 
     A drop function that records per-run timings (`DropFn.timed()`) is reset before
     this run's modify, so what it records afterwards describes this run only: reusing it in a second run
@@ -80,6 +127,8 @@ def run_once(engine, prompts, *, name: str = "baseline", drop_fn=None, max_token
         drop_fn = as_drop_fn(drop_fn)
         drop_fn.reset()
         engine.modify(drop_fn)
+    if compression is not None:  # only then: an engine without decode-time compression still runs the rest
+        decode_kwargs["compression"] = compression
     outputs = engine.decode(max_tokens=max_tokens, **decode_kwargs)
     metrics = engine.metrics
     metrics.name = name
@@ -93,69 +142,96 @@ def _warmup_tokens(max_tokens):
     return [min(4, int(m)) for m in list(max_tokens.tolist() if hasattr(max_tokens, "tolist") else max_tokens)[:4]]
 
 
-def alternate_runs(engine, prompts, drop_fns: dict, *, max_tokens=64, repeats: int = 3, warmup: bool = True,
-                   progress=None, **decode_kwargs):
-    """Run the baseline and every drop function `repeats` times, alternately: baseline, fn1, fn2, ..., baseline, ...
+ORDERS = ("same", "alternate")  # every repeat baseline, c1, c2, ...; or that order, then reversed, then ...
+
+
+def run_orders(names, repeats: int, order: str = "same") -> list[list[str]]:
+    """The run order of every repeat: `names` each time (`"same"`), or forward then backward (`"alternate"`:
+    drift over the run hits every configuration alike)."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    names = list(names)
+    return [names if order == "same" or r % 2 == 0 else names[::-1] for r in range(repeats)]
+
+
+def _check_configs(configs: dict, repeats) -> dict[str, RunConfig]:
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1 (rounds of baseline and every configuration), got {repeats!r}")
+    if "baseline" in configs:
+        raise ValueError("a drop function is named 'baseline', the name of the run without dropping or compression; "
+                         "rename it")
+    return {"baseline": RunConfig(), **{name: as_config(c) for name, c in configs.items()}}
+
+
+def alternate_runs(engine, prompts, configs: dict, *, max_tokens=64, repeats: int = 3, warmup: bool = True,
+                   progress=None, order: str = "same", **decode_kwargs):
+    """Run the baseline and every configuration `repeats` times, alternately: baseline, c1, c2, ..., baseline, ...
 
     Yields `(repeat, name, RunResult, ratio)` as each run finishes, `ratio` being its decode tok/s over the
-    baseline's of the same repeat (1.0 for the baseline). Each repeat measures every configuration back to back,
-    so load from other work hits them alike and cancels in the ratio; a repeat the load hit unevenly shows up as
-    a ratio far from the others.
+    baseline's of the same repeat (1.0 for the baseline; None for a run that comes before the baseline in its
+    repeat, `order="alternate"`). Each repeat measures every configuration back to back, so load from other work
+    hits them alike and cancels in the ratio; a repeat the load hit unevenly shows up as a ratio far from the others.
 
     Args:
-        engine: an open engine (`prefill`, `modify`, `decode`, `metrics`; `tokenize` when it has one).
+        engine: an open engine (`prefill`, `modify`, `decode`, `metrics`; `tokenize` when it has one; `decode`
+            takes `compression=` when a configuration has one).
         prompts: strings, rows or token-id lists (tokenized once).
-        drop_fns: name -> drop function; names must be unique and not "baseline".
+        configs: name -> configuration (`RunConfig`, a drop function, or a `Compression`); names must be unique
+            and not "baseline".
         max_tokens: decode tokens per request (an int, or one per request).
         repeats: rounds (>= 1).
-        warmup: first run the baseline and every drop function once, untimed, on the first 4 prompts with 4 decode
+        warmup: first run the baseline and every configuration once, untimed, on the first 4 prompts with 4 decode
             tokens: a process's first forward passes (allocator, kernels, thread pools) can be many times slower
             and would count against whichever configuration runs first.
         progress: callable taking one line per run (None: silent).
+        order: `"same"` (every repeat baseline first) or `"alternate"` (`run_orders`).
         **decode_kwargs: passed to `engine.decode` (e.g. `ignore_eos=True`).
 
     Raises:
-        ValueError: `repeats` < 1, or a drop function named "baseline".
+        ValueError: `repeats` < 1, a configuration named "baseline", or an unknown order.
     """
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1 (rounds of baseline and every drop function), got {repeats!r}")
-    if "baseline" in drop_fns:
-        raise ValueError("a drop function is named 'baseline', the name of the run without dropping; rename it")
+    fns = _check_configs(configs, repeats)
+    orders = run_orders(fns, repeats, order)
     ids = engine.tokenize(prompts) if hasattr(engine, "tokenize") else prompts
     from .engines.base import check_max_tokens
 
     check_max_tokens(max_tokens, len(ids))  # before the warm-up reads it: a clear error naming max_tokens
-    fns = {"baseline": None, **drop_fns}
     if warmup:
-        for name, fn in fns.items():
-            run_once(engine, ids[:4], name="warm-up", drop_fn=fn, max_tokens=_warmup_tokens(max_tokens), **decode_kwargs)
-    for rep in range(repeats):
+        for cfg in fns.values():
+            run_once(engine, ids[:4], name="warm-up", drop_fn=cfg.drop_fn, compression=cfg.compression,
+                     max_tokens=_warmup_tokens(max_tokens), **decode_kwargs)
+    for rep, names in enumerate(orders):
         base_tps = None
-        for name, fn in fns.items():
-            res = run_once(engine, ids, name=name, drop_fn=fn, max_tokens=max_tokens, **decode_kwargs)
+        for name in names:
+            cfg = fns[name]
+            res = run_once(engine, ids, name=name, drop_fn=cfg.drop_fn, compression=cfg.compression,
+                           max_tokens=max_tokens, **decode_kwargs)
             tps = res.metrics.decode.tokens_per_s
-            base_tps = tps if fn is None else base_tps
-            ratio = tps / base_tps
+            base_tps = tps if name == "baseline" else base_tps
+            ratio = None if base_tps is None else tps / base_tps
             if progress:
                 d, m = res.metrics.decode, res.metrics.modify
+                shown = "x?" if ratio is None else f"x{ratio:.2f}"
                 progress(f"repeat {rep + 1}/{repeats} {name:>24}: decode {tps:9.1f} tok/s, peak batch "
-                         f"{d.peak_batch_size}, modify {m.seconds:.3f} s, x{ratio:.2f}")
+                         f"{d.peak_batch_size}, modify {m.seconds:.3f} s, {shown}")
             yield rep, name, res, ratio
 
 
-def compare(engine, prompts, drop_fns: dict, *, max_tokens=64, repeats: int = 3, warmup: bool = True, progress=None,
-            **decode_kwargs):
-    """Run the baseline and each named drop function on the same prompts, alternately, `repeats` times.
+def compare(engine, prompts, configs: dict, *, max_tokens=64, repeats: int = 3, warmup: bool = True, progress=None,
+            order: str = "same", **decode_kwargs):
+    """Run the baseline and each named configuration on the same prompts, alternately, `repeats` times.
 
     Args:
         engine: an open engine; its `kv_budget_tokens` is the fixed budget every run decodes under.
         prompts: strings, rows or token-id lists.
-        drop_fns: name -> drop function (`make_drop_fn`); names must be unique and not "baseline".
+        configs: name -> configuration: a drop function (`make_drop_fn`), a decode-time compression
+            (`tdutils.compression.Compression`), or both (`RunConfig`); names must be unique and not "baseline".
         max_tokens: decode tokens per request.
-        repeats: rounds of baseline, fn1, fn2, ... (default 3; 1 for a quick look, which shows no spread). See
+        repeats: rounds of baseline, c1, c2, ... (default 3; 1 for a quick look, which shows no spread). See
             `alternate_runs`.
         warmup: an untimed warm-up of every configuration first (see `alternate_runs`).
         progress: callable taking one line per run (e.g. `print`), or None.
+        order: `"same"` or `"alternate"` (`run_orders`).
         **decode_kwargs: passed to `engine.decode`.
 
     Returns:
@@ -166,11 +242,17 @@ def compare(engine, prompts, drop_fns: dict, *, max_tokens=64, repeats: int = 3,
         `tdutils.metrics.speedup_notes(table)` says when a ratio does not measure what dropping buys.
 
     Raises:
-        ValueError: `repeats` < 1, or a drop function named "baseline".
+        ValueError: `repeats` < 1, or a configuration named "baseline".
+        Interrupted: Ctrl-C (a `KeyboardInterrupt`); its `results` and `runs` hold the runs that finished.
     """
     results: dict[str, RunResult] = {}
-    for _, name, res, _ in alternate_runs(engine, prompts, drop_fns, max_tokens=max_tokens, repeats=repeats,
-                                          warmup=warmup, progress=progress, **decode_kwargs):
-        earlier = results[name].repeats if name in results else []
-        results[name] = RunResult(name, res.outputs, res.metrics, repeats=[*earlier, res.metrics])
+    runs = []
+    try:
+        for _, name, res, _ in alternate_runs(engine, prompts, configs, max_tokens=max_tokens, repeats=repeats,
+                                              warmup=warmup, progress=progress, order=order, **decode_kwargs):
+            earlier = results[name].repeats if name in results else []
+            results[name] = RunResult(name, res.outputs, res.metrics, repeats=[*earlier, res.metrics])
+            runs.append(res.metrics)
+    except KeyboardInterrupt:
+        raise Interrupted(results, runs) from None
     return results, phase_table(results.values(), baseline="baseline")

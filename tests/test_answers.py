@@ -364,8 +364,8 @@ def test_mc_sample_is_reproducible(tmp_path):
 
 
 def test_score_rows_picks_passkey_or_multiple_choice_scoring():
-    from tdutils.answers import score_rows
     from tdutils.data import PromptRow
+    from tdutils.eval.tasks import score_rows
 
     rows = [PromptRow("p", "1 2 3 4 5"), PromptRow("p", "0 0 0 0 1")]
     rep = score_rows(rows, ["1 2 3 4 5 and more", "0 0 0 0"])

@@ -16,8 +16,9 @@ import pytest
 
 import tdutils
 import tdutils.__main__ as cli
-from tdutils.answers import score_passkey, score_rows, wilson_interval
+from tdutils.answers import score_passkey, wilson_interval
 from tdutils.data import load_prompts
+from tdutils.eval.tasks import score_rows
 from tdutils.textio import NotUTF8Error
 
 ROOT = Path(tdutils.__file__).resolve().parents[1]

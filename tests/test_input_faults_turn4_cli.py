@@ -145,17 +145,17 @@ def test_run_json_to_a_full_device_is_refused_before_the_work(monkeypatch, capsy
 # ------------------------------------------------------------------------------------------ item 9, item 11: RULER
 def test_ruler_prompts_for_a_random_model_are_refused():
     """random:ARCH's id tokenizer reads English as its unknown token: the prompts held no needle, silently."""
-    from tdutils.data import load_prompts
+    from tdutils.eval.tasks import load_rows
     from tdutils.models import load_tokenizer
 
     with pytest.raises(ValueError, match=r"random:qwen3-0\.6b:1L has random weights and an id tokenizer"):
-        load_prompts("ruler_niah_single_1", model="random:qwen3-0.6b:1L", num_requests=1, context_tokens=256)
+        load_rows("ruler_niah_single_1", model="random:qwen3-0.6b:1L", num_requests=1, context_tokens=256)
     with pytest.raises(ValueError, match="cannot spell RULER's English text"):  # its tokenizer alone
-        load_prompts("ruler_niah_single_1", tokenizer=load_tokenizer("random:qwen3-0.6b"), num_requests=1,
-                     context_tokens=256)
+        load_rows("ruler_niah_single_1", tokenizer=load_tokenizer("random:qwen3-0.6b"), num_requests=1,
+                  context_tokens=256)
     with pytest.raises(ValueError, match="reads only its own word-level vocabulary"):  # the bundled one, tokenizer given
-        load_prompts("ruler_niah_single_1", model="tiny-qwen3", tokenizer=load_tokenizer("tiny-qwen3"),
-                     num_requests=1, context_tokens=256)
+        load_rows("ruler_niah_single_1", model="tiny-qwen3", tokenizer=load_tokenizer("tiny-qwen3"),
+                  num_requests=1, context_tokens=256)
 
 
 def test_ruler_minimum_length_does_not_depend_on_the_seed(bpe_tokenizer):

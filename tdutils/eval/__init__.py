@@ -2,7 +2,8 @@
 
 Modules, from the bottom up: `common` (seeds, checks run once at an entry, the Wilson interval of a cell),
 `statistics` (paired tests of cells on the same prompts: exact McNemar, paired bootstrap, Holm), `tasks`
-(the task registry: passkey, the word-level RULER-style tasks, RULER's templates; a new task is one file),
+(the task registry, and datasets as tasks: `load_rows`, `score_rows`; each family of tasks is one file
+`task_<name>.py`: passkey, word-level, RULER's templates, the bundled samples, partial credit, text fidelity),
 `runner` (`task_eval`, `passkey_eval`: one loop over `build_cells` / `run_cells`), `report` (tables, leaderboard,
 ranking, notes, JSON, plots) and `cli` (`python -m tdutils eval`, defaults from the tasks' registrations). This
 package re-exports their public names (docs/design.md §7).

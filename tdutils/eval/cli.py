@@ -13,9 +13,17 @@ without running them again; a progress bar with an ETA runs on stderr unless `--
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
+from ..chat import uses_chat_template
+from ..cli_args import INTERRUPTED, usable_cores
+from ..models import check_context_lengths, context_window, resolve_model
+from ..policies import policy_names
+from ..policies.cli import policy_arguments, policy_params
 from .common import (
     DEV_SEED,
     FULL,
@@ -51,8 +59,6 @@ POLICY_OPTION_SKIP = ("seed",)
 
 def _split(values: Iterable[str], cast, what: str) -> list:
     """Accept `--x a b c`, `--x a,b,c` and mixtures."""
-    import argparse
-
     out = []
     for v in values:
         for part in str(v).split(","):
@@ -66,8 +72,6 @@ def _split(values: Iterable[str], cast, what: str) -> list:
 
 def _seed_option(text: str) -> int:
     """argparse type of `--seed`: `check_seed` on the command line's text."""
-    import argparse
-
     try:
         return check_seed(int(text))
     except ValueError as exc:
@@ -146,8 +150,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ignore-eos", action="store_true",
                         help="decode every request to its decode-token count instead of stopping it at its first EOS "
                              "(the answers, scored up to the first EOS, are the same; only slower)")
-    from ..policies.cli import policy_arguments
-
     policy_arguments(parser, skip=POLICY_OPTION_SKIP)  # --window, --n-sink, ...: each reaches every policy with it
 
 
@@ -158,8 +160,6 @@ def parse_tasks(values: Iterable[str]) -> list[str]:
     Raises:
         ValueError: an unknown task, or a `"lengths"` task mixed with other tasks (its table has no task column).
     """
-    import argparse
-
     try:
         tasks = _split(values, str, "task")
     except argparse.ArgumentTypeError as exc:
@@ -190,14 +190,39 @@ def default_tasks(model: str | None) -> list[str]:
     """The tasks `eval` runs without `--tasks`: those registered with `model` as their default model (no model: the
     first registered task's, `passkey` on `tiny-qwen3`); for a model that is not bundled, the tasks that need a real
     model. A `"lengths"` task runs alone, so only the first of those is taken."""
-    from ..models import resolve_model
-
     if model is None:
         model = get_task(task_names()[0]).defaults.model
     if resolve_model(model, check=False).kind != "bundled":
         return [t for t in _grouped() if get_task(t).defaults.real_model]
     own = [t for t in task_names() if get_task(t).defaults.model == model] or list(task_names()[:1])
     return own[:1] if get_task(own[0]).defaults.layout == "lengths" else own
+
+
+@dataclass
+class EvalPlan:
+    """What `eval` runs, decided once from its options before the model loads (`plan_eval`).
+
+    Attributes:
+        tasks: the task names; defaults: the `Defaults` the run takes (those of its first task that runs on a
+            bundled model, else of its first task); model, modes, policies, ratios, lengths, max_tokens: the grid;
+        params: policy parameters given, per policy label; chat: `--chat-template`; threads: `--threads` or None.
+    """
+
+    tasks: list
+    defaults: Defaults
+    model: str
+    modes: list
+    policies: list
+    ratios: DropRatios
+    lengths: list
+    max_tokens: int | None
+    params: dict
+    chat: str
+    threads: int | None
+
+    @property
+    def lengths_layout(self) -> bool:
+        return self.defaults.layout == "lengths"
 
 
 def run(args) -> int:
@@ -207,22 +232,81 @@ def run(args) -> int:
     finished are written to `--json` with `"interrupted": true` in its meta, and one line says so. Raises
     ValueError for bad values (the CLI prints it as an error).
     """
-    import argparse
-    import sys
+    import torch
 
-    from ..models import resolve_model
+    plan = plan_eval(args)
+    if plan.threads is not None:
+        torch.set_num_threads(plan.threads)
+    meta = {"model": plan.model, "tasks": plan.tasks, "modes": plan.modes, "policies": plan.policies,
+            # no ratio was run when only the full cache was asked for (it ignores them)
+            "drop_ratios": list(plan.ratios) if any(p != FULL for p in plan.policies) else [],
+            "context_lengths": plan.lengths, "n": args.n, "seed": args.seed, "max_tokens": plan.max_tokens,
+            "policy_params": plan.params, "threads": torch.get_num_threads(), "interrupted": False,
+            "scored": SCORED_TEXT, "chat_template_option": plan.chat}
+    resume = getattr(args, "resume", False) and not plan.lengths_layout
+    done, before = _resume_rows(args.json_path, meta) if resume else ([], 0.0)
+    t0 = time.perf_counter() - before  # a resumed run's seconds include those of the runs it continues
+    finished: list[dict] = list(done)  # the cells scored so far, kept when Ctrl-C stops the run
+    try:
+        table, used_chat = execute_eval(args, plan, meta, done, finished, t0)
+    except KeyboardInterrupt:
+        return _interrupted(finished, COLUMNS if plan.lengths_layout else TASK_COLUMNS, args.json_path, meta, t0)
+    return report_eval(args, plan, table, used_chat, meta, t0)
 
-    model_arg = getattr(args, "model", None)
-    tasks = parse_tasks(getattr(args, "tasks", None) or default_tasks(model_arg))
+
+def plan_eval(args) -> EvalPlan:
+    """Check every `eval` option that can be checked without the model and settle the grid (`EvalPlan`); sets
+    `args.n` to the run's default when it was left out.
+
+    Raises:
+        ValueError: a bad option (one line naming it), or a context length the model cannot hold.
+    """
+    tasks = parse_tasks(getattr(args, "tasks", None) or default_tasks(getattr(args, "model", None)))
     specs = [get_task(t) for t in tasks]
     # the run's defaults: those of its first task that runs on a bundled model, else of its first task
     d = next((s.defaults for s in specs if not s.defaults.real_model), specs[0].defaults)
-    lengths_layout = d.layout == "lengths"
     mode = getattr(args, "mode", None)
     modes = list(d.modes) if mode is None else (list(MODES) if mode == "both" else [mode])
     if len(d.modes) == 1 and mode not in (None, *d.modes):
         raise ValueError(f"--mode {mode}: {d.title} runs in {d.modes[0]} mode only; use RULER tasks "
                          f"(--tasks {ALL}) for the query-agnostic mode")
+    model = args.model or d.model
+    _check_model(model, d)  # warnings first: they hold whatever else is wrong
+    policies, ratios, lengths = _grid_options(args, d)
+    args.n = args.n if args.n is not None else d.n
+    max_tokens = args.max_tokens if args.max_tokens is not None else d.max_tokens
+    for option, value in (("--n", args.n), ("--max-tokens", 1 if max_tokens is None else max_tokens)):
+        if value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}")
+    threads = getattr(args, "threads", None)
+    cores = usable_cores()
+    if threads is not None and not 1 <= threads <= cores:
+        raise ValueError(f"--threads must be between 1 and the {cores} CPU core(s) this process may use, got {threads} "
+                         "(more threads than cores only wait on each other)")
+    # "" is checked too (and refused, as `run --json ""`), never read as "no file"
+    if args.json_path is not None:
+        check_output_path(args.json_path, "--json", example="runs/eval.json")
+    if args.plot is not None:
+        check_plot_path(args.plot, "--plot")
+    window = getattr(args, "window", None)
+    if window is not None and (window < 0 or window >= min(lengths)):
+        # the window is always kept: at or past the prompt length nothing would be dropped, and the table
+        # would show full-cache accuracy under a policy's name (as `run` refuses it)
+        raise ValueError(f"--window {window} must be >= 0 and shorter than the shortest context length "
+                         f"({min(lengths)} tokens): the window is always kept, so nothing would be dropped; give a "
+                         "smaller --window")
+    given = {p: policy_params(args, split_granularity(p)[0], skip=POLICY_OPTION_SKIP, strict=False)
+             for p in policies if p != FULL}
+    # before the model loads and any prompt is built (`run --context-length` shares the check)
+    check_context_lengths(lengths, context_window(model), model=model, option="--context-lengths")
+    return EvalPlan(tasks, d, model, modes, policies, ratios, lengths, max_tokens,
+                    {p: values for p, values in given.items() if values},
+                    getattr(args, "chat_template", "auto") or "auto", threads)
+
+
+def _grid_options(args, d: Defaults):
+    """`(policies, DropRatios, lengths)` of `--policies`, `--drop-ratios`, `--context-lengths` (defaults from `d`):
+    `all` expanded to every registered policy, each name and granularity checked."""
 
     def pick(value, default):
         return value if value is not None else [str(x) for x in default]
@@ -236,14 +320,29 @@ def run(args) -> int:
     except argparse.ArgumentTypeError as exc:
         raise ValueError(str(exc)) from None
     ratios = DropRatios(ratios, option="--drop-ratios")  # checked here once; the runner does not check them again
-    model = args.model or d.model
-    args.n = args.n if args.n is not None else d.n
+    if ALL in policies:  # every registered policy, in registration order, after "full" when given
+        policies = list(dict.fromkeys(p for q in policies for p in ([*policy_names()] if q == ALL else [q])))
+    unknown = [p for p in policies if p != FULL and (split_granularity(p)[0] not in policy_names()
+                                                     or split_granularity(p)[1] not in ("request", "layer", "head"))]
+    if unknown:
+        raise ValueError(f"--policies: unknown {', '.join(map(repr, unknown))}; choose from {[FULL, *policy_names()]} "
+                         f"or {ALL!r}, each optionally with /layer or /head (its granularity)")
+    if not policies or not ratios or not lengths:
+        raise ValueError("give at least one value to each of --policies, --drop-ratios and --context-lengths")
+    bad_lengths = [x for x in lengths if x < 1]
+    if bad_lengths:
+        raise ValueError(f"--context-lengths must be >= 1 tokens, got {bad_lengths}")
+    return policies, ratios, lengths
+
+
+def _check_model(model: str, d: Defaults) -> None:
+    """Refuse a bundled model on tasks that need a real one; warn (stderr) when a model meets tasks it was never
+    trained on."""
     bundled = resolve_model(model, check=False).kind == "bundled"
     if d.real_model and bundled:
         raise ValueError(f"--model {model}: the bundled models know only their own word-level vocabulary; RULER's "
                          f"templates need a real tokenizer and model (e.g. --model {d.model}), or use the "
                          f"word-level tasks ({ALL!r})")
-    max_tokens = args.max_tokens if args.max_tokens is not None else d.max_tokens
     if bundled and model != d.model:  # a bundled model on tasks it was never trained on
         owner = next((get_task(t) for t in task_names() if get_task(t).defaults.model == model), None)
         trained_for = "other tasks" if owner is None else f"{owner.defaults.title} (--tasks {_group_word(owner.suite)})"
@@ -254,113 +353,57 @@ def run(args) -> int:
         print(f"tdutils: warning: --model {model} meets tasks in the bundled models' word-level format "
               f"(needles 'pass key ...'), which real models were never taught; RULER's own templates measure them "
               f"(--tasks {_group_word(RULER)})", file=sys.stderr, flush=True)
-    # Everything that can be checked without the model, before any work.
-    from ..policies import policy_names
 
-    if ALL in policies:  # every registered policy, in registration order, after "full" when given
-        policies = list(dict.fromkeys(p for q in policies for p in ([*policy_names()] if q == ALL else [q])))
-    unknown = [p for p in policies if p != FULL and (split_granularity(p)[0] not in policy_names()
-                                                     or split_granularity(p)[1] not in ("request", "layer", "head"))]
-    if unknown:
-        raise ValueError(f"--policies: unknown {', '.join(map(repr, unknown))}; choose from {[FULL, *policy_names()]} "
-                         f"or {ALL!r}, each optionally with /layer or /head (its granularity)")
-    for option, value in (("--n", args.n), ("--max-tokens", 1 if max_tokens is None else max_tokens)):
-        if value < 1:
-            raise ValueError(f"{option} must be >= 1, got {value}")
-    if not policies or not ratios or not lengths:
-        raise ValueError("give at least one value to each of --policies, --drop-ratios and --context-lengths")
-    bad_lengths = [x for x in lengths if x < 1]
-    if bad_lengths:
-        raise ValueError(f"--context-lengths must be >= 1 tokens, got {bad_lengths}")
-    threads = getattr(args, "threads", None)
-    from ..cli_args import usable_cores
 
-    cores = usable_cores()
-    if threads is not None and not 1 <= threads <= cores:
-        raise ValueError(f"--threads must be between 1 and the {cores} CPU core(s) this process may use, got {threads} "
-                         "(more threads than cores only wait on each other)")
-    # "" is checked too (and refused, as `run --json ""`), never read as "no file"
-    if args.json_path is not None:
-        check_output_path(args.json_path, "--json", example="runs/eval.json")
-    if args.plot is not None:
-        check_plot_path(args.plot, "--plot")
+def execute_eval(args, plan: EvalPlan, meta: dict, done: list, finished: list, t0: float):
+    """Open the engine and run the grid: `(table, whether the chat template was applied)`. Each scored cell is
+    appended to `finished`; the JSON at `--json` is rewritten after every group (for `--resume`)."""
     import pandas as pd
-    import torch
-
-    if threads is not None:
-        torch.set_num_threads(threads)
-    t0 = time.perf_counter()
-    log = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
-    from ..policies.cli import policy_params
-
-    window = getattr(args, "window", None)
-    if window is not None and (window < 0 or window >= min(lengths)):
-        # the window is always kept: at or past the prompt length nothing would be dropped, and the table
-        # would show full-cache accuracy under a policy's name (as `run` refuses it)
-        raise ValueError(f"--window {window} must be >= 0 and shorter than the shortest context length "
-                         f"({min(lengths)} tokens): the window is always kept, so nothing would be dropped; give a "
-                         "smaller --window")
-    given = {p: policy_params(args, split_granularity(p)[0], skip=POLICY_OPTION_SKIP, strict=False)
-             for p in policies if p != FULL}
-    params = {p: values for p, values in given.items() if values}
-    chat = getattr(args, "chat_template", "auto") or "auto"
-    meta = {"model": model, "tasks": tasks, "modes": modes, "policies": policies,
-            # no ratio was run when only the full cache was asked for (it ignores them)
-            "drop_ratios": list(ratios) if any(p != FULL for p in policies) else [], "context_lengths": lengths,
-            "n": args.n, "seed": args.seed, "max_tokens": max_tokens, "policy_params": params,
-            "threads": torch.get_num_threads(), "interrupted": False, "scored": SCORED_TEXT}
-    meta["chat_template_option"] = chat
-    done, before = _resume_rows(args.json_path, meta) if getattr(args, "resume", False) and not lengths_layout else ([], 0.0)
-    t0 -= before  # a resumed run's seconds include those of the runs it continues
-    finished: list[dict] = list(done)  # the cells scored so far, kept when Ctrl-C stops the run
-    common = {"n": args.n, "seed": args.seed, "max_tokens": max_tokens, "log": log, "policy_params": params,
-              "partial": finished, "chat_template": chat}
-    from ..models import check_context_lengths, context_window
-
-    # before the model loads and any prompt is built (`run --context-length` shares the check)
-    check_context_lengths(lengths, context_window(model), model=model, option="--context-lengths")
 
     def checkpoint():  # a killed run (no Ctrl-C) still leaves its finished cells for --resume
         if args.json_path is not None:
             write_json(pd.DataFrame(finished, columns=list(TASK_COLUMNS)), args.json_path,
                        meta={**meta, "interrupted": True, "seconds": time.perf_counter() - t0})
 
-    try:
-        engine = _open_engine(None, model, args.seed)
-        used_chat = d.chat_template and _uses_chat(engine.tokenizer, chat)
-        if lengths_layout:
-            table = lengths_eval(tasks[0], model, policies, ratios, lengths, engine=engine, **common)
-        else:
-            table = task_eval(model, tasks, modes, policies, ratios, lengths, engine=engine, done=done,
-                              progress=not args.quiet, stop_at_eos=not getattr(args, "ignore_eos", False),
-                              checkpoint=checkpoint, **common)
-    except KeyboardInterrupt:
-        return _interrupted(finished, COLUMNS if lengths_layout else TASK_COLUMNS, args.json_path, meta, t0)
-    chat_part = f", chat template {'applied' if used_chat else 'not applied'}" if d.chat_template else ""
-    if lengths_layout:
+    log = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    common = {"n": args.n, "seed": args.seed, "max_tokens": plan.max_tokens, "log": log, "policy_params": plan.params,
+              "partial": finished, "chat_template": plan.chat}
+    engine = _open_engine(None, plan.model, args.seed)
+    used_chat = plan.defaults.chat_template and _uses_chat(engine.tokenizer, plan.chat)
+    if plan.lengths_layout:
+        return lengths_eval(plan.tasks[0], plan.model, plan.policies, plan.ratios, plan.lengths, engine=engine,
+                            **common), used_chat
+    table = task_eval(plan.model, plan.tasks, plan.modes, plan.policies, plan.ratios, plan.lengths, engine=engine,
+                      done=done, progress=not args.quiet, stop_at_eos=not getattr(args, "ignore_eos", False),
+                      checkpoint=checkpoint, **common)
+    return table, used_chat
+
+
+def report_eval(args, plan: EvalPlan, table, used_chat: bool, meta: dict, t0: float) -> int:
+    """Print `eval`'s table (and, for task tables, markdown, rankings and notes), write JSON and plot; status 0."""
+    d = plan.defaults
+    if plan.lengths_layout:
         print(format_table(table))
-        what = f"{d.label}, model={model}, n={args.n} per length"
+        what = f"{d.label}, model={plan.model}, n={args.n} per length"
     else:
         print(format_task_table(table))
         print()
         if table["correct"].notna().any():
             print(task_markdown(table))
-        for task in tasks:
+        for task in plan.tasks:
             if get_task(task).measure != "exact":
                 print()
                 print(measure_markdown(table, task))
-        for line in ranking_lines(table):
-            print(line)
         notes = weak_task_notes(table)
-        for line in notes:
+        for line in [*ranking_lines(table), *notes]:
             print(line)
         meta["notes"] = notes
         if d.chat_template:
             meta["chat_template"] = "applied (the tokenizer's own)" if used_chat else "none"
-        what = f"{d.label}, model={model}{chat_part}, n={args.n} per task and length"
+        chat_part = f", chat template {'applied' if used_chat else 'not applied'}" if d.chat_template else ""
+        what = f"{d.label}, model={plan.model}{chat_part}, n={args.n} per task and length"
     meta["metric"] = d.metric
-    seconds = time.perf_counter() - t0
-    meta["seconds"] = seconds
+    meta["seconds"] = seconds = time.perf_counter() - t0
     print(f"\n{what}, seed={args.seed}, {seconds:.0f} s")
     if args.json_path is not None:
         print(f"wrote {write_json(table, args.json_path, meta=meta)}")
@@ -368,7 +411,7 @@ def run(args) -> int:
         import matplotlib
 
         matplotlib.use("Agg")  # a command line needs no display
-        (plot_accuracy if lengths_layout else plot_leaderboard)(table, args.plot)
+        (plot_accuracy if plan.lengths_layout else plot_leaderboard)(table, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
@@ -376,11 +419,7 @@ def run(args) -> int:
 def _interrupted(finished: list[dict], columns, json_path, meta: dict, t0: float) -> int:
     """Ctrl-C stopped `run`: write the `finished` cells as JSON (meta `"interrupted": true`), say in one line where
     they went, and return `cli_args.INTERRUPTED`."""
-    import sys
-
     import pandas as pd
-
-    from ..cli_args import INTERRUPTED
 
     if not finished:
         where = "no cell had finished; nothing was written"
@@ -443,8 +482,6 @@ def _resume_rows(json_path, meta: dict) -> tuple[list[dict], float]:
 
 
 def _uses_chat(tokenizer, chat_template) -> bool:
-    from ..chat import uses_chat_template
-
     return uses_chat_template(tokenizer, chat_template)
 
 

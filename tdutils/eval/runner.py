@@ -20,8 +20,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from ..data import RULER_TASKS
-from ..models import RULER_MODEL_NAME as RULER_MODEL
-from ..models import TINY_MODEL_NAME as TINY_MODEL
+from ..models import RULER_MODEL_NAME, TINY_MODEL_NAME, resolve_model
 from .common import DEV_SEED, FULL, TRAIN_SEED_BASE, DropRatios, check_seed, wilson_interval
 from .tasks import MODES, PASSKEY, PASSKEY_DEFAULTS, RULER_DEFAULTS, WORD_DEFAULTS, Task, get_task, task_names
 
@@ -44,7 +43,7 @@ DEFAULT_REAL_N = RULER_DEFAULTS.n
 
 
 def passkey_eval(
-    model=TINY_MODEL,
+    model=TINY_MODEL_NAME,
     policies: Sequence[str] = DEFAULT_POLICIES,
     drop_ratios: Sequence[float] = DEFAULT_DROP_RATIOS,
     context_lengths: Sequence[int] = DEFAULT_CONTEXT_LENGTHS,
@@ -152,7 +151,7 @@ def lengths_eval(task: str, model, policies: Sequence[str], drop_ratios: Sequenc
 
 
 def task_eval(
-    model=RULER_MODEL,
+    model=RULER_MODEL_NAME,
     tasks: Sequence[str] = TASKS,
     modes: Sequence[str] = MODES,
     policies: Sequence[str] = DEFAULT_TASK_POLICIES,
@@ -179,74 +178,66 @@ def task_eval(
     """Exact match on registered tasks (Hsieh et al., "RULER", arXiv:2404.06654; `tdutils.eval.tasks`) for every
     (task, mode, context length, policy, drop ratio) cell — the query-aware and query-agnostic leaderboard.
 
-    Per context length and task, the task's `make_dataset(n, length, ...)` gives `n` examples, the same for every
-    mode, policy and ratio. Modes:
-    - `"aware"`: prefill(prompt) -> modify -> decode: the question ends the prompt, so it sits in the observation
-      window when the cache is edited;
-    - `"agnostic"`: prefill(context) -> modify -> extend(question) -> decode: the cache is edited before the
-      question exists (a stored context reused for many questions, LMCache's case; kvpress' query-agnostic
-      setting). The question's tokens are the aware prompt's tokens after the context's, so both modes read the
-      same token sequence; the full cache is prefill(context) -> extend(question) -> decode.
-    Each chunk of `batch_size` examples is prefilled once per mode (`run_cells`); responses are decoded greedily
-    (EOS ignored) and scored with the task's scorer (word-level tasks: `tdutils.answers.score_task`).
+    Per context length and task, `make_dataset(n, length, ...)` gives `n` examples, the same for every mode and cell.
+    `"aware"`: prefill(prompt) -> modify -> decode (the question is in the observation window when the cache is
+    edited); `"agnostic"`: prefill(context) -> modify -> extend(question) -> decode (kvpress' query-agnostic
+    setting; both modes read the same token sequence). Answers are decoded greedily and scored with the task's
+    scorer (`Task.score`, the one `python -m tdutils run --dataset NAME` uses).
 
     Args:
-        model: bundled name (default `"tiny-qwen3-ruler"`), packaged real model (`"smollm2-135m"`), `.gguf` file,
-            hub id or local folder; ignored when `engine` is given.
-        tasks: registered task names (`tdutils.eval.tasks.task_names()`): the word-level tasks of the bundled model
-            (`tdutils.data.RULER_TASKS`, the default), RULER's own templates for real tokenizers
-            (`ruler_` + `tdutils.ruler.RULER_TEMPLATE_TASKS`) and `passkey` (aware mode only).
-        modes: `"aware"` and/or `"agnostic"` (`tdutils.data.TASK_MODES`).
-        policies: `"full"` and/or registered policy names (`tdutils.policies.policy_names()`).
-        drop_ratios: fractions dropped, each in [0, 1]; `"full"` ignores them (one row at 0).
-        context_lengths: prompt lengths in tokens, context and question together (exact with the bundled
-            tokenizer).
-        n: examples per (task, length).
-        seed: dataset seed, an integer >= 0 (`check_seed`); below `TRAIN_SEED_BASE` for a bundled model
-            (`tdutils.eval.common`, "Seeds").
-        max_tokens: greedy decode tokens per request; None (default): per task, its own `Task.max_tokens` (word
-            tasks: the longest gold answer plus 2 tokens, room to show an extra item, which exact match counts as
-            wrong; RULER templates: `tdutils.ruler.RULER_CPU_MAX_TOKENS`).
+        model: a bundled name (default `"tiny-qwen3-ruler"`), packaged real model, `.gguf`, hub id or folder;
+            ignored when `engine` (an `HFEngine`, or any engine with `extend` for the agnostic mode) is given.
+        tasks, modes: registered task names (`task_names()`) and `"aware"` / `"agnostic"`.
+        policies, drop_ratios, context_lengths: `"full"` and/or registered policies (optionally `/layer`,
+            `/head`), fractions in [0, 1], prompt lengths in tokens (context and question together).
+        n, seed: examples per (task, length) and the dataset seed (`check_seed`; below `TRAIN_SEED_BASE` for a
+            bundled model).
+        max_tokens: greedy decode tokens per request; None: each task's own `Task.max_tokens`.
         policy_params: extra `make_drop_fn` keywords per policy, e.g. `{"snapkv": {"window": 32}}`.
-        engine: an `HFEngine` (or any engine with `extend`) to reuse; else one is opened for `model`.
-        batch_size: examples prefilled and decoded together (a 4096-token request of the bundled model holds an
-            8 MiB fp32 cache).
-        device, dtype: for the engine opened here.
-        log: called with one progress line per finished (task, mode, length) group of cells.
-        responses: when a dict is given, filled with `{(task, mode, policy, ratio, length): [answers]}`, each the
-            decoded text up to its first EOS token (`RequestOutput.answer`), what is scored.
-        chat_template: RULER template tasks: `"auto"` (default) wraps each prompt in the tokenizer's chat template
-            when it has one, `"none"` never (`tdutils.chat.uses_chat_template`); word-level tasks ignore it.
-        partial: when a list is given, each cell's row (a dict of `TASK_COLUMNS`) is appended to it as soon as the
-            cell is scored, so a caller keeps the finished cells of a run stopped by KeyboardInterrupt.
-        done: rows of a stored run of the same grid (model, seed, n, decode tokens): their cells are not run again
-            (`run_tasks`), so a killed run resumes where it stopped. Rows without per-prompt `scores` are refused.
-        progress: a progress bar over the cells with an ETA (tqdm, stderr).
-        stop_at_eos: a request leaves the decode batch at its first EOS (default; the answers are the same as with
-            EOS ignored, since what follows an EOS is never scored).
-        checkpoint: called after each (length, task, mode) group that ran (e.g. to write the finished cells).
+        batch_size, device, dtype: examples prefilled together; the engine opened here.
+        log: one progress line per finished (task, mode, length) group; `progress`: a tqdm bar with an ETA.
+        responses: a dict filled with `{(task, mode, policy, ratio, length): [answers]}` (text up to the first EOS).
+        chat_template: `"auto"` / `"none"` for tasks whose prompts take the tokenizer's chat template.
+        partial: a list each cell's row is appended to as soon as it is scored (kept on KeyboardInterrupt).
+        done: rows of a stored run of the same grid, not run again (`run_tasks`); rows need per-prompt `scores`.
+        stop_at_eos: a request leaves the decode batch at its first EOS (the scored answers are the same).
+        checkpoint: called after each (length, task, mode) group that ran.
 
     Returns:
-        pandas DataFrame, one row per cell, ordered length -> task -> mode -> policy -> ratio, with columns
-        `TASK_COLUMNS`: `task`, `mode`, `policy`, `drop_ratio`, `context_length`, `n`, `correct`, `accuracy`
-        (exact-match fraction), `ci_low`, `ci_high` (95% Wilson interval of `accuracy`), `partial` (mean fraction
-        of gold items listed, RULER's partial credit), `kept_tokens` (mean KV tokens per request at decode:
-        after the edit, the question included), `modify_s` (seconds in `modify` for the cell's n requests; 0 for
-        the full cache), `max_tokens`, `measure` (the task's ranked measure), `score` (its mean), `scores`
-        (`{measure: [one score per example]}`: exact and partial, or a teacher-forced task's kl, delta_ppl,
-        agreement and ppl; what `tdutils.eval.statistics` pairs). A teacher-forced task (`text_fidelity`) runs
-        in the agnostic mode only; its exact-match columns are NaN.
+        pandas DataFrame, one row per cell, ordered length -> task -> mode -> policy -> ratio, with `TASK_COLUMNS`:
+        `correct`, `accuracy`, `ci_low`, `ci_high` (95% Wilson), `partial`, `kept_tokens` (mean KV tokens per
+        request at decode), `modify_s`, `max_tokens`, `measure`, `score` and `scores` (`{measure: [per example]}`,
+        what `tdutils.eval.statistics` pairs). A teacher-forced task's exact-match columns are NaN.
+
+    Raises:
+        ValueError: see `check_task_grid` and `prepare_cells` (empty lists, unknown names, a mode a task cannot
+            run in, bad counts or seeds, a length too short for a task or too long for the model).
+    """
+    import pandas as pd
+
+    policies = list(policies)
+    specs, modes, lengths, ratios, done = check_task_grid(tasks, modes, policies, drop_ratios, context_lengths, done,
+                                                          n=n, batch_size=batch_size, max_tokens=max_tokens)
+    engine = _open_engine(engine, model, seed, device=device, dtype=dtype)
+    cells = prepare_cells(engine, specs, modes, policies, ratios, lengths, policy_params, seed=seed,
+                          chat_template=chat_template)
+    cell, group = _task_callbacks(partial, responses, log, checkpoint)
+    rows = run_tasks(engine, specs, modes, cells, lengths, n=n, seed=seed, max_tokens=max_tokens,
+                     batch_size=batch_size, chat_template=chat_template, on_cell=cell, on_group=group,
+                     done={cell_key(r): dict(r) for r in done}, progress=progress, stop_at_eos=stop_at_eos)
+    return pd.DataFrame(rows, columns=list(TASK_COLUMNS))
+
+
+def check_task_grid(tasks, modes, policies, drop_ratios, context_lengths, done, *, n: int, batch_size: int,
+                    max_tokens: int | None):
+    """`task_eval`'s checks that need no model: `(specs, modes, lengths, DropRatios, done rows)`.
 
     Raises:
         ValueError: no tasks / modes / policies / ratios / lengths, an unknown task or mode, the agnostic mode for a
             task without a context/question split, a teacher-forced task with the aware mode alone, `done` rows
-            without per-prompt scores, a ratio outside [0, 1], `n < 1`, an unknown policy or parameter,
-            a negative seed, a training seed with a bundled model, a context length too short for a task or too
-            long for the model, or the agnostic mode on an engine without `extend`.
+            without per-prompt scores, a ratio outside [0, 1], or `n`, `batch_size`, `max_tokens` below 1.
     """
-    import pandas as pd
-
-    tasks, modes, policies = list(tasks), list(modes), list(policies)
+    tasks, modes = list(tasks), list(modes)
     lengths = [int(x) for x in context_lengths]
     ratios = DropRatios(drop_ratios)
     if not (tasks and modes and policies and ratios and lengths):
@@ -273,7 +264,17 @@ def task_eval(
     for name, value in (("n", n), ("batch_size", batch_size), ("max_tokens", 1 if max_tokens is None else max_tokens)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    engine = _open_engine(engine, model, seed, device=device, dtype=dtype)
+    return specs, modes, lengths, ratios, done
+
+
+def prepare_cells(engine, specs, modes, policies, ratios, lengths, policy_params, *, seed: int, chat_template):
+    """`task_eval`'s checks against the open engine, then its cells (`build_cells`: every drop function built
+    before any work).
+
+    Raises:
+        ValueError: the agnostic mode on an engine without `extend`, a length the model cannot decode after, a
+            length too short for a task (one example is made at the shortest length first), or a bad policy.
+    """
     if "agnostic" in modes and not callable(getattr(engine, "extend", None)):
         raise ValueError(f"the query-agnostic mode needs an engine with extend(); {type(engine).__name__} has none "
                          f"(use modes=('aware',))")
@@ -290,6 +291,12 @@ def task_eval(
             spec.make_dataset(1, min(lengths), engine.tokenizer, seed, chat_template)
         except ValueError as exc:
             raise ValueError(f"{exc}; raise the shortest context length (context_lengths / --context-lengths)") from None
+    return cells
+
+
+def _task_callbacks(partial, responses, log, checkpoint):
+    """`(on_cell, on_group)` for `run_tasks`: keep each scored cell (`partial`, `responses`), log and checkpoint
+    each finished group."""
 
     def cell(row, texts):
         if partial is not None:
@@ -305,10 +312,7 @@ def task_eval(
         if checkpoint is not None:
             checkpoint()
 
-    rows = run_tasks(engine, specs, modes, cells, lengths, n=n, seed=seed, max_tokens=max_tokens,
-                     batch_size=batch_size, chat_template=chat_template, on_cell=cell, on_group=group,
-                     done={cell_key(r): dict(r) for r in done}, progress=progress, stop_at_eos=stop_at_eos)
-    return pd.DataFrame(rows, columns=list(TASK_COLUMNS))
+    return cell, group
 
 
 def _score_text(row: Mapping) -> str:
@@ -462,12 +466,9 @@ def cell_row(measure: str, per: Mapping[str, list], modify_s: float, kept_tokens
 def _open_engine(engine, model, seed: int, *, device=None, dtype="auto"):
     """`engine`, or an `HFEngine` opened for `model` (no progress bars, query capture off until `build_cells`
     widens it); refuses a negative seed (`check_seed`) and a training seed with a bundled model."""
-    from ..models import resolve_model
-
     seed = check_seed(seed)
     name = model if engine is None else getattr(engine, "model_name", None)
-    bundled = isinstance(name, str) and resolve_model(name, check=False).kind == "bundled"
-    if bundled and seed >= TRAIN_SEED_BASE:
+    if isinstance(name, str) and resolve_model(name, check=False).kind == "bundled" and seed >= TRAIN_SEED_BASE:
         raise ValueError(f"seed {seed} is a training stream of the bundled model {name!r} (>= {TRAIN_SEED_BASE}); "
                          f"evaluate with a seed below it")
     if engine is not None:

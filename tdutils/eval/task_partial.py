@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from . import task_ruler  # noqa: F401  (registers the ruler_ tasks this file re-scores)
 from .tasks import get_task, register_task
 
 MULTI_REFERENCE = ("niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")  # RULER tasks with several references

@@ -1,11 +1,15 @@
 """The task registry: a task is a name, a dataset maker, the context/question split, a scorer, a decode length and
-the command line's defaults; `task_eval`, `passkey_eval` and `python -m tdutils eval --tasks NAME` find it by name.
+the command line's defaults; `task_eval`, `passkey_eval`, `python -m tdutils eval --tasks NAME` and
+`python -m tdutils run --dataset NAME` find it by name, and score with its scorer (`score_rows`).
 
-Three suites are registered here (a fourth, `text`, in `task_fidelity.py`): `passkey` (the bundled `tiny-qwen3`'s needle, docs/design.md §8; aware mode
-only); `word`, the word-level RULER-style tasks of `tiny-qwen3-ruler` (`tdutils.data.RULER_TASKS`, `--tasks all`);
-`ruler`, RULER's own templates for real tokenizers (`tdutils.ruler`, Hsieh et al., arXiv:2404.06654), registered as
-`ruler_` + RULER's task name (`--tasks ruler`). A new task is one file `tdutils/eval/task_<name>.py` that calls
-`register_task(Task(...))`: such files are imported at the first lookup, in name order, with no other edit.
+Each family of tasks is one file `tdutils/eval/task_<name>.py` that calls `register_task(Task(...))`; such files
+are imported at the first lookup (`BUILTIN` first, in that order, then the others in name order), with no other
+edit: `task_passkey` (the bundled `tiny-qwen3`'s needle, docs/design.md §8; aware mode only), `task_word` (the
+word-level RULER-style tasks of `tiny-qwen3-ruler`, `--tasks all`), `task_ruler` (RULER's own templates for real
+tokenizers, Hsieh et al., arXiv:2404.06654, `ruler_` + RULER's task name, `--tasks ruler`), `task_samples` (the
+bundled `sample` and `mc-sample`), `task_partial` and `task_fidelity`. `load_rows` gives a dataset name's rows
+(a generated task's examples for a model's tokenizer, else `tdutils.data.load_prompts`: files, hub ids, the
+bundled samples), `dataset_task` the task that scores them.
 
 A task's examples are dicts with `prompt` (what `prefill` takes: text, or `prompt_ids`) and `values` (the gold items
 its scorer reads; a teacher-forced task's examples have `prompt_ids` and `continuation` ids instead); `split(tokenizer, example)` returns `(context ids, question ids)` whose concatenation is exactly
@@ -15,17 +19,23 @@ out; a run takes those of its first task that runs on a bundled model (else of i
 
 from __future__ import annotations
 
+import difflib
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from ..data import RULER_PREFIX, RULER_TASKS, TASK_MODES
-from ..models import RULER_MODEL_NAME, TINY_MODEL_NAME
+from ..answers import CHOICES, ScoreReport
+from ..data import MC_SAMPLE_NAME, SAMPLE_NAME, TASK_MODES, PromptRow, load_prompts
+from ..models import RULER_MODEL_NAME, TINY_MODEL_NAME, load_tokenizer
 from .common import FULL
 
-PASSKEY, WORD, RULER, TEXT = "passkey", "word", "ruler", "text"
-SUITES = (WORD, RULER, TEXT, PASSKEY)  # the order tasks are listed in
+PASSKEY, WORD, RULER, TEXT, SAMPLES = "passkey", "word", "ruler", "text", "samples"
+SUITES = (WORD, RULER, TEXT, SAMPLES, PASSKEY)  # the order tasks are listed in
 GROUPS = {"all": WORD, "ruler": RULER}  # --tasks words that run a whole suite
-SUITE_LABELS = {WORD: "word-level", RULER: "RULER templates", TEXT: "natural text", PASSKEY: "the passkey benchmark"}
+SUITE_LABELS = {WORD: "word-level", RULER: "RULER templates", TEXT: "natural text", SAMPLES: "bundled samples",
+                PASSKEY: "the passkey benchmark"}
+BUILTIN = ("task_passkey", "task_word", "task_ruler")  # imported first: `task_names()[0]` is the default benchmark
 MODES = TASK_MODES  # ("aware", "agnostic")
 LAYOUTS = ("tasks", "lengths")
 
@@ -104,6 +114,10 @@ class Task:
             edited before the continuation is seen).
         grouped: run by its suite's word (`--tasks ruler`) and by default; False for a task that re-scores
             another task's prompts (`ruler_<task>_partial`), which runs when named.
+        report: `(rows, responses) -> tdutils.answers.ScoreReport` for a task whose scorer also reports unparsed
+            answers or buckets (passkey, multiple choice); None: `score_rows` counts `score`'s exact matches.
+        check_model: `(model, what) -> None`, raising ValueError (starting with `what`) for a model the task's
+            prompts cannot be made for, before any work (`load_rows`); None: every model.
     """
 
     name: str
@@ -117,6 +131,8 @@ class Task:
     measure: str = "exact"
     teacher_forced: bool = False
     grouped: bool = True
+    report: Callable[[Sequence, Sequence[str | None]], object] | None = None
+    check_model: Callable[[object, str], None] | None = None
 
 
 _TASKS: dict[str, Task] = {}
@@ -194,67 +210,120 @@ def split_question(tokenizer, example: Mapping) -> tuple[list[int], list[int]]:
     return prompt[:cut], prompt[cut:]
 
 
-# --- built-in registrations ------------------------------------------------------------------------------
+# --- datasets: a registered task's rows, and the task that scores a dataset's rows ---------------------------
 
-def _passkey_task() -> Task:
-    from ..answers import score_passkey
-    from ..data import make_passkey_dataset
+def task_rows(name: str, n: int, *, model=None, tokenizer=None, context_tokens: int = 2048,
+              chat_template: str | bool = "auto", seed: int = 0) -> list[PromptRow]:
+    """`n` examples of registered task `name` (its `make_dataset`, made for the model's own tokenizer) as
+    `tdutils.data.PromptRow`s: `prompt` is the example's `prompt_ids` when it has them (token ids, which
+    `Engine.tokenize` passes through) else its text; `answer` its gold `answer`, else its gold items joined by
+    `", "`; `meta` its other fields with `task` (= `name`) and `values` (what the task's scorer reads).
 
-    def make(n, length, tokenizer, seed, chat_template=None):
-        return [{**d, "values": [d["answer"]]} for d in make_passkey_dataset(n, length, tokenizer=tokenizer, seed=seed)]
-
-    def score(values, text):
-        exact = score_passkey(values, [text]).correct == 1
-        return exact, float(exact)
-
-    return Task(PASSKEY, PASSKEY, make, None, score, lambda examples, tokenizer: PASSKEY_DEFAULTS.max_tokens,
-                about="passkey retrieval of the bundled model tiny-qwen3 (aware mode only)", defaults=PASSKEY_DEFAULTS)
-
-
-def _word_task(name: str) -> Task:
-    from ..answers import score_task
-    from ..data import make_task_dataset
-
-    def make(n, length, tokenizer, seed, chat_template=None):
-        return make_task_dataset(name, n, length, tokenizer=tokenizer, seed=seed)
-
-    def max_tokens(examples, tokenizer):
-        # the longest gold answer plus 2 tokens: room to show an extra item, which exact match counts as wrong
-        return max(len(tokenizer(e["answer"], add_special_tokens=False)["input_ids"]) for e in examples) + 2
-
-    return Task(name, WORD, make, split_question, lambda values, text: score_task(name, values, text), max_tokens,
-                about="word-level RULER-style task of the bundled model tiny-qwen3-ruler", defaults=WORD_DEFAULTS)
-
-
-def _ruler_task(name: str) -> Task:
-    from .. import ruler
-
-    def make(n, length, tokenizer, seed, chat_template="auto"):
-        return ruler.make_ruler_dataset(name, n, length, tokenizer=tokenizer, seed=seed, chat_template=chat_template)
-
-    def split(tokenizer, example):
-        ids, cut = list(example["prompt_ids"]), int(example["split"])
-        return ids[:cut], ids[cut:]
-
-    def max_tokens(examples, tokenizer):
-        # RULER's own tokens_to_generate is 30-128; on CPU about twice the longest gold answer is enough
-        return ruler.RULER_CPU_MAX_TOKENS[name]
-
-    return Task(RULER_PREFIX + name, RULER, make, split, lambda values, text: ruler.score_ruler(name, values, text),
-                max_tokens, about="RULER's own template (NVIDIA/RULER), for real tokenizers", defaults=RULER_DEFAULTS)
+    Raises:
+        ValueError: an unknown or teacher-forced task, a model the task refuses (`Task.check_model`), neither
+            `model` nor `tokenizer`, or the task's own errors (a length too short for it, ...).
+    """
+    task = get_task(name)
+    if task.teacher_forced:
+        raise ValueError(f"task {name!r} is teacher-forced (scored from next-token distributions, not answers): "
+                         f"run it with python -m tdutils eval --tasks {name}")
+    if task.check_model is not None:
+        task.check_model(model, f"dataset {name!r}")  # a bundled or random:ARCH model, even with its tokenizer given
+    if tokenizer is None:
+        if model is None:
+            raise ValueError(f"dataset {name!r} is made for a model's own tokenizer: pass model= (e.g. "
+                             f"{task.defaults.model!r}) or tokenizer=")
+        tokenizer = load_tokenizer(model)
+    rows = []
+    for e in task.make_dataset(n, context_tokens, tokenizer, seed, chat_template):
+        values = list(e["values"])
+        answer = e.get("answer") if e.get("answer") is not None else ", ".join(map(str, values))
+        meta = {k: v for k, v in e.items() if k not in ("prompt", "prompt_ids", "answer")}
+        prompt = list(e["prompt_ids"]) if "prompt_ids" in e else e["prompt"]
+        rows.append(PromptRow(prompt, answer, {**meta, "task": name, "values": values}))
+    return rows
 
 
-def _register_builtin() -> None:
-    from ..ruler import RULER_TEMPLATE_TASKS
+def load_rows(dataset: str, *, num_requests: int | None = None, model=None, tokenizer=None,
+              context_tokens: int = 2048, chat_template: str | bool = "auto", seed: int = 0,
+              **file_options) -> list[PromptRow]:
+    """The rows of a dataset name, as `python -m tdutils run --dataset` reads them: a registered task that makes its
+    prompts (`task_names()`, e.g. `"ruler_niah_single_1"`, `"niah_single"`, `"passkey"`; the bundled samples aside)
+    gives `task_rows(dataset, num_requests or 16, ...)`; anything else (`"sample"`, `"mc-sample"`, a file, a hub id)
+    is read by `tdutils.data.load_prompts(dataset, num_requests=..., **file_options)`.
 
-    register_task(_passkey_task())
-    for name in RULER_TASKS:
-        register_task(_word_task(name))
-    for name in RULER_TEMPLATE_TASKS:
-        register_task(_ruler_task(name))
+    Raises:
+        ValueError: `num_requests < 1`; then those of `task_rows` or `load_prompts`.
+    """
+    if num_requests is not None and num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    if isinstance(dataset, str) and dataset in task_names() and get_task(dataset).suite != SAMPLES:
+        return task_rows(dataset, 16 if num_requests is None else num_requests, model=model, tokenizer=tokenizer,
+                         context_tokens=context_tokens, chat_template=chat_template, seed=seed)
+    made = [t for t in task_names() if get_task(t).suite != SAMPLES]  # load_prompts names the bundled ones' typos
+    close = difflib.get_close_matches(str(dataset), made, n=1, cutoff=0.8)
+    if close and not Path(str(dataset)).expanduser().exists():  # a typo of a task name, not a file or hub id
+        raise ValueError(f"dataset {dataset!r} is not a registered task, a bundled dataset or a file: did you mean "
+                         f"{close[0]!r}?")
+    return load_prompts(dataset, num_requests=num_requests, **file_options)
 
 
-_register_builtin()
+def _as_row(row) -> PromptRow:
+    if isinstance(row, PromptRow):
+        return row
+    meta = {k: v for k, v in row.items() if k not in ("prompt", "answer", "meta")}
+    return PromptRow(row.get("prompt", ""), row.get("answer"), {**meta, **(row.get("meta") or {})})
+
+
+def dataset_task(dataset, rows) -> Task:
+    """The registered task whose scorer scores `rows` (`PromptRow`s or dicts, each with a gold `answer`) of
+    `dataset`: the task named `dataset`; else the task every row names (`meta["task"]`); else, for a file or hub
+    dataset, the bundled sample of the same shape: gold answers all digits -> `sample` (passkey digits), all
+    letters A-D -> `mc-sample` (LongBench-v2 multiple choice).
+
+    Raises:
+        ValueError: a row without a gold answer, or gold answers of neither shape.
+    """
+    if isinstance(dataset, str) and dataset in task_names():
+        return get_task(dataset)
+    rows = [_as_row(r) for r in rows]
+    named = {r.meta.get("task") for r in rows}
+    if rows and len(named) == 1 and next(iter(named)) in task_names() and all("values" in r.meta for r in rows):
+        return get_task(next(iter(named)))
+    gold = [r.answer for r in rows]
+    if any(g is None for g in gold):
+        raise ValueError("every row needs a gold 'answer' to be scored")
+    gold = [str(g).strip() for g in gold]
+    if all(re.fullmatch(r"[0-9\s]+", g) for g in gold):
+        return get_task(SAMPLE_NAME)
+    if all(g in CHOICES for g in gold):
+        return get_task(MC_SAMPLE_NAME)
+    raise ValueError(f"cannot tell how to score gold answers like {gold[:3]}: expected digit passkeys or letters A-D")
+
+
+def score_rows(rows, responses: Sequence[str | None], *, task: Task | str | None = None) -> ScoreReport:
+    """Score `responses` (one text per row, e.g. `RequestOutput.answer`) against dataset `rows` with the scorer of
+    their task (`task`, a name or a `Task`; None: `dataset_task(None, rows)`): its `report` when it has one
+    (passkey: `score_passkey`, mode "passkey"; multiple choice: `score_answers`, mode "official", with the rows'
+    `difficulty` / `length` buckets), else the exact matches of its `score(values, response)` (mode
+    "<task>: every reference"). The same scorer `task_eval` scores the task's cells with.
+
+    Raises:
+        TypeError: a single string for `responses`.
+        ValueError: a different number of responses and rows; those of `dataset_task`.
+    """
+    if isinstance(responses, str):
+        raise TypeError("responses must be a list with one text per row, not a single string")
+    rows = [_as_row(r) for r in rows]
+    if len(responses) != len(rows):
+        raise ValueError(f"{len(responses)} responses for {len(rows)} rows: pass one response per row")
+    task = get_task(task) if isinstance(task, str) else task or dataset_task(None, rows)
+    if task.report is not None:
+        return task.report(rows, list(responses))
+    ok = [task.score(r.meta.get("values", [r.answer]), t)[0] for r, t in zip(rows, responses)]
+    return ScoreReport(mode=f"{task.name}: every reference", correct=sum(ok), total=len(ok), unparsed=0, is_correct=ok)
+
+
 _DISCOVERED = False
 
 
@@ -268,18 +337,20 @@ def _discover() -> None:
     import pkgutil
     from pathlib import Path
 
-    for module in sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)])):
-        if module.startswith("task_"):
-            importlib.import_module(f"{__package__}.{module}")
+    found = sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if m.name.startswith("task_"))
+    for module in [*BUILTIN, *(m for m in found if m not in BUILTIN)]:
+        importlib.import_module(f"{__package__}.{module}")
 
 
 __all__ = [
+    "BUILTIN",
     "GROUPS",
     "MODES",
     "PASSKEY",
     "PASSKEY_DEFAULTS",
     "RULER",
     "RULER_DEFAULTS",
+    "SAMPLES",
     "SUITES",
     "SUITE_LABELS",
     "TEXT",
@@ -287,9 +358,13 @@ __all__ = [
     "WORD_DEFAULTS",
     "Defaults",
     "Task",
+    "dataset_task",
     "get_task",
+    "load_rows",
     "register_task",
+    "score_rows",
     "split_question",
     "task_names",
+    "task_rows",
     "unregister_task",
 ]
