@@ -25,7 +25,7 @@ from .common import DEV_SEED, FULL, TRAIN_SEED_BASE, DropRatios, check_seed, wil
 from .tasks import MODES, PASSKEY, PASSKEY_DEFAULTS, RULER_DEFAULTS, WORD_DEFAULTS, Task, get_task, task_names
 
 COLUMNS = ("policy", "drop_ratio", "context_tokens", "n", "correct", "accuracy", "ci_low", "ci_high", "modify_s",
-           "kept_tokens")
+           "kept_tokens", "scores")
 TASK_COLUMNS = ("task", "mode", "policy", "drop_ratio", "context_length", "n", "correct", "accuracy", "ci_low",
                 "ci_high", "partial", "kept_tokens", "modify_s", "max_tokens", "measure", "score", "scores")
 # The defaults of the two entry points: those the passkey and word-level registrations give the command line.
@@ -89,7 +89,8 @@ def passkey_eval(
         pandas DataFrame, one row per cell, in the order length → policy → ratio, with columns `policy`,
         `drop_ratio`, `context_tokens`, `n`, `correct`, `accuracy` (fraction in [0, 1]), `ci_low`,
         `ci_high` (95% Wilson), `modify_s` (seconds in `modify` for the cell's n requests; 0 for full),
-        `kept_tokens` (mean KV tokens per request after modify).
+        `kept_tokens` (mean KV tokens per request after modify), `scores` (`{"exact": [0/1 per prompt]}`, in the
+        dataset's order: the same prompts in every cell, so two cells can be compared by a paired test).
 
     Raises:
         ValueError: no policies / ratios / lengths, a ratio outside [0, 1], `n < 1`, an unknown policy or
@@ -131,7 +132,7 @@ def lengths_eval(task: str, model, policies: Sequence[str], drop_ratios: Sequenc
     def cell(row, texts):
         rows.append({"policy": row["policy"], "drop_ratio": row["drop_ratio"], "context_tokens": row["context_length"],
                      **{c: row[c] for c in ("n", "correct", "accuracy", "ci_low", "ci_high", "modify_s",
-                                            "kept_tokens")}})
+                                            "kept_tokens", "scores")}})
         if partial is not None:
             partial.append(rows[-1])
         if responses is not None:
