@@ -20,3 +20,7 @@ from .report import *
 from .cli import *
 
 __all__ = common.__all__ + statistics.__all__ + tasks.__all__ + runner.__all__ + report.__all__ + cli.__all__
+
+# Register the built-in task families now, in their fixed order, so that importing one family's module directly
+# (e.g. `from tdutils.eval.task_fidelity import ...`) cannot register its tasks ahead of the others.
+tasks._discover()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 from ..data import RULER_TASKS
 from ..models import RULER_MODEL_NAME, TINY_MODEL_NAME, resolve_model
@@ -391,11 +392,17 @@ def _run_task(engine, task: Task, modes: Sequence[str], cells: Sequence[tuple], 
             raise ValueError(f"context length {length} + {decode_tokens} decode tokens exceeds the model's {max_pos} "
                              f"positions (max_position_embeddings); use shorter context lengths")
     shared = {}
+    ticked: dict[tuple, float] = {}  # (mode, policy, ratio) -> the fraction of its prompts done so far
+
+    def tick(mode, policy, r, fraction):  # the bar moves per chunk of prompts, not only when a whole cell ends
+        ticked[mode, policy, r] = ticked.get((mode, policy, r), 0.0) + fraction
+        bar.update(fraction)
+
     t0 = time.perf_counter()
     if all(todo.get(m) for m in MODES) and not task.teacher_forced and _snapshot_capable(engine):
         contexts, questions = zip(*(task.split(tok, d) for d in data))
         shared = run_cells_shared(engine, contexts, questions, todo, max_tokens=decode_tokens, batch_size=batch_size,
-                                  stop_at_eos=stop_at_eos)
+                                  stop_at_eos=stop_at_eos, tick=tick)
     rows = []
     for mode in modes:
         bar.update(len(cells) - len(todo[mode]))
@@ -403,14 +410,14 @@ def _run_task(engine, task: Task, modes: Sequence[str], cells: Sequence[tuple], 
         if todo[mode]:
             head = {"task": task.name, "mode": mode, "context_length": length, "n": n, "max_tokens": decode_tokens}
 
-            def scored(policy, r, row, texts, head=head, new=new):
+            def scored(policy, r, row, texts, head=head, new=new, mode=mode):
                 new[policy, r] = row = {**head, "policy": policy, "drop_ratio": r, **row}
-                bar.update(1)
+                bar.update(max(0.0, 1.0 - ticked.get((mode, policy, r), 0.0)))
                 if on_cell is not None:
                     on_cell(row, texts)
 
             _run_group(engine, task, mode, data, todo[mode], decode_tokens, batch_size, stop_at_eos, scored,
-                       shared.get(mode))
+                       shared.get(mode), partial(tick, mode))
         group = [new.get((p, r)) or done[length, task.name, mode, p, float(r)] for p, r, _ in cells]
         group = [{c: row.get(c) for c in TASK_COLUMNS} for row in group]
         rows += group
@@ -421,10 +428,11 @@ def _run_task(engine, task: Task, modes: Sequence[str], cells: Sequence[tuple], 
 
 
 def _run_group(engine, task: Task, mode: str, data: Sequence[Mapping], cells: Sequence[tuple], decode_tokens: int,
-               batch_size: int, stop_at_eos: bool, scored: Callable, generated: tuple | None = None) -> None:
+               batch_size: int, stop_at_eos: bool, scored: Callable, generated: tuple | None = None,
+               tick: Callable | None = None) -> None:
     """Run `cells` of one (length, task, mode) on `data` (or score `generated`, what `run_cells` returned for them)
     and call `scored(policy, ratio, row, answers)` per cell, `row` holding the columns that depend on the cell
-    (`cell_row`)."""
+    (`cell_row`); `tick(policy, ratio, fraction)` after each chunk of prompts a cell finishes."""
     tok, n = engine.tokenizer, len(data)
     prompts = [d.get("prompt_ids", d.get("prompt")) for d in data]
     if task.teacher_forced:
@@ -432,14 +440,14 @@ def _run_group(engine, task: Task, mode: str, data: Sequence[Mapping], cells: Se
             scored(policy, r, cell_row(task.measure, per, modify_s, kept / n), [])
 
         run_forced_cells(engine, prompts, [d["continuation"] for d in data], cells, batch_size=batch_size,
-                         on_cell=forced)
+                         on_cell=forced, tick=tick)
         return
     extensions = None
     if mode == "agnostic":
         prompts, extensions = zip(*(task.split(tok, d) for d in data))
     if generated is None:
         generated = run_cells(engine, prompts, cells, max_tokens=decode_tokens, batch_size=batch_size,
-                              extensions=extensions, stop_at_eos=stop_at_eos)
+                              extensions=extensions, stop_at_eos=stop_at_eos, tick=tick)
     texts, modify_s, kept = generated
     for policy, r, _ in cells:
         marks = [task.score(d["values"], t) for d, t in zip(data, texts[policy, r])]
@@ -510,7 +518,8 @@ def build_cells(engine, policies: Sequence[str], ratios: Sequence[float], params
 
 
 def run_cells(engine, prompts: Sequence, cells: Sequence[tuple], *, max_tokens: int, batch_size: int,
-              extensions: Sequence | None = None, stop_at_eos: bool = True) -> tuple[dict, dict, dict]:
+              extensions: Sequence | None = None, stop_at_eos: bool = True,
+              tick: Callable | None = None) -> tuple[dict, dict, dict]:
     """Greedy responses of every cell on the same prompts: each chunk of `batch_size` prompts is prefilled once,
     then per cell the prefilled caches are restored, edited with the cell's drop function (`modify`; none for
     the full cache), extended with `extensions` when given (`extend`, the query-agnostic flow: the edit never
@@ -523,6 +532,7 @@ def run_cells(engine, prompts: Sequence, cells: Sequence[tuple], *, max_tokens: 
         prompts: what `prefill` takes (strings, dicts with `prompt`, token-id lists).
         cells: `(policy, ratio, drop_fn or None)` from `build_cells`.
         extensions: None, or one extension (text or token ids) per prompt.
+        tick: called as `tick(policy, ratio, fraction)` each time a cell finishes a chunk (`fraction` of the prompts).
 
     Returns:
         `(texts, modify_s, kept)`, dicts keyed by `(policy, ratio)`: answers (`RequestOutput.answer`: decoded up
@@ -534,12 +544,14 @@ def run_cells(engine, prompts: Sequence, cells: Sequence[tuple], *, max_tokens: 
         chunk = list(prompts[start:start + batch_size])
         engine.prefill(chunk)
         ext = None if extensions is None else list(extensions[start:start + batch_size])
-        _decode_cells(engine, _snapshot(engine), chunk, cells, ext, max_tokens, stop_at_eos, out)
+        _decode_cells(engine, _snapshot(engine), chunk, cells, ext, max_tokens, stop_at_eos, out,
+                      _chunk_tick(tick, len(chunk) / len(prompts)))
     return out
 
 
 def run_cells_shared(engine, contexts: Sequence, questions: Sequence, cells: Mapping[str, Sequence[tuple]], *,
-                     max_tokens: int, batch_size: int, stop_at_eos: bool = True) -> dict[str, tuple]:
+                     max_tokens: int, batch_size: int, stop_at_eos: bool = True,
+                     tick: Callable | None = None) -> dict[str, tuple]:
     """`run_cells` of both modes from one prefill per chunk: prefill(context) is the agnostic cells' start, and
     extending it with the question (`extend`) gives the aware cells' start, the cache of prefill(context +
     question) with the question's queries captured (`HFEngine.extend` on an unedited request), so each prompt's
@@ -548,6 +560,7 @@ def run_cells_shared(engine, contexts: Sequence, questions: Sequence, cells: Map
     Args:
         contexts, questions: token ids per prompt (`Task.split`); together the aware prompt.
         cells: `{"aware": [...], "agnostic": [...]}`, `(policy, ratio, drop_fn or None)` each.
+        tick: called as `tick(mode, policy, ratio, fraction)` each time a cell finishes a chunk.
 
     Returns:
         `{mode: (texts, modify_s, kept)}` as `run_cells` returns them.
@@ -562,7 +575,9 @@ def run_cells_shared(engine, contexts: Sequence, questions: Sequence, cells: Map
         prompt = engine.snapshot()
         for mode, mode_cells in cells.items():
             saved, extension = (prompt, None) if mode == "aware" else (context, ext)
-            _decode_cells(engine, saved, chunk, mode_cells, extension, max_tokens, stop_at_eos, out[mode])
+            mode_tick = None if tick is None else partial(tick, mode)
+            _decode_cells(engine, saved, chunk, mode_cells, extension, max_tokens, stop_at_eos, out[mode],
+                          _chunk_tick(mode_tick, len(chunk) / len(contexts)))
     return out
 
 
@@ -571,9 +586,15 @@ def _results(cells) -> tuple[dict, dict, dict]:
     return ({(p, r): [] for p, r, _ in cells}, {(p, r): 0.0 for p, r, _ in cells}, {(p, r): 0 for p, r, _ in cells})
 
 
-def _decode_cells(engine, saved, chunk, cells, extensions, max_tokens: int, stop_at_eos: bool, out) -> None:
+def _chunk_tick(tick: Callable | None, fraction: float) -> Callable:
+    """`tick(policy, ratio, fraction)` as a one-cell callback `(policy, ratio) -> None` for one chunk."""
+    return (lambda policy, r: None) if tick is None else (lambda policy, r: tick(policy, r, fraction))
+
+
+def _decode_cells(engine, saved, chunk, cells, extensions, max_tokens: int, stop_at_eos: bool, out,
+                  done: Callable) -> None:
     """Each cell of one chunk from the prefilled state `saved`: restore, edit, extend (when given), decode; the
-    answers, modify seconds and kept tokens are added to `out` (`_results`)."""
+    answers, modify seconds and kept tokens are added to `out` (`_results`); `done(policy, ratio)` after each."""
     texts, modify_s, kept = out
     for policy, r, fn in cells:
         _restore(engine, saved, chunk)
@@ -585,10 +606,11 @@ def _decode_cells(engine, saved, chunk, cells, extensions, max_tokens: int, stop
         outs = engine.decode(max_tokens=max_tokens, temperature=0.0, ignore_eos=not stop_at_eos)
         texts[policy, r] += [o.answer for o in outs]
         kept[policy, r] += sum(o.cached_tokens for o in outs)
+        done(policy, r)
 
 
 def run_forced_cells(engine, prompts: Sequence, continuations: Sequence[Sequence[int]], cells: Sequence[tuple], *,
-                     batch_size: int, on_cell: Callable | None = None) -> dict:
+                     batch_size: int, on_cell: Callable | None = None, tick: Callable | None = None) -> dict:
     """Fidelity of every cell to the full cache on teacher-forced continuations: each chunk of `batch_size` prompts
     is prefilled once; the full cache decodes the continuations teacher-forced (`decode(forced_ids=...,
     keep_logits=True)`), then per cell the prefilled caches are restored, edited (the edit never sees the
@@ -604,6 +626,7 @@ def run_forced_cells(engine, prompts: Sequence, continuations: Sequence[Sequence
             length m >= 1.
         cells: `(policy, ratio, drop_fn or None)` from `build_cells`.
         on_cell: called as `on_cell(policy, ratio, per, modify_s, kept)` once a cell has every prompt.
+        tick: called as `tick(policy, ratio, fraction)` each time a cell finishes a chunk (`fraction` of the prompts).
 
     Returns:
         `{(policy, ratio): {"kl": [...], "delta_ppl": [...], "agreement": [...], "ppl": [...]}}`, lists in prompt
@@ -638,6 +661,8 @@ def run_forced_cells(engine, prompts: Sequence, continuations: Sequence[Sequence
                 for k, v in continuation_measures(full, _logit_matrix(o), ids).items():
                     per[policy, r][k].append(v)
                 kept[policy, r] += o.cached_tokens
+            if tick is not None:
+                tick(policy, r, len(chunk) / len(prompts))
     if on_cell is not None:
         for policy, r, _ in cells:
             on_cell(policy, r, per[policy, r], modify_s[policy, r], kept[policy, r])
