@@ -115,9 +115,11 @@ def int_list(what: str, example: str):
     return parse
 
 
-def name_list(choices, what: str = "policy"):
-    """argparse type factory: comma-separated names, each one of `choices`."""
+def name_list(choices, what: str = "policy", allow_none: bool = False):
+    """argparse type factory: comma-separated names, each one of `choices` (with `allow_none`, "none": [])."""
     def parse(text: str) -> list[str]:
+        if allow_none and text.strip().lower() == "none":
+            return []
         out = [x.strip() for x in text.split(",") if x.strip()]
         bad = [x for x in out if x not in choices]
         if bad or not out:
