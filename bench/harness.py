@@ -199,7 +199,8 @@ def write_json(results, dest: str, indent: int = 2, **kw) -> None:
 
 def summary(ap, args, render, keys=None, check=None) -> bool:
     """With `--summary FILE`: print `render(report)` of the stored run and return True (bad files: one line, exit
-    2); `keys` the run (a dict, or a list of such) must hold, `check(report)` any further test (raises ValueError)."""
+    2); `keys` the run (a dict, or a list of such) must hold, `check(report, path)` any further test (raises
+    ValueError)."""
     if not args.summary:
         return False
 
@@ -210,25 +211,26 @@ def summary(ap, args, render, keys=None, check=None) -> bool:
             raise ValueError(f"--summary {args.summary!r} is not a run of {ap.prog} (no {' and '.join(keys)}); "
                              f"give a file it wrote with --json")
         if check:
-            check(report)
+            check(report, args.summary)
         print(render(report))
     one_line_errors(ap, show)
     return True
 
 
-def start(ap, argv, render, example: str, keys):
+def start(ap, argv, render, example: str, keys, check=None, json_dest: str = "json"):
     """The first lines of a measuring bench's `main`: parse `argv`; with `--summary` print the stored run
-    (`summary`) and return None; else check `--device` and `--json` before any work (a bad value: one line, exit
-    2), set torch's CPU threads to `--threads` when given, and return the options."""
+    (`summary`, `keys` and `check` as there) and return None; else check `--device` (where the bench has it) and
+    the `--json` path (option dest `json_dest`) before any work (a bad value: one line, exit 2), set torch's CPU
+    threads to `--threads` when given, and return the options."""
     args = ap.parse_args(argv)
-    if summary(ap, args, render, keys):
+    if summary(ap, args, render, keys, check):
         return None
     from tdutils.models import check_device
 
-    one_line_errors(ap, check_device, args.device)
-    if args.json is not None:
-        one_line_errors(ap, check_json_dest, args.json, "--json", example)
-    if args.threads:
+    one_line_errors(ap, check_device, getattr(args, "device", None))
+    if getattr(args, json_dest) is not None:
+        one_line_errors(ap, check_json_dest, getattr(args, json_dest), "--json", example)
+    if getattr(args, "threads", None):
         import torch
 
         torch.set_num_threads(args.threads)
