@@ -383,14 +383,6 @@ def text_table(head, rows) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(ln, widths)).rstrip() for ln in lines)
 
 
-def spread(xs) -> dict:
-    """`{"median", "min", "max", "values"}` of the numbers `xs` (repeats of one measurement)."""
-    import statistics
-
-    xs = list(xs)
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "values": xs}
-
-
 def essay_prompts(tokenizer, n: int, tokens: int, *, wrap: bool = True) -> list[list[int]]:
     """`n` continuation prompts of exactly `tokens` token ids from the RULER essay haystack (Alice, ch. 1-6), each
     led by the tokenizer's own leading special tokens: passages starting at `n` evenly spaced words; with `wrap`
