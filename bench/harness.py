@@ -443,11 +443,6 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def maxrss_bytes() -> int:
-    """getrusage's ru_maxrss (bytes; Linux reports KiB): cannot be reset, and a child inherits its parent's."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def mmap_every_tensor(threshold: int = 128 * 1024) -> bool:
     """glibc: serve every allocation >= `threshold` bytes by its own mmap (unmapped when freed; also stops glibc
     raising the threshold) and return freed heap, so RSS follows live tensors. False without glibc."""
@@ -529,7 +524,7 @@ def extra_memory(fn, device: str = "cpu") -> tuple:
     hwm_ok = reset_peak_rss()
     before = rss_bytes()
     out = fn()
-    maxrss = max(0, maxrss_bytes() - before)
+    maxrss = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)  # Linux reports KiB
     peak = peak_rss_bytes() if hwm_ok else before + maxrss
     method = ("VmHWM (reset via /proc/self/clear_refs)" if hwm_ok else "ru_maxrss") + " - RSS before, subprocess"
     return out, max(0, peak - before), method, maxrss
