@@ -231,16 +231,10 @@ def _meta(args, part: str, **extra) -> dict:
     return {"part": part, **H.run_record("bench/decode_compression.py"), "model": args.model, **extra}
 
 
-
-
 def _engine(args, **kw):
     import tdutils
 
     return tdutils.open_engine("hf", model=args.model, progress=False, **kw)
-
-
-def _log(msg: str) -> None:
-    print(msg, flush=True)
 
 
 # ------------------------------------------------------------------------------------------ throughput
@@ -255,11 +249,11 @@ def run_throughput(args) -> dict:
     configs = {f"B={b}": Compression(args.policy, budget=b, buffer=args.buffer, window=args.window)
                for b in args.budgets}
     orders = alternating_orders(["full", *configs], args.repeats)
-    _log(f"model={args.model} requests={len(prompts)} prompt_tokens={args.prompt_tokens} max_tokens={args.max_tokens} "
+    H.log(f"model={args.model} requests={len(prompts)} prompt_tokens={args.prompt_tokens} max_tokens={args.max_tokens} "
          f"kv_budget_tokens={eng.kv_budget_tokens} policy={args.policy} N={args.buffer} w={args.window}")
     # the shared comparison loop (tdutils.runs.compare): forward, then backward order in every repeat
     results, _ = tdutils.compare(eng, prompts, configs, max_tokens=args.max_tokens, repeats=args.repeats,
-                                 order="alternate", progress=_log, ignore_eos=True)
+                                 order="alternate", progress=H.log, ignore_eos=True)
     runs = [_throughput_run(name, rep, results["baseline" if name == "full" else name], len(prompts) * args.max_tokens)
             for rep, order in enumerate(orders) for name in order]
     configs = {"full": None, **configs}
@@ -308,7 +302,7 @@ def run_fidelity(args) -> dict:
     full = eng.decode(args.max_tokens, ignore_eos=True, keep_logits=True)
     ref_ids = [o.output_ids for o in full]
     full_cache = [statistics.fmean(cache_sizes(o)) for o in full]
-    _log(f"model={args.model} requests={len(prompts)} prompt_tokens={args.prompt_tokens} max_tokens={args.max_tokens} "
+    H.log(f"model={args.model} requests={len(prompts)} prompt_tokens={args.prompt_tokens} max_tokens={args.max_tokens} "
          f"N={args.buffer} w={args.window} positions={args.positions}; full cache {time.perf_counter() - t0:.0f} s")
     rows, checks = [], []
     for policy in args.policies:
@@ -336,13 +330,13 @@ def run_fidelity(args) -> dict:
                     checks.append({"policy": policy, "budget": b, "request": i, "forced": f["agreement"][i],
                                    "free": greedy_agreement(ref_ids[i], o.output_ids)})
             rows.append(row)
-            _log(f"  {policy:>13} B={b:<4}: agreement mean {row['agreement']['mean']:.1f} median "
+            H.log(f"  {policy:>13} B={b:<4}: agreement mean {row['agreement']['mean']:.1f} median "
                  f"{row['agreement']['median']:.1f}, top-1 {row['top1_rate']:.3f}, KL {row['kl_mean']:.4f} "
                  f"(after the first cut {row['kl_mean_after_cut']:.4f}), {row['cuts_per_request']:.1f} cuts, "
                  f"{seconds:.0f} s")
     bad = [c for c in checks if c["free"] != c["forced"]]
     if bad:
-        _log(f"WARNING: {len(bad)} free greedy runs differ from the teacher-forced prediction: {bad[:3]}")
+        H.log(f"WARNING: {len(bad)} free greedy runs differ from the teacher-forced prediction: {bad[:3]}")
     meta = _meta(args, "fidelity", num_requests=len(prompts), prompt_tokens=args.prompt_tokens,
                  max_tokens=args.max_tokens, budgets=args.budgets, buffer=args.buffer, window=args.window,
                  positions=args.positions, policies=args.policies, seconds=time.perf_counter() - t_start)
@@ -363,7 +357,7 @@ def run_ruler(args) -> dict:
                         context_tokens=args.context_length, seed=args.seed)
     max_tokens = args.max_tokens or ruler.RULER_CPU_MAX_TOKENS[args.task]
     chat = rows_in[0].meta.get("chat_template")
-    _log(f"model={args.model} task={args.task} n={len(rows_in)} T={args.context_length} B={args.budget} "
+    H.log(f"model={args.model} task={args.task} n={len(rows_in)} T={args.context_length} B={args.budget} "
          f"max_tokens={max_tokens} chat_template={chat}")
     rows, details = [], []
 
@@ -380,7 +374,7 @@ def run_ruler(args) -> dict:
         rows.append(row)
         details.append({"policy": policy, "mode": mode, "answers": [o.answer for o in outs],
                         "exact": list(report.is_correct)})
-        _log(f"  {policy:>7} {mode:>10}: {row['correct']}/{row['n']} (partial {partial:.2f}), cache "
+        H.log(f"  {policy:>7} {mode:>10}: {row['correct']}/{row['n']} (partial {partial:.2f}), cache "
              f"{row['cache_tokens']:.0f}, peak {row['peak_cache_tokens']}, prefill {prefill_s:.0f} s")
 
     # The full prefill serves the full-cache row and every policy's one-shot row: one-shot compression is the
@@ -503,7 +497,7 @@ def run_kvpress(args) -> dict:
             comp = Compression(policy, budget=B, buffer=N, window=w if window is None else window)
             outs = eng.decode(args.max_tokens, ignore_eos=True, compression=comp)
             td[positions, key] = [greedy_agreement(f, o.output_ids) for f, o in zip(full, outs)]
-            _log(f"  tdutils {positions:>8} {key:>13}: agreement {td[positions, key]}")
+            H.log(f"  tdutils {positions:>8} {key:>13}: agreement {td[positions, key]}")
         del eng
     td_s = time.perf_counter() - t_start
 
