@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> None:
     """Before any model loads: the budget the policy can hold, a model that can do RULER, lengths within its
-    positions, `--json`.
+    positions.
 
     Raises:
         ValueError: one line naming the option.
@@ -106,8 +106,6 @@ def check_args(args) -> None:
     from tdutils.models import check_context_lengths, context_window
     from tdutils.ruler import check_ruler_model
 
-    if args.json is not None:
-        H.check_json_dest(args.json, example="docs/results/chunked_prefill.json")
     try:
         Compression(args.policy, budget=args.budget)
     except ValueError as exc:
@@ -125,8 +123,8 @@ def _rows_have_mode(report, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
-    if H.summary(ap, args, markdown, keys=("rows",), check=lambda r: _rows_have_mode(r, args.summary)):
+    args = H.start(ap, argv, markdown, "docs/results/chunked_prefill.json", ("rows",), check=_rows_have_mode)
+    if args is None:
         return 0
     H.one_line_errors(ap, check_args, args)
     rows = []

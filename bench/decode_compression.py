@@ -7,47 +7,20 @@
     python bench/decode_compression.py --summary docs/results/decode_compression_fidelity.json   # a stored run's table
 
 R-KV (Cai et al. 2025, arXiv:2505.24133) holds each request's cache at a budget `B` while it decodes: generated
-tokens fill a buffer `N`, and when the cache reaches `B + N` the queries of the last `w` tokens score it and it is
-cut back to `B` (`tdutils.compression.Compression(policy, budget=B, buffer=N, window=w)`, run inside the batch
-by `HFEngine.decode(compression=...)`). Four parts, each printing a table and, with `--json`, writing a run:
-
-- `throughput`: a fixed KV budget (`tdutils.default_kv_budget`, 4.25 full-cache requests: the full cache decodes
-  4 at a time) with short prompts and long outputs (greedy, EOS ignored, fixed lengths); the full cache and
-  decode-time compression at each budget `B` (buffer `N`, window 8) on the same prompts, alternated in every
-  repeat (forward, then backward order); per repeat the ratio of decode tokens/s to the full cache's. Columns:
-  requests decoded together (peak batch), decode tok/s, the ratio, the cuts and their share of decode seconds,
-  the largest cache a request held and the largest reserved KV sum.
-- `fidelity`: per policy and budget, against the full-cache greedy generation of the same prompts: greedy
-  agreement (tokens generated before the first difference; mean and median over requests) and teacher-forced KL
-  (the compressed run is fed the full-cache tokens, `decode(forced_ids=...)`; KL(full || compressed) of the
-  next-token distributions, mean over every generated token), plus the top-1 rate (steps whose argmax is the
-  full-cache token). Both come from the teacher-forced run: until its first mismatch it is the free greedy run
-  (same tokens in, same cuts), so the first step whose argmax differs from the full-cache token is where the
-  free greedy generation first differs; `--check-free POLICY` also runs that policy's free greedy decode at
-  every budget and stores both counts (they must be equal).
-- `ruler`: RULER exact match (`ruler_niah_single_1`, the model's chat template) with chunked prefill under a
-  budget (`prefill(chunk=C, compression=...)`: cut back to `B` after every chunk, before the question exists
-  unless it is in that chunk) against one-shot compression to the same final cache (the whole prompt, then one
-  cut to `B`: `modify` with the policy's budget cut (`Compression.drop_fn`) on the full cache's prefill, bit for bit what
-  `prefill(compression=...)` computes, without prefilling again), the full cache as the reference; the policies'
-  own windows. One run per `--policies` list; several runs render as one table (`markdown([...])`).
-- `kvpress`: NVIDIA kvpress' `DecodingPress` (experimental, batch 1: every `compression_interval` decode steps the
-  scorer press cuts each layer's cache to `target_size`, per KV head, keys at their original positions) on the
-  same model and prompts, beside tdutils' decode-time compression with the same `B`, `N`, window and prompt
-  length `B` (so both cut first when the cache reaches `B + N` and every `N` steps after), in both position modes:
-  greedy agreement with each side's own full-cache generation. kvpress runs in its own venv
-  (`peer_kvpress.VENV`, the pin of `bench/peer_kvpress.py`); `worker` runs there through `bench/harness.py`.
-
-Prompts (`throughput`, `fidelity`, `kvpress`): continuation prompts from the RULER essay haystack (Alice's
-Adventures in Wonderland, ch. 1-6, `tdutils/assets/ruler/`): `n` passages starting at evenly spaced words,
-`--prompt-tokens` tokens each (the tokenizer's leading special tokens included), no chat template: the model
-continues the text, so every generated token is ordinary text.
+tokens fill a buffer `N`; at `B + N` the queries of the last `w` tokens score the cache and it is cut back to `B`
+(`Compression(policy, budget=B, buffer=N, window=w)`, run inside the batch by `HFEngine.decode(compression=...)`).
+Four parts, each printing a table and, with `--json`, writing a run: `throughput` (the full cache and each budget
+at one fixed KV budget, alternated per repeat), `fidelity` (greedy agreement and teacher-forced KL against the
+full cache), `ruler` (chunked prefill under a budget against one-shot compression) and `kvpress` (kvpress'
+`DecodingPress` in its peer venv, `worker` run through `bench/harness.py`). Prompts of `throughput`, `fidelity`
+and `kvpress`: passages of the RULER essay haystack, no chat template. Every part, option and column:
+docs/benchmarks.md#benchdecode_compressionpy-compression-while-the-cache-grows.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import functools
 import statistics
 import sys
 import time
@@ -56,6 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness as H
 from harness import alternating_orders  # used below; tests read it here too
+
+essay_prompts = functools.partial(H.essay_prompts, wrap=False)  # passages that fit in the text (tests read it here)
 
 PARTS = ("throughput", "fidelity", "ruler", "kvpress")
 FIDELITY_POLICIES = ("rkv", "snapkv", "tova", "knorm", "streaming_llm", "random")
@@ -68,17 +43,9 @@ KVPRESS_PRESSES = {
     "knorm": ("KnormPress", "knorm", 0, ()),
     "streaming_llm": ("StreamingLLMPress", "streaming_llm", 0, ()),
 }
-ESSAY = Path(__file__).resolve().parents[1] / "tdutils" / "assets" / "ruler" / "alice_ch1-6.txt"
 
 
 # ------------------------------------------------------------------------------------------ pure functions
-def first_difference(reference, output) -> int:
-    """Tokens of `output` equal to `reference` before the first difference (`tdutils.compression.greedy_agreement`)."""
-    from tdutils.compression import greedy_agreement
-
-    return greedy_agreement(reference, output)
-
-
 def top1_rate(reference_ids, logits) -> float:
     """Fraction of a teacher-forced run's steps whose argmax is the reference token (`logits`: `[steps, vocab]`
     or one `[vocab]` tensor per step)."""
@@ -88,12 +55,6 @@ def top1_rate(reference_ids, logits) -> float:
     if not top:
         raise ValueError("no steps")
     return sum(int(a) == b for a, b in zip(reference_ids, top)) / len(top)
-
-
-def p90(values) -> float:
-    """The 90th percentile (nearest rank) of a non-empty list of numbers."""
-    values = sorted(float(v) for v in values)
-    return values[min(len(values) - 1, math.ceil(0.9 * len(values)) - 1)]
 
 
 def loop_start(ids, max_period: int = 64, min_repeats: int = 2) -> int | None:
@@ -134,36 +95,7 @@ def ratio_stats(runs: list[dict], baseline: str = "full") -> dict[str, dict]:
     return out
 
 
-def essay_prompts(tokenizer, n: int, tokens: int) -> list[list[int]]:
-    """`n` continuation prompts of exactly `tokens` token ids from the RULER essay haystack: passages starting at
-    evenly spaced words of the text, each led by the tokenizer's own leading special tokens (BOS where it adds one).
-
-    Raises:
-        ValueError: the text cannot give `n` distinct passages of that many tokens.
-    """
-    import re
-
-    words = re.sub(r"\s+", " ", ESSAY.read_text(encoding="utf-8")).strip().split(" ")
-    lead = list(tokenizer("", add_special_tokens=True)["input_ids"])
-    body = tokens - len(lead)
-    span = 2 * body + 16  # words: more than enough for `body` tokens of English prose
-    if body < 1 or n * span > len(words):
-        raise ValueError(f"the essay text ({len(words)} words) cannot give {n} passages of {tokens} tokens")
-    step = (len(words) - span) // max(n - 1, 1)
-    out = []
-    for i in range(n):
-        ids = tokenizer(" ".join(words[i * step:i * step + span]), add_special_tokens=False)["input_ids"]
-        if len(ids) < body:
-            raise ValueError(f"passage {i} has {len(ids)} tokens, fewer than {body}")
-        out.append(lead + list(ids[:body]))
-    return out
-
-
 # ------------------------------------------------------------------------------------------ tables
-def _fmt(x, spec=".2f"):
-    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
 def _md(head, rows) -> str:
     return "\n".join(H.md_table(head, rows))
 
@@ -299,16 +231,10 @@ def _meta(args, part: str, **extra) -> dict:
     return {"part": part, **H.run_record("bench/decode_compression.py"), "model": args.model, **extra}
 
 
-
-
 def _engine(args, **kw):
     import tdutils
 
     return tdutils.open_engine("hf", model=args.model, progress=False, **kw)
-
-
-def _log(msg: str) -> None:
-    print(msg, flush=True)
 
 
 # ------------------------------------------------------------------------------------------ throughput
@@ -323,11 +249,11 @@ def run_throughput(args) -> dict:
     configs = {f"B={b}": Compression(args.policy, budget=b, buffer=args.buffer, window=args.window)
                for b in args.budgets}
     orders = alternating_orders(["full", *configs], args.repeats)
-    _log(f"model={args.model} requests={len(prompts)} prompt_tokens={args.prompt_tokens} max_tokens={args.max_tokens} "
+    H.log(f"model={args.model} requests={len(prompts)} prompt_tokens={args.prompt_tokens} max_tokens={args.max_tokens} "
          f"kv_budget_tokens={eng.kv_budget_tokens} policy={args.policy} N={args.buffer} w={args.window}")
     # the shared comparison loop (tdutils.runs.compare): forward, then backward order in every repeat
     results, _ = tdutils.compare(eng, prompts, configs, max_tokens=args.max_tokens, repeats=args.repeats,
-                                 order="alternate", progress=_log, ignore_eos=True)
+                                 order="alternate", progress=H.log, ignore_eos=True)
     runs = [_throughput_run(name, rep, results["baseline" if name == "full" else name], len(prompts) * args.max_tokens)
             for rep, order in enumerate(orders) for name in order]
     configs = {"full": None, **configs}
@@ -364,30 +290,8 @@ def _throughput_run(name: str, rep: int, result, tokens: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ fidelity
-def fidelity_summary(reference, forced) -> dict:
-    """`tdutils.compression.fidelity(reference, forced)` plus `kl`, the KL of every step of every request (for
-    its percentiles), computing each request's KL once (a 262k-token vocabulary makes that the costly part)."""
-    from tdutils.compression import greedy_agreement, kl_per_step
-
-    if len(reference) != len(forced) or not reference:
-        raise ValueError(f"reference and forced must hold the same requests, got {len(reference)} and {len(forced)}")
-    agreement, kls, after, cuts = [], [], [], 0
-    for ref, out in zip(reference, forced):
-        kl = kl_per_step(ref.logits, out.logits)
-        agreement.append(greedy_agreement(ref.output_ids, [int(x.argmax()) for x in out.logits]))
-        events = out.compressions or []
-        cuts += len(events)
-        if events:
-            after += kl[events[0]["step"]:].tolist()  # step s's logits were computed before its cut
-        kls.append(kl.tolist())
-    every = [x for kl in kls for x in kl]
-    return {"agreement": agreement, "identical": sum(a == len(k) for a, k in zip(agreement, kls)) / len(kls),
-            "kl_mean": statistics.fmean(every), "kl_max": max(every),
-            "kl_mean_after_cut": statistics.fmean(after) if after else 0.0, "cuts": cuts, "kl": every}
-
-
 def run_fidelity(args) -> dict:
-    from tdutils.compression import Compression, cache_sizes
+    from tdutils.compression import Compression, cache_sizes, fidelity, greedy_agreement
 
     t_start = time.perf_counter()
     eng = _engine(args, positions=args.positions)
@@ -398,7 +302,7 @@ def run_fidelity(args) -> dict:
     full = eng.decode(args.max_tokens, ignore_eos=True, keep_logits=True)
     ref_ids = [o.output_ids for o in full]
     full_cache = [statistics.fmean(cache_sizes(o)) for o in full]
-    _log(f"model={args.model} requests={len(prompts)} prompt_tokens={args.prompt_tokens} max_tokens={args.max_tokens} "
+    H.log(f"model={args.model} requests={len(prompts)} prompt_tokens={args.prompt_tokens} max_tokens={args.max_tokens} "
          f"N={args.buffer} w={args.window} positions={args.positions}; full cache {time.perf_counter() - t0:.0f} s")
     rows, checks = [], []
     for policy in args.policies:
@@ -408,32 +312,31 @@ def run_fidelity(args) -> dict:
             t0 = time.perf_counter()
             outs = eng.decode(args.max_tokens, ignore_eos=True, keep_logits=True, compression=comp, forced_ids=ref_ids)
             seconds = time.perf_counter() - t0
-            f = fidelity_summary(full, outs)  # `tdutils.compression.fidelity`'s figures, and every step's KL
-            kls = f["kl"]
+            f = fidelity(full, outs)
             row = {"policy": policy, "budget": b, "agreement": summary_stats(f["agreement"]),
                    "agreements": f["agreement"], "identical": f["identical"],
                    "top1_rate": statistics.fmean(top1_rate(r, o.logits) for r, o in zip(ref_ids, outs)),
-                   "kl_mean": f["kl_mean"], "kl_mean_after_cut": f["kl_mean_after_cut"], "kl_p90": p90(kls),
+                   "kl_mean": f["kl_mean"], "kl_mean_after_cut": f["kl_mean_after_cut"], "kl_p90": f["kl_p90"],
                    "kl_max": f["kl_max"], "cuts_per_request": f["cuts"] / len(outs),
                    "first_cut_steps": [o.compressions[0]["step"] if o.compressions else None for o in outs],
                    "mean_cache_of_full": statistics.fmean(statistics.fmean(cache_sizes(o)) / c
                                                           for o, c in zip(outs, full_cache)),
-                   "tokens": len(kls), "seconds": seconds}
+                   "tokens": sum(f["steps"]), "seconds": seconds}
             del outs
             if policy in args.check_free:
                 eng.restore(saved)
                 free = eng.decode(args.max_tokens, ignore_eos=True, compression=comp)
                 for i, o in enumerate(free):
                     checks.append({"policy": policy, "budget": b, "request": i, "forced": f["agreement"][i],
-                                   "free": first_difference(ref_ids[i], o.output_ids)})
+                                   "free": greedy_agreement(ref_ids[i], o.output_ids)})
             rows.append(row)
-            _log(f"  {policy:>13} B={b:<4}: agreement mean {row['agreement']['mean']:.1f} median "
+            H.log(f"  {policy:>13} B={b:<4}: agreement mean {row['agreement']['mean']:.1f} median "
                  f"{row['agreement']['median']:.1f}, top-1 {row['top1_rate']:.3f}, KL {row['kl_mean']:.4f} "
                  f"(after the first cut {row['kl_mean_after_cut']:.4f}), {row['cuts_per_request']:.1f} cuts, "
                  f"{seconds:.0f} s")
     bad = [c for c in checks if c["free"] != c["forced"]]
     if bad:
-        _log(f"WARNING: {len(bad)} free greedy runs differ from the teacher-forced prediction: {bad[:3]}")
+        H.log(f"WARNING: {len(bad)} free greedy runs differ from the teacher-forced prediction: {bad[:3]}")
     meta = _meta(args, "fidelity", num_requests=len(prompts), prompt_tokens=args.prompt_tokens,
                  max_tokens=args.max_tokens, budgets=args.budgets, buffer=args.buffer, window=args.window,
                  positions=args.positions, policies=args.policies, seconds=time.perf_counter() - t_start)
@@ -454,7 +357,7 @@ def run_ruler(args) -> dict:
                         context_tokens=args.context_length, seed=args.seed)
     max_tokens = args.max_tokens or ruler.RULER_CPU_MAX_TOKENS[args.task]
     chat = rows_in[0].meta.get("chat_template")
-    _log(f"model={args.model} task={args.task} n={len(rows_in)} T={args.context_length} B={args.budget} "
+    H.log(f"model={args.model} task={args.task} n={len(rows_in)} T={args.context_length} B={args.budget} "
          f"max_tokens={max_tokens} chat_template={chat}")
     rows, details = [], []
 
@@ -471,7 +374,7 @@ def run_ruler(args) -> dict:
         rows.append(row)
         details.append({"policy": policy, "mode": mode, "answers": [o.answer for o in outs],
                         "exact": list(report.is_correct)})
-        _log(f"  {policy:>7} {mode:>10}: {row['correct']}/{row['n']} (partial {partial:.2f}), cache "
+        H.log(f"  {policy:>7} {mode:>10}: {row['correct']}/{row['n']} (partial {partial:.2f}), cache "
              f"{row['cache_tokens']:.0f}, peak {row['peak_cache_tokens']}, prefill {prefill_s:.0f} s")
 
     # The full prefill serves the full-cache row and every policy's one-shot row: one-shot compression is the
@@ -573,7 +476,7 @@ def run_kvpress(args) -> dict:
     import transformers
     from peer_kvpress import VENV
 
-    from tdutils.compression import Compression
+    from tdutils.compression import Compression, greedy_agreement
     from tdutils.models import resolve_model
 
     t_start = time.perf_counter()
@@ -593,8 +496,8 @@ def run_kvpress(args) -> dict:
             eng.restore(saved)
             comp = Compression(policy, budget=B, buffer=N, window=w if window is None else window)
             outs = eng.decode(args.max_tokens, ignore_eos=True, compression=comp)
-            td[positions, key] = [first_difference(f, o.output_ids) for f, o in zip(full, outs)]
-            _log(f"  tdutils {positions:>8} {key:>13}: agreement {td[positions, key]}")
+            td[positions, key] = [greedy_agreement(f, o.output_ids) for f, o in zip(full, outs)]
+            H.log(f"  tdutils {positions:>8} {key:>13}: agreement {td[positions, key]}")
         del eng
     td_s = time.perf_counter() - t_start
 
@@ -605,7 +508,7 @@ def run_kvpress(args) -> dict:
     peer = H.call(__file__, "worker", spec, python=py, env=H.peer_env(args.threads), stream=True)
     kv_s = time.perf_counter() - t1
     kv_full = [r["output_ids"] for r in peer["rows"][0]["requests"]]
-    cross = [first_difference(a, b) for a, b in zip(td["compact", "full"], kv_full)]
+    cross = [greedy_agreement(a, b) for a, b in zip(td["compact", "full"], kv_full)]
     rows = []
     for prow in peer["rows"][1:]:
         key = prow["press"]
@@ -614,14 +517,14 @@ def run_kvpress(args) -> dict:
         if "error" in prow:
             rows.append({**row, "error": prow["error"]})
             continue
-        kv_agree = [first_difference(f, r["output_ids"]) for f, r in zip(kv_full, prow["requests"])]
+        kv_agree = [greedy_agreement(f, r["output_ids"]) for f, r in zip(kv_full, prow["requests"])]
         row.update(kvpress=summary_stats(kv_agree), kvpress_agreements=kv_agree,
                    compact=summary_stats(td["compact", key]), compact_agreements=td["compact", key],
                    original=summary_stats(td["original", key]), original_agreements=td["original", key],
                    kv_tok_s=sum(len(r["output_ids"]) - 1 for r in prow["requests"]) /
                    sum(r["decode_s"] for r in prow["requests"]),
                    kv_max_cache=max(r["max_cache"] for r in prow["requests"]),
-                   kv_vs_td_full=[first_difference(a, r["output_ids"]) for a, r in zip(td["compact", "full"],
+                   kv_vs_td_full=[greedy_agreement(a, r["output_ids"]) for a, r in zip(td["compact", "full"],
                                                                                       prow["requests"])])
         rows.append(row)
     meta = _meta(args, "kvpress", num_requests=len(prompts), prompt_tokens=prompt_tokens, max_tokens=args.max_tokens,
@@ -633,32 +536,11 @@ def run_kvpress(args) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ command line
-def _ints(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated integers, e.g. 64,128") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give integers >= 1")
-    return out
-
-
-def _names(choices, allow_none: bool = False):
-    def parse(text: str) -> list[str]:
-        if allow_none and text.strip().lower() == "none":
-            return []
-        out = [x.strip() for x in text.split(",") if x.strip()]
-        bad = [x for x in out if x not in choices]
-        if bad or not out:
-            raise argparse.ArgumentTypeError(f"unknown name {bad[0] if bad else text!r}; choose from {', '.join(choices)}")
-        return out
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     from tdutils.cli_args import count, positive_int, usable_cores
 
     held = H.compression_policies()  # the policies that can hold a budget while the cache grows
+    budgets = H.int_list("budgets", "64,128")
     ap = H.parser("bench/decode_compression.py", __doc__)
     H.add_standard(ap, json=None)
     sub = ap.add_subparsers(dest="part")
@@ -671,7 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=positive_int, default=16)
     p.add_argument("--prompt-tokens", type=positive_int, default=128)
     p.add_argument("--max-tokens", type=positive_int, default=384, help="generated tokens per request (the issue: 2048)")
-    p.add_argument("--budgets", type=_ints, default=[64, 128], help="budgets B (default 64,128)")
+    p.add_argument("--budgets", type=budgets, default=[64, 128], help="budgets B (default 64,128)")
     p.add_argument("--buffer", type=positive_int, default=64, help="buffer N (default 64)")
     p.add_argument("--window", type=count, default=8)
     p.add_argument("--policy", default="rkv", choices=held)
@@ -680,15 +562,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("fidelity", help="greedy agreement and teacher-forced KL against the full cache")
     common(p)
-    p.add_argument("--policies", type=_names(held), default=list(FIDELITY_POLICIES))
+    p.add_argument("--policies", type=H.name_list(held), default=list(FIDELITY_POLICIES))
     p.add_argument("--num-requests", type=positive_int, default=4)
     p.add_argument("--prompt-tokens", type=positive_int, default=128)
     p.add_argument("--max-tokens", type=positive_int, default=256)
-    p.add_argument("--budgets", type=_ints, default=[32, 64, 128])
+    p.add_argument("--budgets", type=budgets, default=[32, 64, 128])
     p.add_argument("--buffer", type=positive_int, default=64)
     p.add_argument("--window", type=count, default=8)
     p.add_argument("--positions", choices=("compact", "original"), default="compact")
-    p.add_argument("--check-free", type=_names(held, allow_none=True), default=["rkv"],
+    p.add_argument("--check-free", type=H.name_list(held, allow_none=True), default=["rkv"],
                    help="policies whose free greedy decode also runs, to check the teacher-forced agreement "
                         "(default rkv; none: no check)")
 
@@ -699,14 +581,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=positive_int, default=20)
     p.add_argument("--seed", type=int, default=5_000_000, help="dataset seed (default: the held-out seed)")
     p.add_argument("--budget", type=positive_int, default=512)
-    p.add_argument("--chunks", type=_ints, default=[256, 512])
-    p.add_argument("--policies", type=_names(held), default=["snapkv", "knorm"])
+    p.add_argument("--chunks", type=H.int_list("chunk sizes", "256,512"), default=[256, 512])
+    p.add_argument("--policies", type=H.name_list(held), default=["snapkv", "knorm"])
     p.add_argument("--max-tokens", type=positive_int, default=None, help="default: the task's CPU default")
     p.add_argument("--prefill-batch-size", type=positive_int, default=4)
 
     p = sub.add_parser("kvpress", help="kvpress' DecodingPress beside tdutils' decode-time compression")
     common(p)
-    p.add_argument("--presses", type=_names(tuple(KVPRESS_PRESSES)), default=list(KVPRESS_PRESSES))
+    p.add_argument("--presses", type=H.name_list(tuple(KVPRESS_PRESSES), "press"), default=list(KVPRESS_PRESSES))
     p.add_argument("--num-requests", type=positive_int, default=4)
     p.add_argument("--prompt-tokens", type=positive_int, default=None, help="default: the budget")
     p.add_argument("--max-tokens", type=positive_int, default=256)
@@ -733,9 +615,7 @@ def check_args(args) -> None:
         H.check_json_dest(args.json, example=f"docs/results/decode_compression_{args.part}.json")
     if args.part == "ruler":
         check_ruler_model(args.model, "--model")
-        if f"ruler_{args.task}" not in _ruler_tasks():
-            raise ValueError(f"--task {args.task!r} is not a RULER template task; choose from "
-                             f"{', '.join(t[len('ruler_'):] for t in _ruler_tasks())}")
+        H.check_ruler_task(args.task)
     budgets = getattr(args, "budgets", None) or [getattr(args, "budget", 2)]
     policies = getattr(args, "policies", None) or [getattr(args, "policy", "snapkv")]
     window = None if args.part == "ruler" else args.window
@@ -749,20 +629,14 @@ def check_args(args) -> None:
                 raise ValueError(f"{opts} ({policy}): {exc}") from None
 
 
-def _ruler_tasks() -> list[str]:
-    from tdutils.eval.tasks import task_names
-
-    return list(task_names("ruler"))
-
-
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
 
-    def known_part(report):
+    def known_part(report, path):
         first = report[0] if isinstance(report, list) else report
         if first["part"] not in TABLES:
-            raise ValueError(f"--summary {args.summary!r}: unknown part {first['part']!r}")
+            raise ValueError(f"--summary {path!r}: unknown part {first['part']!r}")
     if H.summary(ap, args, markdown, keys=("part", "meta", "rows"), check=known_part):
         return 0
     if args.part is None:

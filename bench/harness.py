@@ -115,9 +115,11 @@ def int_list(what: str, example: str):
     return parse
 
 
-def name_list(choices, what: str = "policy"):
-    """argparse type factory: comma-separated names, each one of `choices`."""
+def name_list(choices, what: str = "policy", allow_none: bool = False):
+    """argparse type factory: comma-separated names, each one of `choices` (with `allow_none`, "none": [])."""
     def parse(text: str) -> list[str]:
+        if allow_none and text.strip().lower() == "none":
+            return []
         out = [x.strip() for x in text.split(",") if x.strip()]
         bad = [x for x in out if x not in choices]
         if bad or not out:
@@ -197,7 +199,8 @@ def write_json(results, dest: str, indent: int = 2, **kw) -> None:
 
 def summary(ap, args, render, keys=None, check=None) -> bool:
     """With `--summary FILE`: print `render(report)` of the stored run and return True (bad files: one line, exit
-    2); `keys` the run (a dict, or a list of such) must hold, `check(report)` any further test (raises ValueError)."""
+    2); `keys` the run (a dict, or a list of such) must hold, `check(report, path)` any further test (raises
+    ValueError)."""
     if not args.summary:
         return False
 
@@ -208,25 +211,26 @@ def summary(ap, args, render, keys=None, check=None) -> bool:
             raise ValueError(f"--summary {args.summary!r} is not a run of {ap.prog} (no {' and '.join(keys)}); "
                              f"give a file it wrote with --json")
         if check:
-            check(report)
+            check(report, args.summary)
         print(render(report))
     one_line_errors(ap, show)
     return True
 
 
-def start(ap, argv, render, example: str, keys):
+def start(ap, argv, render, example: str, keys, check=None, json_dest: str = "json"):
     """The first lines of a measuring bench's `main`: parse `argv`; with `--summary` print the stored run
-    (`summary`) and return None; else check `--device` and `--json` before any work (a bad value: one line, exit
-    2), set torch's CPU threads to `--threads` when given, and return the options."""
+    (`summary`, `keys` and `check` as there) and return None; else check `--device` (where the bench has it) and
+    the `--json` path (option dest `json_dest`) before any work (a bad value: one line, exit 2), set torch's CPU
+    threads to `--threads` when given, and return the options."""
     args = ap.parse_args(argv)
-    if summary(ap, args, render, keys):
+    if summary(ap, args, render, keys, check):
         return None
     from tdutils.models import check_device
 
-    one_line_errors(ap, check_device, args.device)
-    if args.json is not None:
-        one_line_errors(ap, check_json_dest, args.json, "--json", example)
-    if args.threads:
+    one_line_errors(ap, check_device, getattr(args, "device", None))
+    if getattr(args, json_dest) is not None:
+        one_line_errors(ap, check_json_dest, getattr(args, json_dest), "--json", example)
+    if getattr(args, "threads", None):
         import torch
 
         torch.set_num_threads(args.threads)
@@ -379,14 +383,6 @@ def text_table(head, rows) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(ln, widths)).rstrip() for ln in lines)
 
 
-def spread(xs) -> dict:
-    """`{"median", "min", "max", "values"}` of the numbers `xs` (repeats of one measurement)."""
-    import statistics
-
-    xs = list(xs)
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "values": xs}
-
-
 def essay_prompts(tokenizer, n: int, tokens: int, *, wrap: bool = True) -> list[list[int]]:
     """`n` continuation prompts of exactly `tokens` token ids from the RULER essay haystack (Alice, ch. 1-6), each
     led by the tokenizer's own leading special tokens: passages starting at `n` evenly spaced words; with `wrap`
@@ -445,11 +441,6 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
-
-
-def maxrss_bytes() -> int:
-    """getrusage's ru_maxrss (bytes; Linux reports KiB): cannot be reset, and a child inherits its parent's."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def mmap_every_tensor(threshold: int = 128 * 1024) -> bool:
@@ -533,7 +524,7 @@ def extra_memory(fn, device: str = "cpu") -> tuple:
     hwm_ok = reset_peak_rss()
     before = rss_bytes()
     out = fn()
-    maxrss = max(0, maxrss_bytes() - before)
+    maxrss = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)  # Linux reports KiB
     peak = peak_rss_bytes() if hwm_ok else before + maxrss
     method = ("VmHWM (reset via /proc/self/clear_refs)" if hwm_ok else "ru_maxrss") + " - RSS before, subprocess"
     return out, max(0, peak - before), method, maxrss

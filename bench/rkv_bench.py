@@ -28,8 +28,8 @@ import harness as H
 
 from tdutils.cli_args import count, drop_ratio, int_at_least, positive_int
 from tdutils.policies.rkv import rkv_importance, rkv_redundancy, rkv_scores
-from tdutils.profiling import kept_agreement, peak_memory, synthetic_keys
 from tdutils.policies.snapkv import snapkv_scores
+from tdutils.profiling import kept_agreement, peak_memory, synthetic_keys
 from tdutils.selection import keep_count, keep_top_scores, protected_mask
 
 METHODS = ("reference", "exact", "tiled", "buffered")

@@ -235,7 +235,8 @@ def fidelity(reference, forced) -> dict:
 
     Returns:
         `agreement` (per request), `agreement_mean`, `agreement_min`, `identical` (fraction of requests whose
-        every token agrees), `kl_mean` / `kl_max` (nats, over every step of every request), `kl_mean_after_cut`
+        every token agrees), `kl_mean` / `kl_max` / `kl_p90` (nats, over every step of every request; the 90th
+        percentile by nearest rank), `kl_mean_after_cut`
         (over the steps that attended over a cut cache: after each request's first cut; before it the caches
         are the full one's and the KL is 0; 0.0 when nothing was cut), `steps` (per request), `cuts` (total)
         and `first_cut` (the earliest step any request was cut at; None when none was).
@@ -264,6 +265,7 @@ def fidelity(reference, forced) -> dict:
     return {"agreement": agreement, "agreement_mean": sum(agreement) / len(agreement),
             "agreement_min": min(agreement), "identical": sum(a == n for a, n in zip(agreement, steps)) / len(steps),
             "kl_mean": float(every.mean()), "kl_max": float(every.max()),
+            "kl_p90": float(every.kthvalue(-(-9 * len(every) // 10)).values),  # rank ceil(0.9 n)
             "kl_mean_after_cut": float(after.mean()) if after.numel() else 0.0, "steps": steps, "cuts": cuts,
             "first_cut": min(first, default=None)}
 

@@ -354,7 +354,7 @@ CP = "bench/chunked_prefill.py"
     ("decode_compression", ["throughput", "--policy", "h2o"], (f"{DC} throughput: error: argument --policy: invalid "
      "choice: 'h2o' (choose from 'snapkv', 'rkv', 'random', 'streaming_llm', 'tova', 'knorm', 'keydiff') (see --help)")),
     ("decode_compression", ["fidelity", "--policies", "middle_chunk"], (f"{DC} fidelity: error: argument --policies: "
-     "unknown name 'middle_chunk'; choose from snapkv, rkv, random, streaming_llm, tova, knorm, keydiff (see --help)")),
+     "unknown policy 'middle_chunk'; give comma-separated names from snapkv, rkv, random, streaming_llm, tova, knorm, keydiff (see --help)")),
     ("decode_compression", ["throughput", "--full-requests", "0"], (f"{DC} throughput: error: argument "
      "--full-requests: expected a number >= 1 (the budget must hold one undropped request), got '0' (see --help)")),
     ("decode_compression", ["throughput", "--model", "tiny-qwen3", "--prompt-tokens", "100000", "--num-requests",
