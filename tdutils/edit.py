@@ -422,7 +422,9 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, bud
         rerotate: re-rotate kept keys to compact positions (True: what vLLM + LMCache decode with).
         granularity: `"request"` (one kept set for all layers and heads, the default), `"layer"` (one per layer) or
             `"head"` (one per KV head), for the policies that register it (`Policy.granularities`; docs/policies.md,
-            "Granularity"); not `"request"` needs `model_config` (the KV head count).
+            "Granularity"); not `"request"` needs `model_config` (the KV head count). The policies that move
+            budget between heads or layers (`Policy.per_head_only`: AdaKV, PyramidKV) select per head whatever is
+            asked (`"layer"` refused), unequal counts padded (`tdutils.selection.pack_sets`).
         **params: the policy's parameters (e.g. `window=32`); unknown names are refused.
 
     Returns:
@@ -462,6 +464,11 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, bud
                       num_kv_heads=heads)
 
     pol = get_policy(policy)
+    if pol.per_head_only and granularity != "head":
+        if granularity == "layer":
+            raise ValueError(f"policy {policy!r} moves budget between heads or layers, so it selects per KV head only; "
+                             f"use granularity='head' (or the default), not 'layer'")
+        granularity = "head"  # the default ("request") asks for the policy's own sets: per head
     if granularity not in pol.granularities:
         raise ValueError(f"policy {policy!r} keeps one set per request only (its scores are not defined per layer or "
                          f"head); use granularity='request', not {granularity!r}")
@@ -470,7 +477,7 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, bud
         raise ValueError(f"policy {policy!r} needs model_config (head_dim and head counts of the model)")
     extra = dict(pol.setup(facts)) if pol.setup is not None else {}  # per-model values, computed once
     keep, reads_query = pol.keep, pol.needs != "kv"
-    if granularity != "request":  # a policy registered for "request" only never sees the keyword
+    if granularity != "request" and not pol.per_head_only:  # request-only policies never see the keyword
         extra["granularity"] = granularity
 
     def select(tensors, tokens, drop_ratio):
