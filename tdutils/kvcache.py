@@ -106,10 +106,12 @@ def apply_keep(kv: torch.Tensor, tokens: Sequence[int], keep: torch.Tensor, *, r
 
 def check_keep_sets(keep: torch.Tensor, n: int, num_layers: int, num_kv_heads: int) -> torch.Tensor:
     """Validate kept indices per request `[k]`, per layer `[L, k]` or per KV head `[L, H, k]` for `n` tokens;
-    returns them as a CPU LongTensor sorted on the last dim (`check_keep` for `[k]`).
+    returns them as a CPU LongTensor sorted on the last dim (`check_keep` for `[k]`). Unequal per-head counts come
+    as `[L, H, k_max]` padded with -1 before each set's last index (`tdutils.selection.pack_sets`), returned as given.
 
     Raises:
-        ValueError: not integers, another `L` or `H`, empty sets, indices out of range or duplicated in a set.
+        ValueError: not integers, another `L` or `H`, empty sets, indices out of range or duplicated in a set,
+            padding not laid out as `pack_sets` lays it.
     """
     keep = torch.as_tensor(keep)
     if keep.dim() == 1:

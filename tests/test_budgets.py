@@ -248,6 +248,15 @@ def test_the_kv_budget_charges_the_padded_rows(tiny, sample_ids):
                 eng.decode(max_tokens=3)
 
 
+def test_budgets_that_move_refuse_compression_and_the_lmcache_layout_in_one_line(tiny):
+    from tdutils.compression import Compression
+
+    with pytest.raises(ValueError, match="unequal counts per head"):
+        Compression("adakv_snapkv", budget=64)
+    fn = make_drop_fn("pyramidkv", model_config=tiny[0])
+    assert fn.granularity == "head"  # what the lmcache engine refuses (one token list per request)
+
+
 def test_compact_unequal_counts_decode_as_the_models_forward_over_the_edited_cache(tiny, sample_ids):
     """Compact positions: the padded, per-head re-rotated cache decodes as the model's own forward over that cache
     (a DynamicCache of its rows) with each layer's padding masked per head, fp64."""
@@ -292,3 +301,20 @@ def test_compact_unequal_counts_decode_as_the_models_forward_over_the_edited_cac
     finally:
         for h in hooks:
             h.remove()
+
+
+@pytest.mark.real_models
+def test_smollm2_unequal_counts_equal_the_masked_forward(tiny):
+    """SmolLM2-135M (fp32, <= 1e-4): AdaKV over SnapKV at original positions, on a 300-token text prompt."""
+    from tdutils.models import load_model
+
+    try:
+        model, tok = load_model("smollm2-135m", device="cpu", dtype="float32", progress=False)
+    except (OSError, ImportError) as exc:
+        pytest.skip(str(exc))
+    ids = tok("The grass is green. The sky is blue. The sun is yellow. " * 20)["input_ids"][:300]
+    fn = make_drop_fn("adakv_snapkv", drop_ratio=0.5, model_config=model, rerotate=False, window=16)
+    keeps, outs = _decode_after((model, tok), [ids], fn, positions="original", model=model, max_tokens=3)
+    assert bool((keeps[0] < 0).any())
+    worst = _assert_masked_forward(model, [ids], keeps, outs, atol=1e-4)
+    print(f"largest difference {worst:.2e}")
