@@ -11,6 +11,7 @@ from tdutils import make_drop_fn
 from tdutils.edit import CacheKind
 from tdutils.engines.hf import HFEngine
 from tdutils.kvcache import apply_keep_heads, check_keep_sets
+from tdutils.models import model_facts
 from tdutils.policies.adakv import adakv_keep
 from tdutils.policies.expected_attention import ExpectedAttentionParams, expected_attention_head_scores
 from tdutils.policies.pyramidkv import pyramid_budgets
@@ -257,47 +258,69 @@ def test_budgets_that_move_refuse_compression_and_the_lmcache_layout_in_one_line
     assert fn.granularity == "head"  # what the lmcache engine refuses (one token list per request)
 
 
-def test_compact_unequal_counts_decode_as_the_models_forward_over_the_edited_cache(tiny, sample_ids):
+@pytest.mark.parametrize("agnostic", [False, True])
+def test_compact_unequal_counts_decode_as_the_models_forward_over_the_edited_cache(tiny, sample_ids, agnostic):
     """Compact positions: the padded, per-head re-rotated cache decodes as the model's own forward over that cache
-    (a DynamicCache of its rows) with each layer's padding masked per head, fp64."""
+    (a DynamicCache of its rows) with each layer's padding masked per head, fp64; query-agnostic (`agnostic`): a
+    question appended by `extend` after the edit attends to the same rows, causally to itself."""
     import copy
-
-    from transformers import DynamicCache
 
     model = copy.deepcopy(tiny[0]).double()
     model.set_attn_implementation("sdpa")
-    fn = make_drop_fn("pyramidkv", drop_ratio=0.5, model_config=model, granularity="head", window=8)
+    # AdaKV pads layer 0 too: the extension's keys and values of layer 1 depend on it (PyramidKV pads only the last)
+    fn = make_drop_fn("adakv_snapkv" if agnostic else "pyramidkv", drop_ratio=0.5, model_config=model, window=8)
     eng = HFEngine(model, tokenizer=tiny[1], progress=False, query_window=8)
     eng.prefill([sample_ids[1]])
     keep = fn.keep_indices(eng.tensors(0), eng.tokens(0))
     eng.modify(fn)
     kv, tokens = eng.kv(0).clone(), eng.tokens(0)
+    ext = sample_ids[0][5:12] if agnostic else []
+    if agnostic:
+        eng.extend([ext])
     out = eng.decode(max_tokens=3, keep_logits=True)[0]
-    L, H, g, d = eng.facts.num_layers, eng.facts.num_kv_heads, eng.facts.gqa_group_size, eng.facts.head_dim
+    # decode refeeds the last cached token (its row recomputed); extend appends after every cached row
+    feed, kv, pad = (ext, kv, keep < 0) if agnostic else (tokens[-1:], kv[:, :, :-1], (keep < 0)[..., :-1])
+    _assert_edited_forward(model, kv, pad, feed, out)
+
+
+def _assert_edited_forward(model, kv, pad, feed, out):
+    """The model's forward over the rows of an edited `kv [2, L, k, D]` (their padding `pad [L, H, k]` masked per
+    head), fed `feed` at positions `k, k + 1, ...` (causal among themselves), then greedy decoding: each step's logits
+    equal `out`'s (fp64, 1e-10)."""
+    from transformers import DynamicCache
+
+    facts = model_facts(model)
+    L, H, g, d = facts.num_layers, facts.num_kv_heads, facts.gqa_group_size, facts.head_dim
     k = kv.shape[2]
     cache = DynamicCache(config=model.config)
     for layer in range(L):
-        rows = kv[:, layer, :-1].view(2, k - 1, H, d).transpose(1, 2)[:, None]  # [2, 1, H, k-1, d]
+        rows = kv[:, layer].reshape(2, k, H, d).transpose(1, 2)[:, None]  # [2, 1, H, k, d]
         cache.update(rows[0], rows[1], layer)
-    layers = model.base_model.layers
-    hidden = (keep < 0).repeat_interleave(g, dim=1)  # [L, Hq, k]
+    hidden = pad.repeat_interleave(g, dim=1)  # [L, Hq, k]
+    current = {}
     hooks = [layer.self_attn.register_forward_pre_hook(
         lambda mod, args, kwargs, i=i: (args, {**kwargs, "attention_mask": current[i]}), with_kwargs=True)
-        for i, layer in enumerate(layers)]
-    current = {}
+        for i, layer in enumerate(model.base_model.layers)]
+
+    def step(ids, pos):
+        q, S = len(ids), pos + len(ids)
+        for layer in range(L):
+            m = torch.zeros(hidden.shape[1], q, S, dtype=torch.float64)
+            m[:, :, :k] = m[:, :, :k].masked_fill(hidden[layer, :, None, :], float("-inf"))
+            m[:, :, S - q:] = torch.zeros(q, q).masked_fill(torch.ones(q, q).triu(1).bool(), float("-inf"))
+            current[layer] = m[None]
+        with torch.inference_mode():
+            return model(input_ids=torch.tensor([ids]), position_ids=torch.arange(pos, pos + q)[None],
+                         cache=cache, use_cache=True).logits[0, -1]
+
     try:
-        tok, pos = tokens[-1], k - 1
-        for step in range(3):
-            S = pos + 1
-            for layer in range(L):
-                m = torch.zeros(hidden.shape[1], S, dtype=torch.float64)
-                m[:, :k - 1] = m[:, :k - 1].masked_fill(hidden[layer, :, :k - 1], float("-inf"))
-                current[layer] = m[None, :, None, :]
-            with torch.inference_mode():
-                logits = model(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[pos]]),
-                               cache=cache, use_cache=True).logits[0, -1]
-            torch.testing.assert_close(out.logits[step], logits, atol=1e-10, rtol=0)
-            tok, pos = int(logits.argmax()), pos + 1
+        logits = step(feed, k)
+        pos = k + len(feed)
+        for i in range(len(out.logits)):
+            torch.testing.assert_close(out.logits[i], logits, atol=1e-10, rtol=0)
+            tok = int(logits.argmax())
+            assert tok == out.output_ids[i]
+            logits, pos = step([tok], pos), pos + 1
     finally:
         for h in hooks:
             h.remove()

@@ -43,7 +43,7 @@ from .base import (
     register_engine,
     tokenize_extensions,
 )
-from .kvstore import SlotKVStore, install_head_masks, plan_slots
+from .kvstore import PaddingMasks, SlotKVStore, install_head_masks, plan_slots
 from .packed import MIN_ELEMENTS, PackedLinears, packing_available, packing_pays
 
 POSITIONS = ("compact", "original")
@@ -469,10 +469,12 @@ class HFEngine(Engine):
             self._refuse_per_head_positions("another modify()")
         return positions
 
-    def _refuse_per_head_positions(self, op: str) -> None:
+    def _refuse_per_head_positions(self, op: str, padded: bool = True) -> None:
         """ValueError when a request holds per-head kept positions (an `"original"` edit per layer or head):
-        its cache rows have no single position, which `op` would need."""
-        if any((r.positions is not None and r.positions.dim() > 1) or r.pad is not None for r in self.requests):
+        its cache rows have no single position, which `op` would need; with `padded`, also when one holds padding
+        rows (unequal per-head counts)."""
+        if any((r.positions is not None and r.positions.dim() > 1) or (padded and r.pad is not None)
+               for r in self.requests):
             raise ValueError(f"{op} needs one position per cache row, and a request was edited per layer or head with "
                              f"positions='original' (its rows' positions differ by head) or with unequal per-head "
                              f"counts (padded rows); prefill again first")
@@ -581,7 +583,7 @@ class HFEngine(Engine):
         """
         if not self.requests:
             raise RuntimeError("extend() needs prefilled requests; call prefill(prompts) first")
-        self._refuse_per_head_positions("extend()")
+        self._refuse_per_head_positions("extend()", padded=False)
         ext = tokenize_extensions(self.tokenizer, prompts, len(self.requests), self.model.config.vocab_size)
         budget = self.kv_budget_tokens
         if budget is not None:
@@ -605,6 +607,8 @@ class HFEngine(Engine):
             if r.positions is not None:
                 r.positions = torch.cat([r.positions, torch.arange(first, first + len(x))])
             r.kv, r.query = kv, query
+            if r.pad is not None:  # the extension's rows are real in every head
+                r.pad = torch.cat([r.pad, r.pad.new_zeros((*r.pad.shape[:2], len(x)))], dim=2)
             r.tokens, r.prompt_ids = r.tokens + x, r.prompt_ids + x  # new lists: snapshots of a request stay valid
             r.refeed_pos = first + len(x) - 1
         return [r.kv.shape[2] for r in self.requests]
@@ -645,6 +649,12 @@ class HFEngine(Engine):
         for layer in range(L):
             cache.update(keys[layer], values[layer], layer)
         del keys, values
+        if any(r.pad is not None for r in reqs):  # unequal per-head counts: their padding rows stay hidden
+            hidden = torch.zeros((L, B, self.facts.num_kv_heads, C + M), dtype=torch.bool)
+            for b, r in enumerate(reqs):
+                if r.pad is not None:
+                    hidden[:, b, :, C - lens[b]:C] = r.pad
+            cache.slot_store = PaddingMasks(list(hidden.to(self.device)))
         # [B, M, C + M]: a real key at a position <= the query's (causal by position, as the slot store masks)
         allowed = key_ok[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
         rows = torch.arange(M)

@@ -267,20 +267,38 @@ class SlotKVStore:
 
     def head_mask(self, layer: int, mask: torch.Tensor | None, group: int) -> torch.Tensor | None:
         """`mask` (this step's `[rows, 1, 1, cols]`, boolean or additive) with layer `layer`'s padding entries hidden
-        per head: `[rows, H_kv * group, 1, cols]` (query head `h * group + j` reads KV head `h`); `mask` itself when
-        no slot holds padding."""
+        per head (`hide_padding`); `mask` itself when no slot holds padding."""
         if self.hidden is None:
             return mask
-        hid = self.hidden[layer][:self._rows, :, :self._cols].repeat_interleave(group, dim=1)[:, :, None, :]
-        if mask is None:
-            return ~hid
-        if mask.dtype == torch.bool:
-            return mask & ~hid
-        return mask.expand(hid.shape).masked_fill(hid, torch.finfo(mask.dtype).min)
+        return hide_padding(mask, self.hidden[layer][:self._rows, :, :self._cols], group)
 
     def cache(self):
         """A transformers `Cache` over this store, to pass as the model's cache for one decode step."""
         return _slot_cache(self)
+
+
+def hide_padding(mask: torch.Tensor | None, hidden: torch.Tensor, group: int) -> torch.Tensor:
+    """An attention mask `[B, 1, Q, cols]` (boolean, True = attend, or additive) with the padding entries `hidden`
+    (`[B, H_kv, cols]` bool) hidden from every query head of their KV head: `[B, H_kv * group, Q, cols]` (query
+    head `h * group + j` reads KV head `h`); `~hidden` as a boolean mask when `mask` is None."""
+    hid = hidden.repeat_interleave(group, dim=1)[:, :, None, :]  # [B, Hq, 1, cols]
+    if mask is None:
+        return ~hid
+    if mask.dtype == torch.bool:
+        return mask & ~hid
+    return torch.where(hid, torch.finfo(mask.dtype).min, mask)
+
+
+class PaddingMasks:
+    """Padding entries of a batch's cache per layer, `hidden[layer]` `[B, H_kv, cols]` bool, for a forward over a
+    cache that is not a slot store (`extend`): set as the cache's `slot_store` attribute, `install_head_masks`'
+    hooks read it as they read a slot store's."""
+
+    def __init__(self, hidden: list[torch.Tensor]):
+        self.hidden = hidden
+
+    def head_mask(self, layer: int, mask: torch.Tensor | None, group: int) -> torch.Tensor:
+        return hide_padding(mask, self.hidden[layer], group)
 
 
 CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")  # by transformers version and family
