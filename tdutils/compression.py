@@ -80,6 +80,10 @@ class Compression:
             raise ValueError(f"policy {self.policy!r} scores with every prompt query; they do not exist while the "
                              "cache grows (after the first cut the dropped tokens' queries are gone). Use a policy "
                              "that reads the KV or the last tokens' queries (snapkv, rkv, tova, knorm, ...)")
+        if pol.per_head_only:
+            raise ValueError(f"policy {self.policy!r} keeps unequal counts per head (budgets that move), and a cache that "
+                             "grows and is cut again needs one set per request; use a policy that keeps one (snapkv, "
+                             "knorm, ...)")
         p = pol.make_params(**self.policy_params())  # the policy's own checks
         rows = pol.rows(p) or 0
         w = getattr(p, "window", 0) or 0

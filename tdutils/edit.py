@@ -270,7 +270,8 @@ class DropFn:
 
     def keep_indices(self, tensors: Mapping, tokens: Sequence[int]) -> torch.Tensor:
         """The indices this function keeps for one request: LongTensor `[k]` (granularity `"request"`), `[L, k]`
-        (`"layer"`) or `[L, H_kv, k]` (`"head"`), sorted on the last dim.
+        (`"layer"`) or `[L, H_kv, k]` (`"head"`), sorted on the last dim; unequal per-head counts (AdaKV, PyramidKV)
+        as `[L, H_kv, k_max]` padded with -1 before each set's last index (`tdutils.selection.pack_sets`).
 
         Raises:
             TypeError: an adapted ModifyFn (its kept indices are known only from its output: `kept_rows`).
@@ -397,6 +398,30 @@ def _user_select(policy: Callable, r: float, params: dict) -> tuple[str, Callabl
     return name, select
 
 
+def _keep_rule(drop_ratio: float | None, budget: int | None) -> float | None:
+    """`make_drop_fn`'s drop ratio (checked; 0.5 when neither is given), or None when it keeps a `budget`."""
+    if budget is None:
+        return check_drop_ratio(0.5 if drop_ratio is None else drop_ratio)
+    if drop_ratio is not None:
+        raise ValueError(f"give drop_ratio ({drop_ratio}) or budget ({budget}), not both")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget must be an integer number of tokens >= 1, got {budget!r}")
+    return None
+
+
+def _policy_granularity(pol, policy: str, granularity: str) -> str:
+    """The granularity a registered policy selects at when `granularity` is asked; ValueError where it has none."""
+    if pol.per_head_only and granularity != "head":
+        if granularity == "layer":
+            raise ValueError(f"policy {policy!r} moves budget between heads or layers, so it selects per KV head only; "
+                             f"use granularity='head' (or the default), not 'layer'")
+        return "head"  # the default ("request") asks for the policy's own sets: per head
+    if granularity not in pol.granularities:
+        raise ValueError(f"policy {policy!r} keeps one set per request only (its scores are not defined per layer or "
+                         f"head); use granularity='request', not {granularity!r}")
+    return granularity
+
+
 def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, budget: int | None = None,
                  model_config=None, rerotate: bool = True, granularity: str = "request", **params) -> DropFn:
     """Build the drop function (LMCache `ModifyFn`) of a policy.
@@ -420,7 +445,9 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, bud
         rerotate: re-rotate kept keys to compact positions (True: what vLLM + LMCache decode with).
         granularity: `"request"` (one kept set for all layers and heads, the default), `"layer"` (one per layer) or
             `"head"` (one per KV head), for the policies that register it (`Policy.granularities`; docs/policies.md,
-            "Granularity"); not `"request"` needs `model_config` (the KV head count).
+            "Granularity"); not `"request"` needs `model_config` (the KV head count). The policies that move
+            budget between heads or layers (`Policy.per_head_only`: AdaKV, PyramidKV) select per head whatever is
+            asked (`"layer"` refused), unequal counts padded (`tdutils.selection.pack_sets`).
         **params: the policy's parameters (e.g. `window=32`); unknown names are refused.
 
     Returns:
@@ -433,14 +460,7 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, bud
             without `model_config`, an unknown granularity or one the policy does not define.
     """
     check_granularity(granularity)
-    if budget is not None:
-        if drop_ratio is not None:
-            raise ValueError(f"give drop_ratio ({drop_ratio}) or budget ({budget}), not both")
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"budget must be an integer number of tokens >= 1, got {budget!r}")
-        r = None
-    else:
-        r = check_drop_ratio(0.5 if drop_ratio is None else drop_ratio)
+    r = _keep_rule(drop_ratio, budget)
     facts = model_facts(model_config) if model_config is not None else None
     rope_spec = None
     if rerotate:
@@ -460,15 +480,13 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, bud
                       num_kv_heads=heads)
 
     pol = get_policy(policy)
-    if granularity not in pol.granularities:
-        raise ValueError(f"policy {policy!r} keeps one set per request only (its scores are not defined per layer or "
-                         f"head); use granularity='request', not {granularity!r}")
+    granularity = _policy_granularity(pol, policy, granularity)
     p = pol.make_params(**params)
     if facts is None and (pol.needs_model or pol.setup is not None):
         raise ValueError(f"policy {policy!r} needs model_config (head_dim and head counts of the model)")
     extra = dict(pol.setup(facts)) if pol.setup is not None else {}  # per-model values, computed once
     keep, reads_query = pol.keep, pol.needs != "kv"
-    if granularity != "request":  # a policy registered for "request" only never sees the keyword
+    if granularity != "request" and not pol.per_head_only:  # request-only policies never see the keyword
         extra["granularity"] = granularity
 
     def select(tensors, tokens, drop_ratio):

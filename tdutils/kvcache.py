@@ -106,10 +106,12 @@ def apply_keep(kv: torch.Tensor, tokens: Sequence[int], keep: torch.Tensor, *, r
 
 def check_keep_sets(keep: torch.Tensor, n: int, num_layers: int, num_kv_heads: int) -> torch.Tensor:
     """Validate kept indices per request `[k]`, per layer `[L, k]` or per KV head `[L, H, k]` for `n` tokens;
-    returns them as a CPU LongTensor sorted on the last dim (`check_keep` for `[k]`).
+    returns them as a CPU LongTensor sorted on the last dim (`check_keep` for `[k]`). Unequal per-head counts come
+    as `[L, H, k_max]` padded with -1 before each set's last index (`tdutils.selection.pack_sets`), returned as given.
 
     Raises:
-        ValueError: not integers, another `L` or `H`, empty sets, indices out of range or duplicated in a set.
+        ValueError: not integers, another `L` or `H`, empty sets, indices out of range or duplicated in a set,
+            padding not laid out as `pack_sets` lays it.
     """
     keep = torch.as_tensor(keep)
     if keep.dim() == 1:
@@ -119,6 +121,8 @@ def check_keep_sets(keep: torch.Tensor, n: int, num_layers: int, num_kv_heads: i
             or keep.dtype == torch.bool:
         raise ValueError(f"kept indices must be an integer tensor [k], [L, k] or [L, H_kv, k] with L = {num_layers}, "
                          f"H_kv = {num_kv_heads}; got dtype {keep.dtype}, shape {tuple(keep.shape)}")
+    if keep.dim() == 3 and keep.numel() and int(keep.min()) == -1:  # unequal counts, padded (`pack_sets`)
+        return _check_padded(keep.long().cpu(), n)
     keep = torch.sort(keep.long().cpu(), dim=-1).values
     if keep.shape[-1] == 0:
         raise ValueError("a drop function must keep at least one token")
@@ -129,6 +133,25 @@ def check_keep_sets(keep: torch.Tensor, n: int, num_layers: int, num_kv_heads: i
     return keep
 
 
+def _check_padded(keep: torch.Tensor, n: int) -> torch.Tensor:
+    """Validate per-head sets of unequal counts `[L, H, k_max]` padded with -1 (`tdutils.selection.pack_sets`);
+    returns them unchanged (their layout is the storage layout, so they are not re-sorted)."""
+    from .selection import pack_sets
+
+    valid = keep >= 0
+    if int(keep.max()) >= n or int(keep.min()) < -1:
+        raise ValueError(f"kept indices must lie in [0, {n}) (-1 = padding), got min {int(keep.min())}, "
+                         f"max {int(keep.max())}")
+    mask = torch.zeros(*keep.shape[:2], n + 1, dtype=torch.long)
+    mask.scatter_add_(-1, torch.where(valid, keep, n), valid.long())
+    if int(mask.max()) > 1:
+        raise ValueError("kept indices contain duplicates within a set")
+    if not bool(valid[..., -1].all()) or not torch.equal(pack_sets(mask[..., :n].bool()), keep):
+        raise ValueError("padded per-head sets must hold each set's indices ascending, its padding -1 just before "
+                         "its last index (tdutils.selection.pack_sets)")
+    return keep
+
+
 def apply_keep_heads(kv: torch.Tensor, tokens: Sequence[int], keep: torch.Tensor, *, rope_spec=None,
                      rerotate: bool = True) -> tuple[torch.Tensor, list[int]]:
     """Gather one kept set per (layer, KV head); re-rotate each head's keys to compact positions.
@@ -136,7 +159,8 @@ def apply_keep_heads(kv: torch.Tensor, tokens: Sequence[int], keep: torch.Tensor
     Args:
         kv: `[2, L, T, D]`, `D = H * head_dim` (any float dtype, any device); not modified.
         tokens: the T token ids.
-        keep: LongTensor `[L, H, k]` (sorted on the last dim, `check_keep_sets`).
+        keep: LongTensor `[L, H, k]` (sorted on the last dim, `check_keep_sets`); unequal counts padded with -1
+            (`tdutils.selection.pack_sets`), whose rows are stored as zeros (engines mask them).
         rope_spec: a `tdutils.rope.RopeSpec` or one per layer; required when `rerotate=True`.
         rerotate: move head `h`'s key `i` of layer `l` from position `keep[l, h, i]` to position `i` (fp32
             arithmetic, one cast; `tdutils.rope.rerotate_keys` with per-row positions).
@@ -144,15 +168,19 @@ def apply_keep_heads(kv: torch.Tensor, tokens: Sequence[int], keep: torch.Tensor
     Returns:
         `(new_kv [2, L, k, D], new_tokens)`: row `i` of head `h` in layer `l` holds token `keep[l, h, i]`;
         `new_tokens[i] = tokens[keep[0, 0, i]]` (layer 0, head 0; the rows every set shares, such as a protected
-        window at the end, hold the same token in every head).
+        window at the end, hold the same token in every head); where head 0 of layer 0 has padding, the largest
+        index kept in that row.
     """
     check_kv(kv, tokens)
     two, L, T, D = kv.shape
     _, H, k = keep.shape
     d = D // H
-    idx = keep.to(kv.device)  # [L, H, k]
+    pad = keep < 0  # [L, H, k]: padding rows of unequal counts (`pack_sets`), stored as zeros
+    idx = keep.clamp(min=0).to(kv.device)  # [L, H, k]
     index = idx.transpose(1, 2)[None, :, :, :, None].expand(two, L, k, H, d)
     new = torch.gather(kv.view(two, L, T, H, d), 2, index)  # [2, L, k, H, d]
+    if bool(pad.any()):
+        new.masked_fill_(pad.transpose(1, 2).to(kv.device)[None, :, :, :, None], 0)
     if rerotate:
         if rope_spec is None:
             raise ValueError("rerotate=True needs the model's RoPE spec; pass model_config= to make_drop_fn")
@@ -164,7 +192,9 @@ def apply_keep_heads(kv: torch.Tensor, tokens: Sequence[int], keep: torch.Tensor
             rows = new[0, layer].transpose(0, 1).reshape(H * k, d)  # [H*k, d], head-major
             rot = rerotate_keys(rows, idx[layer].reshape(-1), new_pos, spec, token_dim=-2)
             new[0, layer] = rot.view(H, k, d).transpose(0, 1)
-    return new.view(two, L, k, D), [int(tokens[i]) for i in keep[0, 0].tolist()]
+    # a padding row's token: the largest index any set keeps in that row (every row holds a token in some set)
+    rows = torch.where(pad[0, 0], keep.reshape(L * H, k).amax(dim=0), keep[0, 0]) if bool(pad.any()) else keep[0, 0]
+    return new.view(two, L, k, D), [int(tokens[i]) for i in rows.tolist()]
 
 
 __all__ = ["CacheKind", "apply_keep", "apply_keep_heads", "check_keep", "check_keep_sets", "check_kv", "get_kv",

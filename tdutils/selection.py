@@ -140,6 +140,34 @@ def keep_top_per_head(scores: torch.Tensor, k: int, protected: torch.Tensor | No
     return torch.sort(order, dim=-1).values
 
 
+def pack_sets(mask: torch.Tensor) -> torch.Tensor:
+    """Kept sets of unequal sizes per (layer, KV head) as one padded index (docs/policies.md, "Unequal counts").
+
+    Args:
+        mask: BoolTensor `[L, H, n]`, True where a head keeps the token; every head keeps at least one.
+
+    Returns:
+        LongTensor `[L, H, k_max]`, `k_max` the largest count: each head's kept indices ascending, with its padding
+        `-1` placed before its last (largest) index, so that the last column holds every set's last token (decode
+        feeds it again) and row `i` of a set is the cache row an engine stores it in.
+
+    Raises:
+        ValueError: `mask` not `[L, H, n]`, or a head keeping nothing.
+    """
+    if mask.dim() != 3:
+        raise ValueError(f"a keep mask must have shape [L, H, n], got {tuple(mask.shape)}")
+    counts = mask.sum(dim=-1)  # [L, H]
+    if int(counts.min()) < 1:
+        raise ValueError("every (layer, KV head) must keep at least one token")
+    n, k_max = mask.shape[-1], int(counts.max())
+    ar = torch.arange(n, device=mask.device)
+    idx = torch.sort(torch.where(mask, ar, n), dim=-1).values[..., :k_max]  # kept ascending, then n
+    col = torch.arange(k_max, device=mask.device)
+    out = torch.where(col < counts[..., None] - 1, idx, torch.full_like(idx, -1))
+    out[..., -1] = idx.gather(-1, (counts - 1)[..., None])[..., 0]
+    return out
+
+
 def repeat_keep(keep: torch.Tensor, num_layers: int, num_kv_heads: int, granularity: str) -> torch.Tensor:
     """One kept set `[k]` as the set of every layer (`[L, k]`, `"layer"`) or every KV head (`[L, H, k]`,
     `"head"`); `keep` itself for `"request"`. For policies whose set does not depend on the head (StreamingLLM)

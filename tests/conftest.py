@@ -32,6 +32,17 @@ def sample_ids(tiny):
     return [tok(r.prompt)["input_ids"][:n] for r, n in zip(rows, (180, 75, 301))]
 
 
+@pytest.fixture(scope="module")
+def request0(tiny, sample_ids):
+    """(hf engine, tensors, tokens) of one prefilled request of `tiny`, every prompt query captured."""
+    from tdutils.engines.hf import HFEngine
+
+    model, tok = tiny
+    eng = HFEngine(model, tokenizer=tok, progress=False, query_window=None)
+    eng.prefill([sample_ids[1]])
+    return eng, eng.tensors(0), eng.tokens(0)
+
+
 def pytest_collection_modifyitems(config, items):
     """Run the `servers` tier (real vLLM + LMCache, tests/test_servers.py) after every other test, so the unit
     tests report first and a slow server build never delays them; skip it when TDUTILS_SKIP_SERVERS=1 (same

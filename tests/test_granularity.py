@@ -17,15 +17,6 @@ PER_HEAD = ("snapkv", "rkv", "tova", "h2o", "knorm", "keydiff", "random", "strea
 SMALL = {"snapkv": {"window": 8}, "rkv": {"window": 8}}  # the prompts are short
 
 
-@pytest.fixture(scope="module")
-def request0(tiny, sample_ids):
-    """(engine, tensors, tokens) of one prefilled request, every prompt query captured."""
-    model, tok = tiny
-    eng = HFEngine(model, tokenizer=tok, progress=False, query_window=None)
-    eng.prefill([sample_ids[1]])
-    return eng, eng.tensors(0), eng.tokens(0)
-
-
 def _fn(eng, name, granularity, r=0.5, **kw):
     return make_drop_fn(name, drop_ratio=r, model_config=eng.facts, granularity=granularity,
                         **{**SMALL.get(name, {}), **kw})

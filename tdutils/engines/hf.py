@@ -44,7 +44,7 @@ from .base import (
     tokenize_extensions,
 )
 from .decode_compression import SlotCompressor
-from .kvstore import SlotKVStore, plan_slots
+from .kvstore import PaddingMasks, SlotKVStore, install_head_masks, plan_slots
 from .packed import MIN_ELEMENTS, PackedLinears, packing_available, packing_pays
 from .sampling import check_forced_ids, choose_tokens, request_generators
 from .scheduler import (
@@ -66,6 +66,7 @@ class _Request:
     tokens: list[int]  # the T token ids the cache holds
     refeed_pos: int  # position of the last cached token, fed again at decode start
     positions: torch.Tensor | None = None  # [T] position of each cache row; None = 0..T-1
+    pad: torch.Tensor | None = None  # [L, H_kv, T] True on padding rows (unequal per-head counts); None = none
     query: torch.Tensor | None = None  # [L, Tq, Hq*d], last Tq cached tokens; None after an edit (until extend)
     edited: bool = False  # modify changed this cache (the prompt's own forward no longer describes it)
     ttft_s: float = float("nan")
@@ -171,6 +172,8 @@ class HFEngine(Engine):
         # transformers renamed `past_key_values` to `cache` during 5.x; support both spellings.
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.facts = model_facts(self.model, self.model.dtype)
+        # unequal per-head counts: padding masked per layer and head in decode
+        self._head_masks = install_head_masks(getattr(self.model.base_model, "layers", []), self.facts.gqa_group_size)
         self.attention = self._check_supported()  # one-line ValueError naming the family (backend included)
         if query_window != 0:
             ensure_capture(self.model)
@@ -482,16 +485,19 @@ class HFEngine(Engine):
         if drop_fn.granularity != "request" and self._mask_windows is not None:
             raise ValueError(f"granularity={drop_fn.granularity!r} needs a model with full attention only: this model's "
                              "sliding-window layers mask keys by one position per cache row; use granularity='request'")
-        if positions == "original":
+        if positions == "original" or any(r.pad is not None for r in self.requests):
             self._refuse_per_head_positions("another modify()")
         return positions
 
-    def _refuse_per_head_positions(self, op: str) -> None:
+    def _refuse_per_head_positions(self, op: str, padded: bool = True) -> None:
         """ValueError when a request holds per-head kept positions (an `"original"` edit per layer or head):
-        its cache rows have no single position, which `op` would need."""
-        if any(r.positions is not None and r.positions.dim() > 1 for r in self.requests):
+        its cache rows have no single position, which `op` would need; with `padded`, also when one holds padding
+        rows (unequal per-head counts)."""
+        if any((r.positions is not None and r.positions.dim() > 1) or (padded and r.pad is not None)
+               for r in self.requests):
             raise ValueError(f"{op} needs one position per cache row, and a request was edited per layer or head with "
-                             f"positions='original' (its rows' positions differ by head); prefill again first")
+                             f"positions='original' (its rows' positions differ by head) or with unequal per-head "
+                             f"counts (padded rows); prefill again first")
 
     def _position_window(self) -> float:
         # sliding-window layers mask keys by position; full-attention layers see every earlier key
@@ -511,7 +517,11 @@ class HFEngine(Engine):
         req = self.requests[request_id]
         if keep is not None:
             old = req.positions if req.positions is not None else torch.arange(req.kv.shape[2])
-            keep = old[keep.cpu()]  # positions of the kept rows (a second edit indexes the first's rows)
+            keep = keep.cpu()  # positions of the kept rows (a second edit indexes the first's rows); -1 = padding
+            keep = torch.where(keep < 0, keep, old[keep.clamp(min=0)])
+            if not self._head_masks and bool((keep < 0).any()):
+                raise ValueError("unequal per-head counts need per-head masks in decode, and this model's attention "
+                                 "modules take their cache under no known keyword; use a policy with equal counts")
             if keep.dim() > 1 and bool((keep[..., -1] != keep.flatten()[-1]).any()):
                 # decode refeeds the last row's token at its position: one token, one position in every head
                 raise ValueError("per-head kept sets must end in the same row in every layer and head (decode feeds "
@@ -522,6 +532,7 @@ class HFEngine(Engine):
         req = self.requests[request_id]
         req.kv, req.tokens, kept_pos = staged
         req.edited = True
+        req.pad = kept_pos < 0 if kept_pos is not None and bool((kept_pos < 0).any()) else None
         req.query = None  # the captured rows belonged to the unedited prompt
         # compact: the last kept token sits at k-1; original: its prompt position (T-1 when kept).
         if positions == "compact":
@@ -592,7 +603,7 @@ class HFEngine(Engine):
         """
         if not self.requests:
             raise RuntimeError("extend() needs prefilled requests; call prefill(prompts) first")
-        self._refuse_per_head_positions("extend()")
+        self._refuse_per_head_positions("extend()", padded=False)
         ext = tokenize_extensions(self.tokenizer, prompts, len(self.requests), self.model.config.vocab_size)
         for r, x in zip(self.requests, ext):
             check_extension_fits(r.request_id, r.kv.shape[2], len(x), self.kv_budget_tokens)
@@ -607,6 +618,8 @@ class HFEngine(Engine):
             if r.positions is not None:
                 r.positions = torch.cat([r.positions, torch.arange(first, first + len(x))])
             r.kv, r.query = kv, query
+            if r.pad is not None:  # the extension's rows are real in every head
+                r.pad = torch.cat([r.pad, r.pad.new_zeros((*r.pad.shape[:2], len(x)))], dim=2)
             r.tokens, r.prompt_ids = r.tokens + x, r.prompt_ids + x  # new lists: snapshots of a request stay valid
             r.refeed_pos = first + len(x) - 1
         return [r.kv.shape[2] for r in self.requests]
@@ -647,6 +660,7 @@ class HFEngine(Engine):
         for layer in range(L):
             cache.update(keys[layer], values[layer], layer)
         del keys, values
+        self._hide_padding(reqs, cache, lens, C + M)
         masks = self._extend_masks(key_ok, key_pos, query_pos, ms, C)
         recorder = QueryRecorder(self.query_window)
         if self.query_window != 0:
@@ -656,6 +670,18 @@ class HFEngine(Engine):
         if self.query_window != 0:
             recorder.spec(L)  # ValueError naming the layers whose attention did not run through the capture
         return [self._extend_row(b, r, ms[b], cache, recorder, C + M) for b, r in enumerate(reqs)]
+
+    def _hide_padding(self, reqs: list[_Request], cache, lens: list[int], width: int) -> None:
+        """Unequal per-head counts: the padding rows of each padded request's cache (its `pad` `[L, H_kv, T]`,
+        right-aligned at `lens[b]` before the extension) stay hidden from every query of `_extend_batch`."""
+        if all(r.pad is None for r in reqs):
+            return
+        L, C = self.facts.num_layers, max(lens)
+        hidden = torch.zeros((L, len(reqs), self.facts.num_kv_heads, width), dtype=torch.bool)  # [L, B, H_kv, C + M]
+        for b, r in enumerate(reqs):
+            if r.pad is not None:
+                hidden[:, b, :, C - lens[b]:C] = r.pad
+        cache.slot_store = PaddingMasks(list(hidden.to(self.device)))
 
     def _extend_masks(self, key_ok: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor, ms: list[int],
                       C: int):
@@ -910,15 +936,20 @@ class HFEngine(Engine):
         """Copy a request's cache minus its last entry into a free slot (that entry's token is fed again at
         `refeed_pos`, so the first generated token is computed over the edited cache); returns the slot. A
         preempted request (`r.resume`) gets back exactly the entries it left with."""
+        hidden = None
+        if r.pad is not None:  # the padding rows stay hidden; generated rows come after them
+            n = r.resume[0].shape[2] if r.resume is not None else r.kv.shape[2] - 1
+            hidden = torch.zeros(*r.pad.shape[:2], n, dtype=torch.bool)
+            hidden[:, :, :r.pad.shape[2] - 1] = r.pad[:, :, :-1]
         if r.resume is not None:
-            return store.admit(*r.resume[:3])
+            return store.admit(*r.resume[:3], hidden=hidden)
         check_kv(r.kv, r.tokens)
         k, v = self._row_kv(r.kv)
         positions = None
         if store.positions is not None:
             n = r.kv.shape[2]
             positions = r.positions[:-1] if r.positions is not None else torch.arange(n - 1)
-        return store.admit(k[:, :, :-1, :], v[:, :, :-1, :], positions)
+        return store.admit(k[:, :, :-1, :], v[:, :, :-1, :], positions, hidden=hidden)
 
     def _decode_masks(self, store: SlotKVStore, query_positions: torch.Tensor):
         """Prepared 4D masks of one decode step, `[rows, 1, 1, cols]`: boolean for sdpa, additive for eager and

@@ -96,6 +96,8 @@ class SlotKVStore:
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)  # tokens stored per slot
         self.positions = torch.zeros(slots, width, dtype=torch.long, device=device) if track_positions else None
         self._used = [False] * slots
+        # per layer [S, H_kv, W] bool, True on padding columns (unequal per-head counts); None until one is admitted
+        self.hidden: list[torch.Tensor] | None = None
         self._rows = 0  # rows the current step runs (one past the highest occupied slot)
         self._cols = 0  # columns the current step attends over
 
@@ -114,12 +116,15 @@ class SlotKVStore:
         """Batch rows a step runs: one past the highest occupied slot (0 when empty)."""
         return max((i + 1 for i, u in enumerate(self._used) if u), default=0)
 
-    def admit(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None) -> int:
+    def admit(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None,
+              hidden: torch.Tensor | None = None) -> int:
         """Copy one request's cache into the lowest free slot; returns the slot.
 
         Args:
             keys, values: `[L, H_kv, n, d]`, the cache entries the request attends to (n >= 0).
             positions: `[n]` int64, each entry's position (required when positions are tracked).
+            hidden: optional BoolTensor `[L, H_kv, n]`, True on padding entries (unequal per-head counts, stored
+                at the layer's largest count): attention never sees them (`head_masks`).
 
         Raises:
             RuntimeError: no free slot.
@@ -142,6 +147,14 @@ class SlotKVStore:
             self.values[layer][slot, :, :n] = values[layer]
         if self.positions is not None:
             self.positions[slot, :n] = positions.to(self.device)
+        if self.hidden is not None:
+            for h in self.hidden:
+                h[slot] = False
+        if hidden is not None and bool(hidden.any()):
+            if self.hidden is None:
+                self.hidden = [torch.zeros(k.shape[:3], dtype=torch.bool, device=self.device) for k in self.keys]
+            for layer, h in enumerate(self.hidden):
+                h[slot, :, :n] = hidden[layer].to(self.device)
         self.lengths[slot] = n
         self._used[slot] = True
         return slot
@@ -172,6 +185,9 @@ class SlotKVStore:
             new = self.positions.new_zeros((self.slots, width))
             new[:, :cols] = self.positions
             self.positions = new
+        if self.hidden is not None:
+            for layer, old in enumerate(self.hidden):
+                self.hidden[layer] = torch.cat([old, old.new_zeros((*old.shape[:2], width - cols))], dim=2)
         self.width = width
 
     def take(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -249,9 +265,71 @@ class SlotKVStore:
                 ~mask, torch.finfo(additive_dtype).min)
         return mask
 
+    def head_mask(self, layer: int, mask: torch.Tensor | None, group: int) -> torch.Tensor | None:
+        """`mask` (this step's `[rows, 1, 1, cols]`, boolean or additive) with layer `layer`'s padding entries hidden
+        per head (`hide_padding`); `mask` itself when no slot holds padding."""
+        if self.hidden is None:
+            return mask
+        return hide_padding(mask, self.hidden[layer][:self._rows, :, :self._cols], group)
+
     def cache(self):
         """A transformers `Cache` over this store, to pass as the model's cache for one decode step."""
         return _slot_cache(self)
+
+
+def hide_padding(mask: torch.Tensor | None, hidden: torch.Tensor, group: int) -> torch.Tensor:
+    """An attention mask `[B, 1, Q, cols]` (boolean, True = attend, or additive) with the padding entries `hidden`
+    (`[B, H_kv, cols]` bool) hidden from every query head of their KV head: `[B, H_kv * group, Q, cols]` (query
+    head `h * group + j` reads KV head `h`); `~hidden` as a boolean mask when `mask` is None."""
+    hid = hidden.repeat_interleave(group, dim=1)[:, :, None, :]  # [B, Hq, 1, cols]
+    if mask is None:
+        return ~hid
+    if mask.dtype == torch.bool:
+        return mask & ~hid
+    return torch.where(hid, torch.finfo(mask.dtype).min, mask)
+
+
+class PaddingMasks:
+    """Padding entries of a batch's cache per layer, `hidden[layer]` `[B, H_kv, cols]` bool, for a forward over a
+    cache that is not a slot store (`extend`): set as the cache's `slot_store` attribute, `install_head_masks`'
+    hooks read it as they read a slot store's."""
+
+    def __init__(self, hidden: list[torch.Tensor]):
+        self.hidden = hidden
+
+    def head_mask(self, layer: int, mask: torch.Tensor | None, group: int) -> torch.Tensor:
+        return hide_padding(mask, self.hidden[layer], group)
+
+
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")  # by transformers version and family
+
+
+def install_head_masks(layers, group: int) -> bool:
+    """Forward pre-hooks on the attention modules of `layers` (a model's decoder layers, in order) that hand each
+    layer its own per-head mask (`SlotKVStore.head_mask`) when the cache it is given is a slot store holding padding
+    (unequal per-head counts); other calls pass unchanged. `group`: query heads per KV head. A module gets one hook
+    however often this is called. Returns whether every attention module takes its cache under a keyword the hooks
+    know (`CACHE_KWARGS`); where not, padded caches cannot be masked and engines refuse them."""
+    import inspect
+
+    def hook(module, args, kwargs, layer):
+        cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+        store = getattr(cache, "slot_store", None)
+        if store is None or store.hidden is None:
+            return None
+        return args, {**kwargs, "attention_mask": store.head_mask(layer, kwargs.get("attention_mask"), group)}
+
+    known = len(layers) > 0
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+        if attn is None or not set(CACHE_KWARGS) & set(inspect.signature(attn.forward).parameters):
+            known = False
+            continue
+        if getattr(attn, "_tdutils_head_masks", False):  # one hook per module, however many engines share the model
+            continue
+        attn._tdutils_head_masks = True
+        attn.register_forward_pre_hook(lambda mod, args, kwargs, i=i: hook(mod, args, kwargs, i), with_kwargs=True)
+    return known
 
 
 _CACHE_CLASSES: tuple | None = None
@@ -295,6 +373,7 @@ def _cache_classes():
 
             def __init__(self, store: SlotKVStore):
                 super().__init__(layers=[SlotLayer(store, i) for i in range(len(store.keys))])
+                self.slot_store = store  # read by `install_head_masks`' hooks
 
         _CACHE_CLASSES = (SlotCache, SlotLayer)
     return _CACHE_CLASSES

@@ -13,6 +13,9 @@ options from the parameter dataclasses). Policies never import `tdutils.edit` or
 - `tova` (the last query): Oren et al. 2024, arXiv:2401.06104
 - `knorm` (keys only): Devoto et al. 2024, arXiv:2406.11430
 - `keydiff` (keys only): Park et al. 2025, arXiv:2504.15364
+- `expected_attention` (all prompt queries): Devoto et al. 2025 (NVIDIA kvpress), arXiv:2510.00636
+- `adakv_snapkv`, `adakv_expected_attention` (as their scorer): Feng et al. 2024, arXiv:2407.11550
+- `pyramidkv` (last `window` queries): Cai et al. 2024, arXiv:2406.02069
 """
 
 # isort: skip_file
@@ -26,6 +29,7 @@ from .h2o import H2OParams, h2o_keep, h2o_scores
 from .tova import TOVAParams, tova_keep, tova_scores
 from .knorm import KNormParams, knorm_keep, knorm_scores
 from .keydiff import KeyDiffParams, keydiff_keep, keydiff_scores
+from .expected_attention import ExpectedAttentionParams, expected_attention_keep
 
 # A policy added as a new file here registers without an edit to this file: every other module of the package
 # is imported after the ones above (in name order), so its `register_policy` call runs.
@@ -35,9 +39,9 @@ import pkgutil as _pkgutil
 for _module in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
     _importlib.import_module(f"{__name__}.{_module}")
 
-__all__ = ["NEEDS", "RKV_METHODS", "H2OParams", "KNormParams", "KeyDiffParams", "MiddleChunkParams", "Policy",
-           "RKVParams", "RandomParams", "SnapKVParams", "StreamingLLMParams", "TOVAParams", "get_policy",
-           "h2o_keep", "h2o_scores", "keydiff_keep", "keydiff_scores", "knorm_keep", "knorm_scores",
-           "middle_chunk_keep", "policy_names", "query_window_for", "random_keep", "register_policy", "rkv_keep",
-           "rkv_redundancy", "rkv_scores", "snapkv_keep", "snapkv_scores", "streaming_llm_keep", "tova_keep",
-           "tova_scores", "unregister_policy"]
+__all__ = ["NEEDS", "RKV_METHODS", "ExpectedAttentionParams", "H2OParams", "KNormParams", "KeyDiffParams",
+           "MiddleChunkParams", "Policy", "RKVParams", "RandomParams", "SnapKVParams", "StreamingLLMParams",
+           "TOVAParams", "expected_attention_keep", "get_policy", "h2o_keep", "h2o_scores", "keydiff_keep",
+           "keydiff_scores", "knorm_keep", "knorm_scores", "middle_chunk_keep", "policy_names", "query_window_for",
+           "random_keep", "register_policy", "rkv_keep", "rkv_redundancy", "rkv_scores", "snapkv_keep",
+           "snapkv_scores", "streaming_llm_keep", "tova_keep", "tova_scores", "unregister_policy"]

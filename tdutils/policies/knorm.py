@@ -105,20 +105,31 @@ def knorm_keep(kv: torch.Tensor, drop_ratio: float, *, head_dim: int, window: in
     T = kv.shape[2]
     protected = protected_mask(T, n_sink=n_sink, window=window)
     if granularity != "request":
-        check_key_heads(kv, head_dim)
-        norms = kv[0].float().reshape(kv.shape[1], T, -1, head_dim).norm(dim=-1).transpose(1, 2).cpu()  # [L, H, T]
-        scores = torch.zeros_like(norms) if equal_norms(norms.flatten(), kv.dtype) else -norms
-        return keep_top_per_head(scores, keep_count(T, drop_ratio), protected, granularity)
+        return keep_top_per_head(_head_scores(kv, head_dim), keep_count(T, drop_ratio), protected, granularity)
     norms = knorm_scores(kv, head_dim=head_dim).cpu()
     scores = torch.zeros_like(norms) if equal_norms(norms, kv.dtype) else -norms
     return keep_top_scores(scores, keep_count(T, drop_ratio), protected)
 
 
+def _head_scores(kv: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """fp32 `[L, H, T]` on the CPU: minus each KV head's key norms (all 0 when the norms are equal, see `knorm_keep`)."""
+    check_key_heads(kv, head_dim)
+    T = kv.shape[2]
+    norms = kv[0].float().reshape(kv.shape[1], T, -1, head_dim).norm(dim=-1).transpose(1, 2).cpu()  # [L, H, T]
+    return torch.zeros_like(norms) if equal_norms(norms.flatten(), kv.dtype) else -norms
+
+
+def knorm_head_scores(kv, q, *, params: KNormParams, facts):
+    """KNorm's per-KV-head score (the registry's `head_scores`, for AdaKV): `(-‖k‖ fp32 [L, H, T], protected [T])`."""
+    return _head_scores(kv, facts.head_dim), protected_mask(kv.shape[2], n_sink=params.n_sink, window=params.window)
+
+
 register_policy(
-    "knorm", params=KNormParams, needs="kv", builtin=True, granularities=GRANULARITIES,
+    "knorm", params=KNormParams, needs="kv", builtin=True, granularities=GRANULARITIES, head_scores=knorm_head_scores,
     keep=lambda kv, q, r, *, params, facts, granularity="request": knorm_keep(
         kv, r, head_dim=facts.head_dim, window=params.window, n_sink=params.n_sink, granularity=granularity),
     summary="the keys with the lowest L2 norm (mean over KV heads and layers)",
     paper="Devoto et al. 2024, KNorm, arXiv:2406.11430")
 
-__all__ = ["KNormParams", "check_key_heads", "equal_norms", "key_heads", "knorm_keep", "knorm_scores"]
+__all__ = ["KNormParams", "check_key_heads", "equal_norms", "key_heads", "knorm_head_scores", "knorm_keep",
+           "knorm_scores"]

@@ -48,9 +48,16 @@ class Policy:
             drop function is built (per-model values such as the model's attention arithmetic), not per request;
             `facts` is the model's `tdutils.models.ModelFacts` (`facts.rope`, `facts.attention`, `facts.config`).
         builtin: registered by tdutils itself (replacing it needs `replace=True`).
-        granularities: the granularities the policy selects at (`tdutils.selection.GRANULARITIES`): always
-            `"request"` (one set `[k]`); with `"layer"` / `"head"` listed, `keep` also takes
-            `granularity="layer" | "head"` and returns `[L, k]` / `[L, H_kv, k]` (docs/policies.md, "Granularity").
+        granularities: the granularities the policy selects at (`tdutils.selection.GRANULARITIES`): `"request"`
+            (one set `[k]`); with `"layer"` / `"head"` listed, `keep` also takes `granularity="layer" | "head"` and
+            returns `[L, k]` / `[L, H_kv, k]` (docs/policies.md, "Granularity").
+        head_scores: optional `head_scores(kv, q, *, params, facts, **setup) -> (scores fp32 [L, H_kv, T],
+            protected BoolTensor [T])`: the policy's per-KV-head score (higher = keep) and its protected tokens,
+            for the policies that allocate budgets on top of a scorer (AdaKV).
+        per_head_only: the policy moves budget between heads or layers (AdaKV, PyramidKV), so it selects per KV head
+            whatever granularity is asked for (`"request"`, every caller's default, gives its per-head sets;
+            `"layer"` is refused); `keep` takes no `granularity` and may return unequal counts per head, padded
+            (`tdutils.selection.pack_sets`).
     """
 
     name: str
@@ -64,6 +71,8 @@ class Policy:
     setup: Callable | None = None
     builtin: bool = False
     granularities: tuple = ("request",)
+    head_scores: Callable | None = None
+    per_head_only: bool = False
 
     def make_params(self, **values):
         """An instance of `params` from keyword values; ValueError on an unknown name (or a bad value,
@@ -92,7 +101,8 @@ _REGISTRY: dict[str, Policy] = {}
 
 def register_policy(name: str, *, params: type, needs: str, keep: KeepFn, summary: str = "", paper: str = "",
                     needs_model: bool = True, query_rows: Callable | None = None, setup: Callable | None = None,
-                    replace: bool = False, builtin: bool = False, granularities=("request",)) -> Policy:
+                    replace: bool = False, builtin: bool = False, granularities=("request",),
+                    head_scores: Callable | None = None, per_head_only: bool = False) -> Policy:
     """Make a policy reachable by name everywhere (`make_drop_fn`, `--policy`, `passkey_eval`, notebooks).
 
     Args:
@@ -111,6 +121,8 @@ def register_policy(name: str, *, params: type, needs: str, keep: KeepFn, summar
         builtin: for tdutils' own policies.
         granularities: the granularities `keep` selects at, `"request"` among them; `"layer"` / `"head"` mean
             `keep(..., granularity=...)` returns `[L, k]` / `[L, H_kv, k]` (see `Policy`).
+        head_scores: the policy's per-KV-head scores, for budget allocators on top of it (see `Policy`).
+        per_head_only: `keep` always returns per-head sets (budgets that move); see `Policy`.
 
     Returns:
         The registered `Policy`.
@@ -146,7 +158,12 @@ def register_policy(name: str, *, params: type, needs: str, keep: KeepFn, summar
     old = _REGISTRY.get(name)
     if old is not None and old.builtin and not replace:
         raise ValueError(f"policy {name!r} is built into tdutils; pass replace=True to replace it, or choose another name")
-    policy = Policy(name, params, needs, keep, summary, paper, needs_model, query_rows, setup, builtin, granularities)
+    if head_scores is not None and not callable(head_scores):
+        raise TypeError(f"head_scores must be callable as head_scores(kv, q, *, params, facts), got {head_scores!r}")
+    if per_head_only:
+        granularities = ("request", "head")
+    policy = Policy(name, params, needs, keep, summary, paper, needs_model, query_rows, setup, builtin, granularities,
+                    head_scores, per_head_only)
     _REGISTRY[name] = policy
     return policy
 

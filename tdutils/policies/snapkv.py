@@ -145,12 +145,28 @@ def _keep_indices(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, p: SnapK
         return repeat_keep(torch.arange(T), kv.shape[1], kv.shape[3] // head_dim, granularity)
     protected = protected_mask(T, window=p.window)
     if granularity != "request":  # the per-KV-head votes, the window's slots protected
-        votes = torch.cat(list(_pooled_votes(kv, q, p, head_dim, attention))).cpu()  # [L, H, T - w]
-        full = torch.cat([votes, votes.new_zeros(*votes.shape[:2], p.window)], dim=-1)
-        return keep_top_per_head(full, k, protected, granularity)
+        return keep_top_per_head(_head_votes(kv, q, p, head_dim, attention), k, protected, granularity)
     scores = _scores(kv, q, p, head_dim, attention)
     full = torch.cat([scores.cpu(), torch.zeros(p.window)])  # window slots are protected below
     return keep_top_scores(full, k, protected)
+
+
+def _head_votes(kv, q, p: SnapKVParams, head_dim: int, attention) -> torch.Tensor:
+    """fp32 `[L, H, T]` on the CPU: the pooled votes per KV head, 0 in the window's slots (`T > w`)."""
+    votes = torch.cat(list(_pooled_votes(kv, q, p, head_dim, attention))).cpu()  # [L, H, T - w]
+    return torch.cat([votes, votes.new_zeros(*votes.shape[:2], p.window)], dim=-1)
+
+
+def snapkv_head_scores(kv, q, *, params: SnapKVParams, facts, attention=None):
+    """SnapKV's per-KV-head score (the registry's `head_scores`, for AdaKV / PyramidKV): `(votes fp32 [L, H, T],
+    protected [T])`, the pooled window votes of each KV head (0 in the window's slots, which are protected; all
+    zeros and all protected when `T <= w`). Arguments and errors as `snapkv_scores`."""
+    T = kv.shape[2]
+    protected = protected_mask(T, window=params.window)
+    check_query(kv, q, params.window, facts.head_dim, "SnapKV")
+    if T <= params.window:
+        return torch.zeros(kv.shape[1], kv.shape[3] // facts.head_dim, T), protected
+    return _head_votes(kv, q, params, facts.head_dim, attention), protected
 
 
 def _keep(kv, q, drop_ratio, *, params: SnapKVParams, facts, attention=None, granularity="request"):
@@ -158,8 +174,8 @@ def _keep(kv, q, drop_ratio, *, params: SnapKVParams, facts, attention=None, gra
 
 
 register_policy("snapkv", params=SnapKVParams, needs="window", keep=_keep, builtin=True, setup=model_attention,
-                granularities=GRANULARITIES,
+                granularities=GRANULARITIES, head_scores=snapkv_head_scores,
                 summary="the observation window plus the earlier tokens its queries attend to most (pooled vote)",
                 paper="Li et al. 2024, SnapKV, arXiv:2404.14469")
 
-__all__ = ["SnapKVParams", "snapkv_keep", "snapkv_scores"]
+__all__ = ["SnapKVParams", "snapkv_head_scores", "snapkv_keep", "snapkv_scores"]
