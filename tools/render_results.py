@@ -291,6 +291,53 @@ def real_ranking() -> str:
                        "`docs/results/ruler_smollm2_2048.json`; the full cache at ratio 0 in every row.)")])
 
 
+def fidelity_ranking(stored: str = "fidelity_smollm2_2048") -> str:
+    """`rank_policies` of a stored text-fidelity run by mean KL at each drop ratio (paired sign-flip tests, Holm),
+    with the measures beside it and the KV tokens each policy kept (a policy keeping more than the budget is
+    not compared at equal memory)."""
+    import pandas as pd
+
+    from tdutils.eval import ALPHA, rank_policies
+
+    report = load(stored)
+    m, table = report["meta"], pd.DataFrame(report["rows"])
+    rows = []
+    for ratio in m["drop_ratios"]:
+        rank = rank_policies(table, ratio, measure="kl")
+        cells = table[table["drop_ratio"] == ratio].set_index("policy")
+        for r in rank.itertuples():
+            c = cells.loc[r.policy]
+            mean = {k: sum(v) / len(v) for k, v in c["scores"].items()}
+            rows.append([f"{ratio:g}", r.rank, f"`{r.policy}`", f"{r.score:.3f} ({r.ci_low:.3f}-{r.ci_high:.3f})",
+                         f"{mean['delta_ppl']:+.2f}", f"{100 * mean['agreement']:.1f}", f"{c['kept_tokens']:.0f}",
+                         ", ".join(f"`{p}`" for p in r.above.split(", ") if p) or "-"])
+    head = ["drop ratio", "rank", "policy", "mean KL, nats (95% CI)", "Δ perplexity", "agreement %",
+            "KV tokens kept", "lower KL than (paired test)"]
+    return "\n".join([_table(head, rows), "",
+                      f"Ranked by mean KL(full ‖ edited) per continuation token, lower is better; a policy ranks below "
+                      f"another only where the paired sign-flip test on the same {m['n']} texts rejects equality at "
+                      f"family-wise level {ALPHA:g} (Holm, across the pairs at that ratio). "
+                      + _source(stored, f"model `{m['model']}`", f"{m['context_lengths'][0]}-token prompts, "
+                                f"{report['rows'][0]['max_tokens']} teacher-forced continuation tokens",
+                                _seed(m["seed"]), _threads(m["threads"]),
+                                f"{_minutes(m['seconds'])} of wall time on the shared 2 cores")])
+
+
+def budgets_first_look(stored: str = "budgets_smollm2_niah_1024") -> str:
+    """Exact match per mode and the rows stored per layer of the moving-budget policies' first run."""
+    report = load(stored)
+    m = report["meta"]
+    by = {}
+    for r in report["rows"]:
+        by.setdefault(r["policy"], {})[r["mode"]] = r
+    rows = [[f"`{p}`" if p != "full" else "full", *(f"{c[mode]['correct']}/{c[mode]['n']}" for mode in m["modes"]),
+             f"{c[m['modes'][0]]['kept_tokens']:.0f}"] for p, c in by.items()]
+    return "\n".join([_table(["policy", *m["modes"], f"rows stored per layer ({m['modes'][0]})"], rows), "",
+                      _source(stored, f"model `{m['model']}`", f"`{m['tasks'][0]}`", f"{m['context_lengths'][0]} tokens",
+                              f"drop ratio {m['drop_ratios'][0]:g}", f"n = {m['n']}", _seed(m["seed"]),
+                              f"{_minutes(m['seconds'])} of wall time")])
+
+
 def peer_kvpress() -> str:
     report = load("peer_kvpress")
     m = report["meta"]
@@ -404,6 +451,8 @@ BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
     "real_leaderboard": (real_leaderboard, ("ruler_smollm2_2048",)),
     "real_ranking": (real_ranking, ("ruler_smollm2_2048",)),
     "peer_kvpress": (peer_kvpress, ("peer_kvpress",)),
+    "fidelity_ranking": (fidelity_ranking, ("fidelity_smollm2_2048",)),
+    "budgets_first_look": (budgets_first_look, ("budgets_smollm2_niah_1024",)),
 }
 
 
