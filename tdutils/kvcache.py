@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from .rope import rerotate_k_cache, rerotate_keys
+
 try:  # LMCache's own enum when installed, so drop functions run unchanged on the serving path.
     from lmcache.sdk import LMCacheSDKCacheKind as CacheKind  # type: ignore
 except Exception:  # noqa: BLE001 (lmcache is optional; any import failure means "not usable")
@@ -97,7 +99,6 @@ def apply_keep(kv: torch.Tensor, tokens: Sequence[int], keep: torch.Tensor, *, r
     if rerotate:
         if rope_spec is None:
             raise ValueError("rerotate=True needs the model's RoPE spec; pass model_config= to make_drop_fn")
-        from .rope import rerotate_k_cache
 
         new_positions = torch.arange(keep.numel())
         new_kv = rerotate_k_cache(new_kv, keep, new_positions, rope_spec, inplace=True)  # new_kv is ours: no copy
@@ -156,7 +157,6 @@ def apply_keep_heads(kv: torch.Tensor, tokens: Sequence[int], keep: torch.Tensor
     if rerotate:
         if rope_spec is None:
             raise ValueError("rerotate=True needs the model's RoPE spec; pass model_config= to make_drop_fn")
-        from .rope import rerotate_keys
 
         new_pos = torch.arange(k, device=kv.device).repeat(H)  # [H*k]: 0..k-1 in every head
         for layer in range(L):
