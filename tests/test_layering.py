@@ -10,6 +10,8 @@ Read from the source with `ast` (nothing is imported). An edge `a -> b` is an in
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,6 +174,22 @@ def test_every_in_function_import_says_why():
     bare = [f"{i.module}:{i.line}" for i in internal_imports() if i.in_function and i.reason is None]
     assert bare == [], (f"{len(bare)} internal imports inside functions without a '# cycle: ...' or '# cost: ...' "
                         f"comment (move them to the module top, or say why not): {bare}")
+
+
+HEAVY = ("pandas", "scipy", "matplotlib", "transformers", "httpx", "gguf")  # loaded where used, never by --help
+
+
+def test_the_command_line_help_loads_no_heavy_library():
+    """`python -m tdutils --help` (which imports `tdutils` and every subcommand's module) loads none of the heavy
+    libraries that only some commands need: an internal import moved to a module top must not drag one in."""
+    probe = ("import runpy, sys\nsys.argv = ['tdutils', '--help']\n"
+             "try:\n    runpy.run_module('tdutils', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules))")
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    out = subprocess.run([sys.executable, "-c", probe], check=False, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "usage: python -m tdutils" in out.stdout
+    assert out.stdout.splitlines()[-1] == "", f"--help loaded {out.stdout.splitlines()[-1]}"
 
 
 if __name__ == "__main__":
