@@ -14,15 +14,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from .checks import check_max_tokens
 from .compression import Compression
 from .edit import as_drop_fn
 from .metrics import RunMetrics, phase_table
-
-if TYPE_CHECKING:
-    from .engines.base import RequestOutput
+from .outputs import RequestOutput
 
 
 @dataclass

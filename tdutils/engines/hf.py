@@ -38,8 +38,9 @@ from ..edit import DropFn
 from ..kvcache import CacheKind, check_kv
 from ..metrics import DecodeMetrics, RunMetrics
 from ..models import _torch_dtype, load_model, model_facts
+from ..outputs import RequestOutput, answer_text
 from ..policies.scoring import window_attention
-from .base import Engine, RequestOutput, answer_text, register_engine, tokenize_extensions
+from .base import Engine, register_engine, tokenize_extensions
 from .decode_compression import SlotCompressor
 from .kvstore import SlotKVStore, plan_slots
 from .packed import MIN_ELEMENTS, PackedLinears, packing_available, packing_pays

@@ -34,6 +34,7 @@ from ..edit import validate_drop_output
 from ..kvcache import CacheKind, check_kv
 from ..metrics import DecodeMetrics, RunMetrics
 from ..models import load_tokenizer, model_facts, resolve_model
+from ..outputs import RequestOutput, answer_text
 from ..rope import RopeSpec, apply_rope
 from ..serving.completion import CompletionError, make_post_completion
 from ..serving.kvlayout import ARRANGEMENTS, FUSED_FORMATS, fused_to_kv, kv_to_fused
@@ -48,7 +49,7 @@ from ..serving.probes import (
     served_models,
 )
 from ..textio import read_text
-from .base import Engine, RequestOutput, answer_text, register_engine, tokenize_extensions
+from .base import Engine, register_engine, tokenize_extensions
 from .decode_compression import cut_event, decode_cut
 from .scheduler import (
     admits,
