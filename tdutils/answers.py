@@ -16,6 +16,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .data import RULER_TASKS
+
 # The official LongBench-v2 0-shot template (THUDM/LongBench, prompts/0shot.txt), word for word: the
 # wording is what makes our accuracy comparable with published LongBench-v2 numbers.
 LONGBENCH_V2_0SHOT_TEMPLATE = (
@@ -433,8 +435,6 @@ def score_task(task: str, values: Sequence[str], response: str | None) -> tuple[
     Raises:
         ValueError: an unknown task, or no gold items.
     """
-    from .data import RULER_TASKS
-
     if task not in RULER_TASKS:
         raise ValueError(f"unknown task {task!r}; score_task scores the RULER-style tasks {', '.join(RULER_TASKS)} "
                          f"(passkey answers: score_passkey)")

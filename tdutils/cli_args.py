@@ -13,6 +13,9 @@ import argparse
 import sys
 import traceback
 
+from .checks import check_drop_ratio
+from .serving.completion import CompletionError
+
 INTERRUPTED = 130  # exit status of a command stopped with Ctrl-C: 128 + SIGINT, what a shell reports for it
 
 
@@ -36,7 +39,6 @@ def is_usage_error(exc: BaseException) -> bool:
     """
     if isinstance(exc, (ValueError, OSError, ConnectionError)):
         return True
-    from .serving.completion import CompletionError
 
     return isinstance(exc, CompletionError)
 
@@ -133,9 +135,7 @@ def positive_float(text: str) -> float:
 
 
 def drop_ratio(text: str) -> float:
-    """argparse type: one drop ratio, a finite number in [0, 1] (`tdutils.selection.check_drop_ratio`)."""
-    from .selection import check_drop_ratio
-
+    """argparse type: one drop ratio, a finite number in [0, 1] (`tdutils.checks.check_drop_ratio`)."""
     try:
         value = float(text)  # the command line's text; check_drop_ratio takes numbers only
     except ValueError:

@@ -13,15 +13,18 @@ compression=...)` cuts after every chunk of `C` prompt tokens, so a prompt's cac
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
 
+from .checks import check_count
 from .edit import DropFn, make_drop_fn
 from .kvcache import CacheKind
 from .models import model_facts
+from .policies import get_policy
 
 DEFAULT_WINDOW = 8  # R-KV's decode-time observation window (its run scripts: --window_size 8)
 
@@ -61,9 +64,6 @@ class Compression:
     params: Mapping = field(default_factory=dict)
 
     def __post_init__(self):
-        from .engines.base import check_count
-        from .policies import get_policy
-
         check_count(self.budget, "budget", 2)
         check_count(self.buffer, "buffer", 1)
         if self.window is not None:
@@ -103,10 +103,6 @@ class Compression:
 
     def policy_params(self) -> dict:
         """The keyword parameters the policy is built with: `params`, plus `window` when set and accepted."""
-        import dataclasses
-
-        from .policies import get_policy
-
         names = {f.name for f in dataclasses.fields(get_policy(self.policy).params)}
         out = dict(self.params)
         if self.window is not None and "window" in names and "window" not in out:
@@ -116,8 +112,6 @@ class Compression:
     @property
     def query_rows(self) -> int:
         """Query rows of the last tokens a cut is scored with (0 for KV-only policies)."""
-        from .policies import get_policy
-
         pol = get_policy(self.policy)
         return pol.rows(pol.make_params(**self.policy_params())) or 0
 

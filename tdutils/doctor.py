@@ -15,8 +15,21 @@ from __future__ import annotations
 import os
 import sys
 
-from .cli_args import UsageError
+from .cli_args import OneLineParser, UsageError, report_error
+from .policies import policy_names
 from .serving.completion import CompletionError, make_post_completion
+from .serving.kvlayout import FUSED_FORMATS
+from .serving.patches import (
+    SUPPORTED_TEXT,
+    PatchError,
+    check_version,
+    find_lmcache,
+    find_vllm,
+    fitting_patch,
+    load_patch,
+    patch_for,
+    status,
+)
 from .serving.probes import (
     LMCACHE_START_HINT,
     VLLM_START_HINT,
@@ -120,8 +133,6 @@ def _vllm_model(rep: Report, url: str, model: str | None, timeout: float) -> tup
 
 
 def _vllm_version(rep: Report, url: str, timeout: float) -> None:
-    from .serving.patches import SUPPORTED_TEXT, PatchError, check_version
-
     try:
         version = http_json("GET", url + "/version", timeout=timeout, what="vLLM").get("version")
     except (ServerError, AttributeError) as exc:
@@ -139,16 +150,6 @@ def _vllm_version(rep: Report, url: str, timeout: float) -> None:
 
 
 def _patch_state(rep: Report, vllm_dir: str | None, python: str | None) -> None:
-    from .serving.patches import (
-        SUPPORTED_TEXT,
-        PatchError,
-        find_vllm,
-        fitting_patch,
-        load_patch,
-        patch_for,
-        status,
-    )
-
     try:
         install = find_vllm(vllm_dir, python, options=("--vllm-python", "--vllm-dir"))
         spec = patch_for("vllm", install.version)
@@ -176,8 +177,6 @@ def _patch_state(rep: Report, vllm_dir: str | None, python: str | None) -> None:
 
 def _lmcache_patch_state(rep: Report, vllm: object) -> None:
     """The LMCache layout patch next to vLLM (the servers' environment): reported when LMCache is there."""
-    from .serving.patches import PatchError, find_lmcache, patch_for, status
-
     try:
         install = find_lmcache(vllm)
         if install is None:
@@ -223,14 +222,10 @@ def _registration(rep: Report, status: dict, model: str, root: str | None, queri
 
 
 def _query_free() -> list[str]:
-    from .policies import policy_names
-
     return policy_names("kv")
 
 
 def _query_aware() -> list[str]:
-    from .policies import policy_names
-
     return [n for n in policy_names() if n not in _query_free()]
 
 
@@ -260,8 +255,6 @@ def _layout_readable(rep: Report, entry: dict, model: str) -> None:
     blocks, `tdutils.serving.kvlayout`), with a warning when it is not float32 (the only dtype whose CPU
     packing was measured, docs/design.md §6).
     """
-    from .serving.kvlayout import FUSED_FORMATS
-
     groups = (entry.get("kv_cache_layout") or {}).get("kernel_groups") or []
     bad = [g for g in groups if "[" not in str(g.get("engine_kv_concrete_shape", "["))]
     if bad:
@@ -369,8 +362,6 @@ def run(args, out=None) -> int:
 
 
 def main(argv=None) -> int:
-    from .cli_args import OneLineParser, report_error
-
     ap = OneLineParser(prog="python -m tdutils.doctor", description=__doc__.splitlines()[0])
     add_arguments(ap)
     args = ap.parse_args(argv)

@@ -14,6 +14,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from .rope import rerotate_k_cache, rerotate_keys
+from .selection import pack_sets
+
 try:  # LMCache's own enum when installed, so drop functions run unchanged on the serving path.
     from lmcache.sdk import LMCacheSDKCacheKind as CacheKind  # type: ignore
 except Exception:  # noqa: BLE001 (lmcache is optional; any import failure means "not usable")
@@ -97,7 +100,6 @@ def apply_keep(kv: torch.Tensor, tokens: Sequence[int], keep: torch.Tensor, *, r
     if rerotate:
         if rope_spec is None:
             raise ValueError("rerotate=True needs the model's RoPE spec; pass model_config= to make_drop_fn")
-        from .rope import rerotate_k_cache
 
         new_positions = torch.arange(keep.numel())
         new_kv = rerotate_k_cache(new_kv, keep, new_positions, rope_spec, inplace=True)  # new_kv is ours: no copy
@@ -136,8 +138,6 @@ def check_keep_sets(keep: torch.Tensor, n: int, num_layers: int, num_kv_heads: i
 def _check_padded(keep: torch.Tensor, n: int) -> torch.Tensor:
     """Validate per-head sets of unequal counts `[L, H, k_max]` padded with -1 (`tdutils.selection.pack_sets`);
     returns them unchanged (their layout is the storage layout, so they are not re-sorted)."""
-    from .selection import pack_sets
-
     valid = keep >= 0
     if int(keep.max()) >= n or int(keep.min()) < -1:
         raise ValueError(f"kept indices must lie in [0, {n}) (-1 = padding), got min {int(keep.min())}, "
@@ -184,7 +184,6 @@ def apply_keep_heads(kv: torch.Tensor, tokens: Sequence[int], keep: torch.Tensor
     if rerotate:
         if rope_spec is None:
             raise ValueError("rerotate=True needs the model's RoPE spec; pass model_config= to make_drop_fn")
-        from .rope import rerotate_keys
 
         new_pos = torch.arange(k, device=kv.device).repeat(H)  # [H*k]: 0..k-1 in every head
         for layer in range(L):

@@ -27,6 +27,7 @@ from functools import cache
 from pathlib import Path
 
 from .chat import uses_chat_template
+from .models import ModelRef, resolve_model
 
 _ASSETS = Path(__file__).parent / "assets" / "ruler"
 
@@ -706,8 +707,6 @@ def check_ruler_model(model, what: str = "RULER's templates") -> None:
     Raises:
         ValueError: one line starting with `what` (e.g. `"--dataset ruler_vt"`), naming the model.
     """
-    from .models import ModelRef, resolve_model
-
     if not isinstance(model, (str, ModelRef)):
         return
     ref = resolve_model(model, check=False)  # the spelling decides; files are checked where they are read

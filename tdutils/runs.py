@@ -14,14 +14,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from .checks import check_max_tokens
 from .compression import Compression
 from .edit import as_drop_fn
 from .metrics import RunMetrics, phase_table
-
-if TYPE_CHECKING:
-    from .engines.base import RequestOutput
+from .outputs import RequestOutput
 
 
 @dataclass
@@ -193,7 +191,6 @@ def alternate_runs(engine, prompts, configs: dict, *, max_tokens=64, repeats: in
     fns = _check_configs(configs, repeats)
     orders = run_orders(fns, repeats, order)
     ids = engine.tokenize(prompts) if hasattr(engine, "tokenize") else prompts
-    from .engines.base import check_max_tokens
 
     check_max_tokens(max_tokens, len(ids))  # before the warm-up reads it: a clear error naming max_tokens
     if warmup:

@@ -7,23 +7,9 @@ return kept token indices as a sorted 1-D LongTensor.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-
-def check_drop_ratio(drop_ratio: float) -> float:
-    """Return `drop_ratio` as a float; ValueError unless it is a finite number in [0, 1] (a bool or a string
-    is not a number here, though Python's `float` would take both)."""
-    if isinstance(drop_ratio, (bool, str, bytes)):
-        raise ValueError(f"drop_ratio must be a number in [0, 1], got {drop_ratio!r}")  # noqa: TRY004 (documented ValueError)
-    try:
-        r = float(drop_ratio)
-    except (TypeError, ValueError):
-        raise ValueError(f"drop_ratio must be a number in [0, 1], got {drop_ratio!r}") from None
-    if not math.isfinite(r) or r < 0.0 or r > 1.0:
-        raise ValueError(f"drop_ratio must lie in [0, 1] (the fraction of tokens removed), got {drop_ratio!r}")
-    return r
+from .checks import check_drop_ratio
 
 
 def keep_count(n: int, drop_ratio: float) -> int:

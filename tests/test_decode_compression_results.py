@@ -70,7 +70,7 @@ def test_top1_rate_and_forced_agreement_read_the_argmax(bench):
 
 def test_fidelity_p90_is_the_nearest_rank_of_every_step():
     from tdutils.compression import fidelity, kl_per_step
-    from tdutils.engines.base import RequestOutput
+    from tdutils.outputs import RequestOutput
 
     g = torch.Generator().manual_seed(0)
     ref = [RequestOutput(i, 5, 5, output_ids=[1, 2, 3, 4], logits=list(torch.randn(4, 7, generator=g)))

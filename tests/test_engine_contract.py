@@ -6,8 +6,9 @@ import torch
 
 from tdutils import CacheKind, DropFunctionError, make_drop_fn
 from tdutils.engines import Engine, engine_kinds, open_engine, register_engine
-from tdutils.engines.base import _ENGINES, ModifyReport, RequestOutput
+from tdutils.engines.base import _ENGINES
 from tdutils.engines.hf import HFEngine
+from tdutils.outputs import ModifyReport, RequestOutput
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -390,8 +390,8 @@ def test_run_scores_answers_up_to_the_first_eos(tmp_path, capsys, monkeypatch):
 
 def test_eval_scores_answers_up_to_the_first_eos():
     """`run_cells` hands the scorers `RequestOutput.answer`, never the text generated after EOS."""
-    from tdutils.engines.base import RequestOutput
     from tdutils.eval import run_cells
+    from tdutils.outputs import RequestOutput
 
     class Engine:  # prefill and decode only: the full cache needs nothing else
         requests = None

@@ -94,11 +94,11 @@ def test_passkey_is_a_registration_with_its_own_defaults():
 
 def test_drop_ratios_are_checked_once_per_path(monkeypatch):
     """`DropRatios` checks each ratio once; handing a checked tuple on checks nothing again."""
-    from tdutils import selection
+    from tdutils.eval import common
     from tdutils.eval.common import DropRatios
 
-    calls, real = [], selection.check_drop_ratio
-    monkeypatch.setattr(selection, "check_drop_ratio", lambda r: calls.append(r) or real(r))
+    calls, real = [], common.check_drop_ratio
+    monkeypatch.setattr(common, "check_drop_ratio", lambda r: calls.append(r) or real(r))
     ratios = DropRatios([0.5, 0.75])
     assert DropRatios(ratios) is ratios and ratios == (0.5, 0.75) and calls == [0.5, 0.75]
     with pytest.raises(ValueError, match=r"--drop-ratios: drop_ratio must lie in \[0, 1\].*give fractions"):

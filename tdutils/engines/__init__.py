@@ -7,8 +7,9 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+from ..outputs import ModifyReport, RequestOutput
 from ..runs import RunResult, compare, default_kv_budget, run_once
-from .base import _ENGINES, Engine, ModifyReport, RequestOutput, register_engine
+from .base import _ENGINES, Engine, register_engine
 
 _SCANNED = False
 

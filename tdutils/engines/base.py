@@ -11,8 +11,8 @@ Method map of `Engine` (what an engine must write, what it gets):
 | `modify(drop_fn) -> ModifyReport` | shared | every request's cache edited, all or nothing, over the `_edit_*` hooks |
 | `tokenize`, `capture_for`, `snapshot` / `restore`, `close`, `with` | shared | |
 
-The text helpers below check prompts and settings for every engine; `register_engine` names an engine kind
-for `tdutils.open_engine`. Runs over an engine (`run_once`, `compare`) are in `tdutils.runs`.
+The text helpers below check prompts for every engine (settings are checked in `tdutils.checks`);
+`register_engine` names an engine kind for `tdutils.open_engine`. Runs over an engine (`run_once`, `compare`) are in `tdutils.runs`.
 """
 
 from __future__ import annotations
@@ -24,166 +24,13 @@ import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
+from ..chat import chat_prompt_ids, uses_chat_template
+from ..checks import CountSetting
 from ..edit import DropFunctionError, as_drop_fn, check_token_ids, kept_rows, validate_drop_output
 from ..metrics import ModifyMetrics
-
-
-@dataclass
-class RequestOutput:
-    """One request's result.
-
-    Attributes:
-        request_id: index of the prompt in the `prefill` call.
-        prompt_tokens: prompt length T before modification.
-        cached_tokens: KV length after modification (k; equals T for the baseline).
-        output_ids: generated token ids (length `max_tokens` with `ignore_eos=True`).
-        text: decoded `output_ids` (with `ignore_eos=True`, including what follows an EOS token).
-        answer: the text up to (excluding) the first EOS token in `output_ids`; equals `text` when no EOS was
-            generated. What scorers read: text a model writes after its EOS is not part of its answer.
-        finish_reason: "length" or "stop" (an EOS token was generated).
-        ttft_s: time to first token from the start of prefill, seconds.
-        tpot_s: mean seconds per output token after the first.
-        logits: optional list of fp32 tensors [vocab], one per generated token (`keep_logits=True`).
-        compressions: with decode-time compression (`hf` engine, `decode(compression=...)`), one dict per cut:
-            `step` (tokens generated when it happened), `before` / `after` (cache entries), `kept` (the kept
-            entries' indices in the request's sequence: its cache at decode start, then its generated tokens);
-            None without compression.
-    """
-
-    request_id: int
-    prompt_tokens: int
-    cached_tokens: int
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    answer: str | None = None
-    finish_reason: str = "length"
-    ttft_s: float = float("nan")
-    tpot_s: float = float("nan")
-    logits: list | None = None
-    compressions: list | None = None
-
-    def __post_init__(self):
-        if self.answer is None:
-            self.answer = self.text
-
-
-def answer_text(tokenizer, output_ids: list[int], eos_ids, text: str) -> str:
-    """The answer part of a generation: `output_ids` decoded up to (excluding) the first id in `eos_ids`;
-    `text` itself when none of them was generated (so an engine's own detokenization is kept)."""
-    for i, t in enumerate(output_ids):
-        if t in eos_ids:
-            return tokenizer.decode(output_ids[:i], skip_special_tokens=True)
-    return text
-
-
-@dataclass
-class ModifyReport:
-    """What `modify` did: per-request failures as `(request_id, message)`; edited count."""
-
-    edited: int = 0
-    failures: list[tuple[int, str]] = field(default_factory=list)
-
-
-GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it sample greedily
-
-
-def check_temperature(temperature) -> float:
-    """The sampling temperature as a float: a finite number >= 0; below `GREEDY_BELOW` (1e-5, vLLM's
-    convention) decoding is greedy (dividing logits by a smaller temperature overflows float32).
-
-    Raises:
-        ValueError: a bool, a non-number, NaN, infinity or a negative value.
-    """
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    return float(temperature)
-
-
-def check_count(value, name: str, minimum: int, *, none: str | None = None) -> int | None:
-    """An integer setting as an int: `>= minimum`, or None when `none` says what None means.
-
-    Accepts Python and numpy / torch integer scalars; refuses bools, floats (also 4000.0 and NaN) and strings,
-    which would otherwise surface deep inside decode (a NaN budget as "cannot reshape tensor of 0 elements").
-
-    Raises:
-        TypeError: not an integer (the message names `name` and what to pass).
-        ValueError: an integer below `minimum`.
-    """
-    what = f"an integer >= {minimum}" + (f", or None ({none})" if none else "")
-    if value is None and none:
-        return None
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be {what}, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be {what}, got {value}")
-    return value
-
-
-def check_seconds(value, name: str) -> float:
-    """A timeout as a float: a finite number of seconds > 0.
-
-    Raises:
-        TypeError: a bool, a string or another non-number.
-        ValueError: zero, negative, NaN or infinite.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a finite number of seconds > 0, got {value!r} ({type(value).__name__})")
-    if not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-    return float(value)
-
-
-class CountSetting:
-    """An engine attribute holding an integer setting, checked by `check_count` whenever it is set (in
-    `__init__` and later, e.g. `engine.kv_budget_tokens = 4096`)."""
-
-    def __init__(self, minimum: int, none: str | None = None):
-        self.minimum, self.none = minimum, none
-
-    def __set_name__(self, owner, name):
-        self.name, self.slot = name, "_" + name
-
-    def __get__(self, obj, owner=None):
-        return self if obj is None else getattr(obj, self.slot)
-
-    def __set__(self, obj, value):
-        setattr(obj, self.slot, check_count(value, self.name, self.minimum, none=self.none))
-
-
-def check_engine_settings(kv_budget_tokens, max_batch_size, query_window) -> None:
-    """Settings every engine shares: a positive budget and batch cap, a query window >= 0 (None means
-    unlimited / all tokens). Raises TypeError for a non-integer, ValueError for one out of range."""
-    check_count(kv_budget_tokens, "kv_budget_tokens", 1, none="unlimited")
-    check_count(max_batch_size, "max_batch_size", 1, none="no cap")
-    check_count(query_window, "query_window", 0, none="all prompt tokens")
-
-
-def check_max_tokens(max_tokens, num_requests: int) -> list[int]:
-    """Tokens to generate per request: one integer for all, or one per request (a list, tuple, numpy array or
-    tensor of integers).
-
-    Raises:
-        TypeError: a string, None, a float or another non-integer (entry named).
-        ValueError: an entry < 1, or a per-request sequence whose length is not `num_requests`.
-    """
-    if isinstance(max_tokens, str) or max_tokens is None:
-        raise TypeError(f"max_tokens must be an integer >= 1 or one per request, got {max_tokens!r}")
-    if hasattr(max_tokens, "tolist") and getattr(max_tokens, "ndim", 1) == 0:
-        max_tokens = max_tokens.tolist()  # a numpy / torch scalar
-    if isinstance(max_tokens, Iterable):
-        values = list(max_tokens.tolist() if hasattr(max_tokens, "tolist") else max_tokens)
-        if len(values) != num_requests:
-            raise ValueError(f"max_tokens has {len(values)} entries for {num_requests} requests; pass one integer, "
-                             f"or one per request")
-        return [check_count(m, f"max_tokens[{i}]", 1) for i, m in enumerate(values)]
-    return [check_count(max_tokens, "max_tokens", 1)] * num_requests
+from ..outputs import ModifyReport, RequestOutput
+from ..policies import query_window_for
 
 
 def _token_id(t, what: str, i: int) -> int:
@@ -244,8 +91,6 @@ def tokenize_prompts(tokenizer, prompts, vocab_size: int | None = None, chat: bo
         elif hasattr(p, "prompt"):
             p = p.prompt
         if chat and isinstance(p, str):
-            from ..chat import chat_prompt_ids
-
             p = chat_prompt_ids(tokenizer, p)  # ids, checked below like any others; text for the unknown-token check
             items.append((_item_ids(tokenizer, p, i, "prompt", vocab_size, True)[0], True))
         else:
@@ -384,8 +229,6 @@ class Engine(ABC):
     @property
     def chat_template_applied(self) -> bool:
         """Whether text prompts are wrapped in the tokenizer's chat template (`chat_template` setting)."""
-        from ..chat import uses_chat_template
-
         return uses_chat_template(self.tokenizer, self.chat_template)
 
     def capture_for(self, *drop_fns) -> int | None:
@@ -396,8 +239,6 @@ class Engine(ABC):
         ModifyFn) change nothing. `run_once` and `compare` call this. Returns the `query_window` after the call
         (None = all prompt tokens).
         """
-        from ..policies import query_window_for
-
         drop_fns = [as_drop_fn(f) for f in drop_fns if f is not None]
         need = query_window_for(*drop_fns, default=0)
         if need == 0:

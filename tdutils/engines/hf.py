@@ -25,24 +25,22 @@ import torch
 
 from ..attention import AttentionSpec, QueryRecorder, capture_implementation, ensure_capture, recording
 from ..chat import uses_chat_template
-from ..compression import Compression
-from ..edit import DropFn
-from ..kvcache import CacheKind, check_kv
-from ..metrics import DecodeMetrics, RunMetrics
-from ..models import load_model, model_facts
-from .base import (
+from ..checks import (
     GREEDY_BELOW,
     CountSetting,
-    Engine,
-    RequestOutput,
-    answer_text,
     check_count,
     check_engine_settings,
     check_max_tokens,
     check_temperature,
-    register_engine,
-    tokenize_extensions,
 )
+from ..compression import Compression
+from ..edit import DropFn
+from ..kvcache import CacheKind, check_kv
+from ..metrics import DecodeMetrics, RunMetrics
+from ..models import _torch_dtype, load_model, model_facts
+from ..outputs import RequestOutput, answer_text
+from ..policies.scoring import window_attention
+from .base import Engine, register_engine, tokenize_extensions
 from .decode_compression import SlotCompressor
 from .kvstore import PaddingMasks, SlotKVStore, install_head_masks, plan_slots
 from .packed import MIN_ELEMENTS, PackedLinears, packing_available, packing_pays
@@ -448,8 +446,6 @@ class HFEngine(Engine):
             RuntimeError: the request has no captured query (query_window=0), or its cache was edited (`modify`:
                 the model's forward over the prompt no longer describes it).
         """
-        from ..policies.scoring import window_attention
-
         req = self.requests[request_id]
         if req.query is None or req.edited:
             raise RuntimeError(f"request {request_id} has no captured query of its unedited prompt (query_window=0, "
@@ -994,8 +990,6 @@ def _chunk_last_position(bounds: list[tuple[int, int]], budget: int | None) -> i
 def _check_loaded_model_settings(model, dtype, device, attn_implementation) -> None:
     """Loading settings passed with an already loaded model must describe it (the engine does not convert a
     user's model); ValueError naming the setting and what to do otherwise."""
-    from ..models import _torch_dtype
-
     first = next(model.parameters(), None)
     have_attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if have_attn is not None:

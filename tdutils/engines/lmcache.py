@@ -28,10 +28,14 @@ from typing import ClassVar
 
 import torch
 
+from ..checks import CountSetting, check_count, check_engine_settings, check_seconds, check_temperature
 from ..compression import Compression
+from ..edit import validate_drop_output
 from ..kvcache import CacheKind, check_kv
 from ..metrics import DecodeMetrics, RunMetrics
-from ..models import model_facts, resolve_model
+from ..models import load_tokenizer, model_facts, resolve_model
+from ..outputs import RequestOutput, answer_text
+from ..rope import RopeSpec, apply_rope
 from ..serving.completion import CompletionError, make_post_completion
 from ..serving.kvlayout import ARRANGEMENTS, FUSED_FORMATS, fused_to_kv, kv_to_fused
 from ..serving.probes import (
@@ -45,17 +49,7 @@ from ..serving.probes import (
     served_models,
 )
 from ..textio import read_text
-from .base import (
-    CountSetting,
-    Engine,
-    RequestOutput,
-    answer_text,
-    check_count,
-    check_engine_settings,
-    check_seconds,
-    check_temperature,
-    register_engine,
-)
+from .base import Engine, register_engine, tokenize_extensions
 from .decode_compression import cut_event, decode_cut
 from .scheduler import (
     admits,
@@ -106,8 +100,6 @@ class _Layer0:
     def __init__(self, model_dir: Path, config):
         from safetensors import safe_open
 
-        from ..rope import RopeSpec
-
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(read_text(index))["weight_map"]
@@ -157,8 +149,6 @@ class _Layer0:
 
     def qk(self, token_ids: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer-0 queries `[n, Hq, d]` and keys `[n, H_kv, d]` (fp32, after norms and RoPE)."""
-        from ..rope import apply_rope
-
         f = self.facts
         emb = torch.stack([self._embed[t:t + 1][0] for t in token_ids]).float()  # [n, hidden]
         h = self._rms(emb, self.weights["norm"])
@@ -377,8 +367,6 @@ class LMCacheEngine(Engine):
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from ..models import load_tokenizer
-
             self._tokenizer = load_tokenizer(self.model_source)
         return self._tokenizer
 
@@ -805,8 +793,6 @@ class LMCacheEngine(Engine):
                 vLLM's max_model_len, or one that leaves no KV token to decode into under `kv_budget_tokens`.
                 Nothing is changed when any check fails.
         """
-        from .base import tokenize_extensions
-
         self._require_requests("extend()")
         ext = tokenize_extensions(self.tokenizer, prompts, len(self.requests))
         for r, x in zip(self.requests, ext):
@@ -962,8 +948,6 @@ class LMCacheEngine(Engine):
 
     def _cut_request(self, r: _Request, cut, st: dict, round_no: int) -> None:
         """Retrieve the request's fed entries, cut them to the budget, store the kept KV under a new salt."""
-        from ..edit import validate_drop_output
-
         got = self._edit_input(r.request_id, cut)
         if isinstance(got, str):  # nothing cached to cut (a cache shorter than one LMCache chunk)
             raise RuntimeError(f"request {r.request_id}: {got}")  # noqa: TRY004 (a state error, not a type)

@@ -46,6 +46,7 @@ from .report import (
     write_json,
 )
 from .runner import COLUMNS, TASK_COLUMNS, _open_engine, lengths_eval, split_granularity, task_eval
+from .statistics import has_scores
 from .tasks import GROUPS, MODES, RULER, SUITE_LABELS, SUITES, Defaults, get_task, task_names
 
 ALL = "all"  # --policies: every registered policy; --tasks: every word-level task
@@ -436,8 +437,6 @@ def _interrupted(finished: list[dict], columns, json_path, meta: dict, t0: float
 def ranking_lines(table) -> list[str]:
     """One line per (measure, drop ratio, mode) of a `task_eval` table: its policies in `rank_policies` order (paired
     tests on the same prompts, Holm-corrected; a shared rank: not separated), and the test that decided."""
-    from .statistics import has_scores
-
     if not has_scores(table) or (table["policy"] == FULL).sum() == 0 or (table["drop_ratio"] > 0).sum() == 0:
         return []
     lines = []

@@ -5,7 +5,7 @@ the training streams of `tools/train_*_model.py`; `DEV_SEED` (0) is development 
 the fine-tunes were chosen on it; `eval`'s default); 1-9 unit tests; 1234 the bundled sample; `HELDOUT_SEED`
 (5_000_000) the published tables only (`bench/accuracy.py`'s default; the training script refuses it).
 
-`DropRatios` is a tuple of drop ratios checked once (`tdutils.selection.check_drop_ratio`): an entry point
+`DropRatios` is a tuple of drop ratios checked once (`tdutils.checks.check_drop_ratio`): an entry point
 (`passkey_eval`, `task_eval`, the command line) checks them, and what it passes them on to does not check again.
 `wilson_interval` gives a table cell its 95% interval; `check_output_path` / `check_plot_path` refuse an unwritable
 `--json` or `--plot` before any work.
@@ -19,6 +19,9 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..answers import wilson_interval as _wilson
+from ..checks import check_drop_ratio
+
 TRAIN_SEED_BASE = 10_000_000  # training streams of tools/train_tiny_model.py start here
 DEV_SEED = 0  # development: the training script reports on it, so the fine-tune was chosen on it
 HELDOUT_SEED = 5_000_000  # published accuracy table only; never used by training, selection or tests
@@ -26,7 +29,7 @@ FULL = "full"  # the policy name of the full cache (no modify; one cell at ratio
 
 
 class DropRatios(tuple):
-    """Drop ratios as floats, each checked once with `tdutils.selection.check_drop_ratio`.
+    """Drop ratios as floats, each checked once with `tdutils.checks.check_drop_ratio`.
 
     `DropRatios(values)` checks `values`; a `DropRatios` given again is returned as it is, unchecked, so a ratio
     is validated once per path however many functions it passes through. `option` (e.g. `"--drop-ratios"`) makes
@@ -39,7 +42,6 @@ class DropRatios(tuple):
     def __new__(cls, values: Iterable[float], option: str | None = None):
         if isinstance(values, DropRatios):
             return values
-        from ..selection import check_drop_ratio
 
         try:
             return super().__new__(cls, [check_drop_ratio(r) for r in values])
@@ -81,8 +83,6 @@ def wilson_interval(correct: int, n: int) -> tuple[float, float]:
     Raises:
         ValueError: `n` or `correct` is negative or not a whole number, or `correct > n`.
     """
-    from ..answers import wilson_interval as _wilson
-
     def whole(x):  # 5.0 -> 5; 2.5 stays 2.5 and is refused below, never truncated
         return int(x) if isinstance(x, float) and x.is_integer() else x
 

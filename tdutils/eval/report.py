@@ -17,7 +17,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .common import FULL, check_output_path, check_plot_path, wilson_interval
-from .statistics import ALPHA
+from .statistics import (
+    ALPHA,
+    MEASURES,
+    get_measure,
+    has_scores,
+    paired_bootstrap,
+    pairwise_tests,
+    pooled_scores,
+)
 
 WEAK_FULL_ACCURACY = 0.5  # a task the full cache solves less often than this ranks no policy
 UNPAIRED = ("unpaired 95% Wilson intervals: this run keeps no per-prompt scores, so no paired test; differences "
@@ -106,8 +114,6 @@ def measure_markdown(table, task: str) -> str:
     Raises:
         ValueError: no rows of `task`, or rows without per-prompt scores.
     """
-    from .statistics import MEASURES, has_scores
-
     t = table[table["task"] == task]
     if t.empty or not has_scores(t):
         raise ValueError(f"no rows of {task!r} with per-prompt scores in this table")
@@ -166,8 +172,6 @@ def rank_policies(table, drop_ratio: float | None = None, *, measure: str | None
     """
     import pandas as pd
 
-    from .statistics import MEASURES, get_measure, has_scores
-
     dropped = table[table["policy"] != FULL]
     ratios = sorted(r for r in dropped["drop_ratio"].unique() if r > 0)
     if drop_ratio is None:
@@ -197,8 +201,6 @@ def rank_policies(table, drop_ratio: float | None = None, *, measure: str | None
 def _rank_paired(g, mode: str, measure, alpha: float):
     """`rank_policies` of one mode from per-prompt scores (see there)."""
     import pandas as pd
-
-    from .statistics import paired_bootstrap, pairwise_tests, pooled_scores
 
     pooled, keys = {}, None
     for policy, rows in g.groupby("policy", sort=False):
@@ -346,8 +348,6 @@ def plot_ranking(ranking, path: str | Path | None = None, *, title: str | None =
     """
     import matplotlib.pyplot as plt
 
-    from .statistics import MEASURES
-
     modes = list(dict.fromkeys(ranking["mode"]))
     measure = MEASURES[str(ranking["measure"].iloc[0])]
     scale, unit = (100, " (%)") if measure.name in ("exact", "partial", "agreement") else (1, "")
@@ -381,8 +381,6 @@ def plot_paired_differences(diffs, path: str | Path | None = None, *, title: str
     Returns the matplotlib Figure; saves it to `path` (PNG, SVG, ... by suffix) when given.
     """
     import matplotlib.pyplot as plt
-
-    from .statistics import ALPHA
 
     panels = list(dict.fromkeys(zip(diffs["task"], diffs["mode"])))
     rows = max(len(g) for _, g in diffs.groupby(["task", "mode"]))

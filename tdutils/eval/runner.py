@@ -20,7 +20,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
+from ..compression import kl_per_step
 from ..data import RULER_TASKS
+from ..edit import make_drop_fn
+from ..engines.base import Engine
+from ..engines.hf import HFEngine
 from ..models import RULER_MODEL_NAME, TINY_MODEL_NAME, resolve_model
 from .common import DEV_SEED, FULL, TRAIN_SEED_BASE, DropRatios, check_seed, wilson_interval
 from .tasks import MODES, PASSKEY, PASSKEY_DEFAULTS, RULER_DEFAULTS, WORD_DEFAULTS, Task, get_task, task_names
@@ -482,7 +486,6 @@ def _open_engine(engine, model, seed: int, *, device=None, dtype="auto"):
                          f"evaluate with a seed below it")
     if engine is not None:
         return engine
-    from ..engines.hf import HFEngine
 
     return HFEngine(model, device=device, dtype=dtype, kv_budget_tokens=None, prefill_batch_size=8,
                     query_window=0, progress=False)
@@ -500,8 +503,6 @@ def build_cells(engine, policies: Sequence[str], ratios: Sequence[float], params
     before any work so that a bad name or parameter fails fast; widens the engine's query capture to what the
     policies read (none, a window, or all queries for H2O). A policy given as `name/layer` or `name/head` is a
     cell of that granularity (`split_granularity`), with the parameters of `name`."""
-    from ..edit import make_drop_fn
-
     cells: list[tuple[str, float, object]] = []
     for policy in policies:
         if policy == FULL:
@@ -680,8 +681,6 @@ def continuation_measures(full_logits, logits, continuation: Sequence[int]) -> d
     """
     import torch
 
-    from ..compression import kl_per_step
-
     if full_logits.shape != logits.shape or logits.shape[0] != len(continuation):
         raise ValueError(f"logits {tuple(full_logits.shape)} and {tuple(logits.shape)} must both be [m, vocab] with "
                          f"m = {len(continuation)} continuation tokens")
@@ -704,8 +703,6 @@ def _logit_matrix(output):
 
 def _snapshot_capable(engine) -> bool:
     """Whether `engine` is an `Engine` (`snapshot` / `restore`, `extend`): what `run_cells_shared` needs."""
-    from ..engines.base import Engine
-
     return isinstance(engine, Engine) and callable(getattr(engine, "extend", None))
 
 
@@ -713,8 +710,6 @@ def _snapshot(engine):
     """The engine's prefilled state (`Engine.snapshot`), so every policy starts from the same caches: prefilling
     once per chunk instead of once per cell saves most of the benchmark's time. An object that is not an
     `Engine` gives None and is prefilled again."""
-    from ..engines.base import Engine
-
     return engine.snapshot() if isinstance(engine, Engine) else None
 
 

@@ -22,6 +22,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .common import FULL
+
 ALPHA = 0.05  # the family-wise error rate of a ranking (Holm-corrected across the pairs of one mode)
 CONFIDENCE = 0.95
 N_RESAMPLES = 9999
@@ -216,8 +218,6 @@ def paired_differences(table, measure: str | None = None, *, reference: str | No
             reference row for a cell's task, mode and length.
     """
     import pandas as pd
-
-    from .common import FULL
 
     reference = reference or FULL
     if not has_scores(table):

@@ -29,6 +29,7 @@ from ..answers import CHOICES, ScoreReport
 from ..data import MC_SAMPLE_NAME, SAMPLE_NAME, TASK_MODES, PromptRow, load_prompts
 from ..models import RULER_MODEL_NAME, TINY_MODEL_NAME, load_tokenizer
 from .common import FULL
+from .statistics import get_measure
 
 PASSKEY, WORD, RULER, TEXT, SAMPLES = "passkey", "word", "ruler", "text", "samples"
 SUITES = (WORD, RULER, TEXT, SAMPLES, PASSKEY)  # the order tasks are listed in
@@ -151,7 +152,6 @@ def register_task(task: Task) -> Task:
         raise ValueError(f"task {task.name!r} is already registered")
     if task.defaults.layout not in LAYOUTS:
         raise ValueError(f"task {task.name!r}: layout must be one of {LAYOUTS}, got {task.defaults.layout!r}")
-    from .statistics import get_measure
 
     get_measure(task.measure)
     if task.score is None and not task.teacher_forced:

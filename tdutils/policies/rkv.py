@@ -24,6 +24,8 @@ from typing import Literal, get_args
 import torch
 
 from ..attention import AttentionSpec, LayerAttention, masked_logits
+from ..kvcache import apply_keep, get_kv, get_query
+from ..models import model_facts
 from ..profiling import kept_agreement, peak_memory, timed
 from ..selection import (
     GRANULARITIES,
@@ -608,9 +610,6 @@ def compare_redundancy_methods(tensors, tokens, *, drop_ratio: float, model_conf
         the scoring step, see `peak_memory`), `kept`, `agreement_with_exact`, `same_as_exact`.
     """
     import pandas as pd
-
-    from ..kvcache import apply_keep, get_kv, get_query
-    from ..models import model_facts
 
     method_tiles = method_tiles or {}
     kv, q = get_kv(tensors), get_query(tensors)
