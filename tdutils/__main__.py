@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import sys
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from .cli_args import (
     report_error,
 )
 from .data import MC_SAMPLE_NAME, SAMPLE_NAME
-from .engines import engine_kinds
+from .engines import engine_class, engine_kinds
 from .eval.common import check_output_path
 from .eval.tasks import SAMPLES, dataset_task, get_task, load_rows, score_rows, task_names
 from .models import check_context_lengths, context_window, resolve_model
@@ -292,8 +293,10 @@ def open_run_engine(args, plan: RunPlan):
         from transformers.utils import logging as hf_logging  # transformers: seconds to import, only here
 
         hf_logging.disable_progress_bar()
-    servers = {} if args.engine == "hf" else {
-        "vllm_url": args.vllm_url, "lmcache_url": args.lmcache_url, "lmcache_http_url": args.lmcache_http_url}
+    # the server addresses go to the engines that take them (lmcache), not to in-process ones (hf, a user's own)
+    takes = inspect.signature(engine_class(args.engine)).parameters
+    servers = {k: v for k, v in (("vllm_url", args.vllm_url), ("lmcache_url", args.lmcache_url),
+                                 ("lmcache_http_url", args.lmcache_http_url)) if k in takes}
     engine = open_engine(args.engine, model=args.model, dtype=args.dtype, device=args.device,
                          positions=args.positions, progress=not args.no_progress,
                          query_window=plan.policy.rows(plan.settings), chat_template=args.chat_template, **servers)

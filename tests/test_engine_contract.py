@@ -141,3 +141,22 @@ def test_the_clis_engine_choices_come_from_the_registry():
     p = subprocess.run([sys.executable, "-m", "tdutils", "run", "--engine", "nope"], capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 2 and "'hf', 'lmcache'" in p.stderr, p.stderr
+
+
+def test_run_opens_a_users_in_process_engine_without_the_server_settings(capsys):
+    """An engine registered by a user (here the hf engine under another kind) runs under `run --engine KIND`: the
+    vLLM / LMCache addresses go only to engines whose constructor takes them (it raised TypeError before)."""
+    from tdutils.__main__ import main
+
+    class OtherHF(HFEngine):
+        pass
+
+    register_engine("hf-other-test")(OtherHF)
+    try:
+        code = main(["run", "--engine", "hf-other-test", "--policy", "streaming_llm", "--num-requests", "2",
+                     "--max-tokens", "4", "--repeats", "1", "--no-progress", "--json", "none"])
+    finally:
+        _ENGINES.pop("hf-other-test")
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "accuracy streaming_llm@0.5" in out, out

@@ -30,6 +30,19 @@ def engine_kinds() -> list[str]:
     return sorted(_ENGINES, key=lambda k: (k != "hf", k))
 
 
+def engine_class(kind: str) -> type[Engine]:
+    """The `Engine` subclass registered as `kind` (its constructor says which settings it takes).
+
+    Raises:
+        ValueError: unknown kind (the message lists the known ones).
+    """
+    if kind not in _ENGINES:
+        _discover()
+    if kind not in _ENGINES:
+        raise ValueError(f"unknown engine kind {kind!r}; choose one of {engine_kinds()}")
+    return _ENGINES[kind]
+
+
 def open_engine(kind: str = "hf", **settings) -> Engine:
     """Open an engine by kind: `open_engine("hf", model="tiny-qwen3", kv_budget_tokens=4096)`.
 
@@ -45,12 +58,8 @@ def open_engine(kind: str = "hf", **settings) -> Engine:
         ConnectionError: `"lmcache"` with a server down (the message has the command that starts it).
         ImportError: `"lmcache"` without the lmcache package installed.
     """
-    if kind not in _ENGINES:
-        _discover()
-    if kind not in _ENGINES:
-        raise ValueError(f"unknown engine kind {kind!r}; choose one of {engine_kinds()}")
-    return _ENGINES[kind](**settings)
+    return engine_class(kind)(**settings)
 
 
-__all__ = ["Engine", "ModifyReport", "RequestOutput", "RunResult", "compare", "default_kv_budget", "engine_kinds",
-           "open_engine", "register_engine", "run_once"]
+__all__ = ["Engine", "ModifyReport", "RequestOutput", "RunResult", "compare", "default_kv_budget", "engine_class",
+           "engine_kinds", "open_engine", "register_engine", "run_once"]
