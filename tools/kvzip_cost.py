@@ -33,7 +33,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model, tok = load_model("smollm2-135m", device="cpu", dtype="float32", progress=False)
     cfg = model.config
-    ids = tok(Path("README.md").read_text() * 4)["input_ids"][:T]
+    ids = tok(Path("README.md").read_text(encoding="utf-8") * 4)["input_ids"][:T]
     rep = tok.encode("\n\nRepeat the previous context exactly.\n", add_special_tokens=False) + ids
     L, hq, h = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
     d, g = cfg.hidden_size // hq, hq // h
