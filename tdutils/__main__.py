@@ -17,8 +17,9 @@ import argparse
 import importlib
 import inspect
 import json
+import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import (
     make_drop_fn,
@@ -34,6 +35,7 @@ from .cli_args import (
     check_device_output,
     drop_ratio,
     interrupt_as_exception,
+    positive_float,
     positive_int,
     report_error,
 )
@@ -44,7 +46,7 @@ from .eval.tasks import SAMPLES, dataset_task, get_task, load_rows, score_rows, 
 from .models import check_context_lengths, context_window, resolve_model
 from .policies import get_policy, policy_names
 from .policies.cli import policy_arguments, policy_params
-from .runs import Interrupted, compare, default_kv_budget
+from .runs import DEFAULT_FULL_REQUESTS, Interrupted, compare, default_kv_budget
 
 # Subcommands defined in other modules: name -> (module, help). Each module provides
 # `add_arguments(parser)` and `run(args) -> int` (exit status).
@@ -136,10 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--num-requests", type=positive_int, default=16, help="prompts to run (default: 16)")
     run.add_argument("--max-tokens", type=positive_int, default=64,
                      help="decode tokens per request, EOS ignored (default: 64)")
-    run.add_argument("--kv-budget-tokens", type=positive_int, default=None,
-                     help="KV tokens the decode batch may hold (cache lengths + tokens still to generate); "
-                          "default: 4.25 undropped requests, ceil(4.25 x (longest prompt + max tokens)): the baseline decodes 4 at "
-                          "a time, 8 requests at drop ratio 0.5 fit")
+    budget = run.add_mutually_exclusive_group()
+    budget.add_argument("--kv-budget-tokens", type=positive_int, default=None,
+                        help="KV tokens the decode batch may hold (cache lengths + tokens still to generate); "
+                             "default: 4.25 undropped requests, ceil(4.25 x (longest prompt + max tokens)): the baseline "
+                             "decodes 4 at a time, 8 requests at drop ratio 0.5 fit")
+    budget.add_argument("--kv-budget-gb", type=positive_float, default=None,
+                        help="the KV budget in GiB (2**30 bytes) instead of --kv-budget-tokens (not both): converted "
+                             "to tokens at the cache's bytes per token, 2 x layers x KV heads x head_dim x the dtype's "
+                             "element size, so a bfloat16 cache fits twice the tokens of a float32 one (hf engine)")
     run.add_argument("--positions", choices=("compact", "original"), default="compact",
                      help="compact: re-rotate kept keys to 0..k-1 and decode at k (default, as vLLM+LMCache); "
                           "original: keep rotations and decode at T")
@@ -208,6 +215,7 @@ class RunPlan:
         task: the task whose scorer scores the rows (`tdutils.eval.tasks.dataset_task`); None: no accuracy.
         scored: the rows with a gold answer (none for a random-weight model: its outputs mean nothing).
         random_weights: the model is `random:ARCH` (throughput only).
+        kv_budget: the KV budget the runs decode under (`kv_budget_meta`), set when the engine opens.
     """
 
     policy: object
@@ -220,6 +228,7 @@ class RunPlan:
     task: object
     scored: list
     random_weights: bool
+    kv_budget: dict = field(default_factory=dict)
 
 
 def plan_run(args) -> RunPlan:
@@ -295,6 +304,9 @@ def open_run_engine(args, plan: RunPlan):
         hf_logging.disable_progress_bar()
     # the server addresses go to the engines that take them (lmcache), not to in-process ones (hf, a user's own)
     takes = inspect.signature(engine_class(args.engine)).parameters
+    if args.kv_budget_gb is not None and "kv_budget_bytes" not in takes:
+        raise UsageError(f"--kv-budget-gb: the {args.engine} engine takes its KV budget in tokens only (it does not "
+                         f"choose its cache's dtype: on lmcache vLLM does, vllm serve --dtype); give --kv-budget-tokens")
     servers = {k: v for k, v in (("vllm_url", args.vllm_url), ("lmcache_url", args.lmcache_url),
                                  ("lmcache_http_url", args.lmcache_http_url)) if k in takes}
     engine = open_engine(args.engine, model=args.model, dtype=args.dtype, device=args.device,
@@ -304,12 +316,9 @@ def open_run_engine(args, plan: RunPlan):
     if not plan.generated:
         print(f"dataset {args.dataset}: {len(plan.rows)} prompts, chat template "
               f"{'applied' if uses_chat_template(engine.tokenizer, args.chat_template) else 'not applied'}", flush=True)
-    engine.kv_budget_tokens = args.kv_budget_tokens or default_kv_budget(map(len, prompt_ids), args.max_tokens)
+    plan.kv_budget = set_kv_budget(args, engine, prompt_ids)
     longest, shortest = max(map(len, prompt_ids)), min(map(len, prompt_ids))
     need = longest + args.max_tokens
-    if engine.kv_budget_tokens < need:  # the baseline cannot drop: say so before any work
-        raise UsageError(f"--kv-budget-tokens {engine.kv_budget_tokens} cannot hold one undropped request of the "
-                         f"baseline ({need} tokens = longest prompt + --max-tokens); give at least {need}")
     max_pos = getattr(engine.config, "max_position_embeddings", None)
     if max_pos and need > max_pos:  # the baseline decodes at T..T+m-1
         raise UsageError(f"the longest prompt ({longest} tokens) plus --max-tokens {args.max_tokens} "
@@ -318,6 +327,59 @@ def open_run_engine(args, plan: RunPlan):
         raise UsageError(f"--window {plan.window} is not shorter than the shortest prompt ({shortest} tokens); "
                          f"the {args.policy} window is always kept, so nothing would be dropped: give a smaller --window")
     return engine, prompt_ids
+
+
+GIB = 2 ** 30  # --kv-budget-gb's unit
+
+
+def set_kv_budget(args, engine, prompt_ids) -> dict:
+    """Set `engine`'s KV budget from `--kv-budget-gb` (bytes), `--kv-budget-tokens` or the default
+    (`default_kv_budget`), and return `kv_budget_meta(engine, applies)`.
+
+    Raises:
+        UsageError: a budget that cannot hold one undropped request of the baseline (longest prompt +
+            `--max-tokens` tokens); the message gives the least budget that does, in the option's unit.
+    """
+    need = max(map(len, prompt_ids)) + args.max_tokens
+    if args.kv_budget_gb is not None:
+        nbytes, per = round(args.kv_budget_gb * GIB), engine.facts.kv_bytes_per_token
+        if nbytes < need * per:  # also refuses a budget below one token
+            least = math.ceil(need * per / GIB * 1e6) / 1e6
+            raise UsageError(f"--kv-budget-gb {args.kv_budget_gb:g} (= {nbytes // per:,} tokens at "
+                             f"{_dtype_name(engine.facts.kv_dtype)}, {per:,} B per token) cannot hold one undropped "
+                             f"request of the baseline ({need:,} tokens = longest prompt + --max-tokens); give at "
+                             f"least {least:g}")
+        engine.kv_budget_bytes = nbytes
+        return kv_budget_meta(engine, "--kv-budget-gb")
+    engine.kv_budget_tokens = args.kv_budget_tokens or default_kv_budget(map(len, prompt_ids), args.max_tokens)
+    if engine.kv_budget_tokens < need:  # the baseline cannot drop: say so before any work
+        raise UsageError(f"--kv-budget-tokens {engine.kv_budget_tokens} cannot hold one undropped request of the "
+                         f"baseline ({need} tokens = longest prompt + --max-tokens); give at least {need}")
+    return kv_budget_meta(engine, "--kv-budget-tokens" if args.kv_budget_tokens else "default")
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def kv_budget_meta(engine, applies: str) -> dict:
+    """What `run` records about its KV budget: `applies` (the option that set it, or `"default"`), `tokens`
+    (the budget admission enforces), and where the engine knows its cache's dtype (`kv_budget_bytes`: the hf
+    engine) `bytes`, `gib`, `bytes_per_token` and `dtype`; `note` says it in one line, e.g. `KV budget 0.5 GiB
+    (--kv-budget-gb) = 23,456 tokens at bfloat16 (22,880 B per token)`."""
+    tokens = engine.kv_budget_tokens
+    nbytes = getattr(engine, "kv_budget_bytes", None)
+    meta = {"applies": applies, "tokens": tokens}
+    origin = {"default": f"default: {DEFAULT_FULL_REQUESTS:g} undropped requests"}.get(applies, applies)
+    if nbytes is None:  # the engine does not know its cache's bytes (lmcache: vLLM's dtype)
+        return {**meta, "note": f"KV budget {tokens:,} tokens ({origin})"}
+    per, dtype = engine.facts.kv_bytes_per_token, _dtype_name(engine.facts.kv_dtype)
+    meta.update(bytes=nbytes, gib=nbytes / GIB, bytes_per_token=per, dtype=dtype)
+    if applies == "--kv-budget-gb":
+        note = f"KV budget {nbytes / GIB:g} GiB ({origin}) = {tokens:,} tokens at {dtype} ({per:,} B per token)"
+    else:
+        note = f"KV budget {tokens:,} tokens ({origin}) = {nbytes / GIB:.4g} GiB at {dtype} ({per:,} B per token)"
+    return {**meta, "note": note}
 
 
 def cmd_run(args) -> int:
@@ -333,6 +395,7 @@ def cmd_run(args) -> int:
     print(f"engine={args.engine} model={args.model} dataset={args.dataset} requests={len(plan.rows)} "
           f"prompt tokens={sum(map(len, prompt_ids))} max_tokens={args.max_tokens} "
           f"kv_budget_tokens={engine.kv_budget_tokens} positions={args.positions}", flush=True)
+    print(plan.kv_budget["note"], flush=True)
     progress = (lambda line: print(line, flush=True)) if args.repeats > 1 else None
     try:
         results, table = compare(engine, prompt_ids, {plan.name: drop_fn}, max_tokens=args.max_tokens,
@@ -361,7 +424,7 @@ def report_run(args, plan: RunPlan, out, results, table) -> int:
     for line in speed_notes:
         print(f"note: {line}")
     accuracy, notes = _accuracy(args, plan, results)
-    report = {"args": _args_dict(args), "interrupted": False,
+    report = {"args": _args_dict(args), "interrupted": False, "kv_budget": plan.kv_budget,
               "decode_speedups": metrics.repeat_ratios(results["baseline"], results[name]),
               "decode_speedup_median": float(table.loc[name, "decode_speedup"]), "accuracy": accuracy,
               "notes": [*notes, *speed_notes],  # the JSON keeps every note the run printed
@@ -378,7 +441,7 @@ def _write_interrupted(args, plan: RunPlan, out, stop: Interrupted) -> int:
     if not stop.runs:
         print("python -m tdutils run: interrupted before any run finished; nothing was written", file=sys.stderr)
         return INTERRUPTED
-    report = {"args": _args_dict(args), "interrupted": True, "accuracy": accuracy, "notes": notes,
+    report = {"args": _args_dict(args), "interrupted": True, "kv_budget": plan.kv_budget, "accuracy": accuracy, "notes": notes,
               "runs": [m.to_dict() for m in stop.runs]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")

@@ -553,6 +553,13 @@ class ModelFacts:
 
     @property
     def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token takes: 2 (K and V) x `num_layers` x `kv_dim` x `kv_dtype`'s element size.
+
+        What the hf engine's slot store (`tdutils.engines.kvstore`) holds per token column: every layer keeps every
+        token (sliding-window layers too: their window is applied by the masks), a layer with unequal per-head
+        counts at its padded width, and the engine refuses models whose layers differ in KV heads or head_dim.
+        For another dtype: `dataclasses.replace(facts, kv_dtype=torch.bfloat16).kv_bytes_per_token`.
+        """
         return 2 * self.num_layers * self.kv_dim * torch.empty((), dtype=self.kv_dtype).element_size()
 
     @property

@@ -112,6 +112,12 @@ class HFEngine(Engine):
             arithmetic off bf16 `model.generate`'s too (docs/models.md, "Half precision"); compare policies in fp32.
         kv_budget_tokens: KV tokens the running decode batch may hold (cache lengths plus tokens still
             to generate); None = unlimited (every request decodes in one batch).
+        kv_budget_bytes: the same budget in bytes of KV cache instead (give one of the two): converted once to
+            `kv_budget_tokens = kv_budget_bytes // facts.kv_bytes_per_token` (2 x layers x KV heads x head_dim x
+            the cache dtype's element size: what the slot store holds per token, so a bfloat16 cache fits twice
+            the tokens of a float32 one). Both attributes stay readable: `kv_budget_tokens` is the budget
+            admission enforces, `kv_budget_bytes` the bytes given (or, for a budget given in tokens, tokens x
+            bytes per token); setting either later replaces the other.
         max_batch_size: optional cap on the running batch.
         prefill_batch_size: prompts prefilled together (left-padded).
         positions: `"compact"` or `"original"` (docs/design.md §3).
@@ -143,7 +149,7 @@ class HFEngine(Engine):
 
     def __init__(self, model="tiny-qwen3", *, tokenizer=None, dtype="auto", device=None,
                  attn_implementation: str | None = None, kv_budget_tokens: int | None = None,
-                 max_batch_size: int | None = None, prefill_batch_size: int = 4, positions: str = "compact",
+                 kv_budget_bytes: int | None = None, max_batch_size: int | None = None, prefill_batch_size: int = 4, positions: str = "compact",
                  query_window: int | None = 64, chat_template: str = "none", progress: bool = True,
                  packed_linears: bool | None = None):
         if positions not in POSITIONS:
@@ -151,6 +157,10 @@ class HFEngine(Engine):
         if packed_linears is not None and not isinstance(packed_linears, bool):  # before the model loads
             raise TypeError(f"packed_linears must be None, True or False, got {packed_linears!r}")
         check_engine_settings(kv_budget_tokens, max_batch_size, query_window)
+        check_count(kv_budget_bytes, "kv_budget_bytes", 1, none="unlimited")
+        if kv_budget_tokens is not None and kv_budget_bytes is not None:
+            raise ValueError(f"give kv_budget_tokens or kv_budget_bytes, not both (got {kv_budget_tokens} tokens and "
+                             f"{kv_budget_bytes} bytes)")
         check_count(prefill_batch_size, "prefill_batch_size", 1)
         if isinstance(model, str):
             self.model_name = model
@@ -179,6 +189,8 @@ class HFEngine(Engine):
         # per mask key (a layer type, or None when one mask serves every layer): its sliding window
         self._mask_windows = _mask_windows(self.model.config, windows) if any(windows) else None
         self.kv_budget_tokens = kv_budget_tokens
+        if kv_budget_bytes is not None:
+            self.kv_budget_bytes = kv_budget_bytes
         self.max_batch_size = max_batch_size
         self.prefill_batch_size = prefill_batch_size
         self.positions = positions
@@ -199,6 +211,44 @@ class HFEngine(Engine):
     @property
     def config(self):
         return self.model.config
+
+    @property
+    def kv_budget_tokens(self) -> int | None:
+        """The KV budget admission enforces, in tokens (None: unlimited): as set, or `kv_budget_bytes // bytes
+        per token` when the budget was given in bytes. Setting it gives the budget in tokens."""
+        return self._kv_budget_tokens
+
+    @kv_budget_tokens.setter
+    def kv_budget_tokens(self, value) -> None:
+        self._kv_budget_tokens = check_count(value, "kv_budget_tokens", 1, none="unlimited")
+        self._kv_budget_bytes = None
+
+    @property
+    def kv_budget_bytes(self) -> int | None:
+        """The KV budget in bytes (None: unlimited): as set, or `kv_budget_tokens x facts.kv_bytes_per_token` when
+        the budget was given in tokens. Setting it converts it once to `kv_budget_tokens` (rounded down).
+
+        Raises (on setting):
+            TypeError: not an integer; ValueError: below one token's bytes (`facts.kv_bytes_per_token`).
+        """
+        if self._kv_budget_bytes is not None or self._kv_budget_tokens is None:
+            return self._kv_budget_bytes
+        return self._kv_budget_tokens * self.facts.kv_bytes_per_token
+
+    @kv_budget_bytes.setter
+    def kv_budget_bytes(self, value) -> None:
+        value = check_count(value, "kv_budget_bytes", 1, none="unlimited")
+        per = self.facts.kv_bytes_per_token
+        if value is not None and value < per:
+            raise ValueError(f"kv_budget_bytes {value} holds no KV token of this model ({per} bytes per token at "
+                             f"{str(self.facts.kv_dtype).removeprefix('torch.')}); give at least {per}")
+        self._kv_budget_tokens = None if value is None else value // per
+        self._kv_budget_bytes = value
+
+    @property
+    def kv_budget_in_bytes(self) -> bool:
+        """Whether the budget was given in bytes (`kv_budget_bytes`) rather than in tokens."""
+        return self._kv_budget_bytes is not None
 
     def refresh(self) -> None:
         """Pack the model's linear weights again from their current values (`packed_linears`; nothing to do

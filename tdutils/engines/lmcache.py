@@ -260,6 +260,18 @@ class LMCacheEngine(Engine):
         self.metrics = RunMetrics("run")
         self.run_id = None
 
+    @property
+    def kv_budget_bytes(self) -> None:
+        """Always None: the budget is in tokens here (`kv_budget_tokens`). vLLM chooses the cache's dtype
+        (`vllm serve --dtype`), so a budget in bytes has no token count this engine knows; setting one raises
+        ValueError."""
+        return None
+
+    @kv_budget_bytes.setter
+    def kv_budget_bytes(self, value) -> None:
+        raise ValueError("the lmcache engine takes its KV budget in tokens only (kv_budget_tokens): vLLM chooses its "
+                         "cache's dtype (vllm serve --dtype), so a budget in bytes cannot be converted here")
+
     def _connect_servers(self, model: str | None) -> dict:
         """Both servers up, the model served and registered (clear errors before anything heavy): sets
         `model_name`, `max_model_len`, `model_source`, `chunk_size`, `lmcache_model_name`; returns LMCache's
