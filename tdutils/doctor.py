@@ -16,7 +16,7 @@ import os
 import sys
 
 from .cli_args import OneLineParser, UsageError, report_error
-from .policies import policy_names
+from .policies import get_policy, policy_names
 from .serving.completion import CompletionError, make_post_completion
 from .serving.kvlayout import FUSED_FORMATS
 from .serving.patches import (
@@ -226,7 +226,12 @@ def _query_free() -> list[str]:
 
 
 def _query_aware() -> list[str]:
-    return [n for n in policy_names() if n not in _query_free()]
+    return [n for n in policy_names() if n not in _query_free() and not get_policy(n).per_head_only]
+
+
+def _per_head_only() -> list[str]:
+    """Policies that select per KV head whatever is asked (AdaKV, PyramidKV): no serving setup runs them."""
+    return [n for n in policy_names() if get_policy(n).per_head_only]
 
 
 def _policies(rep: Report, no_queries: bool) -> None:
@@ -242,6 +247,9 @@ def _policies(rep: Report, no_queries: bool) -> None:
         rep.add(WARN, f"policies that need query tensors may not run: {', '.join(aware)} ({rep.query_issue})")
     else:
         rep.add(OK, f"policies that need query tensors can run: {', '.join(aware)}")
+    if _per_head_only():  # LMCache stores one token list per request: one kept set per request only
+        rep.add(WARN, f"per-KV-head policies need the hf engine (LMCache stores one token list per request): "
+                      f"{', '.join(_per_head_only())}")
 
 
 def _layout_readable(rep: Report, entry: dict, model: str) -> None:

@@ -8,11 +8,13 @@ import time
 from standins import chunk, closed_port_url, models_route, serve, usage_chunk
 
 from tdutils.__main__ import build_parser
-from tdutils.policies import policy_names
+from tdutils.policies import get_policy, policy_names
 
 MODEL = "Qwen/Qwen3-0.6B"
 QUERY_FREE = ", ".join(policy_names("kv"))  # what doctor lists, in registration order
-WITH_QUERIES = ", ".join(n for n in policy_names() if n not in policy_names("kv"))
+WITH_QUERIES = ", ".join(n for n in policy_names()
+                         if n not in policy_names("kv") and not get_policy(n).per_head_only)
+PER_HEAD_ONLY = ", ".join(n for n in policy_names() if get_policy(n).per_head_only)  # AdaKV, PyramidKV
 
 
 def _doctor(*argv):
@@ -78,6 +80,8 @@ def test_a_working_setup_passes(tmp_path):
     ok_line = f"[  ok] query-free policies can run (no query patch, no transfer_query): {QUERY_FREE}"
     assert ok_line in out.splitlines(), out
     assert f"[  ok] policies that need query tensors can run: {WITH_QUERIES}" in out.splitlines(), out
+    assert (f"[warn] per-KV-head policies need the hf engine (LMCache stores one token list per request): "
+            f"{PER_HEAD_ONLY}") in out.splitlines(), out
     body = next(b for m, p, b in log if p == "/v1/completions")
     assert body["prompt"] == [9707] and body["return_tokens_as_token_ids"] is True
 

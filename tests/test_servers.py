@@ -33,6 +33,7 @@ import pytest
 import servertier
 from servertier import Servers, ensure_venv, group_alive, group_rss_mb, venv_info, venv_python
 
+from tdutils.policies import get_policy, policy_names
 from tdutils.serving.completion import CompletionHTTPError, make_post_completion
 from tdutils.serving.servers import shm_files
 
@@ -215,7 +216,9 @@ def test_doctor_says_vllm_0_32_and_lmcache_are_patched(servers):
     assert (f"[  ok] LMCache 0.5.6 at {site / 'lmcache'} is patched to read fused K/V layouts "
             f"(lmcache-sdk-fused-kv-layout.diff)") in lines, out
     assert f"[  ok] LMCache has a query ring registered for '{MODEL}'" in lines, out
-    assert "[  ok] policies that need query tensors can run: snapkv, rkv, h2o, tova" in lines, out
+    aware = [n for n in policy_names() if n not in policy_names("kv") and not get_policy(n).per_head_only]
+    assert aware[:4] == ["snapkv", "rkv", "h2o", "tova"]
+    assert f"[  ok] policies that need query tensors can run: {', '.join(aware)}" in lines, out
     assert rc == 0, out
 
 
