@@ -67,13 +67,13 @@ def dtype_fidelity(model: str = "smollm2-135m", *, dtype: str = "bfloat16", refe
     """
     runs = {}
     for d in (reference, dtype):
-        engine = open_engine("hf", model=model, dtype=d, progress=False, prefill_batch_size=batch_size,
-                             query_window=None if any(p == "h2o" for p, _ in cells) else 64)
+        engine = open_engine("hf", model=model, dtype=d, progress=False, prefill_batch_size=batch_size, query_window=0)
         tok = engine.tokenizer
         windows = make_fidelity_dataset(texts, context_tokens, tok, seed, continuation=continuation) if texts else []
         rows = load_rows(task, num_requests=n, tokenizer=tok, context_tokens=context_tokens, seed=seed) if n else []
         fns = {c: None if c[0] == FULL else make_drop_fn(c[0], drop_ratio=c[1], model_config=engine.facts)
                for c in cells}
+        engine.capture_for(*fns.values())  # the queries the cells' policies read, and no more
         ref = runs.get(reference)
         runs[d] = {"text": _forced_text(engine, windows, fns, batch_size),
                    "answers": _answers(engine, rows, fns, batch_size, get_task(task).max_tokens(rows, tok) if n else 0,
