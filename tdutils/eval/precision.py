@@ -65,7 +65,7 @@ def dtype_fidelity(model: str = "smollm2-135m", *, dtype: str = "bfloat16", refe
         ValueError: an unknown dtype, model, task or policy (from the engine, `load_rows`, `make_drop_fn`), or a
             teacher-forced `task`.
     """
-    runs = {}
+    runs = []  # the reference's, then the dtype's: two engines even when the dtypes are equal
     for d in (reference, dtype):
         engine = open_engine("hf", model=model, dtype=d, progress=False, prefill_batch_size=batch_size, query_window=0)
         tok = engine.tokenizer
@@ -74,19 +74,20 @@ def dtype_fidelity(model: str = "smollm2-135m", *, dtype: str = "bfloat16", refe
         fns = {c: None if c[0] == FULL else make_drop_fn(c[0], drop_ratio=c[1], model_config=engine.facts)
                for c in cells}
         engine.capture_for(*fns.values())  # the queries the cells' policies read, and no more
-        ref = runs.get(reference)
-        runs[d] = {"text": _forced_text(engine, windows, fns, batch_size),
-                   "answers": _answers(engine, rows, fns, batch_size, get_task(task).max_tokens(rows, tok) if n else 0,
-                                       None if ref is None or d == reference else ref["answers"])}
+        answer_tokens = get_task(task).max_tokens(rows, tok) if n else 0
+        runs.append({"text": _forced_text(engine, windows, fns, batch_size),
+                     "answers": _answers(engine, rows, fns, batch_size, answer_tokens,
+                                         runs[0]["answers"] if runs else None)})
         del engine
+    ref, run = runs
     out = {"model": model, "dtype": dtype, "reference": reference, "context_tokens": context_tokens, "text": {},
-           "answers": {}, "decode_step_s": {d: runs[d]["text"]["step_s"] for d in runs}}
+           "answers": {}, "decode_step_s": {reference: ref["text"]["step_s"], dtype: run["text"]["step_s"]}}
     for cell in cells:
         key = f"{cell[0]}@{cell[1]:g}"
         if texts:
-            out["text"][key] = _agreement(runs[reference]["text"][cell], runs[dtype]["text"][cell])
+            out["text"][key] = _agreement(ref["text"][cell], run["text"][cell])
         if n:
-            out["answers"][key] = _answer_measures(rows, task, runs[reference]["answers"][cell], runs[dtype]["answers"][cell])
+            out["answers"][key] = _answer_measures(rows, task, ref["answers"][cell], run["answers"][cell])
     return out
 
 
