@@ -54,6 +54,9 @@ from .scheduler import (
 )
 
 POSITIONS = ("compact", "original")
+BF16_EMULATED = ("dtype=bfloat16 on a CPU without AVX512-BF16 or AMX: torch emulates bfloat16 (converts to float32 op by "
+                 "op), so it runs slower than float32 with bfloat16's rounding; open the engine with dtype='float32'")
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # /proc/cpuinfo: x86 AVX512-BF16, x86 AMX, Arm's BF16 extension
 
 
 @dataclass
@@ -110,6 +113,8 @@ class HFEngine(Engine):
             `dtype="bfloat16"` / `"float16"` are for speed and memory, not for fidelity: rounding moves greedy
             decoding off fp32's tokens within a few tokens on small models, and the engine's batched bf16
             arithmetic off bf16 `model.generate`'s too (docs/models.md, "Half precision"); compare policies in fp32.
+            bfloat16 on a CPU without AVX512-BF16 or AMX (`cpu_has_native_bf16`) is emulated by torch, slower than
+            fp32: opening warns in one line (`BF16_EMULATED`).
         kv_budget_tokens: KV tokens the running decode batch may hold (cache lengths plus tokens still
             to generate); None = unlimited (every request decodes in one batch).
         kv_budget_bytes: the same budget in bytes of KV cache instead (give one of the two): converted once to
@@ -176,6 +181,8 @@ class HFEngine(Engine):
             self.model_name = getattr(model, "name_or_path", type(model).__name__)
             self.model, self.tokenizer = model.eval(), tokenizer
         self.device = next(self.model.parameters()).device
+        if self.model.dtype == torch.bfloat16 and self.device.type == "cpu" and not cpu_has_native_bf16():
+            warnings.warn(BF16_EMULATED, stacklevel=2)
         self.query_window = query_window
         # transformers renamed `past_key_values` to `cache` during 5.x; support both spellings.
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
@@ -1035,6 +1042,22 @@ def _chunk_last_position(bounds: list[tuple[int, int]], budget: int | None) -> i
         if budget is not None and held > budget:
             held = budget
     return last
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 in hardware: x86 AVX512-BF16 or AMX (torch's own probes,
+    `torch.cpu._is_avx512_bf16_supported` / `_is_amx_tile_supported`), or a `/proc/cpuinfo` flag of
+    `BF16_CPU_FLAGS` (Arm's BF16 extension too). Elsewhere torch emulates bfloat16 (the engine warns at open,
+    `BF16_EMULATED`)."""
+    probes = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+    if any(p is not None and p() for p in probes):
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            words = set(f.read().split())
+    except OSError:  # not Linux: only torch's probes
+        return False
+    return any(flag in words for flag in BF16_CPU_FLAGS)
 
 
 def _check_loaded_model_settings(model, dtype, device, attn_implementation) -> None:
