@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
-PAGES = ("docs/results.md", "docs/real_models.md", "docs/policies.md", "README.md")
+PAGES = ("docs/results.md", "docs/real_models.md", "docs/policies.md", "docs/models.md", "README.md")
 BEGIN = "<!-- generated: {} -->"
 END = "<!-- end generated -->"
 _BLOCK = re.compile(r"<!-- generated: ([\w-]+) -->\n(.*?)<!-- end generated -->", re.DOTALL)
@@ -338,6 +338,32 @@ def budgets_first_look(stored: str = "budgets_smollm2_niah_1024") -> str:
                               f"{_minutes(m['seconds'])} of wall time")])
 
 
+def dtype_fidelity(stored: str = "dtype_fidelity_smollm2") -> str:
+    """`tdutils.eval.dtype_fidelity` of a stored run: per cell, KL(reference ‖ dtype), agreement and answers."""
+    report = load(stored)
+    ref, dt = report["reference"], report["dtype"]
+    rows = []
+    for part, label in (("text", "text fidelity windows"), ("answers", "`ruler_niah_single_1`")):
+        for cell, c in report[part].items():
+            policy, ratio = cell.split("@")
+            answers = "–" if "exact_reference" not in c else (
+                f"{c['exact_reference']} / {c['exact_dtype']} of {c['n']} (b = {c['mcnemar'][0]}, c = "
+                f"{c['mcnemar'][1]}, p = {c['mcnemar'][2]:.2g})")
+            rows.append([label, "full cache" if policy == "full" else f"{policy} {ratio}",
+                         f"{c['kl_mean']:.2g} / {c['kl_p90']:.2g} / {c['kl_max']:.2g}",
+                         f"{100 * c['argmax_agreement']:.1f}", f"{c['greedy_prefix_mean']:.1f}",
+                         f"{100 * c['identical']:.0f}", answers])
+    step = report["decode_step_s"]
+    return "\n".join([
+        _table(["prompts", "cell", f"KL({ref} ‖ {dt}) mean / p90 / max, nats per token", "argmax agreement %",
+                "greedy agreement, tokens before the first difference", "identical greedy outputs %",
+                f"answers right {ref} / {dt} (McNemar)"], rows), "",
+        f"Decode step, batch 4 × {report['context_tokens']} tokens, full cache: {ref} {step[ref]:.3f} s, {dt} "
+        f"{step[dt]:.3f} s ({step[ref] / step[dt]:.1f}× faster). "
+        + _source(stored, f"model `{report['model']}`", f"{report['context_tokens']}-token prompts",
+                  f"{_minutes(report['wall_s'])} of wall time on the shared 2 cores")])
+
+
 def peer_kvpress() -> str:
     report = load("peer_kvpress")
     m = report["meta"]
@@ -453,6 +479,7 @@ BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
     "peer_kvpress": (peer_kvpress, ("peer_kvpress",)),
     "fidelity_ranking": (fidelity_ranking, ("fidelity_smollm2_2048",)),
     "budgets_first_look": (budgets_first_look, ("budgets_smollm2_niah_1024",)),
+    "dtype_fidelity": (dtype_fidelity, ("dtype_fidelity_smollm2",)),
 }
 
 
