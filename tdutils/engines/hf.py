@@ -1053,7 +1053,7 @@ def cpu_has_native_bf16() -> bool:
     if any(p is not None and p() for p in probes):
         return True
     try:
-        with open("/proc/cpuinfo") as f:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
             words = set(f.read().split())
     except OSError:  # not Linux: only torch's probes
         return False
