@@ -125,3 +125,16 @@ def test_a_registered_task_reaches_the_command_line_with_its_defaults(tmp_path):
     got = tuple(meta[k] for k in ("model", "policies", "drop_ratios", "context_lengths", "n", "modes"))
     assert got == ("tiny-qwen3-ruler", ["full", "random"], [0.5], [96], 2, ["aware"]), meta
     assert "niah_single_small" not in task_names()
+
+
+def test_the_default_task_does_not_depend_on_which_family_was_imported_first():
+    """Importing one family's module first (here text fidelity, as `tdutils.eval.precision` does) must not make its
+    tasks the default benchmark: the built-in families keep their fixed order (it made `eval` run the wrong task)."""
+    import subprocess
+    import sys
+
+    code = ("import tdutils.eval.task_fidelity, tdutils.eval.task_samples\n"
+            "from tdutils.eval.tasks import task_names\n"
+            "print(','.join(task_names()[:2]))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "passkey,niah_single", (p.stdout, p.stderr[-2000:])
