@@ -143,7 +143,7 @@ def test_the_clis_engine_choices_come_from_the_registry():
     assert p.returncode == 2 and "'hf', 'lmcache'" in p.stderr, p.stderr
 
 
-def test_run_opens_a_users_in_process_engine_without_the_server_settings(capsys):
+def test_run_opens_a_users_in_process_engine_without_the_server_settings(capsys, tmp_path):
     """An engine registered by a user (here the hf engine under another kind) runs under `run --engine KIND`: the
     vLLM / LMCache addresses go only to engines whose constructor takes them (it raised TypeError before)."""
     from tdutils.__main__ import main
@@ -154,7 +154,7 @@ def test_run_opens_a_users_in_process_engine_without_the_server_settings(capsys)
     register_engine("hf-other-test")(OtherHF)
     try:
         code = main(["run", "--engine", "hf-other-test", "--policy", "streaming_llm", "--num-requests", "2",
-                     "--max-tokens", "4", "--repeats", "1", "--no-progress", "--json", "none"])
+                     "--max-tokens", "4", "--repeats", "1", "--no-progress", "--json", str(tmp_path / "run.json")])
     finally:
         _ENGINES.pop("hf-other-test")
     out = capsys.readouterr().out
