@@ -328,6 +328,7 @@ def run(args) -> int:
     from tdutils.cli_args import usable_cores
     from tdutils.eval import check_output_path
     from tdutils.models import resolve_model
+    from tdutils.outputs import answer_text
     from tdutils.policies.registry import get_policy
 
     out_path = check_output_path(args.out, "--out", example=DEFAULT_OUT)
@@ -359,7 +360,9 @@ def run(args) -> int:
             rows.append({**row, "error": prow["error"]})
             continue
         cell = td[_cell(key, ratio)]
-        kv_texts = [engine.tokenizer.decode(r["output_ids"], skip_special_tokens=True) for r in prow["requests"]]
+        kv_texts = [answer_text(engine.tokenizer, r["output_ids"], engine.eos_token_ids,  # as tdutils' answers:
+                                engine.tokenizer.decode(r["output_ids"], skip_special_tokens=True))  # to the EOS
+                    for r in prow["requests"]]
         masks = [kept_masks[f"{key}|{ratio}|{i}"] for i in range(len(prompts))] if key != FULL else None
         row.update(_row_figures(args.task, data, prow["requests"], kv_texts, cell, masks, sets.get((key, ratio))))
         per = row.pop("per_request")
