@@ -4,12 +4,14 @@
                                                                    # n=50, ratios 0.5/0.75, every press below
     python bench/peer_kvpress.py --n 4 --context-length 1024 --presses snapkv,random,tova --ratios 0.5
 
-tdutils (this venv, `hf` engine: one kept set per request, compact positions, batched decode) and kvpress (its
-own venv `VENV`, `worker` run through `harness.call`: compression inside the prefill, one set per layer and KV
-head, original positions, batch 1) on the same prompts, float32 weights, ratios, greedy, EOS ignored; row "none"
-is both full caches. Columns: exact match with 95% Wilson interval and partial credit of each side, decode tok/s,
-mean kept tokens, and the overlap of the kept sets. The flow, the columns and the defaults that differ:
-docs/benchmarks.md#benchpeer_kvpresspy-nvidia-kvpress-on-the-same-token-ids.
+tdutils (this venv, `hf` engine, batched decode) and kvpress (its own venv `VENV`, `worker` run through
+`harness.call`: compression inside the prefill, original positions, batch 1) on the same prompts, float32 weights,
+ratios, greedy, EOS ignored; row "none" is both full caches. tdutils' sets: `--granularity head` (default) what each
+press selects (per KV head; TOVAPress per layer), `layer` or `request` (one set); `--positions original` (default,
+as kvpress) or `compact`; each press against the tdutils policy with the press' parameters (`PRESSES`). Columns:
+exact match with 95% Wilson interval and partial credit of each side, decode tok/s, mean kept tokens, and the
+overlap of the kept sets per layer and KV head, on kvpress' input (`same_input_sets`) and as decoded. The flow,
+the columns and the defaults: docs/benchmarks.md#benchpeer_kvpresspy-nvidia-kvpress-on-the-same-token-ids.
 """
 
 from __future__ import annotations
@@ -23,20 +25,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness as H
 
-# press key -> (kvpress construction, tdutils policy, exact counterpart?, needs eager attention)
+# press key -> (kvpress construction, tdutils policy, exact counterpart?, needs eager attention, the granularity the
+# press selects at, tdutils parameters matching the press' defaults: `meta.defaults` records both sides')
 PRESSES = {
-    "snapkv": ("SnapKVPress", "snapkv", True, False),
-    "random": ("RandomPress", "random", True, False),
-    "streaming_llm": ("StreamingLLMPress", "streaming_llm", True, False),
-    "tova": ("TOVAPress", "tova", True, False),
-    "knorm": ("KnormPress", "knorm", True, False),
-    "keydiff": ("KeyDiffPress", "keydiff", True, False),
-    "observed_attention": ("ObservedAttentionPress", "h2o", True, True),
-    "expected_attention": ("ExpectedAttentionPress", "snapkv", False, False),
-    "adakv": ("AdaKVPress(SnapKVPress)", "snapkv", False, False),
-    "criticalkv": ("CriticalKVPress(SnapKVPress)", "snapkv", False, False),
-    "pyramidkv": ("PyramidKVPress", "snapkv", False, False),
+    "snapkv": ("SnapKVPress", "snapkv", True, False, "head", {"window": 64, "kernel_size": 5, "pooling": "avg"}),
+    "random": ("RandomPress", "random", True, False, "head", {"n_sink": 0, "window": 0}),
+    "streaming_llm": ("StreamingLLMPress", "streaming_llm", True, False, "head", {"n_sink": 4, "window": 0}),
+    "tova": ("TOVAPress", "tova", True, False, "layer", {"window": 1}),  # its score: the mean over all query heads
+    "knorm": ("KnormPress", "knorm", True, False, "head", {"window": 0, "n_sink": 0}),
+    "keydiff": ("KeyDiffPress", "keydiff", True, False, "head", {"window": 0, "n_sink": 0, "anchor": "normalized"}),
+    "observed_attention": ("ObservedAttentionPress", "h2o", False, True, "head", {"window": 0}),  # sums, not means
+    "expected_attention": ("ExpectedAttentionPress", "expected_attention", True, False, "head",
+                           {"n_future_positions": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True,
+                            "epsilon": 0.0, "window": 0}),
+    "adakv": ("AdaKVPress(SnapKVPress)", "adakv_snapkv", True, False, "head",
+              {"window": 64, "kernel_size": 5, "alpha_safeguard": 0.2}),
+    "criticalkv": ("CriticalKVPress(SnapKVPress)", "adakv_snapkv", False, False, "head",
+                   {"window": 64, "kernel_size": 5, "alpha_safeguard": 0.2}),
+    "pyramidkv": ("PyramidKVPress", "pyramidkv", True, False, "head", {"window": 64, "kernel_size": 5, "beta": 20}),
 }
+# kvpress keeps int(n (1 - r)) of n keys (`compute_n_kept`); PyramidKV computes its layer budgets from r itself
+RATIO_KEPT = ("pyramidkv",)
 FULL = "none"  # the full-cache row on both sides
 DEFAULT_OUT = "docs/results/peer_kvpress.json"
 KVPRESS_VERSION = "0.5.5"
@@ -203,6 +212,8 @@ def _presses(text: str) -> list[str]:
 
 def parse_args(argv=None):
     from tdutils.cli_args import drop_ratios
+    from tdutils.engines.hf import POSITIONS
+    from tdutils.selection import GRANULARITIES
 
     ap = H.parser("peer_kvpress.py", __doc__)
     H.add_peer_options(ap, n=50, batch_size=8, out=DEFAULT_OUT)
@@ -210,6 +221,12 @@ def parse_args(argv=None):
                     help="compression ratios, fraction of tokens dropped (default 0.5,0.75)")
     ap.add_argument("--presses", type=_presses, default=list(PRESSES),
                     help=f"comma-separated presses (default all: {', '.join(PRESSES)})")
+    ap.add_argument("--granularity", choices=GRANULARITIES, default="head",
+                    help="tdutils' kept sets: one per request, layer, or what each press selects (head, default: per "
+                         "KV head; TOVAPress per layer); AdaKV and PyramidKV always per head")
+    ap.add_argument("--positions", choices=POSITIONS, default="original",
+                    help="tdutils' kept keys: at their original positions (default, as kvpress) or re-rotated to "
+                         "compact ones")
     return ap, ap.parse_args(argv)
 
 
@@ -217,14 +234,20 @@ def _fmt_em(em, ci):
     return f"{em:.2f} [{ci[0]:.2f},{ci[1]:.2f}]" if ci else f"{em:.2f}"
 
 
+def _fmt_overlap(x) -> str:
+    return "" if x is None else f"{x:.3f}"
+
+
 def format_table(rows) -> str:
-    head = ("press", "policy", "ratio", "kv EM [95% CI]", "kv part", "td EM [95% CI]", "td part", "kv tok/s",
-            "td tok/s", "kv kept", "td kept", "overlap")
+    head = ("press", "policy", "granularity", "ratio", "kv EM [95% CI]", "kv part", "td EM [95% CI]", "td part",
+            "kv tok/s", "td tok/s", "kv kept", "td kept", "overlap", "min", "flow")
     return H.text_table(head, [
-        (r["press"], r["policy"], f"{r['ratio']:g}", "FAILED: " + r["error"][:60]) if "error" in r else
-        (r["press"], r["policy"], f"{r['ratio']:g}", _fmt_em(r["kv_em"], r["kv_ci"]), f"{r['kv_partial']:.2f}",
-         _fmt_em(r["td_em"], r["td_ci"]), f"{r['td_partial']:.2f}", f"{r['kv_tok_s']:.1f}", f"{r['td_tok_s']:.1f}",
-         f"{r['kv_kept']:.0f}", f"{r['td_kept']:.0f}", "" if r["overlap"] is None else f"{r['overlap']:.3f}")
+        (r["press"], r["policy"], r["granularity"] or "", f"{r['ratio']:g}", "FAILED: " + r["error"][:60])
+        if "error" in r else
+        (r["press"], r["policy"], r["granularity"] or "", f"{r['ratio']:g}", _fmt_em(r["kv_em"], r["kv_ci"]),
+         f"{r['kv_partial']:.2f}", _fmt_em(r["td_em"], r["td_ci"]), f"{r['td_partial']:.2f}", f"{r['kv_tok_s']:.1f}",
+         f"{r['td_tok_s']:.1f}", f"{r['kv_kept']:.0f}", f"{r['td_kept']:.0f}",
+         *(_fmt_overlap(r[c]) for c in ("overlap", "overlap_min", "overlap_flow")))
         for r in rows])
 
 
@@ -233,40 +256,88 @@ def main(argv=None) -> int:
     return H.one_line_errors(ap, run, args, also=(subprocess.CalledProcessError, H.WorkerError))
 
 
-def _cell(policy, ratio) -> str:
-    return f"{policy} r={ratio:g}"
+def _cell(key, ratio) -> str:
+    return f"{key} r={ratio:g}"
+
+
+def _drop_fn(engine, key: str, args, *, drop_ratio=None, budget=None):
+    """tdutils' drop function for press `key`: its policy and matching parameters, at `args.granularity` ("head":
+    the granularity the press selects at) and `args.positions`."""
+    from tdutils.edit import make_drop_fn
+    from tdutils.policies.registry import get_policy
+
+    _, policy, _, _, native, params = PRESSES[key]
+    granularity = native if args.granularity == "head" else args.granularity
+    if get_policy(policy).per_head_only:  # AdaKV, PyramidKV: per head whatever is asked (the row records it)
+        granularity = "head"
+    return make_drop_fn(policy, drop_ratio=drop_ratio, budget=budget, model_config=engine.facts,
+                        granularity=granularity, rerotate=args.positions == "compact", **params)
+
+
+def same_input_sets(engine, prompts, presses, args) -> dict:
+    """tdutils' kept sets on kvpress' input: each prompt's `ids[:-1]` prefilled (kvpress compresses those, its
+    window the last queries of them) and each press' policy keeping kvpress' count `int(n (1 - r))` of the n keys
+    (`RATIO_KEPT`: the ratio itself). Returns {(key, ratio): [keep_indices per prompt]} (`DropFn.keep_indices`)."""
+    out: dict = {}
+    for start in range(0, len(prompts), args.batch_size):
+        chunk = prompts[start:start + args.batch_size]
+        engine.prefill([ids[:-1] for ids in chunk])
+        for q, ids in zip(engine.requests, chunk):
+            tensors, tokens, n = engine.tensors(q.request_id), engine.tokens(q.request_id), len(ids) - 1
+            for key in presses:
+                for r in args.ratios:
+                    rule = {"drop_ratio": r} if key in RATIO_KEPT else {"budget": max(1, int(n * (1 - r)))}
+                    out.setdefault((key, r), []).append(_drop_fn(engine, key, args, **rule).keep_indices(tensors, tokens))
+    return out
+
+
+def head_overlaps(mask, keep):
+    """FloatTensor `[L, H]`: |S_lh ∩ K_lh| / |S_lh| per layer and KV head, S tdutils' kept set `keep` (`[k]`,
+    `[L, k]` or `[L, H, k]`, -1 padding) and K kvpress' `mask` (BoolTensor `[L, H, T]`, True = kept)."""
+    import torch
+
+    L, H, _ = mask.shape
+    keep = torch.as_tensor(keep)
+    keep = (keep[None, None] if keep.dim() == 1 else keep[:, None] if keep.dim() == 2 else keep).expand(L, H, -1)
+    valid = keep >= 0
+    hits = mask.gather(-1, keep.clamp(min=0)) & valid
+    return hits.sum(-1).float() / valid.sum(-1).clamp(min=1).float()
+
+
+def _tdutils_side(args, presses):
+    """tdutils' engine, RULER rows, prompts, decoded cells and same-input kept sets, and its seconds."""
+    from tdutils.engines.hf import HFEngine
+
+    t0 = time.perf_counter()
+    engine = HFEngine(args.model, dtype="float32", kv_budget_tokens=None, prefill_batch_size=args.batch_size,
+                      query_window=0, progress=False, positions=args.positions)
+    data, prompts, args.max_tokens = H.ruler_prompts(args.task, args.n, args.context_length, engine.tokenizer,
+                                                     args.seed, args.max_tokens)
+    fns = {(k, r): _drop_fn(engine, k, args, drop_ratio=r) for k in presses for r in args.ratios}
+    engine.capture_for(*fns.values())
+    cells = [(_cell(FULL, 0.0), None)] + [(_cell(k, r), fn) for (k, r), fn in fns.items()]
+    td = H.decode_cells(engine, prompts, cells, max_tokens=args.max_tokens, batch_size=args.batch_size, keep=True)
+    sets = same_input_sets(engine, prompts, presses, args)
+    granularity = {k: fn.granularity for (k, _), fn in fns.items()}
+    return engine, data, prompts, td, sets, granularity, time.perf_counter() - t0
 
 
 def run(args) -> int:
     import torch
 
     from tdutils.cli_args import usable_cores
-    from tdutils.engines.hf import HFEngine
-    from tdutils.eval import build_cells, check_output_path
+    from tdutils.eval import check_output_path
     from tdutils.models import resolve_model
-    from tdutils.policies import policy_names
+    from tdutils.outputs import answer_text
     from tdutils.policies.registry import get_policy
 
     out_path = check_output_path(args.out, "--out", example=DEFAULT_OUT)
     threads = args.threads or usable_cores()
     torch.set_num_threads(threads)
     presses = list(dict.fromkeys(args.presses))
-    policies = list(dict.fromkeys(PRESSES[p][1] for p in presses))
-    missing = [p for p in policies if p not in policy_names()]
-    if missing:
-        raise ValueError(f"tdutils has no policy {missing}")
     H.check_ruler_task(args.task)  # before minutes of model loading
     folder = resolve_model(args.model).files()  # the folder (or hub id) the peer's transformers loads
-
-    t0 = time.perf_counter()
-    engine = HFEngine(args.model, dtype="float32", kv_budget_tokens=None, prefill_batch_size=args.batch_size,
-                      query_window=0, progress=False)
-    data, prompts, args.max_tokens = H.ruler_prompts(args.task, args.n, args.context_length, engine.tokenizer,
-                                                     args.seed, args.max_tokens)
-    cells = [(_cell(FULL, 0.0), None)] + [(_cell(p, r), fn) for p, r, fn in
-                                          build_cells(engine, policies, args.ratios, {}) if p != FULL]
-    td = H.decode_cells(engine, prompts, cells, max_tokens=args.max_tokens, batch_size=args.batch_size, keep=True)
-    td_s = time.perf_counter() - t0
+    engine, data, prompts, td, sets, granularity, td_s = _tdutils_side(args, presses)
 
     py = VENV.ensure(log=H.log)
     with tempfile.TemporaryDirectory(prefix="peer_kvpress_") as tmp:
@@ -283,52 +354,74 @@ def run(args) -> int:
         key, ratio = prow["press"], prow["ratio"]
         policy = FULL if key == FULL else PRESSES[key][1]
         label = policy if key == FULL or PRESSES[key][2] else f"~{policy}"
-        row = {"press": key if key == FULL else PRESSES[key][0], "policy": label, "ratio": ratio}
+        row = {"press": key if key == FULL else PRESSES[key][0], "policy": label, "ratio": ratio,
+               "granularity": None if key == FULL else granularity[key], "positions": args.positions}
         if "error" in prow:
             rows.append({**row, "error": prow["error"]})
             continue
-        cell = td[_cell(policy, ratio)]
-        kv_texts = [engine.tokenizer.decode(r["output_ids"], skip_special_tokens=True) for r in prow["requests"]]
-        row.update(_row_figures(args.task, data, prow["requests"], kv_texts, cell,
-                                [kept_masks[f"{key}|{ratio}|{i}"] for i in range(len(cell["keep"]))]))
+        cell = td[_cell(key, ratio)]
+        kv_texts = [answer_text(engine.tokenizer, r["output_ids"], engine.eos_token_ids,  # as tdutils' answers:
+                                engine.tokenizer.decode(r["output_ids"], skip_special_tokens=True))  # to the EOS
+                    for r in prow["requests"]]
+        masks = [kept_masks[f"{key}|{ratio}|{i}"] for i in range(len(prompts))] if key != FULL else None
+        row.update(_row_figures(args.task, data, prow["requests"], kv_texts, cell, masks, sets.get((key, ratio))))
+        per = row.pop("per_request")
         rows.append(row)
         details.append({"press": key, "ratio": ratio, "requests": [
-            {"values": ex["values"], "kv_text": a, "td_text": b, "kv_exact": ke, "td_exact": te,
-             "kv_kept": r["kept"], "td_kept": tk, "kv_cache_lengths": r["cache_lengths"],
-             "overlap": row["overlaps"][i] if row["overlaps"] else None}
-            for i, (ex, a, b, ke, te, r, tk) in enumerate(zip(data, kv_texts, cell["texts"], row.pop("kv_exact"),
-                                                               row.pop("td_exact"), prow["requests"], cell["kept"]))]})
-        del row["overlaps"]
+            {"values": ex["values"], "kv_text": a, "td_text": b, "kv_kept": r["kept"], "td_kept": tk,
+             "kv_cache_lengths": r["cache_lengths"], **p}
+            for ex, a, b, r, tk, p in zip(data, kv_texts, cell["texts"], prow["requests"], cell["kept"], per)]})
 
     print(format_table(rows))
     meta = H.peer_meta(args, folder=folder, ratios=args.ratios, presses=presses, threads=threads,
+                       granularity=args.granularity, positions=args.positions,
                        tdutils_seconds=round(td_s, 1), kvpress_seconds=round(kv_s, 1), peer=peer["info"],
                        peer_venv=VENV.info(), defaults={"kvpress": peer["info"]["defaults"],
-                                                        "tdutils": {p: get_policy(p).defaults() for p in policies}},
-                       mapping={k: {"press": PRESSES[k][0], "policy": PRESSES[k][1], "exact": PRESSES[k][2]}
-                                for k in presses})
+                                                        "tdutils": {k: PRESSES[k][5] for k in presses}},
+                       mapping={k: {"press": PRESSES[k][0], "policy": PRESSES[k][1], "exact": PRESSES[k][2],
+                                    "press_granularity": PRESSES[k][4], "granularity": granularity[k],
+                                    "keep_rule": "ratio" if k in RATIO_KEPT else "int(n(1-r))"} for k in presses},
+                       tdutils_policy_defaults={p: get_policy(p).defaults()
+                                                for p in dict.fromkeys(PRESSES[k][1] for k in presses)})
     H.write_json({"meta": meta, "rows": rows, "requests": details}, str(out_path), indent=1, default=str)
     H.log(f"wrote {out_path}")
     return 0
 
 
-def _row_figures(task, data, kv_requests, kv_texts, cell, masks) -> dict:
+def _overlap_stats(masks, keeps, trim: bool) -> tuple[list, list, list]:
+    """Per request: mean and minimum over (layer, KV head) of `head_overlaps`, and the per-layer means
+    `[L]`; with `trim`, kvpress' mask without its last column (the re-fed token, not in `ids[:-1]`)."""
+    per = [head_overlaps(m[..., :-1] if trim else m, k) for m, k in zip(masks, keeps)]  # [L, H] each
+    return [o.mean().item() for o in per], [o.min().item() for o in per], [o.mean(1).tolist() for o in per]
+
+
+def _row_figures(task, data, kv_requests, kv_texts, cell, masks, sets) -> dict:
     """One press x ratio: both sides' exact match (with Wilson interval) and partial credit, decode tok/s, kept
-    tokens, and the overlap: per request, the mean over layers and KV heads of |S ∩ K_lh| / |S| (S: tdutils'
-    kept set; K_lh: kvpress' of layer l, head h; `masks` [L, H, T] per request)."""
+    tokens, and the overlaps (`head_overlaps`; `masks` [L, H, T] per request, None for the full cache):
+    `overlap` / `overlap_min` / `overlap_layers` on the same input (`same_input_sets`: mean over requests of the
+    mean over (layer, KV head), the minimum over requests, layers and heads, per layer), `overlap_flow` between
+    the sets each side decoded with (tdutils' of all T tokens)."""
     from tdutils.answers import wilson_interval
 
     n = len(data)
     kv_ex, kv_part = H.ruler_scores(task, data, kv_texts)
     td_ex, td_part = H.ruler_scores(task, data, cell["texts"])
-    overlaps = [m[:, :, keep].float().mean().item() for m, keep in zip(masks, cell["keep"])]
-    return {"n": n, "kv_em": sum(kv_ex) / n, "kv_ci": wilson_interval(sum(kv_ex), n), "kv_partial": sum(kv_part) / n,
-            "td_em": sum(td_ex) / n, "td_ci": wilson_interval(sum(td_ex), n), "td_partial": sum(td_part) / n,
-            "kv_tok_s": sum(len(r["output_ids"]) for r in kv_requests) / sum(r["decode_s"] for r in kv_requests),
-            "td_tok_s": cell["tok_s"], "kv_kept": sum(r["kept"] for r in kv_requests) / n,
-            "td_kept": sum(cell["kept"]) / n, "overlap": sum(overlaps) / n if overlaps else None,
-            "same_text": sum(a == b for a, b in zip(kv_texts, cell["texts"])), "overlaps": overlaps,
-            "kv_exact": kv_ex, "td_exact": td_ex}
+    out = {"n": n, "kv_em": sum(kv_ex) / n, "kv_ci": wilson_interval(sum(kv_ex), n), "kv_partial": sum(kv_part) / n,
+           "td_em": sum(td_ex) / n, "td_ci": wilson_interval(sum(td_ex), n), "td_partial": sum(td_part) / n,
+           "kv_tok_s": sum(len(r["output_ids"]) for r in kv_requests) / sum(r["decode_s"] for r in kv_requests),
+           "td_tok_s": cell["tok_s"], "kv_kept": sum(r["kept"] for r in kv_requests) / n,
+           "td_kept": sum(cell["kept"]) / n, "same_text": sum(a == b for a, b in zip(kv_texts, cell["texts"])),
+           "overlap": None, "overlap_min": None, "overlap_flow": None, "overlap_layers": None}
+    per = [{"kv_exact": a, "td_exact": b} for a, b in zip(kv_ex, td_ex)]
+    if masks is None:
+        return {**out, "per_request": per}
+    same, same_min, layers = _overlap_stats(masks, sets, trim=True)
+    flow, _, _ = _overlap_stats(masks, cell["keep"], trim=False)
+    out.update(overlap=sum(same) / n, overlap_min=min(same_min), overlap_flow=sum(flow) / n,
+               overlap_layers=[sum(col) / n for col in zip(*layers)])
+    for p, a, b, c in zip(per, same, same_min, flow):
+        p.update(overlap=a, overlap_min=b, overlap_flow=c)
+    return {**out, "per_request": per}
 
 
 if __name__ == "__main__":

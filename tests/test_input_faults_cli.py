@@ -122,6 +122,8 @@ def test_the_reported_bench_commands_fail_in_one_line(script, args, want):
     ("throughput", ["--json", ""], "--json '' is an empty path"),
     ("peer_kvpress", ["--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
     ("peer_kvpress", ["--ratios", "nan"], "argument --ratios: nan is not in (0, 1)"),
+    ("peer_kvpress", ["--granularity", "token"], "argument --granularity: invalid choice: 'token'"),
+    ("peer_kvpress", ["--positions", "shifted"], "argument --positions: invalid choice: 'shifted'"),
     ("accuracy", ["--seed", "-5"], "argument --seed: seed must be >= 0, got -5"),
     ("accuracy", ["--window", "-1"], "--window -1 must be >= 0"),
     ("accuracy", ["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),

@@ -379,6 +379,31 @@ def peer_kvpress() -> str:
                               f"tdutils {m['tdutils_seconds']:.0f} s, kvpress {m['kvpress_seconds']:.0f} s")])
 
 
+def peer_kvpress_sets(*stored: str, only: tuple[str, ...] = ()) -> str:
+    """kvpress against tdutils set for set (issue 44): per press (those named `only`, default all) and stored run,
+    the granularity and positions of tdutils' sets, both sides' exact match, the same answers, and the overlap of
+    the kept sets per layer and KV head on the same input (mean, minimum over requests, layers and heads) and of
+    the sets each side decoded."""
+    head = ["kvpress press", "tdutils policy", "granularity", "positions", "ratio", "kvpress exact", "tdutils exact",
+            "same text", "overlap (mean)", "overlap (min)", "overlap, decoded sets"]
+    rows, notes = [], []
+    for name in stored:
+        report = load(name)
+        m = report["meta"]
+        for r in report["rows"]:
+            if (only and r["press"] not in only) or (r["press"] == "none" and name != stored[0]):
+                continue  # one full-cache row is enough
+            fig = [None if r[c] is None else f"{r[c]:.3f}" for c in ("overlap", "overlap_min", "overlap_flow")]
+            rows.append([r["press"], r["policy"], r["granularity"] or "–", r["positions"], f"{r['ratio']:g}",
+                         f"{round(r['kv_em'] * r['n'])}/{r['n']}", f"{round(r['td_em'] * r['n'])}/{r['n']}",
+                         f"{r['same_text']}/{r['n']}", *(x or "–" for x in fig)])
+        notes.append(_source(name, f"`{m['model']}`, `{m['task']}`, {m['n']} prompts of {m['context_length']} tokens",
+                             _seed(m["seed"]), f"`--granularity {m['granularity']} --positions {m['positions']}`",
+                             f"kvpress {m['peer']['kvpress']} with transformers {m['peer']['transformers']}",
+                             f"tdutils {m['tdutils_seconds']:.0f} s, kvpress {m['kvpress_seconds']:.0f} s"))
+    return "\n".join([_table(head, rows), "", *notes])
+
+
 def engine_changes() -> str:
     """What each change of the decode step buys: the StaticCache loop, the engine's slot store (without packed
     linears), then prepacked linears; medians of the stored 2-thread runs."""
@@ -447,6 +472,9 @@ def speed_summary() -> str:
                        "of the 2 cores for its scheduler, so its model runs one thread there)")])
 
 
+# SnapKV at each granularity x positions on tdutils' side, the same kvpress SnapKVPress on the other (issue 44)
+SNAPKV_RUNS = ("peer_kvpress_head", "peer_kvpress_snapkv_head_compact", "peer_kvpress_snapkv_request_original",
+               "peer_kvpress_snapkv_request_compact")
 # name -> (function, the stored runs it reads)
 BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
     "passkey_accuracy": (passkey_accuracy, ("accuracy",)),
@@ -477,6 +505,8 @@ BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
     "real_leaderboard": (real_leaderboard, ("ruler_smollm2_2048",)),
     "real_ranking": (real_ranking, ("ruler_smollm2_2048",)),
     "peer_kvpress": (peer_kvpress, ("peer_kvpress",)),
+    "peer_kvpress_head": (lambda: peer_kvpress_sets("peer_kvpress_head"), ("peer_kvpress_head",)),
+    "peer_kvpress_snapkv": (lambda: peer_kvpress_sets(*SNAPKV_RUNS, only=("none", "SnapKVPress")), SNAPKV_RUNS),
     "fidelity_ranking": (fidelity_ranking, ("fidelity_smollm2_2048",)),
     "budgets_first_look": (budgets_first_look, ("budgets_smollm2_niah_1024",)),
     "dtype_fidelity": (dtype_fidelity, ("dtype_fidelity_smollm2",)),
