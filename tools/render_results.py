@@ -304,7 +304,7 @@ def fidelity_ranking(stored: str = "fidelity_smollm2_2048") -> str:
     rows = []
     for ratio in m["drop_ratios"]:
         rank = rank_policies(table, ratio, measure="kl")
-        cells = table[table["drop_ratio"] == ratio].set_index("policy")
+        cells = table[(table["drop_ratio"] == ratio) | (table["policy"] == "full")].set_index("policy")
         for r in rank.itertuples():
             c = cells.loc[r.policy]
             mean = {k: sum(v) / len(v) for k, v in c["scores"].items()}
@@ -510,6 +510,8 @@ BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
     "fidelity_ranking": (fidelity_ranking, ("fidelity_smollm2_2048",)),
     "budgets_first_look": (budgets_first_look, ("budgets_smollm2_niah_1024",)),
     "dtype_fidelity": (dtype_fidelity, ("dtype_fidelity_smollm2",)),
+    "granularity_fidelity": (lambda: fidelity_ranking("granularity_fidelity_smollm2_2048"),
+                             ("granularity_fidelity_smollm2_2048",)),
 }
 
 
