@@ -123,3 +123,18 @@ def test_paired_ranking_of_a_continuous_measure_lower_is_better():
     assert rank["correct"].isna().all() and rank.loc[0, "score"] == 0.0
     with pytest.raises(ValueError, match="no task of this table is scored by 'partial'"):
         rank_policies(t, measure="partial")
+
+
+def test_a_policy_keeping_more_than_the_budget_is_flagged():
+    t = _table()
+    assert not rank_policies(t)["over_budget"].any() and rank_policies(t)["kept_tokens"].isna().all()
+    # 1024-token contexts at 0.75: snapkv and random keep 256, middle_chunk keeps 512 (its first and last chunks)
+    extra = t[t.policy == "random"].assign(policy="middle_chunk")
+    t = pd.concat([t, extra], ignore_index=True)
+    kept = {"full": 1024, "snapkv": 256, "random": 256, "middle_chunk": 512}
+    t["kept_tokens"] = [kept[p] for p in t["policy"]]
+    t.loc[(t.policy == "random") & (t.task == "variable_tracking"), "kept_tokens"] = 264  # pooled: (256 + 264) / 2
+    rank = rank_policies(t).query("mode == 'aware'").set_index("policy")
+    assert rank["kept_tokens"].to_dict() == {"full": 1024, "snapkv": 256, "random": 260, "middle_chunk": 512}
+    # the dropped policies' median is 260; 512 > 1.05 * 260 >= 260; the full cache is never flagged
+    assert rank["over_budget"].to_dict() == {"full": False, "snapkv": False, "random": False, "middle_chunk": True}

@@ -266,6 +266,15 @@ def real_leaderboard() -> str:
                               _seed(m["seed"]), f"{' s and '.join(str(s) for s in m['seconds'])} s of wall time")])
 
 
+def _over(rank_row) -> str:
+    """The mark of a `rank_policies` row whose policy keeps more KV tokens than the budget (`over_budget`)."""
+    return " †" if rank_row.over_budget else ""
+
+
+OVER_NOTE = ("† keeps more KV tokens per request than 1.05x the median policy at that ratio (`rank_policies`' "
+             "`over_budget`): not compared at equal memory.")
+
+
 def real_ranking() -> str:
     """`rank_policies` of the stored SmolLM2 leaderboard at each drop ratio: paired tests when the run keeps
     per-prompt scores, else (runs stored before it did) unpaired Wilson intervals, and the block says which."""
@@ -280,14 +289,14 @@ def real_ranking() -> str:
         rank = rank_policies(table, ratio)
         tests |= set(rank["test"])
         for mode, g in rank.groupby("mode", sort=False):
-            rows.append([mode, f"{ratio:g}", ", ".join(f"{r.rank}. `{r.policy}` {r.correct}/{r.n}"
+            rows.append([mode, f"{ratio:g}", ", ".join(f"{r.rank}. `{r.policy}`{_over(r)} {r.correct}/{r.n}"
                                                       for r in g.itertuples())])
     (test,) = tests
     how = (f"Separated by {UNPAIRED}." if test == UNPAIRED else
            f"Separated by {test}: a policy ranks below another only where the test on the same prompts rejects "
            f"equality at family-wise level {ALPHA:g} across the mode's pairs.")
     return "\n".join([_table(["mode", "drop ratio", "rank. policy, correct of prompts pooled over both tasks"], rows), "",
-                      (f"Policies sharing a rank are not separated. {how} (`rank_policies` of "
+                      (f"Policies sharing a rank are not separated. {how} {OVER_NOTE} (`rank_policies` of "
                        "`docs/results/ruler_smollm2_2048.json`; the full cache at ratio 0 in every row.)")])
 
 
@@ -308,7 +317,7 @@ def fidelity_ranking(stored: str = "fidelity_smollm2_2048") -> str:
         for r in rank.itertuples():
             c = cells.loc[r.policy]
             mean = {k: sum(v) / len(v) for k, v in c["scores"].items()}
-            rows.append([f"{ratio:g}", r.rank, f"`{r.policy}`", f"{r.score:.3f} ({r.ci_low:.3f}-{r.ci_high:.3f})",
+            rows.append([f"{ratio:g}", r.rank, f"`{r.policy}`{_over(r)}", f"{r.score:.3f} ({r.ci_low:.3f}-{r.ci_high:.3f})",
                          f"{mean['delta_ppl']:+.2f}", f"{100 * mean['agreement']:.1f}", f"{c['kept_tokens']:.0f}",
                          ", ".join(f"`{p}`" for p in r.above.split(", ") if p) or "-"])
     head = ["drop ratio", "rank", "policy", "mean KL, nats (95% CI)", "Δ perplexity", "agreement %",
@@ -317,6 +326,7 @@ def fidelity_ranking(stored: str = "fidelity_smollm2_2048") -> str:
                       f"Ranked by mean KL(full ‖ edited) per continuation token, lower is better; a policy ranks below "
                       f"another only where the paired sign-flip test on the same {m['n']} texts rejects equality at "
                       f"family-wise level {ALPHA:g} (Holm, across the pairs at that ratio). "
+                      + (OVER_NOTE + " " if any("†" in row[2] for row in rows) else "")
                       + _source(stored, f"model `{m['model']}`", f"{m['context_lengths'][0]}-token prompts, "
                                 f"{report['rows'][0]['max_tokens']} teacher-forced continuation tokens",
                                 _seed(m["seed"]), _threads(m["threads"]),

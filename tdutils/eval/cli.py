@@ -35,6 +35,7 @@ from .common import (
     check_seed,
 )
 from .report import (
+    OVER_BUDGET,
     format_table,
     format_task_table,
     measure_markdown,
@@ -444,8 +445,12 @@ def ranking_lines(table) -> list[str]:
         for ratio in sorted(r for r in table["drop_ratio"].unique() if r > 0):
             rank = rank_policies(table, ratio, measure=measure)
             for mode, g in rank.groupby("mode", sort=False):
-                order = ", ".join(f"{r.rank}. {r.policy} {r.score:.3g}" for r in g.itertuples())
+                order = ", ".join(f"{r.rank}. {r.policy}{' (over budget)' if r.over_budget else ''} {r.score:.3g}"
+                                  for r in g.itertuples())
                 lines.append(f"ranked, {measure} @ {ratio:g}, {mode}: {order} ({g['test'].iloc[0]})")
+                lines += [f"note: {r.policy} keeps {r.kept_tokens:.0f} KV tokens per request at {ratio:g}, more than "
+                          f"{OVER_BUDGET:g}x the median policy's: its rank is not at equal memory"
+                          for r in g.itertuples() if r.over_budget]
     return lines
 
 

@@ -28,6 +28,8 @@ from .statistics import (
 )
 
 WEAK_FULL_ACCURACY = 0.5  # a task the full cache solves less often than this ranks no policy
+# a policy keeping this much more than the median policy at the same drop ratio is not compared at equal memory
+OVER_BUDGET = 1.05
 UNPAIRED = ("unpaired 95% Wilson intervals: this run keeps no per-prompt scores, so no paired test; differences "
             "the intervals do not separate may still be real")
 
@@ -164,7 +166,11 @@ def rank_policies(table, drop_ratio: float | None = None, *, measure: str | None
         `rank`, `policy`, `drop_ratio`, `measure`, `n` (prompts pooled), `score` (mean of the measure), `ci_low`,
         `ci_high` (exact match: 95% Wilson interval; continuous: bootstrap 95% interval of the mean), `correct`,
         `accuracy` (exact match only; NaN otherwise), `above` (the policies of the same mode this one is
-        separated above, comma-separated) and `test` (how the separations were decided).
+        separated above, comma-separated), `test` (how the separations were decided), `kept_tokens` (mean KV
+        tokens per request after the edit, over the pooled cells; NaN where the table has no `kept_tokens`) and
+        `over_budget` (True where a policy keeps more than `OVER_BUDGET` times the median of the mode's dropped
+        policies at that ratio, e.g. `middle_chunk`, which keeps its first and last chunk whole: its score is not
+        at equal memory, whatever its rank).
 
     Raises:
         ValueError: the table has no rows at `drop_ratio` besides the full cache, no ratio above 0, or no task
@@ -194,8 +200,25 @@ def rank_policies(table, drop_ratio: float | None = None, *, measure: str | None
             .assign(mode=mode, measure=measure) for mode, g in at.groupby("mode", sort=False)]
     out = pd.concat(rows, ignore_index=True)
     out["drop_ratio"] = [0.0 if p == FULL else float(drop_ratio) for p in out["policy"]]
+    out = _with_budget(out, at)
     return out[["mode", "rank", "policy", "drop_ratio", "measure", "n", "score", "ci_low", "ci_high", "correct",
-                "accuracy", "above", "test"]]
+                "accuracy", "above", "test", "kept_tokens", "over_budget"]]
+
+
+def _with_budget(ranking, at):
+    """`ranking` with `kept_tokens` (mean over each (mode, policy)'s cells of `at`, weighted by their prompts) and
+    `over_budget` (more than `OVER_BUDGET` times the median of the mode's dropped policies)."""
+    if "kept_tokens" not in at.columns:
+        return ranking.assign(kept_tokens=math.nan, over_budget=False)
+    w = at.assign(_w=at["kept_tokens"] * at["n"])
+    sums = w.groupby(["mode", "policy"], sort=False)[["_w", "n"]].sum()
+    kept = (sums["_w"] / sums["n"]).to_dict()
+    ranking = ranking.assign(kept_tokens=[kept.get((m, p), math.nan) for m, p in zip(ranking["mode"],
+                                                                                        ranking["policy"])])
+    dropped = ranking[ranking["policy"] != FULL]
+    median = dropped.groupby("mode", sort=False)["kept_tokens"].median().to_dict()
+    return ranking.assign(over_budget=[p != FULL and k > OVER_BUDGET * median.get(m, math.inf)
+                                       for m, p, k in zip(ranking["mode"], ranking["policy"], ranking["kept_tokens"])])
 
 
 def _rank_paired(g, mode: str, measure, alpha: float):
@@ -422,7 +445,7 @@ def _save_figure(fig, path: str | Path | None):
     return fig
 
 
-__all__ = ["UNPAIRED", "WEAK_FULL_ACCURACY", "format_table", "format_task_table", "leaderboard", "measure_markdown",
+__all__ = ["OVER_BUDGET", "UNPAIRED", "WEAK_FULL_ACCURACY", "format_table", "format_task_table", "leaderboard", "measure_markdown",
            "plot_accuracy",
            "plot_leaderboard", "plot_paired_differences", "plot_ranking", "rank_policies", "task_markdown", "weak_task_notes", "weak_tasks",
            "write_json"]
