@@ -4,7 +4,7 @@
 times), prints the phase table (medians over repeats) with the decode-throughput ratio (median of the per-repeat
 ratios, min-max), a note when that ratio does not measure what dropping buys (`tdutils.metrics.speedup_notes`:
 busy machine, no larger batch, slower despite a larger batch, above the capacity limit), and writes JSON.
-Other subcommands live next to their code (see `SUBCOMMANDS`).
+The other subcommands are modules of `tdutils.cli` beside this one (see `SUBCOMMANDS`).
 Bad input is reported in one line with exit status 2; anything else is a bug and shows its traceback
 and a request to report it, exit status 1 (`tdutils.cli.args.report_error`). Ctrl-C stops a command in one line
 with exit status 130; `run` and `eval` first write what they finished to their `--json`, marked
@@ -47,7 +47,7 @@ from .args import (
 from .policy_options import policy_arguments, policy_params
 from .startup import INTERRUPTED, interrupt_as_exception
 
-# Subcommands defined in other modules: name -> (module, help). Each module provides
+# Subcommands defined in the other modules of tdutils.cli: name -> (module, help). Each module provides
 # `add_arguments(parser)` and `run(args) -> int` (exit status).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("tdutils.cli.eval", ("accuracy of policies x drop ratios x context lengths: passkey, or RULER-style "
