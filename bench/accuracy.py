@@ -19,7 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness as H
 
-from tdutils.eval import FULL, HELDOUT_SEED, add_arguments, run, task_markdown
+from tdutils.cli.eval import add_arguments, run
+from tdutils.eval import FULL, HELDOUT_SEED, task_markdown
 
 NAMES = {"random": "random", "snapkv": "SnapKV", "rkv": "R-KV", "middle_chunk": "middle-chunk"}
 

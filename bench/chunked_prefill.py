@@ -79,7 +79,7 @@ def markdown(report: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tdutils.cli_args import count, int_at_least, positive_int, usable_cores
+    from tdutils.cli.args import count, int_at_least, positive_int, usable_cores
 
     ap = H.parser("bench/chunked_prefill.py", __doc__, raw=False)
     H.add_standard(ap, model="gemma3-270m")

@@ -537,7 +537,7 @@ def run_kvpress(args) -> dict:
 
 # ------------------------------------------------------------------------------------------ command line
 def build_parser() -> argparse.ArgumentParser:
-    from tdutils.cli_args import count, positive_int, usable_cores
+    from tdutils.cli.args import count, positive_int, usable_cores
 
     held = H.compression_policies()  # the policies that can hold a budget while the cache grows
     budgets = H.int_list("budgets", "64,128")

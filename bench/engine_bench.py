@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness as H
 
-from tdutils.cli_args import drop_ratios, positive_int
+from tdutils.cli.args import drop_ratios, positive_int
 from tdutils.engines.hf import HFEngine, _Request
 from tdutils.engines.packed import packing_available
 from tdutils.metrics import median_min_max

@@ -37,8 +37,8 @@ MiB = 2 ** 20
 
 # ------------------------------------------------------------------------------------------------ options
 def parser(prog: str, doc: str, *, raw: bool = True) -> argparse.ArgumentParser:
-    """A `tdutils.cli_args.OneLineParser` named `prog` (bad options: one line, exit 2) with `doc` as its help."""
-    from tdutils.cli_args import OneLineParser
+    """A `tdutils.cli.args.OneLineParser` named `prog` (bad options: one line, exit 2) with `doc` as its help."""
+    from tdutils.cli.args import OneLineParser
 
     if raw:
         return OneLineParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,7 +50,7 @@ def add_standard(ap, *, json: str | None = "--json", json_dest: str = "json", su
     """The options benches share: `--json PATH` ('-' for stdout), `--summary RUN.json`, `--threads N` (default
     `threads` when not False/True), `--repeats N`, `--model NAME` and `--device` (when given a value; "auto": CUDA
     where there is one)."""
-    from tdutils.cli_args import positive_int
+    from tdutils.cli.args import positive_int
 
     if model is not None:
         ap.add_argument("--model", default=model, help=f"any model load_model takes (default {model})")
@@ -77,10 +77,10 @@ def fail(ap, message) -> None:
 
 
 def one_line_errors(ap, fn, *args, also=()):
-    """`fn(*args)`, with bad input (`tdutils.cli_args.is_usage_error`: ValueError, OSError, ...; and the types in
+    """`fn(*args)`, with bad input (`tdutils.cli.args.is_usage_error`: ValueError, OSError, ...; and the types in
     `also`, e.g. a failed peer venv build) reported in one line as `prog: error: ...`, exit status 2; anything
     else (a bug) keeps its traceback."""
-    from tdutils.cli_args import is_usage_error
+    from tdutils.cli.args import is_usage_error
 
     try:
         return fn(*args)
@@ -310,7 +310,7 @@ def check_ruler_task(task: str) -> None:
 def add_peer_options(ap, *, n: int, batch_size: int, out: str) -> None:
     """The options of the peer comparisons (`peer_kvpress.py`, `peer_openvino.py`): `--model`, RULER `--task`,
     `--context-length`, `--n`, `--max-tokens`, `--seed`, `--batch-size`, `--threads` and `--out`."""
-    from tdutils.cli_args import count, positive_int
+    from tdutils.cli.args import count, positive_int
 
     add_standard(ap, model="smollm2-135m", json=None, summary=False)
     ap.add_argument("--task", default="niah_single_1", help="RULER task (default niah_single_1)")
@@ -322,7 +322,7 @@ def add_peer_options(ap, *, n: int, batch_size: int, out: str) -> None:
     ap.add_argument("--batch-size", type=positive_int, default=batch_size,
                     help=f"tdutils' prefill / decode batch (default {batch_size})")
     ap.add_argument("--threads", type=positive_int, default=None,
-                    help="torch / peer threads on both sides (default: tdutils.cli_args.usable_cores())")
+                    help="torch / peer threads on both sides (default: tdutils.cli.args.usable_cores())")
     ap.add_argument("--out", default=out, help=f"JSON report (default {out})")
 
 

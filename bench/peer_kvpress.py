@@ -211,7 +211,7 @@ def _presses(text: str) -> list[str]:
 
 
 def parse_args(argv=None):
-    from tdutils.cli_args import drop_ratios
+    from tdutils.cli.args import drop_ratios
     from tdutils.engines.hf import POSITIONS
     from tdutils.selection import GRANULARITIES
 
@@ -325,7 +325,7 @@ def _tdutils_side(args, presses):
 def run(args) -> int:
     import torch
 
-    from tdutils.cli_args import usable_cores
+    from tdutils.cli.args import usable_cores
     from tdutils.eval import check_output_path
     from tdutils.models import resolve_model
     from tdutils.outputs import answer_text

@@ -255,7 +255,7 @@ def _block_multiple(text):
 
 
 def parse_args(argv=None):
-    from tdutils.cli_args import count, positive_int
+    from tdutils.cli.args import count, positive_int
 
     ap = H.parser("peer_openvino.py", __doc__)
     H.add_peer_options(ap, n=16, batch_size=4, out=DEFAULT_OUT)
@@ -303,7 +303,7 @@ def run(args) -> int:
     import torch
 
     from tdutils import make_drop_fn
-    from tdutils.cli_args import usable_cores
+    from tdutils.cli.args import usable_cores
     from tdutils.engines.hf import HFEngine
     from tdutils.eval import check_output_path
     from tdutils.models import resolve_model

@@ -135,7 +135,7 @@ def table(report: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tdutils.cli_args import positive_int, usable_cores
+    from tdutils.cli.args import positive_int, usable_cores
 
     ap = H.parser("bench/policy_cost.py", __doc__)
     ap.add_argument("--smoke", action="store_true",

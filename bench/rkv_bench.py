@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/harness.py, also when loaded by path
 import harness as H
 
-from tdutils.cli_args import count, drop_ratio, int_at_least, positive_int
+from tdutils.cli.args import count, drop_ratio, int_at_least, positive_int
 from tdutils.policies.rkv import rkv_importance, rkv_redundancy, rkv_scores
 from tdutils.policies.snapkv import snapkv_scores
 from tdutils.profiling import kept_agreement, peak_memory, synthetic_keys

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/harness.
 import harness as H
 
 from tdutils import rope as R
-from tdutils.cli_args import positive_float, positive_int
+from tdutils.cli.args import positive_float, positive_int
 from tdutils.rope import RopeSpec, rerotate_k_cache
 
 VARIANTS = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, al
 import harness as H
 
 import tdutils
-from tdutils.cli_args import drop_ratios, positive_int
+from tdutils.cli.args import drop_ratios, positive_int
 from tdutils.data import load_prompts
 from tdutils.eval import check_plot_path
 from tdutils.metrics import speedup_notes

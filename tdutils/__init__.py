@@ -4,8 +4,8 @@ Drop the tokens a policy judges least useful from each request's KV cache after 
 surviving keys' RoPE, and decode more requests per batch. See README.md and docs/.
 """
 
-# `python -m tdutils`: a Ctrl-C during the imports below (seconds) ends in one line, exit status 130 (cli_args)
-from .cli_args import exit_on_interrupt_while_starting as _exit_on_interrupt
+# `python -m tdutils`: a Ctrl-C during the imports below (seconds) ends in one line, exit status 130 (stdlib only)
+from .cli.startup import exit_on_interrupt_while_starting as _exit_on_interrupt
 
 _exit_on_interrupt()
 # after the Ctrl-C handler; policies is the policy registry (tdutils.policies.register_policy, policy_names)

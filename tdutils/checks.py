@@ -2,7 +2,7 @@
 per-request decode lengths, drop ratios.
 
 A leaf module (standard library only, no torch): `tdutils.runs`, `tdutils.compression`, `tdutils.selection`, the
-engines and the command line (`tdutils.cli_args`) all check with it, so none of them imports another for a check.
+engines and the command line (`tdutils.cli.args`) all check with it, so none of them imports another for a check.
 Each check returns the value in its canonical type and raises TypeError / ValueError with a one-line message that
 names the setting and what to pass.
 """

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tdutils.cli.eval import add_arguments, run
 from tdutils.data import make_passkey_dataset
-from tdutils.eval import COLUMNS, TRAIN_SEED_BASE, add_arguments, passkey_eval, run, wilson_interval
+from tdutils.eval import COLUMNS, TRAIN_SEED_BASE, passkey_eval, wilson_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 REGRESSION_LENGTH = 512  # trained at 64..2048; 512 keeps the test fast

@@ -2,8 +2,8 @@
 
 import pytest
 
-import tdutils.__main__ as cli
-from tdutils.cli_args import UsageError, is_usage_error, report_error
+import tdutils.cli.main as cli
+from tdutils.cli.args import UsageError, is_usage_error, report_error
 
 
 def _main_failing_with(exc, monkeypatch) -> int:

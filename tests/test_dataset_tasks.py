@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 import tdutils
-from tdutils.__main__ import main
+from tdutils.cli.main import main
 from tdutils.compression import Compression
 from tdutils.engines.hf import HFEngine
 from tdutils.eval import task_eval

@@ -7,7 +7,7 @@ import time
 
 from standins import chunk, closed_port_url, models_route, serve, usage_chunk
 
-from tdutils.__main__ import build_parser
+from tdutils.cli.main import build_parser
 from tdutils.policies import get_policy, policy_names
 
 MODEL = "Qwen/Qwen3-0.6B"

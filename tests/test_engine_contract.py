@@ -146,7 +146,7 @@ def test_the_clis_engine_choices_come_from_the_registry():
 def test_run_opens_a_users_in_process_engine_without_the_server_settings(capsys, tmp_path):
     """An engine registered by a user (here the hf engine under another kind) runs under `run --engine KIND`: the
     vLLM / LMCache addresses go only to engines whose constructor takes them (it raised TypeError before)."""
-    from tdutils.__main__ import main
+    from tdutils.cli.main import main
 
     class OtherHF(HFEngine):
         pass

@@ -191,7 +191,7 @@ def test_a_truncated_gguf_file_fails_in_one_line(cache, tmp_path):
         gguf.dequantized_folder(cut, progress=False)
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith("cut.gguf: "), msg
-    from tdutils.__main__ import main
+    from tdutils.cli.main import main
 
     assert main(["eval", "--model", str(cut), "--tasks", "ruler_niah_single_1", "--json", str(tmp_path / "e.json")]) == 2
     assert not (tmp_path / "e.json").exists()  # refused before any work

@@ -309,7 +309,7 @@ def test_per_head_original_edits_refuse_what_needs_one_position_per_row(tiny, sa
 def test_cli_runs_a_policy_per_head_and_refuses_what_cannot(tiny, tmp_path, capsys):
     import json
 
-    from tdutils.__main__ import main
+    from tdutils.cli.main import main
     from tdutils.data import make_passkey_dataset
 
     data = tmp_path / "passkey.jsonl"

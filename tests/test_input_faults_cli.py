@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import tdutils
-import tdutils.__main__ as cli
+import tdutils.cli.main as cli
 from tdutils.answers import score_passkey, wilson_interval
 from tdutils.data import load_prompts
 from tdutils.eval.tasks import score_rows
@@ -558,7 +558,7 @@ def test_a_signal_stops_a_real_run_cleanly(tmp_path):
 
 
 def test_argparse_types_shared_with_the_benches():
-    from tdutils.cli_args import drop_ratios, int_at_least, positive_float
+    from tdutils.cli.args import drop_ratios, int_at_least, positive_float
 
     assert int_at_least(17)("17") == 17 and positive_float("1e6") == 1e6 and drop_ratios("0.5, 0.75") == [0.5, 0.75]
     for fn, text in ((int_at_least(17), "16"), (positive_float, "nan"), (positive_float, "inf"), (drop_ratios, "nan")):

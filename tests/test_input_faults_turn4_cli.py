@@ -87,7 +87,7 @@ def test_run_checks_context_length_before_building_prompts(local_model, tmp_path
     """`run --context-length` past the model's positions: one line naming both options and the longest length that
     fits, exit 2, before any RULER prompt is built (99,999,999 used to be killed for memory)."""
     from tdutils import ruler
-    from tdutils.__main__ import main
+    from tdutils.cli.main import main
 
     monkeypatch.setattr(ruler, "make_ruler_dataset", _never("make_ruler_dataset"))
     for length in ("99999999", "1000"):  # 1000 + 64 decode tokens > 1024 positions
@@ -100,8 +100,8 @@ def test_run_checks_context_length_before_building_prompts(local_model, tmp_path
 
 
 def test_eval_shares_the_context_check_before_the_model_loads(local_model, tmp_path, monkeypatch, capsys):
-    from tdutils.__main__ import main
-    from tdutils.eval import cli
+    from tdutils.cli import eval as cli
+    from tdutils.cli.main import main
 
     monkeypatch.setattr(cli, "_open_engine", _never("the engine"))
     rc = main(["eval", "--model", local_model, "--tasks", "ruler_niah_single_1", "--context-lengths", "512,1024",
@@ -123,7 +123,7 @@ def test_check_context_lengths_passes_what_fits():
 
 # ------------------------------------------------------------------------------------------ item 11: run options
 def test_run_window_0_names_the_option(tmp_path, capsys):
-    from tdutils.__main__ import main
+    from tdutils.cli.main import main
 
     rc = main(["run", "--policy", "snapkv", "--window", "0", "--json", str(tmp_path / "r.json")])
     err = capsys.readouterr().err.strip()
@@ -133,7 +133,7 @@ def test_run_window_0_names_the_option(tmp_path, capsys):
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full on this system")
 def test_run_json_to_a_full_device_is_refused_before_the_work(monkeypatch, capsys):
     import tdutils
-    from tdutils.__main__ import main
+    from tdutils.cli.main import main
 
     monkeypatch.setattr(tdutils, "open_engine", _never("the engine"))
     rc = main(["run", "--json", "/dev/full"])
@@ -261,7 +261,7 @@ def test_a_rewritten_cached_file_is_checked_by_its_checksum(cache, bpe_tokenizer
 def test_damage_the_checks_cannot_see_fails_in_one_line_at_load(cache, bpe_tokenizer):
     """Same size and time as recorded (bytes flipped in place): safetensors' own error becomes one line naming the
     folder and what to do, not a traceback labelled a bug in tdutils."""
-    from tdutils.cli_args import is_usage_error
+    from tdutils.cli.args import is_usage_error
     from tdutils.models import load_model
 
     folder = _converted(cache / "models" / "m", bpe_tokenizer)

@@ -176,6 +176,41 @@ def test_every_in_function_import_says_why():
                         f"comment (move them to the module top, or say why not): {bare}")
 
 
+# The command line's wing sits above the library: the only imports of it from outside are the package's own start
+# (`tdutils/__init__.py` installs the stdlib-only Ctrl-C hook first) and `python -m tdutils`'s entry point.
+CLI = "tdutils.cli"
+CLI_ENTRIES = {"tdutils": {"tdutils.cli.startup"}, "tdutils.__main__": {"tdutils.cli.main"}}
+
+
+def cli_imports_from_below(imports: list[Import]) -> list[str]:
+    """`module:line -> target` for every import of the command-line wing (`tdutils.cli`, any depth) by a module
+    outside it, other than `CLI_ENTRIES` (in-function imports count too)."""
+    out = []
+    for imp in imports:
+        if imp.module == CLI or imp.module.startswith(CLI + "."):
+            continue
+        for target in sorted(imp.targets):
+            if (target == CLI or target.startswith(CLI + ".")) and target not in CLI_ENTRIES.get(imp.module, ()):
+                out.append(f"{imp.module}:{imp.line} -> {target}")
+    return out
+
+
+def test_the_cli_rule_finds_an_import_from_below():
+    imports = [Import("tdutils.eval.runner", 3, frozenset({"tdutils.cli.args"}), True, "cost"),
+               Import("tdutils.cli.eval", 5, frozenset({"tdutils.eval.runner"}), False, None),
+               Import("tdutils", 8, frozenset({"tdutils.cli.startup"}), False, None),
+               Import("tdutils", 9, frozenset({"tdutils.cli.main"}), False, None)]
+    assert cli_imports_from_below(imports) == ["tdutils.eval.runner:3 -> tdutils.cli.args", "tdutils:9 -> tdutils.cli.main"]
+
+
+def test_nothing_below_the_command_line_imports_it():
+    """Every subcommand, its options and its argument types live in `tdutils/cli/`; the library never imports them."""
+    names = module_names()
+    assert {"tdutils.cli.main", "tdutils.cli.args", "tdutils.cli.eval", "tdutils.cli.doctor"} <= set(names)
+    assert cli_imports_from_below(internal_imports()) == []
+    assert len(names["tdutils.__main__"].read_text().splitlines()) < 15  # a thin entry point: the CLI is in tdutils.cli
+
+
 HEAVY = ("pandas", "scipy", "matplotlib", "transformers", "httpx", "gguf")  # loaded where used, never by --help
 
 

@@ -342,7 +342,7 @@ def short_passkey(tiny, tmp_path_factory):
 
 @pytest.mark.parametrize("policy", NEW)
 def test_cli_runs_every_new_policy(policy, short_passkey, tmp_path, capsys):
-    from tdutils.__main__ import main
+    from tdutils.cli.main import main
 
     rc = main(["run", "--policy", policy, "--dataset", str(short_passkey), "--num-requests", "2", "--max-tokens", "2", "--no-progress",
                "--json", str(tmp_path / "run.json"), "--window", "8", "--n-sink", "2"])
@@ -355,7 +355,7 @@ def test_cli_runs_every_new_policy(policy, short_passkey, tmp_path, capsys):
 
 
 def test_cli_policy_options_reach_only_policies_that_have_them(tmp_path, capsys):
-    from tdutils.__main__ import main
+    from tdutils.cli.main import main
 
     rc = main(["run", "--policy", "knorm", "--kernel-size", "3", "--json", str(tmp_path / "r.json")])
     err = capsys.readouterr().err
@@ -370,8 +370,8 @@ def _options(parser) -> dict:
 def test_cli_options_come_from_every_policys_parameters():
     import argparse
 
-    from tdutils.__main__ import build_parser
-    from tdutils.eval import add_arguments
+    from tdutils.cli.eval import add_arguments
+    from tdutils.cli.main import build_parser
 
     run = build_parser()._subparsers._group_actions[0].choices["run"]
     ev = argparse.ArgumentParser()
@@ -393,8 +393,8 @@ def test_cli_options_come_from_every_policys_parameters():
 def test_a_new_policys_parameter_reaches_the_cli_with_no_edit(capsys):
     from typing import Literal
 
-    from tdutils.__main__ import build_parser
-    from tdutils.policies.cli import policy_arguments, policy_params
+    from tdutils.cli.main import build_parser
+    from tdutils.cli.policy_options import policy_arguments, policy_params
 
     @dataclasses.dataclass
     class StrideParams:

@@ -15,7 +15,7 @@ import io
 
 from standins import chunk, models_route, serve, usage_chunk
 
-from tdutils.__main__ import build_parser
+from tdutils.cli.main import build_parser
 from tdutils.policies import policy_names
 from tdutils.serving.probes import lmcache_model_name
 

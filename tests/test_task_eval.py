@@ -13,16 +13,9 @@ import json
 import pandas as pd
 import pytest
 
+from tdutils.cli.eval import add_arguments, run
 from tdutils.data import RULER_TASKS, make_task_dataset
-from tdutils.eval import (
-    TASK_COLUMNS,
-    add_arguments,
-    leaderboard,
-    run,
-    split_question,
-    task_eval,
-    task_markdown,
-)
+from tdutils.eval import TASK_COLUMNS, leaderboard, split_question, task_eval, task_markdown
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread (tiny models, shared cores)
 

@@ -4,10 +4,11 @@ defaults, refusals and the notes for accuracies that measure nothing. One small 
 import pandas as pd
 import pytest
 
-from tdutils.__main__ import accuracy_notes, main
 from tdutils.answers import ScoreReport
+from tdutils.cli.eval import parse_tasks
+from tdutils.cli.main import accuracy_notes, main
 from tdutils.data import RULER_TASKS
-from tdutils.eval import parse_tasks, weak_task_notes
+from tdutils.eval import weak_task_notes
 from tdutils.eval.tasks import Task, get_task, register_task, task_names
 from tdutils.ruler import RULER_TEMPLATE_TASKS
 

@@ -175,7 +175,6 @@ and a final report at 1024, 2048 and 4096 tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import shutil
@@ -282,7 +281,7 @@ def pointer_sources(task: str, prompt: list[int], answer: list[int], ids: dict[s
     keyed = {}
     for i in needles:
         keyed.setdefault(prompt[i + 2], []).append(i)
-    digits = lambda i: [(i + 3 + j, 0) for j in range(5)]  # noqa: E731 (a needle's five value digits)
+    digits = lambda i: [(i + 3 + j, 0) for j in range(5)]
     if task == "niah_multiquery":  # `pass key W1 W2 W3 W4 ?` -> `W1 d d d d d , W2 ... .`
         out = []
         for k in range(len(answer) // 7):
@@ -518,7 +517,10 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 def main(argv=None) -> int:
     summary, _, history = __doc__.partition("\n\n")
     # options first; the runs and measurements (~140 lines) follow them
-    from tdutils.cli_args import OneLineParser, usable_cores  # bad options in one line, exit 2, as the other commands
+    from tdutils.cli.args import (  # bad options in one line, exit 2, as the other commands
+        OneLineParser,
+        usable_cores,
+    )
 
     ap = OneLineParser(description=summary, epilog=history, formatter_class=_HelpFormatter)
     ap.add_argument("--seed", type=int, default=0,

@@ -2,8 +2,8 @@
 
 One file per policy; each registers itself with `register_policy` (see `registry`; import order here is
 registration order), which is how `tdutils.make_drop_fn`, the command line, `passkey_eval` and the notebooks
-find it. Helpers: `scoring` (attention from captured queries), `params` (field checks), `cli` (command-line
-options from the parameter dataclasses). Policies never import `tdutils.edit` or the engines. By name (needs):
+find it. Helpers: `scoring` (attention from captured queries), `params` (field checks); their command-line
+options come from `tdutils.cli.policy_options`. Policies never import `tdutils.edit` or the engines. By name (needs):
 
 - `snapkv` (last `window` queries): Li et al. 2024, arXiv:2404.14469
 - `rkv` (last `window` queries): Cai et al. 2025, arXiv:2505.24133

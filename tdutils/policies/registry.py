@@ -1,7 +1,7 @@
 """The policy registry: every token-selection policy is reachable by name through it.
 
 A policy declares its name, a parameters dataclass (fields with defaults, each checked once in
-`__post_init__`; `field(metadata={"help": ...})` is its `--help` text, see `tdutils.policies.cli`), what it
+`__post_init__`; `field(metadata={"help": ...})` is its `--help` text, see `tdutils.cli.policy_options`), what it
 needs from the engine, and `keep(kv [2, L, T, D], q [L, Tq, Hq*d] | None, drop_ratio, *, params, facts) ->
 sorted LongTensor [k]` (with `granularities=("request", "layer", "head")` also `keep(..., granularity=...)` ->
 `[L, k]` / `[L, H_kv, k]`). `tdutils.make_drop_fn(name, ...)`, `python -m tdutils run --policy NAME`,

@@ -15,11 +15,10 @@ from __future__ import annotations
 import os
 import sys
 
-from .cli_args import OneLineParser, UsageError, report_error
-from .policies import get_policy, policy_names
-from .serving.completion import CompletionError, make_post_completion
-from .serving.kvlayout import FUSED_FORMATS
-from .serving.patches import (
+from ..policies import get_policy, policy_names
+from ..serving.completion import CompletionError, make_post_completion
+from ..serving.kvlayout import FUSED_FORMATS
+from ..serving.patches import (
     SUPPORTED_TEXT,
     PatchError,
     check_version,
@@ -30,7 +29,7 @@ from .serving.patches import (
     patch_for,
     status,
 )
-from .serving.probes import (
+from ..serving.probes import (
     LMCACHE_START_HINT,
     VLLM_START_HINT,
     ServerError,
@@ -38,6 +37,7 @@ from .serving.probes import (
     lmcache_model_name,
     registered_models,
 )
+from .args import OneLineParser, UsageError, report_error
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -370,7 +370,7 @@ def run(args, out=None) -> int:
 
 
 def main(argv=None) -> int:
-    ap = OneLineParser(prog="python -m tdutils.doctor", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m tdutils doctor", description=__doc__.splitlines()[0])
     add_arguments(ap)
     args = ap.parse_args(argv)
     try:

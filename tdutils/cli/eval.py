@@ -1,7 +1,7 @@
 """`python -m tdutils eval` (and `bench/accuracy.py`): options, task names, the run, its table, JSON and plot.
 
 `add_arguments(parser)` adds the options and `run(args) -> exit status` runs them (the `SUBCOMMANDS` contract of
-`tdutils.__main__`). Every option left unset takes its default from the registration of the run's tasks
+`tdutils.cli.main`). Every option left unset takes its default from the registration of the run's tasks
 (`tdutils.eval.tasks.Defaults`: model, policies, drop ratios, context lengths, n, modes, decode tokens, layout);
 `--tasks` unset runs the tasks registered for `--model` (none given: the passkey benchmark of `tiny-qwen3`; a model
 that is not bundled: RULER's templates). Everything that can be checked without the model is checked before any
@@ -20,11 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..chat import uses_chat_template
-from ..cli_args import INTERRUPTED, usable_cores
-from ..models import check_context_lengths, context_window, resolve_model
-from ..policies import policy_names
-from ..policies.cli import policy_arguments, policy_params
-from .common import (
+from ..eval.common import (
     DEV_SEED,
     FULL,
     HELDOUT_SEED,
@@ -34,7 +30,7 @@ from .common import (
     check_plot_path,
     check_seed,
 )
-from .report import (
+from ..eval.report import (
     OVER_BUDGET,
     format_table,
     format_task_table,
@@ -46,9 +42,14 @@ from .report import (
     weak_task_notes,
     write_json,
 )
-from .runner import COLUMNS, TASK_COLUMNS, _open_engine, lengths_eval, split_granularity, task_eval
-from .statistics import has_scores
-from .tasks import GROUPS, MODES, RULER, SUITE_LABELS, SUITES, Defaults, get_task, task_names
+from ..eval.runner import COLUMNS, TASK_COLUMNS, _open_engine, lengths_eval, split_granularity, task_eval
+from ..eval.statistics import has_scores
+from ..eval.tasks import GROUPS, MODES, RULER, SUITE_LABELS, SUITES, Defaults, get_task, task_names
+from ..models import check_context_lengths, context_window, resolve_model
+from ..policies import policy_names
+from .args import usable_cores
+from .policy_options import policy_arguments, policy_params
+from .startup import INTERRUPTED
 
 ALL = "all"  # --policies: every registered policy; --tasks: every word-level task
 RULER_SUITE = "ruler"  # --tasks: every RULER template task
@@ -230,7 +231,7 @@ class EvalPlan:
 def run(args) -> int:
     """Run the benchmark for parsed `args` (see `add_arguments`): print the table, write JSON and plot.
 
-    Returns the exit status: 0, or `cli_args.INTERRUPTED` (130) when Ctrl-C stopped it; then the cells that
+    Returns the exit status: 0, or `startup.INTERRUPTED` (130) when Ctrl-C stopped it; then the cells that
     finished are written to `--json` with `"interrupted": true` in its meta, and one line says so. Raises
     ValueError for bad values (the CLI prints it as an error).
     """
@@ -420,7 +421,7 @@ def report_eval(args, plan: EvalPlan, table, used_chat: bool, meta: dict, t0: fl
 
 def _interrupted(finished: list[dict], columns, json_path, meta: dict, t0: float) -> int:
     """Ctrl-C stopped `run`: write the `finished` cells as JSON (meta `"interrupted": true`), say in one line where
-    they went, and return `cli_args.INTERRUPTED`."""
+    they went, and return `startup.INTERRUPTED`."""
     import pandas as pd
 
     if not finished:

@@ -23,7 +23,7 @@ import types
 import typing
 from dataclasses import dataclass
 
-from .registry import get_policy, policy_names
+from ..policies.registry import get_policy, policy_names
 
 
 @dataclass(frozen=True)
