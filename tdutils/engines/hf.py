@@ -535,9 +535,12 @@ class HFEngine(Engine):
         if rerotate is not None and rerotate != (positions == "compact"):
             raise ValueError(f"positions={positions!r} needs a drop function with rerotate={positions == 'compact'}, "
                              f"got rerotate={rerotate}; build it with make_drop_fn(..., rerotate={positions == 'compact'})")
-        if drop_fn.granularity != "request" and self._mask_windows is not None:
-            raise ValueError(f"granularity={drop_fn.granularity!r} needs a model with full attention only: this model's "
-                             "sliding-window layers mask keys by one position per cache row; use granularity='request'")
+        if drop_fn.granularity != "request" and self._mask_windows is not None and positions == "original":
+            # compact positions give row i position i in every head, so windows by row position stay exact
+            raise ValueError(f"granularity={drop_fn.granularity!r} at positions='original' needs a model with full "
+                             "attention only: this model's sliding-window layers mask keys by one position per cache "
+                             "row, and each head keeps its own positions; use positions='compact' or "
+                             "granularity='request'")
         if positions == "original" or any(r.pad is not None for r in self.requests):
             self._refuse_per_head_positions("another modify()")
         return positions
