@@ -608,8 +608,8 @@ def granularity_cost(stored: str = GRANULARITY_COST) -> str:
                     f"{statistics.median(r['tokens_per_s'] for r in mine):.1f}",
                     f"{statistics.median(r['tokens_per_s'] / base[r['round']] for r in mine):.2f}",
                     str(mine[0]["kv_rows"])])
-    return "\n".join([_table(["variant", "modify s (batch)", "decode tokens/s", "decode speed / request's",
-                               "KV rows per layer"], out), "",
+    return "\n".join([_table(["variant", f"modify s ({m['n']} requests)", "decode tokens/s",
+                               "decode speed / request's (same round)", "KV rows stored per layer"], out), "",
                        f"{m['n']} prompts of {m['length']} tokens, one batch, drop {m['ratio']:g}, {m['tokens']} "
                        f"greedy tokens each, {m['rounds']} rounds alternating the variants (median shown). "
                        + _source(stored, f"model `{m['model']}`", _threads(m["threads"]),

@@ -746,8 +746,9 @@ class HFEngine(Engine):
         refeeds that token, so the first logits are computed over the edited cache, as vLLM does) at the positions
         decode feeds them: `refeed_pos, refeed_pos + 1, ...` (compact after an edit: from `k - 1`; original: after
         the last kept position), attending to every cached row (per-head padding rows hidden, sliding windows by
-        position) and causally to each other. Equal to the decode path up to float summation order (fp32: ~1e-6),
-        about `m` times fewer forwards; the caches are left as they were.
+        position) and causally to each other. Equal to the decode path up to float summation order (fp32: within
+        1e-4 of SmolLM2-135M's logits, whose decode runs on prepacked linears), in one forward instead of `m`;
+        the caches are left as they were.
 
         Args:
             continuations: one token-id list per request (lengths may differ), each at least one id in the vocabulary.
