@@ -266,31 +266,99 @@ def test_families_per_head_original_positions_equal_the_masked_forward_fp32(fami
     _assert_masked_forward(model, prompts, keeps, outs, atol=1e-5)
 
 
-def test_sliding_window_models_refuse_per_head_sets_in_one_line(tiny):
+def test_sliding_window_models_refuse_per_head_sets_at_original_positions_in_one_line(tiny):
     from families import family_model
 
     model = family_model("gemma3")
-    eng = HFEngine(model, tokenizer=tiny[1], progress=False)
+    eng = HFEngine(model, tokenizer=tiny[1], progress=False, positions="original")
     eng.prefill([list(range(4, 60))])
-    with pytest.raises(ValueError, match="sliding-window layers"):
-        eng.modify(make_drop_fn("knorm", model_config=model, granularity="head"))
+    with pytest.raises(ValueError, match="sliding-window layers.*use positions='compact'"):
+        eng.modify(make_drop_fn("knorm", model_config=model, granularity="head", rerotate=False))
 
 
-@pytest.mark.real_models
-def test_smollm2_per_head_original_positions_equal_the_masked_forward(tiny):
-    """The same on SmolLM2-135M (fp32, <= 1e-4), per-head SnapKV sets on a 300-token text prompt; Gemma 3's
-    sliding-window layers refuse non-request granularity (`test_sliding_window_models_refuse_...`)."""
+def _assert_own_forward_over_edited_cache(model, eng, outs, atol):
+    """Compact per-head sets: each decode step's logits equal the model's own forward (its own masks and sliding-window
+    cache layers, `DynamicCache(config=...)`) over the edited cache minus its last row, the last row's token fed again
+    at position `k - 1`; returns the largest difference seen."""
+    from transformers import DynamicCache
+
+    worst = 0.0
+    with torch.inference_mode():
+        for i, out in enumerate(outs):
+            kv = eng.kv(i)  # [2, L, k, D]
+            k, H, d = kv.shape[2], eng.facts.num_kv_heads, eng.facts.head_dim
+            cache = DynamicCache(config=model.config)
+            for layer in range(kv.shape[1]):
+                rows = kv[:, layer, :-1].view(2, k - 1, H, d).transpose(1, 2)[:, None]  # [2, 1, H, k - 1, d]
+                cache.update(rows[0], rows[1], layer)
+            tok, pos = eng.tokens(i)[-1], k - 1
+            for step in range(len(out.logits)):
+                logits = model(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[pos]]), cache=cache,
+                               use_cache=True).logits[0, -1]
+                torch.testing.assert_close(out.logits[step], logits, atol=atol, rtol=0)
+                worst = max(worst, float((out.logits[step] - logits).abs().max()))
+                tok, pos = int(logits.argmax()), pos + 1
+                assert tok == out.output_ids[step]
+    return worst
+
+
+@pytest.mark.parametrize("granularity", ["layer", "head"])
+def test_sliding_window_models_decode_compact_per_head_sets_as_their_own_forward(tiny, granularity):
+    """Gemma 3 family (16-token windows on two of three layers), compact positions: row `i` sits at position `i` in
+    every head, so windows by row position apply alike in every head; decode equals the model's own forward over
+    the edited cache (fp32, <= 1e-5), with more kept rows than the window."""
+    from families import WINDOW, family_model
+
+    model = family_model("gemma3")
+    prompts = [torch.randint(4, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (48, 61)]
+    fn = make_drop_fn("random", drop_ratio=0.5, model_config=model, granularity=granularity, n_sink=2, window=2,
+                      seed=1)
+    eng = HFEngine(model, tokenizer=tiny[1], progress=False)
+    eng.prefill(prompts)
+    keeps = [fn.keep_indices(eng.tensors(i), eng.tokens(i)) for i in range(2)]
+    eng.modify(fn)
+    outs = eng.decode(max_tokens=4, keep_logits=True)
+    assert min(eng.kv(i).shape[2] for i in range(2)) > WINDOW and not torch.equal(keeps[0][0], keeps[0][-1])
+    _assert_own_forward_over_edited_cache(model, eng, outs, atol=1e-5)
+
+
+def _real_model(name):
     from tdutils.models import load_model
 
     try:
-        model, tok = load_model("smollm2-135m", device="cpu", dtype="float32", progress=False)
+        return load_model(name, device="cpu", dtype="float32", progress=False)
     except (OSError, ImportError) as exc:
         pytest.skip(str(exc))
+
+
+@pytest.mark.real_models
+@pytest.mark.parametrize("granularity", ["layer", "head"])
+def test_smollm2_per_head_original_positions_equal_the_masked_forward(tiny, granularity):
+    """The same on SmolLM2-135M (fp32, <= 1e-4), per-layer / per-head SnapKV sets on a 300-token text prompt."""
+    model, tok = _real_model("smollm2-135m")
     ids = tok("The grass is green. The sky is blue. The sun is yellow. " * 20)["input_ids"][:300]
-    fn = make_drop_fn("snapkv", drop_ratio=0.5, model_config=model, rerotate=False, granularity="head", window=16)
+    fn = make_drop_fn("snapkv", drop_ratio=0.5, model_config=model, rerotate=False, granularity=granularity,
+                      window=16)
     keeps, outs = _decode_after((model, tok), [ids], fn, positions="original", model=model, max_tokens=3)
-    assert not torch.equal(keeps[0][:, 0], keeps[0][:, 1])
+    assert not torch.equal(keeps[0][0], keeps[0][-1])
     _assert_masked_forward(model, [ids], keeps, outs, atol=1e-4)
+
+
+@pytest.mark.real_models
+def test_gemma3_compact_per_head_sets_decode_as_its_own_forward(tiny):
+    """Gemma 3 270M (fp32, <= 1e-4; 512-token windows on five of six layers, one KV head per layer, so "head" and
+    "layer" pick the same sets): per-head KNorm sets at compact positions, drop 0.25 of a 720-token text prompt
+    (540 kept rows, more than the window), decode as the model's own forward over the edited cache."""
+    model, tok = _real_model("gemma3-270m")
+    ids = tok("The grass is green. The sky is blue. The sun is yellow. " * 60)["input_ids"][:720]
+    fn = make_drop_fn("knorm", drop_ratio=0.25, model_config=model, granularity="head")
+    eng = HFEngine(model, tokenizer=tok, progress=False, query_window=0, packed_linears=False)  # packing: ~10 s
+    eng.prefill([ids])
+    keep = fn.keep_indices(eng.tensors(0), eng.tokens(0))
+    eng.modify(fn)
+    outs = eng.decode(max_tokens=3, keep_logits=True)
+    assert eng.kv(0).shape[2] == 540 > model.config.sliding_window and not torch.equal(keep[0], keep[-1])
+    _assert_own_forward_over_edited_cache(model, eng, outs, atol=1e-4)
 
 
 def test_per_head_original_edits_refuse_what_needs_one_position_per_row(tiny, sample_ids):

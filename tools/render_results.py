@@ -482,6 +482,150 @@ def speed_summary() -> str:
                        "of the 2 cores for its scheduler, so its model runs one thread there)")])
 
 
+# ---------------------------------------------------------------------- granularity leaderboard (issue 44, item 5)
+GRANULARITIES = ("request", "layer", "head")
+MOVING_BUDGETS = ("adakv_snapkv", "pyramidkv")
+
+
+def _granularity_cells(report: dict) -> tuple[dict, list[str], list[str]]:
+    """`({(policy, granularity, ratio): row}, the run's policies with more than one granularity in run order,
+    the granularities it ran)` of a stored text-fidelity run whose policy labels carry `/layer`, `/head`."""
+    from tdutils.eval.runner import split_granularity
+
+    cells, names = {}, []
+    for r in report["rows"]:
+        name, g = split_granularity(r["policy"])
+        cells[name, g, r["drop_ratio"]] = r
+        if g != "request" and name not in names:
+            names.append(name)
+    grans = [g for g in GRANULARITIES if any(k[1] == g for k in cells)]
+    return cells, names, grans
+
+
+def granularity_tests(report: dict) -> list[dict]:
+    """Per (policy, drop ratio) of a stored run: mean KL and modify ms per request at each granularity, the paired
+    sign-flip tests between the granularities (`pairwise_tests`, Holm across the policy's pairs at that ratio)
+    and `top`: the granularities no other beats (Holm p < 0.05); one of them alone is the winner."""
+    from tdutils.eval import pairwise_tests
+
+    cells, names, grans = _granularity_cells(report)
+    out = []
+    for name in names:
+        for ratio in report["meta"]["drop_ratios"]:
+            here = {g: cells[name, g, ratio] for g in grans if (name, g, ratio) in cells}
+            if len(here) < 2:
+                continue
+            tests = pairwise_tests({g: c["scores"]["kl"] for g, c in here.items()}, "kl")
+            beaten = {(t.b if t.better == t.a else t.a) for t in tests.itertuples() if t.separated}
+            out.append({"policy": name, "ratio": ratio, "n": here[next(iter(here))]["n"],
+                        "kl": {g: c["score"] for g, c in here.items()},
+                        "modify_ms": {g: 1e3 * c["modify_s"] / c["n"] for g, c in here.items()},
+                        "tests": tests, "top": [g for g in here if g not in beaten]})
+    return out
+
+
+def _verdict(t: dict) -> str:
+    """A row's ranking in words, each separation with its Holm-adjusted p."""
+    seps = [f"{r.better} < {r.b if r.better == r.a else r.a} (p = {r.p_holm:.2g})" for r in t["tests"].itertuples()
+            if r.separated]
+    if not seps:
+        return f"not separated (Holm p >= {t['tests']['p_holm'].min():.2g})"
+    return "; ".join(seps)
+
+
+def _winner(t: dict) -> str:
+    return f"**{t['top'][0]}**" if len(t["top"]) == 1 else " ≈ ".join(t["top"]) if len(t["top"]) < len(t["kl"]) else "none"
+
+
+def granularity_leaderboard(stored: str) -> str:
+    """The granularity leaderboard of a stored text-fidelity run: per policy and drop ratio the mean KL at each
+    granularity, the modify time per request, the winner and the paired tests; then the moving-budget policies
+    (AdaKV, PyramidKV) against SnapKV's uniform sets at request and head granularity."""
+    from tdutils.eval import holm, paired_test
+
+    report = load(stored)
+    m = report["meta"]
+    cells, _, grans = _granularity_cells(report)
+    rows = [[f"`{t['policy']}`", f"{t['ratio']:g}", *(f"{t['kl'][g]:.3f}" if g in t["kl"] else "–" for g in grans),
+             " / ".join(f"{t['modify_ms'][g]:.0f}" for g in grans if g in t["modify_ms"]), _winner(t), _verdict(t)]
+            for t in granularity_tests(report)]
+    head = ["policy", "drop", *(f"KL {g}" for g in grans), f"modify ms/request ({' / '.join(grans)})", "wins",
+            "paired sign-flip tests (Holm over the policy's pairs)"]
+    parts = [_table(head, rows)]
+    moving = []
+    for name in MOVING_BUDGETS:
+        for ratio in m["drop_ratios"]:
+            c = cells.get((name, "request", ratio))
+            refs = [(g, cells.get(("snapkv", g, ratio))) for g in ("request", "head")]
+            refs = [(g, r) for g, r in refs if r is not None]
+            if c is None or not refs:
+                continue
+            res = [paired_test(c["scores"]["kl"], r["scores"]["kl"], "kl") for _, r in refs]
+            ps = holm([x.p_value for x in res])
+            moving.append([f"`{name}`", f"{ratio:g}", f"{c['score']:.3f}", f"{1e3 * c['modify_s'] / c['n']:.0f}",
+                           f"{c['kept_tokens']:.0f}",
+                           "; ".join(f"snapkv/{g}: {r['score']:.3f}, diff {x.diff:+.3f} (p = {p:.2g})"
+                                     for (g, r), x, p in zip(refs, res, ps))])
+    if moving:
+        parts += ["", _table(["policy", "drop", "KL", "modify ms/request", "KV rows stored per layer",
+                              "against SnapKV's uniform sets (paired sign-flip, Holm over the two)"], moving)]
+    done = len(report["rows"])
+    planned = 1 + (len(m["policies"]) - 1) * len(m["drop_ratios"])
+    parts += ["", f"Mean KL(full ‖ edited) per continuation token (nats, lower is better) on the same {m['n']} texts "
+              f"in every cell; a granularity wins where the paired sign-flip test separates it from each other one "
+              f"(Holm-adjusted p < 0.05 across the policy's pairs at that ratio), `≈` lists the granularities no other "
+              f"beats, `none`: no separation. Modify: seconds in `modify` per request (scoring and gathering). "
+              + ("" if done >= planned else f"The run was stopped at its deadline: {done} of its {planned} cells. ")
+              + _source(stored, f"model `{m['model']}`", f"{m['context_lengths'][0]}-token prompts, "
+                        f"{report['rows'][0]['max_tokens']} teacher-forced continuation tokens", _seed(m["seed"]),
+                        _threads(m["threads"]), f"{_minutes(m['seconds'])} of wall time on the shared 2 cores")]
+    return "\n".join(parts)
+
+
+def granularity_winners(*stored: str) -> str:
+    """README's line per policy: which granularity wins at each drop ratio on each stored run, with the p-values."""
+    rows = []
+    for name in stored:
+        report = load(name)
+        model = MODEL_NAMES.get(report["meta"]["model"], report["meta"]["model"])
+        by = {}
+        for t in granularity_tests(report):
+            ps = [r.p_holm for r in t["tests"].itertuples() if r.separated and r.better in t["top"]]
+            why = f" (p <= {max(ps):.2g})" if ps else ""
+            by.setdefault(t["policy"], []).append(f"{t['ratio']:g}: {_winner(t)}{why}")
+        rows += [[f"`{p}`", model, "; ".join(v)] for p, v in by.items()]
+    return _table(["policy", "model", "winning granularity per drop ratio (paired sign-flip, Holm)"], rows)
+
+
+GRANULARITY_RUNS = ("granularity_fidelity_smollm2_2048_n32", "granularity_fidelity_gemma3_2048")
+GRANULARITY_COST = "granularity_cost_smollm2_2048"
+
+
+def granularity_cost(stored: str = GRANULARITY_COST) -> str:
+    """Modify seconds and decode speed after one policy's edit at each granularity (`tools/granularity_cost.py`):
+    the median over rounds per variant, and each variant's decode speed over the request granularity's in the
+    same round (the rounds alternate the variants)."""
+    import statistics
+
+    report = load(stored)
+    m, rows = report["meta"], report["rows"]
+    base = {r["round"]: r["tokens_per_s"] for r in rows if r["policy"] == "snapkv" and r["granularity"] == "request"}
+    out = []
+    for key in dict.fromkeys((r["policy"], r["granularity"]) for r in rows):
+        mine = [r for r in rows if (r["policy"], r["granularity"]) == key]
+        label = key[0] if key[1] == "request" and key[0] != "snapkv" else f"{key[0]}/{key[1]}"
+        out.append([f"`{label}`", f"{statistics.median(r['modify_s'] for r in mine):.2f}",
+                    f"{statistics.median(r['tokens_per_s'] for r in mine):.1f}",
+                    f"{statistics.median(r['tokens_per_s'] / base[r['round']] for r in mine):.2f}",
+                    str(mine[0]["kv_rows"])])
+    return "\n".join([_table(["variant", f"modify s ({m['n']} requests)", "decode tokens/s",
+                               "decode speed / request's (same round)", "KV rows stored per layer"], out), "",
+                       f"{m['n']} prompts of {m['length']} tokens, one batch, drop {m['ratio']:g}, {m['tokens']} "
+                       f"greedy tokens each, {m['rounds']} rounds alternating the variants (median shown). "
+                       + _source(stored, f"model `{m['model']}`", _threads(m["threads"]),
+                                 f"{_minutes(m['seconds'])} of wall time on the shared 2 cores")])
+
+
 # SnapKV at each granularity x positions on tdutils' side, the same kvpress SnapKVPress on the other (issue 44)
 SNAPKV_RUNS = ("peer_kvpress_head", "peer_kvpress_snapkv_head_compact", "peer_kvpress_snapkv_request_original",
                "peer_kvpress_snapkv_request_compact")
@@ -522,6 +666,10 @@ BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
     "dtype_fidelity": (dtype_fidelity, ("dtype_fidelity_smollm2",)),
     "granularity_fidelity": (lambda: fidelity_ranking("granularity_fidelity_smollm2_2048"),
                              ("granularity_fidelity_smollm2_2048",)),
+    "granularity_leaderboard_smollm2": (lambda: granularity_leaderboard(GRANULARITY_RUNS[0]), GRANULARITY_RUNS[:1]),
+    "granularity_leaderboard_gemma3": (lambda: granularity_leaderboard(GRANULARITY_RUNS[1]), GRANULARITY_RUNS[1:]),
+    "granularity_winners": (lambda: granularity_winners(*GRANULARITY_RUNS), GRANULARITY_RUNS),
+    "granularity_cost": (granularity_cost, (GRANULARITY_COST,)),
 }
 
 

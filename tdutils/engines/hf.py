@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -535,9 +535,12 @@ class HFEngine(Engine):
         if rerotate is not None and rerotate != (positions == "compact"):
             raise ValueError(f"positions={positions!r} needs a drop function with rerotate={positions == 'compact'}, "
                              f"got rerotate={rerotate}; build it with make_drop_fn(..., rerotate={positions == 'compact'})")
-        if drop_fn.granularity != "request" and self._mask_windows is not None:
-            raise ValueError(f"granularity={drop_fn.granularity!r} needs a model with full attention only: this model's "
-                             "sliding-window layers mask keys by one position per cache row; use granularity='request'")
+        if drop_fn.granularity != "request" and self._mask_windows is not None and positions == "original":
+            # compact positions give row i position i in every head, so windows by row position stay exact
+            raise ValueError(f"granularity={drop_fn.granularity!r} at positions='original' needs a model with full "
+                             "attention only: this model's sliding-window layers mask keys by one position per cache "
+                             "row, and each head keeps its own positions; use positions='compact' or "
+                             "granularity='request'")
         if positions == "original" or any(r.pad is not None for r in self.requests):
             self._refuse_per_head_positions("another modify()")
         return positions
@@ -687,6 +690,16 @@ class HFEngine(Engine):
         ext_b]`, the padding masked out; masks are built by position (the slot store's rule), so sliding windows
         apply as in `decode`.
         """
+        cache, recorder, _ = self._extend_forward(reqs, ext, starts)
+        ms, width = [len(x) for x in ext], max(r.kv.shape[2] for r in reqs) + max(map(len, ext))
+        return [self._extend_row(b, r, ms[b], cache, recorder, width) for b, r in enumerate(reqs)]
+
+    def _extend_forward(self, reqs: list[_Request], ext: list[list[int]], starts: list[int] | None = None, *,
+                        capture: bool = True, logits_to_keep: int = 1) -> tuple:
+        """`_extend_batch`'s padded forward: `(cache, recorder, model output)`, the output's logits those of the
+        last `logits_to_keep` columns `[B, logits_to_keep, vocab]`; `capture` False records no queries. A request
+        holding per-head positions (`[L, H_kv, T]`, an `"original"` edit per layer or head) masks its cache by each
+        row's latest position: every row precedes the fed tokens (models with sliding windows refuse such edits)."""
         B, L = len(reqs), self.facts.num_layers
         lens, ms = [r.kv.shape[2] for r in reqs], [len(x) for x in ext]
         C, M = max(lens), max(ms)
@@ -702,7 +715,8 @@ class HFEngine(Engine):
             T, m, first = lens[b], ms[b], r.refeed_pos + 1 if starts is None else starts[b]
             k, v = self._row_kv(r.kv)  # [L, H_kv, T, d]
             keys[:, b, :, C - T:], values[:, b, :, C - T:] = k, v
-            key_pos[b, C - T:C] = r.positions if r.positions is not None else torch.arange(T)
+            pos = r.positions if r.positions is None or r.positions.dim() == 1 else r.positions.flatten(0, -2).amax(0)
+            key_pos[b, C - T:C] = pos if pos is not None else torch.arange(T)
             key_ok[b, C - T:C] = True
             new_pos = torch.arange(first, first + m)
             input_ids[b, M - m:] = torch.tensor(x)
@@ -715,14 +729,56 @@ class HFEngine(Engine):
         del keys, values
         self._hide_padding(reqs, cache, lens, C + M)
         masks = self._extend_masks(key_ok, key_pos, query_pos, ms, C)
-        recorder = QueryRecorder(self.query_window)
-        if self.query_window != 0:
+        recorder = QueryRecorder(self.query_window if capture else 0)
+        if recorder.window != 0:
             self._prepare_capture(self.query_window, ())
-        with recording(recorder):
-            self._forward(input_ids.to(self.device), masks, query_pos.to(self.device), cache)
-        if self.query_window != 0:
+        with recording(recorder) if capture else nullcontext():
+            out = self._forward(input_ids.to(self.device), masks, query_pos.to(self.device), cache, logits_to_keep)
+        if recorder.window != 0:
             recorder.spec(L)  # ValueError naming the layers whose attention did not run through the capture
-        return [self._extend_row(b, r, ms[b], cache, recorder, C + M) for b, r in enumerate(reqs)]
+        return cache, recorder, out
+
+    @torch.inference_mode()
+    def teacher_forced_logits(self, continuations: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Teacher forcing in one forward per batch: the logits `decode(max_tokens=m, forced_ids=continuations,
+        keep_logits=True)` keeps, computed by feeding each request's last cached token and its continuation but
+        the last (`[tokens[-1]] + continuation[:-1]`, `m` tokens) over its cache minus its last row (decode
+        refeeds that token, so the first logits are computed over the edited cache, as vLLM does) at the positions
+        decode feeds them: `refeed_pos, refeed_pos + 1, ...` (compact after an edit: from `k - 1`; original: after
+        the last kept position), attending to every cached row (per-head padding rows hidden, sliding windows by
+        position) and causally to each other. Equal to the decode path up to float summation order (fp32: within
+        1e-4 of SmolLM2-135M's logits, whose decode runs on prepacked linears), in one forward instead of `m`;
+        the caches are left as they were.
+
+        Args:
+            continuations: one token-id list per request (lengths may differ), each at least one id in the vocabulary.
+
+        Returns:
+            Per request its logits `[m, vocab]` on the CPU (fp32, or the model dtype when wider): row `s` predicts
+            `continuations[i][s]`.
+
+        Raises:
+            RuntimeError: called before `prefill`.
+            TypeError / ValueError: not one non-empty list of in-vocabulary ids per request (`check_forced_ids`).
+        """
+        if not self.requests:
+            raise RuntimeError("teacher_forced_logits() needs prefilled requests; call prefill(prompts) first")
+        lengths = [len(c) if isinstance(c, Sequence) and not isinstance(c, str) else 1 for c in continuations]
+        forced = check_forced_ids(continuations, [r.request_id for r in self.requests], [max(1, n) for n in lengths],
+                                  self._vocab_size())
+        fed = [[r.tokens[-1]] + forced[r.request_id][:-1] for r in self.requests]
+        warn_past_context("teacher_forced_logits()", max(r.refeed_pos + len(x) - 1 for r, x in zip(self.requests, fed)),
+                          getattr(self.model.config, "max_position_embeddings", None))
+        logits = []
+        for start in range(0, len(self.requests), self.prefill_batch_size):
+            views = [_without_last_row(r) for r in self.requests[start:start + self.prefill_batch_size]]
+            ext = fed[start:start + self.prefill_batch_size]
+            M = max(map(len, ext))
+            _, _, out = self._extend_forward(views, ext, [r.refeed_pos for r in views], capture=False,
+                                             logits_to_keep=M)
+            x = out.logits.float() if out.logits.dtype in (torch.float16, torch.bfloat16) else out.logits
+            logits += [x[b, M - len(e):].cpu() for b, e in enumerate(ext)]  # [m, vocab]; left padding dropped
+        return logits
 
     def _hide_padding(self, reqs: list[_Request], cache, lens: list[int], width: int) -> None:
         """Unequal per-head counts: the padding rows of each padded request's cache (its `pad` `[L, H_kv, T]`,
@@ -1017,6 +1073,14 @@ class HFEngine(Engine):
 
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _without_last_row(r: _Request) -> _Request:
+    """A view of request `r` whose cache lacks its last row (the token decode feeds again), for
+    `teacher_forced_logits`; `r` is unchanged."""
+    return replace(r, kv=r.kv[:, :, :-1], tokens=r.tokens[:-1],
+                   positions=None if r.positions is None else r.positions[..., :-1],
+                   pad=None if r.pad is None else r.pad[..., :-1])
 
 
 def _chunk_bounds(n: int, size: int, rows: int) -> list[tuple[int, int]]:

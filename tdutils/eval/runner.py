@@ -613,9 +613,10 @@ def _decode_cells(engine, saved, chunk, cells, extensions, max_tokens: int, stop
 def run_forced_cells(engine, prompts: Sequence, continuations: Sequence[Sequence[int]], cells: Sequence[tuple], *,
                      batch_size: int, on_cell: Callable | None = None, tick: Callable | None = None) -> dict:
     """Fidelity of every cell to the full cache on teacher-forced continuations: each chunk of `batch_size` prompts
-    is prefilled once; the full cache decodes the continuations teacher-forced (`decode(forced_ids=...,
-    keep_logits=True)`), then per cell the prefilled caches are restored, edited (the edit never sees the
-    continuation: the agnostic setting) and forced through the same continuations.
+    is prefilled once; the full cache is forced through the continuations (`HFEngine.teacher_forced_logits`, one
+    forward per batch; on other engines `decode(forced_ids=..., keep_logits=True)`, the same logits one step at a
+    time), then per cell the prefilled caches are restored, edited (the edit never sees the continuation: the
+    agnostic setting) and forced through the same continuations.
 
     Per prompt and cell: `kl`, the mean over the continuation's steps of KL(full || cell) in nats
     (`tdutils.compression.kl_per_step`; 0 for the full cache); `ppl`, the continuation's perplexity
@@ -626,7 +627,8 @@ def run_forced_cells(engine, prompts: Sequence, continuations: Sequence[Sequence
         prompts: token-id lists (what `prefill` takes); continuations: one token-id list per prompt, all of the same
             length m >= 1.
         cells: `(policy, ratio, drop_fn or None)` from `build_cells`.
-        on_cell: called as `on_cell(policy, ratio, per, modify_s, kept)` once a cell has every prompt.
+        on_cell: called as `on_cell(policy, ratio, per, modify_s, kept)` as soon as a cell has every prompt (during
+            the last chunk, so a run stopped later keeps it).
         tick: called as `tick(policy, ratio, fraction)` each time a cell finishes a chunk (`fraction` of the prompts).
 
     Returns:
@@ -648,26 +650,34 @@ def run_forced_cells(engine, prompts: Sequence, continuations: Sequence[Sequence
         forced = [[int(t) for t in c] for c in continuations[start:start + batch_size]]
         engine.prefill(chunk)
         saved = _snapshot(engine)
-        ref = engine.decode(max_tokens=m, temperature=0.0, ignore_eos=True, keep_logits=True, forced_ids=forced)
-        ref_logits = [_logit_matrix(o) for o in ref]
+        ref = _forced_logits(engine, forced)
         for policy, r, fn in cells:
             outs = ref
             if fn is not None:
                 _restore(engine, saved, chunk)
                 engine.modify(fn)
                 modify_s[policy, r] += engine.metrics.modify.seconds
-                outs = engine.decode(max_tokens=m, temperature=0.0, ignore_eos=True, keep_logits=True,
-                                     forced_ids=forced)
-            for o, full, ids in zip(outs, ref_logits, forced):
-                for k, v in continuation_measures(full, _logit_matrix(o), ids).items():
+                outs = _forced_logits(engine, forced)
+            for (logits, cached), (full, _), ids in zip(outs, ref, forced):
+                for k, v in continuation_measures(full, logits, ids).items():
                     per[policy, r][k].append(v)
-                kept[policy, r] += o.cached_tokens
+                kept[policy, r] += cached
             if tick is not None:
                 tick(policy, r, len(chunk) / len(prompts))
-    if on_cell is not None:
-        for policy, r, _ in cells:
-            on_cell(policy, r, per[policy, r], modify_s[policy, r], kept[policy, r])
+            if on_cell is not None and start + batch_size >= len(prompts):  # its last chunk: the cell is scored
+                on_cell(policy, r, per[policy, r], modify_s[policy, r], kept[policy, r])
     return per
+
+
+def _forced_logits(engine, forced: list[list[int]]) -> list[tuple]:
+    """`(logits [m, vocab], KV rows at decode)` per request of the engine's current caches, teacher-forced through
+    `forced`: in one forward per batch where the engine has `teacher_forced_logits` (`HFEngine`), else by
+    `decode(forced_ids=..., keep_logits=True)`, one step per token (the same logits)."""
+    if callable(getattr(engine, "teacher_forced_logits", None)):
+        return [(x, engine.kv(i).shape[2]) for i, x in enumerate(engine.teacher_forced_logits(forced))]
+    outs = engine.decode(max_tokens=len(forced[0]), temperature=0.0, ignore_eos=True, keep_logits=True,
+                         forced_ids=forced)
+    return [(_logit_matrix(o), o.cached_tokens) for o in outs]
 
 
 def continuation_measures(full_logits, logits, continuation: Sequence[int]) -> dict[str, float]:
