@@ -293,20 +293,12 @@ def alternate_runs(engine, prompts, configs: dict, *, max_tokens=64, repeats: in
         est = estimate_runs(warm, ids, max_tokens=max_tokens, repeats=repeats, prefills=1 if once else
                             repeats * len(fns), budget=getattr(engine, "kv_budget_tokens", None),
                             max_batch_size=getattr(engine, "max_batch_size", None))
-        timing.estimate_s, timing.basis = est.pop("seconds"), est.pop("basis")
-        timing.estimate = est
+        timing.estimate_s, timing.basis, timing.estimate = est.pop("seconds"), est.pop("basis"), est
         if progress:
             progress(_estimate_line(timing))
     t0 = time.perf_counter()
-    spent = {"prefill_s": 0.0, "modify_s": 0.0, "decode_s": 0.0}
-    saved = shared = None
-    if once:
-        engine.prefill(ids)
-        saved, shared = engine.snapshot(), engine.metrics.prefill
-        spent["prefill_s"] = shared.seconds
-        if progress:
-            progress(f"prefill: {shared.requests} prompts, {shared.tokens} tokens in {shared.seconds:.1f} s, once: "
-                     f"every run restores these caches")
+    saved, shared = _prefill_shared(engine, ids, progress) if once else (None, None)
+    spent = {"prefill_s": shared.seconds if once else 0.0, "modify_s": 0.0, "decode_s": 0.0}
     for rep, names in enumerate(orders):
         base_tps = None
         for name in names:
@@ -328,6 +320,16 @@ def alternate_runs(engine, prompts, configs: dict, *, max_tokens=64, repeats: in
                 progress(f"repeat {rep + 1}/{repeats} {name:>24}: decode {tps:9.1f} tok/s, peak batch "
                          f"{d.peak_batch_size}, modify {mm.seconds:.3f} s, {shown}")
             yield rep, name, res, ratio
+
+
+def _prefill_shared(engine, ids, progress):
+    """Prefill `ids` once for every run: `(snapshot, PrefillMetrics)`."""
+    engine.prefill(ids)
+    saved, shared = engine.snapshot(), engine.metrics.prefill
+    if progress:
+        progress(f"prefill: {shared.requests} prompts, {shared.tokens} tokens in {shared.seconds:.1f} s, once: every "
+                 f"run restores these caches")
+    return saved, shared
 
 
 def _warmup(engine, ids, fns: dict, max_tokens, once: bool, decode_kwargs) -> dict:
