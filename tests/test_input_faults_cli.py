@@ -371,7 +371,7 @@ def test_run_scores_answers_up_to_the_first_eos(tmp_path, capsys, monkeypatch):
     """Text after EOS is not scored: answers cut at EOS before the digits score 0, though `text` holds them."""
     from tdutils import runs
 
-    real = runs.run_once
+    real = runs.run_restored  # the hf engine prefills once: every run restores it
 
     def eos_first(*a, **k):  # as if every request generated EOS first and the passkey after it
         res = real(*a, **k)
@@ -379,7 +379,7 @@ def test_run_scores_answers_up_to_the_first_eos(tmp_path, capsys, monkeypatch):
             o.answer = ""
         return res
 
-    monkeypatch.setattr(runs, "run_once", eos_first)
+    monkeypatch.setattr(runs, "run_restored", eos_first)
     rc, out = _run(tmp_path)
     printed = capsys.readouterr().out
     assert rc == 0, printed
@@ -465,7 +465,7 @@ def test_wilson_interval_checks_z_and_keeps_its_edges():
 def test_ctrl_c_during_run_keeps_the_finished_runs(tmp_path, capsys, monkeypatch):
     from tdutils import runs
 
-    real, calls = runs.run_once, []
+    real, calls = runs.run_restored, []  # every run of the hf engine restores one prefill
 
     def interrupt_the_fourth(*a, **k):  # warm-up x 2, the baseline, then Ctrl-C during the dropped run
         calls.append(k.get("name"))
@@ -473,7 +473,7 @@ def test_ctrl_c_during_run_keeps_the_finished_runs(tmp_path, capsys, monkeypatch
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(runs, "run_once", interrupt_the_fourth)
+    monkeypatch.setattr(runs, "run_restored", interrupt_the_fourth)
     rc, out = _run(tmp_path)
     captured = capsys.readouterr()
     assert rc == 130 and calls == ["warm-up", "warm-up", "baseline", "streaming_llm@0.5"], captured
@@ -491,7 +491,7 @@ def test_ctrl_c_before_any_run_finished_writes_nothing(tmp_path, capsys, monkeyp
     def interrupt(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runs, "run_once", interrupt)
+    monkeypatch.setattr(runs, "run_restored", interrupt)
     rc, out = _run(tmp_path)
     err = capsys.readouterr().err
     assert rc == 130 and not out.exists(), err

@@ -132,8 +132,9 @@ def test_compare_alternates_and_warms_up(setup):
     tdutils.compare(eng, ids, fns, max_tokens=3, repeats=2, progress=lines.append)
     # warm-up on 4 requests (baseline, dropped), then baseline, dropped, baseline, dropped on all 8
     assert order == [(4, False), (4, True), (8, False), (8, True), (8, False), (8, True)]
+    # the estimate after the warm-up, the one prefill every run restores, then one line per run
     assert [line.split(":")[0].split() for line in lines] == [
-        ["repeat", "1/2", "baseline"], ["repeat", "1/2", "random@0.5"],
+        ["estimate"], ["prefill"], ["repeat", "1/2", "baseline"], ["repeat", "1/2", "random@0.5"],
         ["repeat", "2/2", "baseline"], ["repeat", "2/2", "random@0.5"]]
     order.clear()
     tdutils.compare(eng, ids, fns, max_tokens=3, repeats=1, warmup=False)

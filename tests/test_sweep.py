@@ -47,14 +47,14 @@ def test_sweep_alternates_configs_and_reports_capacity(tiny, sample_ids):
 def test_sweep_fails_when_a_run_loses_tokens(tiny, sample_ids, monkeypatch):
     from tdutils import runs
 
-    real = runs.run_once
+    real = runs._modify_decode  # what every run ends with, restored (prefill once) or prefilled again
 
     def lossy(*a, **kw):
         res = real(*a, **kw)
         res.metrics.decode.output_tokens -= 1
         return res
 
-    monkeypatch.setattr(runs, "run_once", lossy)
+    monkeypatch.setattr(runs, "_modify_decode", lossy)
     eng = _engine(tiny, None)
     with pytest.raises(RuntimeError, match="decoded 7 tokens, expected 8"):
         throughput_sweep(eng, [sample_ids[1]] * 2, [], max_tokens=4, repeats=1, progress=None)

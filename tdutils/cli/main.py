@@ -19,6 +19,7 @@ import inspect
 import json
 import math
 import sys
+import time
 from dataclasses import dataclass, field
 
 from .. import (
@@ -34,7 +35,7 @@ from ..eval.common import check_output_path
 from ..eval.tasks import SAMPLES, dataset_task, get_task, load_rows, score_rows, task_names
 from ..models import check_context_lengths, context_window, resolve_model
 from ..policies import get_policy, policy_names
-from ..runs import DEFAULT_FULL_REQUESTS, Interrupted, compare, default_kv_budget
+from ..runs import DEFAULT_FULL_REQUESTS, PREFILL_ONCE_NOTE, Interrupted, compare, default_kv_budget, timing_line
 from .args import (
     OneLineParser,
     UsageError,
@@ -385,6 +386,7 @@ def cmd_run(args) -> int:
     """`python -m tdutils run`: plan once (`plan_run`: options, dataset, scorer), open the engine
     (`open_run_engine`), compare the baseline with the dropped configuration (`tdutils.runs.compare`: A B A B ...,
     an untimed warm-up first) and report (`report_run`); Ctrl-C keeps the runs that finished (`Interrupted`)."""
+    started = time.perf_counter()
     out = check_output_path(args.json_path, "--json", example="runs/run.json")  # before any work
     check_device_output(out, "--json")  # /dev/full would fail only after all the work
     plan = plan_run(args)
@@ -395,13 +397,15 @@ def cmd_run(args) -> int:
           f"prompt tokens={sum(map(len, prompt_ids))} max_tokens={args.max_tokens} "
           f"kv_budget_tokens={engine.kv_budget_tokens} positions={args.positions}", flush=True)
     print(plan.kv_budget["note"], flush=True)
-    progress = (lambda line: print(line, flush=True)) if args.repeats > 1 else None
     try:
         results, table = compare(engine, prompt_ids, {plan.name: drop_fn}, max_tokens=args.max_tokens,
-                                 repeats=args.repeats, progress=progress)
+                                 repeats=args.repeats, progress=lambda line: print(line, flush=True))
     except Interrupted as stop:
         return _write_interrupted(args, plan, out, stop)
-    return report_run(args, plan, out, results, table)
+    status = report_run(args, plan, out, results, table)
+    print(f"{(time.perf_counter() - started) / 60:.1f} min since the command started (model, dataset and warm-up "
+          f"included)")
+    return status
 
 
 RUN_COLUMNS = ["requests", "prompt_tokens", "kv_tokens_after", "kept_fraction", "prefill_s", "modify_s",
@@ -419,13 +423,15 @@ def report_run(args, plan: RunPlan, out, results, table) -> int:
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", _fmt):
         print(table[RUN_COLUMNS].T.to_string())
     print(f"\n{metrics.speedup_line(table, name)}")
-    speed_notes = metrics.speedup_notes(table)
+    timing = table.attrs.get("timing", {})
+    print(timing_line(timing))
+    speed_notes = metrics.speedup_notes(table) + ([PREFILL_ONCE_NOTE] if timing.get("prefill") == "once" else [])
     for line in speed_notes:
         print(f"note: {line}")
     accuracy, notes = _accuracy(args, plan, results)
     report = {"args": _args_dict(args), "interrupted": False, "kv_budget": plan.kv_budget,
               "decode_speedups": metrics.repeat_ratios(results["baseline"], results[name]),
-              "decode_speedup_median": float(table.loc[name, "decode_speedup"]), "accuracy": accuracy,
+              "decode_speedup_median": float(table.loc[name, "decode_speedup"]), "accuracy": accuracy, "timing": timing,
               "notes": [*notes, *speed_notes],  # the JSON keeps every note the run printed
               "table": json.loads(table.reset_index().to_json(orient="records")), "runs": runs}
     out.parent.mkdir(parents=True, exist_ok=True)

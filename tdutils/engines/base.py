@@ -180,6 +180,9 @@ class Engine(ABC):
     """
 
     kind: str = ""
+    # `restore(snapshot())` gives back exactly the prefilled batch, its caches held here (not in a server's store
+    # that `modify` writes to): `tdutils.runs.alternate_runs` may then prefill once for every run
+    restores_prefill: bool = False
     kv_budget_tokens = CountSetting(1, none="unlimited")
     max_batch_size = CountSetting(1, none="no cap")
     query_window = CountSetting(0, none="all prompt tokens")

@@ -151,6 +151,7 @@ class HFEngine(Engine):
     """
 
     prefill_batch_size = CountSetting(1)
+    restores_prefill = True  # requests hold their caches; modify and decode never edit them in place
 
     def __init__(self, model="tiny-qwen3", *, tokenizer=None, dtype="auto", device=None,
                  attn_implementation: str | None = None, kv_budget_tokens: int | None = None,
