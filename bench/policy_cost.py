@@ -116,24 +116,6 @@ def run(args) -> dict:
     return {"meta": meta, "rows": rows}
 
 
-def table(report: dict) -> str:
-    """The report as a markdown table plus one line of conditions (pass/fail left out for `--smoke` runs)."""
-    m = report["meta"]
-    head = ["policy", "modify s", "score s", "per request ms", "per request·layer ms", "÷ baseline decode",
-            "target", "pass"]
-    lines = H.md_table(head, ([r["name"], f"{r['modify_s']:.3f}", f"{r['score_s']:.3f}", f"{r['per_request_ms']:.1f}",
-                               f"{r['per_layer_ms']:.2f}", f"{r['share']:.1%}", f"≤ {r['target']:.0%}",
-                               "–" if m["smoke"] else ("pass" if r["passed"] else "FAIL")] for r in report["rows"]))
-    threads = f"{m['threads']} torch thread{'' if m['threads'] == 1 else 's'}"
-    lines += ["", f"Model `{m['model']}` ({m['num_layers']} layers, {m['num_query_heads']} query / "
-              f"{m['num_kv_heads']} KV heads, head_dim {m['head_dim']}), {m['num_requests']} requests × "
-              f"{m['prompt_tokens']}-token prompts, drop ratio {m['drop_ratio']}, baseline decode of "
-              f"{m['max_tokens']} tokens per request {m['baseline_decode_s']:.2f} s (median of {m['repeats']}); "
-              f"modify: median of {m['repeats']} after one warm-up; {threads}, {m['machine']}, torch {m['torch']}"
-              + (" (smoke run: timings not judged)" if m["smoke"] else "") + "."]
-    return "\n".join(lines)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from tdutils.cli.args import positive_int, usable_cores
 
@@ -153,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     ap = build_parser()
-    args = H.start(ap, argv, table, "docs/results/policy_cost.json", ("meta", "rows"))
+    args = H.start(ap, argv, "policy_cost", "docs/results/policy_cost.json", ("meta", "rows"))
     if args is None:
         return 0
     if args.smoke:
@@ -161,7 +143,7 @@ def main(argv=None) -> int:
             if getattr(args, key) == ap.get_default(key):
                 setattr(args, key, value)
     report = H.one_line_errors(ap, run, args)
-    print(table(report))
+    print(H.render("policy_cost", report))
     if args.json is not None:
         H.write_json(report, args.json)
     failed = [r["name"] for r in report["rows"] if not r["passed"]]

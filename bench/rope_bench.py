@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     p = build_parser()
-    args = H.start(p, argv, readme_summary, "runs/rope_bench.json", ("variants", "shape"))  # before any child runs
+    args = H.start(p, argv, "rope_bench", "runs/rope_bench.json", ("variants", "shape"))  # before any child runs
     if args is None:
         return 0
     if args.head_dim % 2:
@@ -213,23 +213,8 @@ def main(argv=None) -> int:
     if args.json is not None:
         H.write_json(results, args.json)
         if args.json != "-":
-            print(f"wrote {args.json}; docs/results.md lines:\n{readme_summary(results)}")
+            print(f"wrote {args.json}; docs/results.md lines:\n{H.render('rope_bench', results)}")
     return 0
-
-
-def readme_summary(results: dict) -> str:
-    """The RoPE figures of docs/results.md, written from a stored run (`--json`)."""
-    fp32, bf16 = results["variants"]["fp32"], results["variants"]["bf16"]
-    acc = results["accuracy_layer0_vs_fp64"]
-    shape = "x".join(map(str, results["shape"]))
-    return (f"[{shape}] {results['dtype'].removeprefix('torch.')} cache, {results['threads']} thread(s), "
-            f"{results['repeats']} repeats alternating the variants: fp32 arithmetic {fp32['median_s']:.3g} s median "
-            f"with {fp32['measured_extra_bytes'] / MiB:.1f} MiB extra memory "
-            f"({fp32['measured_extra_bytes'] / fp32['one_layer_keys_fp32_bytes']:.1%} of one layer's keys in fp32; "
-            f"analytic {fp32['extra_bytes'] / MiB:.1f} MiB), bf16 arithmetic {bf16['median_s']:.3g} s "
-            f"(fp32 / bf16 time {results['time_ratio_fp32_over_bf16']:.2f}x, median of per-repeat ratios) with larger "
-            f"errors against fp64 (max {acc['bf16']['max_abs_err']:.4f} vs {acc['fp32']['max_abs_err']:.4f}, "
-            f"mean {acc['bf16']['mean_abs_err']:.5f} vs {acc['fp32']['mean_abs_err']:.5f}).")
 
 
 if __name__ == "__main__":
