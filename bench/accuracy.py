@@ -2,13 +2,11 @@
 
     python bench/accuracy.py                                   # passkey: n=200 per cell, 512/1024/2048 tokens
     python bench/accuracy.py --policies full all --drop-ratios 0.5 --context-lengths 1024   # every policy
-    python bench/accuracy.py --policies knorm keydiff --window 64   # protect the last 64 tokens (the question)
     python bench/accuracy.py --tasks all --mode both --json runs/ruler.json --plot runs/ruler.png   # RULER
     python bench/accuracy.py --summary docs/results/accuracy.json   # the docs/results.md table of a stored run
 
-The code and options of `python -m tdutils eval`, on the held-out seed (`tdutils.eval.HELDOUT_SEED`) and writing
-`runs/accuracy.json` / `runs/accuracy.png` by default. Suites, defaults and targets:
-docs/benchmarks.md#benchaccuracypy-and-python--m-tdutils-eval-exact-match.
+`python -m tdutils eval` on the held-out seed, writing runs/accuracy.json / .png by default. Suites, defaults
+and targets: docs/benchmarks.md#benchaccuracypy-and-python--m-tdutils-eval-exact-match.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Chunked prefill under a KV budget: peak memory and time against one-shot prefill, on one long prompt.
 
     python bench/chunked_prefill.py                                   # Gemma 3 270M, RULER niah at 4k/8k/32k
-    python bench/chunked_prefill.py --model smollm2-135m --lengths 2048,8192 --json docs/results/chunked_prefill.json
+    python bench/chunked_prefill.py --summary docs/results/chunked_prefill_gemma3.json
 
-Each configuration runs in a fresh process (`harness.call`): one `ruler_niah_single_1` prompt of `L` tokens
-prefilled in one shot or in chunks of `C` tokens cut back to `B` after each (`HFEngine.prefill(prompts, chunk=C,
-compression=Compression(policy, budget=B))`), then a few decoded tokens: the largest cache the request held, the
-peak RSS above what it held before prefill (sampled every 5 ms), seconds and whether the needle came back. One
-shot is skipped above `--one-shot-max` tokens.
+Each configuration in a fresh process (`run_one`). What it measures: docs/benchmarks.md#benchchunked_prefillpy-one-long-prompt-in-bounded-memory.
 """
 
 from __future__ import annotations

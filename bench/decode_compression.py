@@ -1,4 +1,4 @@
-"""Compression while the cache grows (issue 33, item 5): R-KV's decode-time setting and chunked prefill, measured.
+"""Compression while the cache grows (R-KV's decode-time setting, arXiv:2505.24133) and chunked prefill, measured.
 
     python bench/decode_compression.py throughput --json docs/results/decode_compression_throughput.json
     python bench/decode_compression.py fidelity --model smollm2-135m --json docs/results/decode_compression_fidelity.json
@@ -6,15 +6,7 @@
     python bench/decode_compression.py kvpress --json docs/results/decode_compression_kvpress.json
     python bench/decode_compression.py --summary docs/results/decode_compression_fidelity.json   # a stored run's table
 
-R-KV (Cai et al. 2025, arXiv:2505.24133) holds each request's cache at a budget `B` while it decodes: generated
-tokens fill a buffer `N`; at `B + N` the queries of the last `w` tokens score the cache and it is cut back to `B`
-(`Compression(policy, budget=B, buffer=N, window=w)`, run inside the batch by `HFEngine.decode(compression=...)`).
-Four parts, each printing a table and, with `--json`, writing a run: `throughput` (the full cache and each budget
-at one fixed KV budget, alternated per repeat), `fidelity` (greedy agreement and teacher-forced KL against the
-full cache), `ruler` (chunked prefill under a budget against one-shot compression) and `kvpress` (kvpress'
-`DecodingPress` in its peer venv, `worker` run through `bench/harness.py`). Prompts of `throughput`, `fidelity`
-and `kvpress`: passages of the RULER essay haystack, no chat template. Every part, option and column:
-docs/benchmarks.md#benchdecode_compressionpy-compression-while-the-cache-grows.
+Every part, option and column: docs/benchmarks.md#benchdecode_compressionpy-compression-while-the-cache-grows.
 """
 
 from __future__ import annotations

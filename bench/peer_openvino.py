@@ -5,10 +5,8 @@
     python bench/peer_openvino.py --smoke              # CI: n=2 at 512 tokens, < 2 min; skips without the venv
     python bench/peer_openvino.py --build-venv         # build (or check) the OpenVINO venv and the IR, then exit
 
-tdutils' full cache and SnapKV at `--drop-ratio` beside OpenVINO's `ContinuousBatchingPipeline` (its own venv
-`VENV`, `worker` run through `harness.call`, an fp32 IR of the same weights) with and without `CacheEvictionConfig`
-at the matched budget (`match_max_cache_size`). The venv, the IR, budget matching and every column:
-docs/peer_openvino.md.
+OpenVINO runs in its own venv (`VENV`, `worker` through `harness.call`). The venv, the IR, budget matching and
+every column: docs/peer_openvino.md.
 """
 
 from __future__ import annotations

@@ -5,10 +5,7 @@
     python bench/policy_cost.py --smoke               # the bundled tiny model, seconds (CI): no pass/fail on timing
     python bench/policy_cost.py --summary docs/results/policy_cost.json
 
-One prefill of `--num-requests` essay prompts (`harness.essay_prompts`), then from it (`snapshot` / `restore`) the
-baseline decode and every policy's `engine.modify` (its `metrics.modify.seconds`; `score s` the choice of tokens
-alone, `DropFn.timed()`), `--repeats` times after one warm-up; targets: <= 10% of the baseline decode for the
-cheap policies, <= 25% for R-KV and H2O. The method in full: docs/benchmarks.md#benchpolicy_costpy-what-choosing-the-tokens-costs.
+Targets and the method: docs/benchmarks.md#benchpolicy_costpy-what-choosing-the-tokens-costs.
 """
 
 from __future__ import annotations

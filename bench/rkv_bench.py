@@ -4,12 +4,7 @@
     python bench/rkv_bench.py --sizes 1024 4096 --repeats 1 --json out.json
     python bench/rkv_bench.py --summary docs/results/rkv_bench.json   # the docs/results.md lines of a stored run
 
-Variants, for each key distribution (`realistic`, `random`) and length n (H=8 KV heads, d=128, one layer):
-`reference`, `exact`, `tiled`, `buffered` (`rkv_redundancy(keys [H, n, d], method=...)`), `snapkv`
-(`snapkv_scores`, window 64, 32 query heads) and `rkv_scores_exact` (the whole R-KV score, window 16). Times: one
-fresh process per (distribution, n), variants alternated inside each of `--repeats` rounds, ratios the medians of
-per-round ratios; memory: one fresh process per variant; the kept-set agreement of `buffered` with `exact` at
-`--drop-ratio`. The method in full: docs/benchmarks.md#benchrkv_benchpy-r-kvs-redundancy-methods.
+Variants, processes and ratios: docs/benchmarks.md#benchrkv_benchpy-r-kvs-redundancy-methods.
 """
 
 from __future__ import annotations

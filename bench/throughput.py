@@ -3,10 +3,8 @@
     python bench/throughput.py                                   # bundled model, 16 x 1024-token prompts
     python bench/throughput.py --policies snapkv,random --drop-ratios 0.5,0.75 --repeats 5 --json out.json
 
-One model, one KV budget (default 4.25 undropped requests, `--full-requests`), the baseline and every
-configuration back to back in each repeat (`tdutils.sweep.throughput_sweep`), ratios taken per repeat; then a note
-for every ratio that does not measure what dropping buys (`tdutils.metrics.speedup_notes`). Exits 1 if a run
-decoded a different number of tokens than requested. Columns and the budget: docs/benchmarks.md.
+Exits 1 if a run decoded a different number of tokens than requested. Columns and the budget:
+docs/benchmarks.md#benchthroughputpy-decode-throughput-at-a-fixed-kv-budget.
 """
 
 from __future__ import annotations

@@ -354,6 +354,42 @@ def rope_bench(results: dict) -> str:
             f"mean {acc['bf16']['mean_abs_err']:.5f} vs {acc['fp32']['mean_abs_err']:.5f}).")
 
 
+def rope_bench_run(results: dict, cache_bytes: int) -> str:
+    """`bench/rope_bench.py`: the plain-text lines a run prints (per variant: times, GB/s over the `cache_bytes`
+    read and written, extra memory, errors against fp64; then the time ratio and the memory bound)."""
+    fp32 = results["variants"]["fp32"]
+    out = [(f"{'variant':8} {'median s':>9} {'min s':>8} {'GB/s':>6} {'extra MiB (measured)':>21} "
+            f"{'extra MiB (analytic)':>21} {'max err':>8} {'mean err':>9}")]
+    for name, r in results["variants"].items():
+        acc = results["accuracy_layer0_vs_fp64"][name]
+        gbs = 2 * cache_bytes / r["median_s"] / 1e9   # read + write of the whole cache
+        out.append(f"{name:8} {r['median_s']:9.3f} {r['min_s']:8.3f} {gbs:6.2f} "
+                   f"{r['measured_extra_bytes'] / MiB:21.1f} {r['extra_bytes'] / MiB:21.1f} "
+                   f"{acc['max_abs_err']:8.4f} {acc['mean_abs_err']:9.5f}")
+    out.append(f"time ratio fp32 / bf16 arithmetic: {results['time_ratio_fp32_over_bf16']:.2f}x (median of the "
+               f"per-repeat ratios, variants alternated), {results['time_ratio_fp32_over_bf16_min']:.2f}x (best runs)")
+    out.append(f"bound (one layer's keys in fp32): {fp32['one_layer_keys_fp32_bytes'] / MiB:.1f} MiB; output cache "
+               f"{cache_bytes / MiB:.0f} MiB (not counted); memory: {fp32['memory_method']}")
+    return "\n".join(out)
+
+
+def engine_bench_targets(results: dict, step: float, memory: float) -> str:
+    """`bench/engine_bench.py`: the last lines of a run: whether it met the targets (`targets_met`: engine step
+    <= `step` x static, decode memory <= `memory` x the budget's KV bytes; engine <= vLLM), then each throughput
+    row."""
+    vllm = results["vllm"] if isinstance(results["vllm"], dict) else {}
+    lines = [f"targets: engine step <= {step}x static, decode memory <= {memory}x the budget's KV bytes: {'met' if results['targets_met'] else 'NOT met'}"
+             + "".join(f"; engine <= vLLM {m}: "
+                       f"{'met' if all(p.get(f'engine_of_vllm_{m}', 9) <= 1.0 for p in results['points']) else 'NOT met'}"
+                       for m in vllm if "error" not in vllm[m])]
+    for tp in results.get("throughput", []):
+        lines += [f"throughput {tp['requests']}x{tp['tokens']}: {row['config']:>12} {row['decode_tok_s_median']:8.1f} "
+                  f"tok/s (min {row['decode_tok_s_min']:.1f}, max {row['decode_tok_s_max']:.1f}), peak batch "
+                  f"{row['peak_batch']:.0f}, x{row['decode_speedup']:.2f} of limit {row['capacity_limit']:.2f}"
+                  for row in tp["table"]]
+    return "\n".join(lines)
+
+
 def throughput(table) -> str:
     """`bench/throughput.py`: the sweep table (a DataFrame of `tdutils.sweep.throughput_sweep`) with plain numbers: tok/s as integers, modify seconds and its fraction of the baseline's
     decode time with 3 decimals, speed-ups and limits with 2."""
