@@ -1,15 +1,10 @@
-"""What every bench script shares: standard options, `--summary`, bad input in one line, machine info, memory
-probes, peer venvs and the worker protocol. Run as `python bench/NAME.py`, a bench finds this file as a sibling.
+"""What every bench script shares: standard options, `--summary` (the tables: `tools/bench_tables.py`), bad input in
+one line, machine info, memory probes, peer venvs and the worker protocol. Stdlib at import: the peer venvs run
+workers through this file without tdutils.
 
-Stdlib at import (tdutils and torch are imported where used): the peer venvs run workers through this file
-without tdutils.
-
-Worker protocol: `call(file, func, payload)` runs `python bench/harness.py --worker FILE FUNC` (any Python:
-this venv's or a peer's), which loads FILE, calls `FUNC(payload)` with the JSON read from stdin and prints
-`RESULT <json>` as its last tagged stdout line. Bad input inside the worker (ValueError, OSError) ends it with
-one line on stderr and exit status 2, which the parent sees as `WorkerError.returncode == 2`.
-
-    python bench/harness.py --worker bench/rope_bench.py memory_child < payload.json
+Worker protocol: `call(file, func, payload)` runs `python bench/harness.py --worker FILE FUNC` (this venv's Python
+or a peer's): `FUNC(json from stdin)`, printed as a last `RESULT <json>` line; bad input (ValueError, OSError):
+one line on stderr, exit status 2 (`WorkerError.returncode == 2`).
 """
 
 from __future__ import annotations
