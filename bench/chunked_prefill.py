@@ -1,13 +1,9 @@
 """Chunked prefill under a KV budget: peak memory and time against one-shot prefill, on one long prompt.
 
     python bench/chunked_prefill.py                                   # Gemma 3 270M, RULER niah at 4k/8k/32k
-    python bench/chunked_prefill.py --model smollm2-135m --lengths 2048,8192 --json docs/results/chunked_prefill.json
+    python bench/chunked_prefill.py --summary docs/results/chunked_prefill_gemma3.json
 
-Each configuration runs in a fresh process (`harness.call`): one `ruler_niah_single_1` prompt of `L` tokens
-prefilled in one shot or in chunks of `C` tokens cut back to `B` after each (`HFEngine.prefill(prompts, chunk=C,
-compression=Compression(policy, budget=B))`), then a few decoded tokens: the largest cache the request held, the
-peak RSS above what it held before prefill (sampled every 5 ms), seconds and whether the needle came back. One
-shot is skipped above `--one-shot-max` tokens.
+Each configuration in a fresh process (`run_one`). What it measures: docs/benchmarks.md#benchchunked_prefillpy-one-long-prompt-in-bounded-memory.
 """
 
 from __future__ import annotations
@@ -18,6 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness as H
+
+ONE_SHOT_MAX = 8192  # longest prompt also prefilled in one shot (the docs' table says so)
 
 
 def run_one(args: dict) -> dict:
@@ -59,25 +57,6 @@ def run_one(args: dict) -> dict:
             "threads": args.threads}
 
 
-def markdown(report: dict) -> str:
-    """The stored run as a markdown table with its legend (what docs/decode_compression.md shows)."""
-    rows = report["rows"]
-    head = ("prompt tokens", "prefill", "peak cache / request", "cache at decode", "peak memory above the model, MiB",
-            "prefill s (cut s)", "needle")
-    lines = H.md_table(head, ([r["prompt_tokens"], "one shot" if r["mode"] == "one-shot" else
-                               f"chunk {r['chunk']}, B = {r['budget']} ({r['policy']})", r["peak_cache_tokens"],
-                               r["final_cache_tokens"], r["peak_rss_above_load_mib"],
-                               f"{r['prefill_s']:.1f} ({r['cut_s']:.1f})", "found" if r["correct"] else "missed"]
-                              for r in rows))
-    r0 = rows[0]
-    lines.append("")
-    lines.append(f"Model `{r0['model']}`, one `ruler_niah_single_1` prompt per length (held-out seed), each "
-                 f"configuration in a fresh process; memory: the process's resident set sampled every 5 ms during "
-                 f"prefill, above what it held just before (model loaded, {r0['rss_before_prefill_mib']} MiB); "
-                 f"{r0['threads']} torch thread, 2 shared cores. One shot above 8192 tokens not run.")
-    return "\n".join(lines)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from tdutils.cli.args import count, int_at_least, positive_int, usable_cores
 
@@ -88,7 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk", type=positive_int, default=1024, help="C: prompt tokens per chunk")
     ap.add_argument("--budget", type=int_at_least(2), default=1024, help="B: tokens kept after each chunk")
     ap.add_argument("--policy", default="snapkv", choices=H.compression_policies())
-    ap.add_argument("--one-shot-max", type=count, default=8192, help="longest prompt also prefilled in one shot")
     ap.add_argument("--max-tokens", type=positive_int, default=24)
     ap.add_argument("--threads", type=int_at_least(1), default=1, help=f"torch threads (at most {usable_cores()})")
     ap.add_argument("--seed", type=count, default=5_000_000)
@@ -123,13 +101,13 @@ def _rows_have_mode(report, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = build_parser()
-    args = H.start(ap, argv, markdown, "docs/results/chunked_prefill.json", ("rows",), check=_rows_have_mode)
+    args = H.start(ap, argv, "chunked_prefill", "docs/results/chunked_prefill.json", ("rows",), check=_rows_have_mode)
     if args is None:
         return 0
     H.one_line_errors(ap, check_args, args)
     rows = []
     for length in args.lengths:
-        for one_shot in ([True, False] if length <= args.one_shot_max else [False]):
+        for one_shot in ([True, False] if length <= ONE_SHOT_MAX else [False]):
             payload = {**vars(args), "length": length, "chunk": 0 if one_shot else args.chunk}
             try:
                 row = H.call(__file__, "run_one", payload, cwd=H.ROOT, timeout=3600)

@@ -1,4 +1,4 @@
-"""Compression while the cache grows (issue 33, item 5): R-KV's decode-time setting and chunked prefill, measured.
+"""Compression while the cache grows (R-KV's decode-time setting, arXiv:2505.24133) and chunked prefill, measured.
 
     python bench/decode_compression.py throughput --json docs/results/decode_compression_throughput.json
     python bench/decode_compression.py fidelity --model smollm2-135m --json docs/results/decode_compression_fidelity.json
@@ -6,15 +6,7 @@
     python bench/decode_compression.py kvpress --json docs/results/decode_compression_kvpress.json
     python bench/decode_compression.py --summary docs/results/decode_compression_fidelity.json   # a stored run's table
 
-R-KV (Cai et al. 2025, arXiv:2505.24133) holds each request's cache at a budget `B` while it decodes: generated
-tokens fill a buffer `N`; at `B + N` the queries of the last `w` tokens score the cache and it is cut back to `B`
-(`Compression(policy, budget=B, buffer=N, window=w)`, run inside the batch by `HFEngine.decode(compression=...)`).
-Four parts, each printing a table and, with `--json`, writing a run: `throughput` (the full cache and each budget
-at one fixed KV budget, alternated per repeat), `fidelity` (greedy agreement and teacher-forced KL against the
-full cache), `ruler` (chunked prefill under a budget against one-shot compression) and `kvpress` (kvpress'
-`DecodingPress` in its peer venv, `worker` run through `bench/harness.py`). Prompts of `throughput`, `fidelity`
-and `kvpress`: passages of the RULER essay haystack, no chat template. Every part, option and column:
-docs/benchmarks.md#benchdecode_compressionpy-compression-while-the-cache-grows.
+Every part, option and column: docs/benchmarks.md#benchdecode_compressionpy-compression-while-the-cache-grows.
 """
 
 from __future__ import annotations
@@ -33,6 +25,7 @@ from harness import alternating_orders  # used below; tests read it here too
 essay_prompts = functools.partial(H.essay_prompts, wrap=False)  # passages that fit in the text (tests read it here)
 
 PARTS = ("throughput", "fidelity", "ruler", "kvpress")
+RULER_PREFILL_BATCH = 4  # prompts prefilled together in `ruler` (recorded in its meta)
 FIDELITY_POLICIES = ("rkv", "snapkv", "tova", "knorm", "streaming_llm", "random")
 # kvpress press class -> (tdutils policy, tdutils window, kvpress constructor keyword arguments). Windows follow
 # kvpress' own behaviour: SnapKV scores with (and keeps) the last w queries (w = the run's window on both sides);
@@ -57,24 +50,6 @@ def top1_rate(reference_ids, logits) -> float:
     return sum(int(a) == b for a, b in zip(reference_ids, top)) / len(top)
 
 
-def loop_start(ids, max_period: int = 64, min_repeats: int = 2) -> int | None:
-    """The first index from which `ids` only repeats itself: the smallest `s` such that `ids[s:]` is periodic
-    with some period `p <= max_period` (`ids[i] == ids[i - p]` for every `i >= s + p`) and holds at least
-    `min_repeats` whole periods; None when no such tail exists. Greedy decoding of a small model often ends in
-    such a loop, and a compressed cache that still holds the loop's text keeps generating it."""
-    ids = [int(t) for t in ids]
-    n, best = len(ids), None
-    for p in range(1, min(max_period, n // min_repeats) + 1):
-        i = n - 1
-        while i - p >= 0 and ids[i] == ids[i - p]:
-            i -= 1
-        s = i - p + 1 if i - p >= 0 else 0  # ids[s:] has period p
-        s = max(s, 0)
-        if n - s >= min_repeats * p and (best is None or s < best):
-            best = s
-    return best
-
-
 def summary_stats(values) -> dict:
     """mean, median, min and max of a non-empty list of numbers."""
     values = [float(v) for v in values]
@@ -93,137 +68,6 @@ def ratio_stats(runs: list[dict], baseline: str = "full") -> dict[str, dict]:
         ratio = [reps[k]["decode_tok_s"] / by[baseline][k]["decode_tok_s"] for k in sorted(reps)]
         out[config] = {"tok_s": summary_stats(tok), "ratio": summary_stats(ratio), "ratios": ratio}
     return out
-
-
-# ------------------------------------------------------------------------------------------ tables
-def _md(head, rows) -> str:
-    return "\n".join(H.md_table(head, rows))
-
-
-def _threads(n):
-    return f"{n} torch thread{'' if n == 1 else 's'}"
-
-
-def throughput_table(report: dict) -> str:
-    m = report["meta"]
-    head = ["config", "requests decoded together", "decode tok/s, median (min–max)",
-            "÷ full cache, per repeat", "cuts", "cut seconds ÷ decode seconds", "largest cache / request",
-            "peak reserved KV"]
-    rows = []
-    for r in report["rows"]:
-        full = r["config"] == "full"
-        t = r["tok_s"]
-        rows.append([r["config"], r["peak_batch"], f"{t['median']:.1f} ({t['min']:.1f}–{t['max']:.1f})",
-                     "1" if full else ", ".join(f"{x:.2f}" for x in r["ratios"]),
-                     "–" if full else r["compressions"], "–" if full else f"{r['compress_share']:.1%}",
-                     r["kv_peak_cache_tokens"], r["kv_peak_reserved_tokens"]])
-    return _md(head, rows) + "\n\n" + (
-                      f"Model `{m['model']}`, {m['num_requests']} requests × {m['prompt_tokens']}-token prompts × "
-                      f"{m['max_tokens']} generated tokens (greedy, EOS ignored), KV budget {m['kv_budget_tokens']} "
-                      f"tokens ({m['full_requests']:g} full-cache requests), buffer N = {m['buffer']}, window "
-                      f"{m['window']}, policy `{m['policy']}`, positions `{m['positions']}`; {m['repeats']} repeats "
-                      f"alternated ({' / '.join(' → '.join(o) for o in m['orders'])}); {_threads(m['threads'])}, "
-                      f"{m['machine']}; {m['seconds']:.0f} s of wall time.")
-
-
-def fidelity_table(report: dict) -> str:
-    m = report["meta"]
-    head = ["policy", "budget B", "first cut at step", "agreement mean", "agreement median (min–max)", "top-1 rate",
-            "KL mean (nats)", "KL after the first cut", "KL p90", "cuts / request", "mean cache ÷ full"]
-    rows = []
-    for r in report["rows"]:
-        a = r["agreement"]
-        steps = sorted({s for s in r["first_cut_steps"] if s is not None})
-        first = "–" if not steps else str(steps[0]) if len(steps) == 1 else f"{steps[0]}–{steps[-1]}"
-        rows.append([f"`{r['policy']}`", r["budget"], first, f"{a['mean']:.1f}",
-                     f"{a['median']:.1f} ({a['min']:.0f}–{a['max']:.0f})", f"{r['top1_rate']:.3f}",
-                     f"{r['kl_mean']:.4f}", f"{r['kl_mean_after_cut']:.4f}", f"{r['kl_p90']:.4f}",
-                     f"{r['cuts_per_request']:.1f}",
-                     f"{r['mean_cache_of_full']:.2f}"])
-    loops = [loop_start(ids) for ids in report["full_cache_ids"]]
-    loops = ", ".join("–" if x is None else str(x) for x in loops)
-    checks = [c for c in report.get("free_checks", [])]
-    check = ""
-    if checks:
-        same = sum(c["free"] == c["forced"] for c in checks)
-        check = (f" Free greedy runs of `{'`, `'.join(sorted({c['policy'] for c in checks}))}` at every budget: "
-                 f"{same}/{len(checks)} requests first differ at the step the teacher-forced run predicts.")
-    return _md(head, rows) + "\n\n" + (
-                      f"Model `{m['model']}`, {m['num_requests']} requests × {m['prompt_tokens']}-token prompts × "
-                      f"{m['max_tokens']} generated tokens ({m['num_requests'] * m['max_tokens']} per row), greedy, "
-                      f"EOS ignored; buffer N = {m['buffer']}, window {m['window']}, positions `{m['positions']}`; "
-                      f"agreement = tokens before the first difference from the full-cache generation (max "
-                      f"{m['max_tokens']}), KL(full ‖ compressed) teacher-forced on the full-cache tokens, over every "
-                      f"generated token and over the tokens after each request's first cut; "
-                      f"{_threads(m['threads'])}, {m['machine']}; {m['seconds']:.0f} s of wall time." + check +
-                      f" Token from which each full-cache generation only repeats a phrase (`loop_start`, period "
-                      f"≤ 64; – = never): {loops}.")
-
-
-def ruler_table(report) -> str:
-    """The table of one `ruler` run, or of several (a list: e.g. one run per policy, each with its own full-cache
-    row, shown once when they agree)."""
-    reports = report if isinstance(report, list) else [report]
-    m = reports[0]["meta"]
-    head = ["policy", "prefill", "exact match", "95% CI", "partial", "cache at decode", "peak cache / request",
-            "prefill (+ cut) s"]
-    rows, fulls = [], []
-    for rep in reports:
-        for r in rep["rows"]:
-            if r["policy"] == "full":
-                fulls.append(r["correct"])
-                if len(fulls) > 1:
-                    continue
-            ci = r["ci"]
-            rows.append([f"`{r['policy']}`", r["mode"], f"{r['correct']}/{r['n']}",
-                         "–" if ci is None else f"{ci[0]:.2f}–{ci[1]:.2f}", f"{r['partial']:.2f}",
-                         f"{r['cache_tokens']:.0f}", r["peak_cache_tokens"], f"{r['prefill_s']:.0f}"])
-    windows = {k: v for rep in reports for k, v in rep["meta"]["windows"].items()}
-    runs = "; ".join(f"`{rep['meta']['command']}`: {rep['meta']['seconds']:.0f} s" for rep in reports)
-    same = "" if len(set(fulls)) <= 1 else f" (the full-cache row differs between runs: {fulls})"
-    return _md(head, rows) + "\n\n" + (
-                      f"Model `{m['model']}`, `{m['task']}` at {m['context_length']} tokens (chat template: "
-                      f"{m['chat_template']}), n = {m['n']}, seed {m['seed']}, {m['max_tokens']} greedy decode tokens "
-                      f"(EOS ignored, scored up to the first EOS: every reference in the answer); budget B = "
-                      f"{m['budget']}. `chunk C`: prefilled C tokens at a time and cut back to B after each chunk; "
-                      f"`one-shot`: the whole prompt, then one cut to B (`modify` on the full prefill, the same cut "
-                      f"`prefill(compression=...)` makes); the policies' own windows "
-                      f"({', '.join(f'{k} {v}' for k, v in windows.items())}); {_threads(m['threads'])}, "
-                      f"{m['machine']}. Runs: {runs}{same}.")
-
-
-def kvpress_table(report: dict) -> str:
-    m = report["meta"]
-    head = ["press / policy", "kvpress DecodingPress, agreement mean (median)", "tdutils compact", "tdutils original",
-            "kvpress tok/s (batch 1)"]
-    rows = []
-    for r in report["rows"]:
-        if "error" in r:
-            rows.append([f"{r['press']} / `{r['policy']}`", "FAILED: " + r["error"][:80], "", "", ""])
-            continue
-        cells = [f"{r[k]['mean']:.1f} ({r[k]['median']:.1f})" for k in ("kvpress", "compact", "original")]
-        rows.append([f"{r['press']} / `{r['policy']}`", *cells, f"{r['kv_tok_s']:.1f}"])
-    x = report["cross"]
-    return _md(head, rows) + "\n\n" + (
-                      f"Model `{m['model']}`, {m['num_requests']} prompts × {m['prompt_tokens']} tokens × "
-                      f"{m['max_tokens']} generated (greedy, EOS ignored); B = {m['budget']}, N = {m['buffer']} "
-                      f"(kvpress `target_size` {m['budget']}, `compression_interval` {m['buffer']}, "
-                      f"`hidden_states_buffer_size` {m['buffer']}), SnapKV window {m['window']} on both sides; "
-                      f"agreement = tokens before the first difference from the same side's full-cache generation "
-                      f"(max {m['max_tokens']}). The two full caches (kvpress {m['peer']['kvpress']} with "
-                      f"transformers {m['peer']['transformers']}, tdutils with transformers {m['transformers']}) agree "
-                      f"for {x['mean']:.1f} tokens on average (median {x['median']:.1f}). {_threads(m['threads'])}, "
-                      f"{m['machine']}; tdutils {m['tdutils_seconds']:.0f} s, kvpress {m['kvpress_seconds']:.0f} s.")
-
-
-TABLES = {"throughput": throughput_table, "fidelity": fidelity_table, "ruler": ruler_table, "kvpress": kvpress_table}
-
-
-def markdown(report) -> str:
-    """The markdown table (and its one-paragraph legend) of a stored run of any part (`ruler`: also a list of
-    runs, shown as one table)."""
-    first = report[0] if isinstance(report, list) else report
-    return TABLES[first["part"]](report)
 
 
 # ------------------------------------------------------------------------------------------ shared setup
@@ -352,7 +196,7 @@ def run_ruler(args) -> dict:
     from tdutils.policies import get_policy
 
     t_start = time.perf_counter()
-    eng = _engine(args, prefill_batch_size=args.prefill_batch_size)
+    eng = _engine(args, prefill_batch_size=RULER_PREFILL_BATCH)
     rows_in = load_rows(f"ruler_{args.task}", model=args.model, tokenizer=eng.tokenizer, num_requests=args.n,
                         context_tokens=args.context_length, seed=args.seed)
     max_tokens = args.max_tokens or ruler.RULER_CPU_MAX_TOKENS[args.task]
@@ -403,7 +247,7 @@ def run_ruler(args) -> dict:
     meta = _meta(args, "ruler", task=f"ruler_{args.task}", context_length=args.context_length, n=len(rows_in),
                  seed=args.seed, budget=args.budget, chunks=args.chunks, policies=args.policies,
                  max_tokens=max_tokens, chat_template="the tokenizer's own" if chat else "none",
-                 windows=windows, prefill_batch_size=args.prefill_batch_size, seconds=time.perf_counter() - t_start)
+                 windows=windows, prefill_batch_size=RULER_PREFILL_BATCH, seconds=time.perf_counter() - t_start)
     return {"part": "ruler", "meta": meta, "rows": rows, "answers": details,
             "gold": [r.meta["values"] for r in rows_in]}
 
@@ -584,7 +428,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=H.int_list("chunk sizes", "256,512"), default=[256, 512])
     p.add_argument("--policies", type=H.name_list(held), default=["snapkv", "knorm"])
     p.add_argument("--max-tokens", type=positive_int, default=None, help="default: the task's CPU default")
-    p.add_argument("--prefill-batch-size", type=positive_int, default=4)
 
     p = sub.add_parser("kvpress", help="kvpress' DecodingPress beside tdutils' decode-time compression")
     common(p)
@@ -635,9 +478,9 @@ def main(argv=None) -> int:
 
     def known_part(report, path):
         first = report[0] if isinstance(report, list) else report
-        if first["part"] not in TABLES:
+        if first["part"] not in PARTS:
             raise ValueError(f"--summary {path!r}: unknown part {first['part']!r}")
-    if H.summary(ap, args, markdown, keys=("part", "meta", "rows"), check=known_part):
+    if H.summary(ap, args, "decode_compression", keys=("part", "meta", "rows"), check=known_part):
         return 0
     if args.part is None:
         ap.error(f"choose a part: {', '.join(PARTS)} (or --summary RUN.json)")
@@ -646,7 +489,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     report = H.one_line_errors(ap, RUNNERS[args.part], args)  # an unloadable --model, a too-long --prompt-tokens
-    print(markdown(report))
+    print(H.render("decode_compression", report))
     if args.json is not None:
         H.write_json(report, args.json, indent=1, default=str)
         print(f"wrote {args.json}")

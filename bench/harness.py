@@ -1,15 +1,10 @@
-"""What every bench script shares: standard options, `--summary`, bad input in one line, machine info, memory
-probes, peer venvs and the worker protocol. Run as `python bench/NAME.py`, a bench finds this file as a sibling.
+"""What every bench script shares: standard options, `--summary` (the tables: `tools/bench_tables.py`), bad input in
+one line, machine info, memory probes, peer venvs and the worker protocol. Stdlib at import: the peer venvs run
+workers through this file without tdutils.
 
-Stdlib at import (tdutils and torch are imported where used): the peer venvs run workers through this file
-without tdutils.
-
-Worker protocol: `call(file, func, payload)` runs `python bench/harness.py --worker FILE FUNC` (any Python:
-this venv's or a peer's), which loads FILE, calls `FUNC(payload)` with the JSON read from stdin and prints
-`RESULT <json>` as its last tagged stdout line. Bad input inside the worker (ValueError, OSError) ends it with
-one line on stderr and exit status 2, which the parent sees as `WorkerError.returncode == 2`.
-
-    python bench/harness.py --worker bench/rope_bench.py memory_child < payload.json
+Worker protocol: `call(file, func, payload)` runs `python bench/harness.py --worker FILE FUNC` (this venv's Python
+or a peer's): `FUNC(json from stdin)`, printed as a last `RESULT <json>` line; bad input (ValueError, OSError):
+one line on stderr, exit status 2 (`WorkerError.returncode == 2`).
 """
 
 from __future__ import annotations
@@ -197,9 +192,20 @@ def write_json(results, dest: str, indent: int = 2, **kw) -> None:
         Path(dest).write_text(text + "\n", encoding="utf-8")
 
 
-def summary(ap, args, render, keys=None, check=None) -> bool:
-    """With `--summary FILE`: print `render(report)` of the stored run and return True (bad files: one line, exit
-    2); `keys` the run (a dict, or a list of such) must hold, `check(report, path)` any further test (raises
+def render(name: str, *args) -> str:
+    """`bench_tables.NAME(*args)` of `tools/bench_tables.py`, the renderers of the benches' runs (`NAME` a bench's
+    name: the table of its stored run, as the docs pages show it)."""
+    mod = sys.modules.get("bench_tables")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "tools" / "bench_tables.py")
+        mod = sys.modules["bench_tables"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    return getattr(mod, name)(*args)
+
+
+def summary(ap, args, name: str, keys=None, check=None) -> bool:
+    """With `--summary FILE`: print `render(name, report)` of the stored run and return True (bad files: one line,
+    exit 2); `keys` the run (a dict, or a list of such) must hold, `check(report, path)` any further test (raises
     ValueError)."""
     if not args.summary:
         return False
@@ -212,18 +218,18 @@ def summary(ap, args, render, keys=None, check=None) -> bool:
                              f"give a file it wrote with --json")
         if check:
             check(report, args.summary)
-        print(render(report))
+        print(render(name, report))
     one_line_errors(ap, show)
     return True
 
 
-def start(ap, argv, render, example: str, keys, check=None, json_dest: str = "json"):
+def start(ap, argv, name: str, example: str, keys, check=None, json_dest: str = "json"):
     """The first lines of a measuring bench's `main`: parse `argv`; with `--summary` print the stored run
     (`summary`, `keys` and `check` as there) and return None; else check `--device` (where the bench has it) and
     the `--json` path (option dest `json_dest`) before any work (a bad value: one line, exit 2), set torch's CPU
     threads to `--threads` when given, and return the options."""
     args = ap.parse_args(argv)
-    if summary(ap, args, render, keys, check):
+    if summary(ap, args, name, keys, check):
         return None
     from tdutils.models import check_device
 
@@ -262,12 +268,6 @@ def alternating_orders(names, repeats: int) -> list[list[str]]:
     """Run order of every repeat: `names` forward, then backward, then forward ... (machine drift hits all alike)."""
     names = list(names)
     return [names if r % 2 == 0 else names[::-1] for r in range(repeats)]
-
-
-def md_table(head, rows) -> list[str]:
-    """The lines of a markdown table: `head` (column names), then one line per row of cells (str() of each)."""
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
 def log(message: str) -> None:
@@ -373,14 +373,6 @@ def ruler_scores(task: str, data, texts) -> tuple[list[bool], list[float]]:
 
     s = [ruler.score_ruler(task, ex["values"], text) for ex, text in zip(data, texts)]
     return [bool(e) for e, _ in s], [float(p) for _, p in s]
-
-
-def text_table(head, rows) -> str:
-    """Plain-text columns padded to their widest cell; a row shorter than `head` lets its last cell (e.g. a
-    "FAILED: ..." message) run across the remaining columns without widening them."""
-    lines = [tuple(map(str, head))] + [tuple(map(str, r)) for r in rows]
-    widths = [max(len(ln[i]) for ln in lines if i < len(ln) - (len(ln) < len(head))) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(ln, widths)).rstrip() for ln in lines)
 
 
 def essay_prompts(tokenizer, n: int, tokens: int, *, wrap: bool = True) -> list[list[int]]:

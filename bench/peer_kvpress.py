@@ -4,14 +4,8 @@
                                                                    # n=50, ratios 0.5/0.75, every press below
     python bench/peer_kvpress.py --n 4 --context-length 1024 --presses snapkv,random,tova --ratios 0.5
 
-tdutils (this venv, `hf` engine, batched decode) and kvpress (its own venv `VENV`, `worker` run through
-`harness.call`: compression inside the prefill, original positions, batch 1) on the same prompts, float32 weights,
-ratios, greedy, EOS ignored; row "none" is both full caches. tdutils' sets: `--granularity head` (default) what each
-press selects (per KV head; TOVAPress per layer), `layer` or `request` (one set); `--positions original` (default,
-as kvpress) or `compact`; each press against the tdutils policy with the press' parameters (`PRESSES`). Columns:
-exact match with 95% Wilson interval and partial credit of each side, decode tok/s, mean kept tokens, and the
-overlap of the kept sets per layer and KV head, on kvpress' input (`same_input_sets`) and as decoded. The flow,
-the columns and the defaults: docs/benchmarks.md#benchpeer_kvpresspy-nvidia-kvpress-on-the-same-token-ids.
+kvpress runs in its own venv (`VENV`, `worker` through `harness.call`). The flow, the columns and the defaults:
+docs/benchmarks.md#benchpeer_kvpresspy-nvidia-kvpress-on-the-same-token-ids.
 """
 
 from __future__ import annotations
@@ -230,27 +224,6 @@ def parse_args(argv=None):
     return ap, ap.parse_args(argv)
 
 
-def _fmt_em(em, ci):
-    return f"{em:.2f} [{ci[0]:.2f},{ci[1]:.2f}]" if ci else f"{em:.2f}"
-
-
-def _fmt_overlap(x) -> str:
-    return "" if x is None else f"{x:.3f}"
-
-
-def format_table(rows) -> str:
-    head = ("press", "policy", "granularity", "ratio", "kv EM [95% CI]", "kv part", "td EM [95% CI]", "td part",
-            "kv tok/s", "td tok/s", "kv kept", "td kept", "overlap", "min", "flow")
-    return H.text_table(head, [
-        (r["press"], r["policy"], r["granularity"] or "", f"{r['ratio']:g}", "FAILED: " + r["error"][:60])
-        if "error" in r else
-        (r["press"], r["policy"], r["granularity"] or "", f"{r['ratio']:g}", _fmt_em(r["kv_em"], r["kv_ci"]),
-         f"{r['kv_partial']:.2f}", _fmt_em(r["td_em"], r["td_ci"]), f"{r['td_partial']:.2f}", f"{r['kv_tok_s']:.1f}",
-         f"{r['td_tok_s']:.1f}", f"{r['kv_kept']:.0f}", f"{r['td_kept']:.0f}",
-         *(_fmt_overlap(r[c]) for c in ("overlap", "overlap_min", "overlap_flow")))
-        for r in rows])
-
-
 def main(argv=None) -> int:
     ap, args = parse_args(argv)
     return H.one_line_errors(ap, run, args, also=(subprocess.CalledProcessError, H.WorkerError))
@@ -372,7 +345,7 @@ def run(args) -> int:
              "kv_cache_lengths": r["cache_lengths"], **p}
             for ex, a, b, r, tk, p in zip(data, kv_texts, cell["texts"], prow["requests"], cell["kept"], per)]})
 
-    print(format_table(rows))
+    print(H.render("peer_kvpress", rows))
     meta = H.peer_meta(args, folder=folder, ratios=args.ratios, presses=presses, threads=threads,
                        granularity=args.granularity, positions=args.positions,
                        tdutils_seconds=round(td_s, 1), kvpress_seconds=round(kv_s, 1), peer=peer["info"],

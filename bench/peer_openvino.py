@@ -5,10 +5,8 @@
     python bench/peer_openvino.py --smoke              # CI: n=2 at 512 tokens, < 2 min; skips without the venv
     python bench/peer_openvino.py --build-venv         # build (or check) the OpenVINO venv and the IR, then exit
 
-tdutils' full cache and SnapKV at `--drop-ratio` beside OpenVINO's `ContinuousBatchingPipeline` (its own venv
-`VENV`, `worker` run through `harness.call`, an fp32 IR of the same weights) with and without `CacheEvictionConfig`
-at the matched budget (`match_max_cache_size`). The venv, the IR, budget matching and every column:
-docs/peer_openvino.md.
+OpenVINO runs in its own venv (`VENV`, `worker` through `harness.call`). The venv, the IR, budget matching and
+every column: docs/peer_openvino.md.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ BLOCK_SIZE = 32  # the CPU plugin's paged KV block, in tokens (measured: 64 bloc
 DEFAULT_OUT = "runs/peer_openvino.json"
 AGGREGATION = ("norm_sum", "sum")
 ROTATION = {"off": (False,), "on": (True,), "both": (False, True)}
+SNAPKV_WINDOW = 64  # OpenVINO snapkv_window_size: SnapKV's window on tdutils' side
 SMOKE = {"n": 2, "context_length": 512, "max_tokens": 8, "batch_size": 2}
 
 
@@ -101,21 +100,6 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         b = base.get(r["engine"])
         r["ratio"] = r["tok_s"] / b if "error" not in r and b else None
     return rows
-
-
-def _f(v, spec):
-    return "" if v is None else format(v, spec)
-
-
-def format_table(rows: list[dict]) -> str:
-    """The report: engine, config, kept tokens, decode tok/s, ratio to the same engine's full cache, prefill
-    seconds per batch, RULER exact match and partial credit, answers equal to the full cache's."""
-    head = ("engine", "config", "kept", "decode tok/s", "ratio", "prefill s", "EM", "part", "same")
-    return H.text_table(head, [
-        (r["engine"], r["config"], "FAILED: " + r["error"][:80]) if "error" in r else
-        (r["engine"], r["config"], _f(r["kept"], ".0f"), _f(r["tok_s"], ".1f"), _f(r["ratio"], ".2f"),
-         _f(r["prefill_s"], ".1f"), _f(r["em"], ".2f"), _f(r["partial"], ".2f"),
-         "" if r.get("same") is None else f"{r['same']}/{r['n']}") for r in rows])
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -255,7 +239,7 @@ def _block_multiple(text):
 
 
 def parse_args(argv=None):
-    from tdutils.cli.args import count, positive_int
+    from tdutils.cli.args import positive_int
 
     ap = H.parser("peer_openvino.py", __doc__)
     H.add_peer_options(ap, n=16, batch_size=4, out=DEFAULT_OUT)
@@ -264,7 +248,6 @@ def parse_args(argv=None):
     ap.add_argument("--start-size", type=_block_multiple, default=32, help="OpenVINO start_size (default 32)")
     ap.add_argument("--recent-size", type=_block_multiple, default=64,
                     help="OpenVINO recent_size (default 64 = SnapKV's window)")
-    ap.add_argument("--snapkv-window", type=count, default=64, help="OpenVINO snapkv_window_size (default 64)")
     ap.add_argument("--aggregation", choices=AGGREGATION, default="norm_sum", help="aggregation_mode")
     ap.add_argument("--rotation", choices=tuple(ROTATION), default="both",
                     help="apply_rotation rows: off, on or both (default both)")
@@ -286,7 +269,7 @@ def ov_configs(args, keep: int) -> list[dict]:
     for rot in ROTATION[args.rotation]:
         out.append({"name": f"evict {args.aggregation} rot={'on' if rot else 'off'}", "eviction": {
             "start_size": args.start_size, "recent_size": args.recent_size, "max_cache_size": mcs,
-            "aggregation": args.aggregation, "apply_rotation": rot, "snapkv_window_size": args.snapkv_window}})
+            "aggregation": args.aggregation, "apply_rotation": rot, "snapkv_window_size": SNAPKV_WINDOW}})
     return out
 
 
@@ -340,7 +323,7 @@ def run(args) -> int:
     peer = H.call(__file__, "worker", spec, python=py, env=_env(threads), stream=True)
     ov_s = time.perf_counter() - t1
     rows, texts = report_rows(args, data, td, peer["rows"], engine.tokenizer, sorted(engine.eos_token_ids))
-    print(format_table(rows))
+    print(H.render("peer_openvino", rows))
     meta = H.peer_meta(args, folder=str(folder), ir=str(ir), drop_ratio=args.drop_ratio, keep=keep, configs=configs,
                        threads=threads, cache_gb=args.cache_gb, tdutils_seconds=round(td_s, 1),
                        openvino_seconds=round(ov_s, 1), peer=peer["info"], venv=venv_info(),

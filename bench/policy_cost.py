@@ -5,10 +5,7 @@
     python bench/policy_cost.py --smoke               # the bundled tiny model, seconds (CI): no pass/fail on timing
     python bench/policy_cost.py --summary docs/results/policy_cost.json
 
-One prefill of `--num-requests` essay prompts (`harness.essay_prompts`), then from it (`snapshot` / `restore`) the
-baseline decode and every policy's `engine.modify` (its `metrics.modify.seconds`; `score s` the choice of tokens
-alone, `DropFn.timed()`), `--repeats` times after one warm-up; targets: <= 10% of the baseline decode for the
-cheap policies, <= 25% for R-KV and H2O. The method in full: docs/benchmarks.md#benchpolicy_costpy-what-choosing-the-tokens-costs.
+Targets and the method: docs/benchmarks.md#benchpolicy_costpy-what-choosing-the-tokens-costs.
 """
 
 from __future__ import annotations
@@ -116,24 +113,6 @@ def run(args) -> dict:
     return {"meta": meta, "rows": rows}
 
 
-def table(report: dict) -> str:
-    """The report as a markdown table plus one line of conditions (pass/fail left out for `--smoke` runs)."""
-    m = report["meta"]
-    head = ["policy", "modify s", "score s", "per request ms", "per request·layer ms", "÷ baseline decode",
-            "target", "pass"]
-    lines = H.md_table(head, ([r["name"], f"{r['modify_s']:.3f}", f"{r['score_s']:.3f}", f"{r['per_request_ms']:.1f}",
-                               f"{r['per_layer_ms']:.2f}", f"{r['share']:.1%}", f"≤ {r['target']:.0%}",
-                               "–" if m["smoke"] else ("pass" if r["passed"] else "FAIL")] for r in report["rows"]))
-    threads = f"{m['threads']} torch thread{'' if m['threads'] == 1 else 's'}"
-    lines += ["", f"Model `{m['model']}` ({m['num_layers']} layers, {m['num_query_heads']} query / "
-              f"{m['num_kv_heads']} KV heads, head_dim {m['head_dim']}), {m['num_requests']} requests × "
-              f"{m['prompt_tokens']}-token prompts, drop ratio {m['drop_ratio']}, baseline decode of "
-              f"{m['max_tokens']} tokens per request {m['baseline_decode_s']:.2f} s (median of {m['repeats']}); "
-              f"modify: median of {m['repeats']} after one warm-up; {threads}, {m['machine']}, torch {m['torch']}"
-              + (" (smoke run: timings not judged)" if m["smoke"] else "") + "."]
-    return "\n".join(lines)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from tdutils.cli.args import positive_int, usable_cores
 
@@ -153,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     ap = build_parser()
-    args = H.start(ap, argv, table, "docs/results/policy_cost.json", ("meta", "rows"))
+    args = H.start(ap, argv, "policy_cost", "docs/results/policy_cost.json", ("meta", "rows"))
     if args is None:
         return 0
     if args.smoke:
@@ -161,7 +140,7 @@ def main(argv=None) -> int:
             if getattr(args, key) == ap.get_default(key):
                 setattr(args, key, value)
     report = H.one_line_errors(ap, run, args)
-    print(table(report))
+    print(H.render("policy_cost", report))
     if args.json is not None:
         H.write_json(report, args.json)
     failed = [r["name"] for r in report["rows"] if not r["passed"]]

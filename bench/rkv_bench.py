@@ -4,12 +4,7 @@
     python bench/rkv_bench.py --sizes 1024 4096 --repeats 1 --json out.json
     python bench/rkv_bench.py --summary docs/results/rkv_bench.json   # the docs/results.md lines of a stored run
 
-Variants, for each key distribution (`realistic`, `random`) and length n (H=8 KV heads, d=128, one layer):
-`reference`, `exact`, `tiled`, `buffered` (`rkv_redundancy(keys [H, n, d], method=...)`), `snapkv`
-(`snapkv_scores`, window 64, 32 query heads) and `rkv_scores_exact` (the whole R-KV score, window 16). Times: one
-fresh process per (distribution, n), variants alternated inside each of `--repeats` rounds, ratios the medians of
-per-round ratios; memory: one fresh process per variant; the kept-set agreement of `buffered` with `exact` at
-`--drop-ratio`. The method in full: docs/benchmarks.md#benchrkv_benchpy-r-kvs-redundancy-methods.
+Variants, processes and ratios: docs/benchmarks.md#benchrkv_benchpy-r-kvs-redundancy-methods.
 """
 
 from __future__ import annotations
@@ -34,6 +29,7 @@ from tdutils.selection import keep_count, keep_top_scores, protected_mask
 
 METHODS = ("reference", "exact", "tiled", "buffered")
 VARIANTS = (*METHODS, "snapkv", "rkv_scores_exact")
+KINDS = ("realistic", "random")  # key distributions
 RKV_WINDOW, SNAPKV_WINDOW, MIX = 16, 64, 0.25
 MiB = H.MiB
 
@@ -146,8 +142,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = H.parser("bench/rkv_bench.py", __doc__, raw=False)
     p.add_argument("--sizes", type=int_at_least(RKV_WINDOW + 1, f"R-KV always keeps its last {RKV_WINDOW} tokens"),
                    nargs="+", default=[1024, 4096, 16384], help="key lengths n")
-    p.add_argument("--kinds", nargs="+", default=["realistic", "random"], choices=["realistic", "random"])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--heads", type=positive_int, default=8, help="KV heads H")
     p.add_argument("--head-dim", type=positive_int, default=128)
     p.add_argument("--query-heads", type=positive_int, default=32, help="query heads (SnapKV / R-KV importance)")
@@ -161,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     p = build_parser()
-    args = H.start(p, argv, readme_summary, "runs/rkv_bench.json", ("summary", "config"))  # before any child runs
+    args = H.start(p, argv, "rkv_bench", "runs/rkv_bench.json", ("summary", "config"))  # before any child runs
     if args is None:
         return 0
     if args.query_heads % args.heads:
@@ -169,20 +163,21 @@ def main(argv=None) -> int:
 
     print(f"R-KV redundancy bench: H={args.heads} d={args.head_dim} Hq={args.query_heads} one layer, "
           f"device={args.device}, repeats={args.repeats} (variants alternated), torch {torch.__version__}", flush=True)
-    results = {"config": {k: v for k, v in vars(args).items()
-                          if k not in ("json", "summary")},
+    results = {"config": {**{k: v for k, v in vars(args).items() if k not in ("json", "summary")},
+                          "kinds": list(KINDS), "variants": list(VARIANTS)},
                "torch": torch.__version__, "machine": H.machine_record(), "runs": [], "summary": []}
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as save_dir:
-        for kind in args.kinds:
+        for kind in KINDS:
             for n in args.sizes:
                 # memory children first, while the timing child's memory is not around
                 memory = {v: H.call(__file__, "run_memory_child", {**vars(args), "child": [kind, n, v]},
-                                    what=f"child memory {kind} n={n} {v}") for v in args.variants}
-                timing = H.call(__file__, "run_time_child", {**vars(args), "time_child": [kind, n], "save_dir": save_dir},
+                                    what=f"child memory {kind} n={n} {v}") for v in VARIANTS}
+                timing = H.call(__file__, "run_time_child", {**vars(args), "time_child": [kind, n],
+                                                             "save_dir": save_dir, "variants": VARIANTS},
                                 what=f"child timing {kind} n={n}")
                 runs = {}
-                for variant in args.variants:
+                for variant in VARIANTS:
                     times = timing["times_s"][variant]
                     r = {**memory[variant], "times_s": times, "median_s": statistics.median(times),
                          "order": timing["order"]}
@@ -194,10 +189,10 @@ def main(argv=None) -> int:
                           flush=True)
                 results["summary"].append(summarize(kind, n, runs, agreement(kind, n, args, save_dir)))
     results["seconds"] = time.perf_counter() - t_start
-    print_summary(results["summary"])
+    print(H.render("rkv_bench_rounds", results["summary"]))
     if args.json is not None:
         H.write_json(results, args.json)
-        print(f"wrote {args.json}; docs/results.md lines:\n{readme_summary(results)}")
+        print(f"wrote {args.json}; docs/results.md lines:\n{H.render('rkv_bench', results)}")
     return 0
 
 
@@ -223,53 +218,6 @@ def summarize(kind: str, n: int, runs: dict, agree: dict | None) -> dict:
             row["time_vs_snapkv"] = _round_ratio(r["times_s"], snap["times_s"])
         s[name] = row
     return s
-
-
-def readme_summary(results: dict) -> str:
-    """The R-KV figures of docs/results.md, written from a stored run (largest n; `realistic` keys, then `random`)."""
-    summary = results["summary"]
-    n = max(s["n"] for s in summary)
-    at = {s["kind"]: s for s in summary if s["n"] == n}
-    cfg = results["config"]
-    lines = []
-    real = at.get("realistic")
-    if real and all(m in real for m in (*METHODS, "snapkv", "rkv_scores_exact")):
-        ref, ex, ti, bu = (real[m] for m in METHODS)
-        a = real["agreement"]
-        lines.append(
-            f"n={n}, {cfg['repeats']} rounds, realistic keys: `reference` {ref['median_s']:.3g} s / "
-            f"{ref['peak_extra_mib']:.0f} MiB extra; `exact` {ex['median_s']:.3g} s / {ex['peak_extra_mib']:.1f} MiB "
-            f"({ex['speedup_vs_reference']:.0f}x faster, {ex['memory_vs_reference']:.1%} of the memory); `tiled` "
-            f"{ti['median_s']:.3g} s / {ti['peak_extra_mib']:.0f} MiB; `buffered` {bu['median_s']:.3g} s / "
-            f"{bu['peak_extra_mib']:.1f} MiB"
-            + (f" with {a['buffered_vs_exact_rkv']:.1%} kept-set agreement with `exact` at drop {a['drop_ratio']:g}"
-               if a else "")
-            + f"; R-KV scoring with `exact` {real['rkv_scores_exact']['median_s']:.3g} s against SnapKV scoring "
-            f"{real['snapkv']['median_s']:.3g} s ({real['rkv_scores_exact']['time_vs_snapkv']:.2f}x).")
-    rand = at.get("random")
-    if rand and "exact" in rand and "reference" in rand:
-        lines.append(f"On random keys (no near-duplicates) `exact` scans every column: {rand['exact']['median_s']:.3g} s, "
-                     f"{rand['exact']['speedup_vs_reference']:.1f}x faster than `reference`.")
-    return "\n".join(lines)
-
-
-def print_summary(summary: list[dict]) -> None:
-    print("\nspeed-up = reference time / method time; memory = method peak extra / reference peak extra; "
-          "x SnapKV = time / SnapKV scoring time")
-    for s in summary:
-        print(f"\n{s['kind']} keys, n={s['n']}:")
-        print("\n".join(H.md_table(("variant", "median s", "peak extra MiB", "speed-up", "memory", "x SnapKV"), [
-            (name, f"{r['median_s']:.3f}", f"{r['peak_extra_mib']:.1f}", _fmt(r.get("speedup_vs_reference"), ".2f"),
-             _fmt(r.get("memory_vs_reference"), ".1%"), _fmt(r.get("time_vs_snapkv"), ".2f"))
-            for name in VARIANTS if name in s for r in [s[name]]])))
-        a = s["agreement"]
-        if a:
-            print(f"buffered vs exact kept sets at drop {a['drop_ratio']}: {a['buffered_vs_exact_rkv']:.1%} (R-KV "
-                  f"score), {a['buffered_vs_exact_redundancy_only']:.1%} (redundancy alone)")
-
-
-def _fmt(x, spec: str) -> str:
-    return "–" if x is None else format(x, spec)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,10 @@
 """Time and peak memory of `tdutils.rope.rerotate_k_cache`: fp32 arithmetic vs cache-dtype (bf16) arithmetic.
 
-    python bench/rope_bench.py                          # full size
+    python bench/rope_bench.py                          # full size: [2, 36, 8192, 1024] bf16 (Qwen3-8B)
     python bench/rope_bench.py --layers 8 --tokens 4096 --repeats 3 --json out.json
     python bench/rope_bench.py --summary docs/results/rope_bench.json   # the docs/results.md lines of a stored run
 
-Default cache: [2, 36, 8192, 1024] bf16 (Qwen3-8B), keys moved as after a 50% drop; both variants alternated
-inside each repeat; extra memory (beyond the input and output caches) measured in fresh processes on the CPU
-(the allocator's peak on CUDA) beside the analytic figure; errors against fp64 on layer 0. Extra memory does not
-depend on the layer count, so `--layers 8` measures the same memory faster. The method in full:
-docs/benchmarks.md#benchrope_benchpy-re-rotation-in-fp32-or-bf16.
+The method: docs/benchmarks.md#benchrope_benchpy-re-rotation-in-fp32-or-bf16.
 """
 
 from __future__ import annotations
@@ -154,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     p = build_parser()
-    args = H.start(p, argv, readme_summary, "runs/rope_bench.json", ("variants", "shape"))  # before any child runs
+    args = H.start(p, argv, "rope_bench", "runs/rope_bench.json", ("variants", "shape"))  # before any child runs
     if args is None:
         return 0
     if args.head_dim % 2:
@@ -197,39 +193,12 @@ def main(argv=None) -> int:
     results["time_ratio_fp32_over_bf16_per_repeat"] = per_repeat
     results["time_ratio_fp32_over_bf16"] = statistics.median(per_repeat)
     results["time_ratio_fp32_over_bf16_min"] = fp32["min_s"] / bf16["min_s"]
-    one_layer = fp32["one_layer_keys_fp32_bytes"]
-    print(f"{'variant':8} {'median s':>9} {'min s':>8} {'GB/s':>6} {'extra MiB (measured)':>21} "
-          f"{'extra MiB (analytic)':>21} {'max err':>8} {'mean err':>9}")
-    for name, r in results["variants"].items():
-        acc = results["accuracy_layer0_vs_fp64"][name]
-        gbs = 2 * cache_bytes / r["median_s"] / 1e9   # read + write of the whole cache
-        print(f"{name:8} {r['median_s']:9.3f} {r['min_s']:8.3f} {gbs:6.2f} "
-              f"{r['measured_extra_bytes'] / MiB:21.1f} {r['extra_bytes'] / MiB:21.1f} "
-              f"{acc['max_abs_err']:8.4f} {acc['mean_abs_err']:9.5f}")
-    print(f"time ratio fp32 / bf16 arithmetic: {results['time_ratio_fp32_over_bf16']:.2f}x (median of the per-repeat "
-          f"ratios, variants alternated), {results['time_ratio_fp32_over_bf16_min']:.2f}x (best runs)")
-    print(f"bound (one layer's keys in fp32): {one_layer / MiB:.1f} MiB; output cache {cache_bytes / MiB:.0f} MiB "
-          f"(not counted); memory: {fp32['memory_method']}")
+    print(H.render("rope_bench_run", results, cache_bytes))
     if args.json is not None:
         H.write_json(results, args.json)
         if args.json != "-":
-            print(f"wrote {args.json}; docs/results.md lines:\n{readme_summary(results)}")
+            print(f"wrote {args.json}; docs/results.md lines:\n{H.render('rope_bench', results)}")
     return 0
-
-
-def readme_summary(results: dict) -> str:
-    """The RoPE figures of docs/results.md, written from a stored run (`--json`)."""
-    fp32, bf16 = results["variants"]["fp32"], results["variants"]["bf16"]
-    acc = results["accuracy_layer0_vs_fp64"]
-    shape = "x".join(map(str, results["shape"]))
-    return (f"[{shape}] {results['dtype'].removeprefix('torch.')} cache, {results['threads']} thread(s), "
-            f"{results['repeats']} repeats alternating the variants: fp32 arithmetic {fp32['median_s']:.3g} s median "
-            f"with {fp32['measured_extra_bytes'] / MiB:.1f} MiB extra memory "
-            f"({fp32['measured_extra_bytes'] / fp32['one_layer_keys_fp32_bytes']:.1%} of one layer's keys in fp32; "
-            f"analytic {fp32['extra_bytes'] / MiB:.1f} MiB), bf16 arithmetic {bf16['median_s']:.3g} s "
-            f"(fp32 / bf16 time {results['time_ratio_fp32_over_bf16']:.2f}x, median of per-repeat ratios) with larger "
-            f"errors against fp64 (max {acc['bf16']['max_abs_err']:.4f} vs {acc['fp32']['max_abs_err']:.4f}, "
-            f"mean {acc['bf16']['mean_abs_err']:.5f} vs {acc['fp32']['mean_abs_err']:.5f}).")
 
 
 if __name__ == "__main__":

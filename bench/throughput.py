@@ -3,10 +3,8 @@
     python bench/throughput.py                                   # bundled model, 16 x 1024-token prompts
     python bench/throughput.py --policies snapkv,random --drop-ratios 0.5,0.75 --repeats 5 --json out.json
 
-One model, one KV budget (default 4.25 undropped requests, `--full-requests`), the baseline and every
-configuration back to back in each repeat (`tdutils.sweep.throughput_sweep`), ratios taken per repeat; then a note
-for every ratio that does not measure what dropping buys (`tdutils.metrics.speedup_notes`). Exits 1 if a run
-decoded a different number of tokens than requested. Columns and the budget: docs/benchmarks.md.
+Exits 1 if a run decoded a different number of tokens than requested. Columns and the budget:
+docs/benchmarks.md#benchthroughputpy-decode-throughput-at-a-fixed-kv-budget.
 """
 
 from __future__ import annotations
@@ -33,9 +31,6 @@ from tdutils.sweep import SweepConfig, throughput_sweep
 
 POLICIES = tuple(tdutils.policies.policy_names())  # every registered policy
 DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
-TABLE_COLUMNS = ("decode_tok_s_median", "decode_tok_s_min", "decode_tok_s_max", "peak_batch", "modify_s",
-                 "modify_of_base_decode", "decode_speedup", "decode_speedup_min", "decode_speedup_max", "capacity_limit",
-                 "of_limit", "e2e_speedup")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,16 +67,6 @@ def batch_notes(table, n_requests: int, kv_budget: int, prompt_tokens: int, max_
                          f"so the request count capped its batch and its of_limit understates what the budget "
                          f"allows; use more --num-requests")
     return notes
-
-
-def format_table(table) -> str:
-    """The sweep table with plain numbers: tok/s as integers, modify seconds and its fraction of the baseline's
-    decode time with 3 decimals, speed-ups and limits with 2."""
-    fmt = {c: "{:.0f}".format for c in ("decode_tok_s_median", "decode_tok_s_min", "decode_tok_s_max", "peak_batch")}
-    fmt["modify_s"] = fmt["modify_of_base_decode"] = "{:.3f}".format
-    fmt.update({c: "{:.2f}".format for c in ("decode_speedup", "decode_speedup_min", "decode_speedup_max",
-                                              "capacity_limit", "of_limit", "e2e_speedup")})
-    return table[list(TABLE_COLUMNS)].to_string(formatters=fmt)
 
 
 def setup(args):
@@ -121,7 +106,7 @@ def main(argv=None) -> int:
     except RuntimeError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
-    print(format_table(table))
+    print(H.render("throughput", table))
     for line in batch_notes(table, len(ids), eng.kv_budget_tokens, max(map(len, ids)), args.max_tokens) + \
             speedup_notes(table):
         print(f"note: {line}")

@@ -74,7 +74,7 @@ def test_throughput_table_prints_plain_numbers():
          "decode_speedup_min": 1.9612, "decode_speedup_max": 2.0551,
          "capacity_limit": 2.0, "of_limit": 1.00015, "e2e_speedup": 1.456},
     ]).set_index("config")
-    text = bench.format_table(table)
+    text = bench.H.render("throughput", table)
     assert "e+" not in text
     assert text.splitlines()[-2].split() == ["baseline", "3062", "2990", "3102", "4", "0.000", "0.000", "1.00", "1.00",
                                              "1.00", "1.00", "1.00", "1.00"]

@@ -1,5 +1,5 @@
 """bench/decode_compression.py (issue 33, item 5): its pure functions, and the stored runs behind
-docs/decode_compression.md (the page's generated tables are what the bench's own `markdown` makes of
+docs/decode_compression.md (the page's generated tables are what its renderer, `tools/bench_tables.py`, makes of
 docs/results/decode_compression_*.json; the runs measure what the page says they do)."""
 
 import importlib.util
@@ -30,6 +30,11 @@ def _load(path: Path, name: str):
 @pytest.fixture(scope="module")
 def bench():
     return _load(ROOT / "bench" / "decode_compression.py", "bench_decode_compression")
+
+
+@pytest.fixture(scope="module")
+def tables():
+    return _load(ROOT / "tools" / "bench_tables.py", "bench_tables")
 
 
 def _stored(name: str) -> dict:
@@ -121,12 +126,12 @@ def test_bench_refuses_bad_options_before_loading_a_model(bench, capsys):
     assert exc.value.code == 2 and "choose a part" in capsys.readouterr().err
 
 
-def test_loop_start_finds_where_a_generation_only_repeats(bench):
-    assert bench.loop_start([1, 2, 3, 4, 5]) is None
-    assert bench.loop_start([9, 1, 2, 1, 2, 1, 2]) == 1
-    assert bench.loop_start([7, 7, 7, 7]) == 0
-    assert bench.loop_start([5, 6, 1, 2, 3, 1, 2, 3, 1, 2, 3]) == 2
-    assert bench.loop_start([1, 2, 3, 1, 2], min_repeats=2) is None  # less than two whole periods
+def test_loop_start_finds_where_a_generation_only_repeats(tables):
+    assert tables.loop_start([1, 2, 3, 4, 5]) is None
+    assert tables.loop_start([9, 1, 2, 1, 2, 1, 2]) == 1
+    assert tables.loop_start([7, 7, 7, 7]) == 0
+    assert tables.loop_start([5, 6, 1, 2, 3, 1, 2, 3, 1, 2, 3]) == 2
+    assert tables.loop_start([1, 2, 3, 1, 2], min_repeats=2) is None  # less than two whole periods
 
 
 # ------------------------------------------------------------------------------------------ the stored runs
@@ -137,8 +142,8 @@ def _render():
     return mod
 
 
-def test_page_shows_what_the_stored_runs_give(bench):
-    """docs/decode_compression.md is what the bench's `markdown` makes of every decode_compression run, each run
+def test_page_shows_what_the_stored_runs_give(tables):
+    """docs/decode_compression.md is what the bench's renderer makes of every decode_compression run, each run
     is shown, and `--summary` prints the same tables."""
     render = _render()
     text = PAGE.read_text(encoding="utf-8")
@@ -149,13 +154,13 @@ def test_page_shows_what_the_stored_runs_give(bench):
     assert used == {p.stem for p in RESULTS.glob("decode_compression_*.json")}, "a stored run the page does not show"
     for name, stored in render.DECODE_COMPRESSION_BLOCKS.items():
         reports = [_stored(s) for s in stored]
-        table = bench.markdown(reports[0] if len(reports) == 1 else reports)
+        table = tables.decode_compression(reports[0] if len(reports) == 1 else reports)
         assert table in text, name
 
 
-def test_summary_prints_the_stored_table(bench, capsys):
+def test_summary_prints_the_stored_table(bench, tables, capsys):
     assert bench.main(["--summary", str(RESULTS / "decode_compression_throughput.json")]) == 0
-    assert capsys.readouterr().out.strip() == bench.markdown(_stored("decode_compression_throughput")).strip()
+    assert capsys.readouterr().out.strip() == tables.decode_compression(_stored("decode_compression_throughput")).strip()
 
 
 def test_throughput_run_alternated_and_its_ratios_are_per_repeat(bench):

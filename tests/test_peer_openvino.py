@@ -26,7 +26,7 @@ def test_defaults(pov):
     _, a = pov.parse_args([])
     assert (a.model, a.task, a.context_length, a.n, a.drop_ratio, a.batch_size) == (
         "smollm2-135m", "niah_single_1", 2048, 16, 0.5, 4)
-    assert (a.start_size, a.recent_size, a.snapkv_window, a.aggregation, a.rotation) == (32, 64, 64, "norm_sum", "both")
+    assert (a.start_size, a.recent_size, a.aggregation, a.rotation) == (32, 64, "norm_sum", "both")
     assert a.max_tokens is None and not a.smoke and a.out == pov.DEFAULT_OUT
 
 
@@ -160,7 +160,7 @@ def test_add_ratios_without_baseline(pov):
 
 
 def test_format_table(pov):
-    table = pov.format_table(pov.add_ratios(_rows())).splitlines()
+    table = pov.H.render("peer_openvino", pov.add_ratios(_rows())).splitlines()
     assert table[0].split() == ["engine", "config", "kept", "decode", "tok/s", "ratio", "prefill", "s", "EM", "part",
                                 "same"]
     assert table[2].split() == ["tdutils", "snapkv", "r=0.5", "1024", "25.0", "1.25", "30.0", "0.75", "0.75", "3/4"]

@@ -185,11 +185,11 @@ def test_task_eval_refuses_bad_input(engine):
 def test_bench_summary_of_a_stored_task_run_is_the_per_task_table(small):
     """`python bench/accuracy.py --summary RUN.json` prints `task_markdown` of the stored rows (what the per-task
     tables of docs/results.md are written from, `tools/render_results.py`)."""
-    from test_bench_results import _bench
+    from test_bench_results import _tables
 
     table, _ = small
     report = json.loads(table.to_json(orient="records"))
-    assert _bench("accuracy").readme_summary({"rows": report}) == task_markdown(table)
+    assert _tables().accuracy({"rows": report}) == task_markdown(table)
 
 
 def test_docs_agnostic_example_runs_and_answers(capsys):

