@@ -35,7 +35,14 @@ from ..eval.common import check_output_path
 from ..eval.tasks import SAMPLES, dataset_task, get_task, load_rows, score_rows, task_names
 from ..models import check_context_lengths, context_window, resolve_model
 from ..policies import get_policy, policy_names
-from ..runs import DEFAULT_FULL_REQUESTS, PREFILL_ONCE_NOTE, Interrupted, compare, default_kv_budget, timing_line
+from ..runs import (
+    DEFAULT_FULL_REQUESTS,
+    PREFILL_ONCE_NOTE,
+    Interrupted,
+    compare,
+    default_kv_budget,
+    timing_line,
+)
 from .args import (
     OneLineParser,
     UsageError,
