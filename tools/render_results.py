@@ -530,7 +530,7 @@ def granularity_leaderboard(stored: str) -> str:
             for t in granularity_tests(report)]
     head = ["policy", "drop", *(f"KL {g}" for g in grans), f"modify ms/request ({' / '.join(grans)})", "wins",
             "paired sign-flip tests (Holm over the policy's pairs)"]
-    parts = [_table(head, rows)]
+    parts = [T.md_table(head, rows)]
     moving = []
     for name in MOVING_BUDGETS:
         for ratio in m["drop_ratios"]:
@@ -546,7 +546,7 @@ def granularity_leaderboard(stored: str) -> str:
                            "; ".join(f"snapkv/{g}: {r['score']:.3f}, diff {x.diff:+.3f} (p = {p:.2g})"
                                      for (g, r), x, p in zip(refs, res, ps))])
     if moving:
-        parts += ["", _table(["policy", "drop", "KL", "modify ms/request", "KV rows stored per layer",
+        parts += ["", T.md_table(["policy", "drop", "KL", "modify ms/request", "KV rows stored per layer",
                               "against SnapKV's uniform sets (paired sign-flip, Holm over the two)"], moving)]
     done = len(report["rows"])
     planned = 1 + (len(m["policies"]) - 1) * len(m["drop_ratios"])
@@ -557,7 +557,7 @@ def granularity_leaderboard(stored: str) -> str:
               + ("" if done >= planned else f"The run was stopped at its deadline: {done} of its {planned} cells. ")
               + _source(stored, f"model `{m['model']}`", f"{m['context_lengths'][0]}-token prompts, "
                         f"{report['rows'][0]['max_tokens']} teacher-forced continuation tokens", _seed(m["seed"]),
-                        _threads(m["threads"]), f"{_minutes(m['seconds'])} of wall time on the shared 2 cores")]
+                        T.threads(m["threads"]), f"{_minutes(m['seconds'])} of wall time on the shared 2 cores")]
     return "\n".join(parts)
 
 
@@ -573,7 +573,7 @@ def granularity_winners(*stored: str) -> str:
             why = f" (p <= {max(ps):.2g})" if ps else ""
             by.setdefault(t["policy"], []).append(f"{t['ratio']:g}: {_winner(t)}{why}")
         rows += [[f"`{p}`", model, "; ".join(v)] for p, v in by.items()]
-    return _table(["policy", "model", "winning granularity per drop ratio (paired sign-flip, Holm)"], rows)
+    return T.md_table(["policy", "model", "winning granularity per drop ratio (paired sign-flip, Holm)"], rows)
 
 
 GRANULARITY_RUNS = ("granularity_fidelity_smollm2_2048_n32", "granularity_fidelity_gemma3_2048")
@@ -597,11 +597,11 @@ def granularity_cost(stored: str = GRANULARITY_COST) -> str:
                     f"{statistics.median(r['tokens_per_s'] for r in mine):.1f}",
                     f"{statistics.median(r['tokens_per_s'] / base[r['round']] for r in mine):.2f}",
                     str(mine[0]["kv_rows"])])
-    return "\n".join([_table(["variant", f"modify s ({m['n']} requests)", "decode tokens/s",
+    return "\n".join([T.md_table(["variant", f"modify s ({m['n']} requests)", "decode tokens/s",
                                "decode speed / request's (same round)", "KV rows stored per layer"], out), "",
                        f"{m['n']} prompts of {m['length']} tokens, one batch, drop {m['ratio']:g}, {m['tokens']} "
                        f"greedy tokens each, {m['rounds']} rounds alternating the variants (median shown). "
-                       + _source(stored, f"model `{m['model']}`", _threads(m["threads"]),
+                       + _source(stored, f"model `{m['model']}`", T.threads(m["threads"]),
                                  f"{_minutes(m['seconds'])} of wall time on the shared 2 cores")])
 
 
