@@ -409,7 +409,7 @@ def _keep_rule(drop_ratio: float | None, budget: int | None) -> float | None:
     return None
 
 
-def _policy_granularity(pol, policy: str, granularity: str) -> str:
+def policy_granularity(pol, policy: str, granularity: str) -> str:
     """The granularity a registered policy selects at when `granularity` is asked; ValueError where it has none."""
     if pol.per_head_only and granularity != "head":
         if granularity == "layer":
@@ -480,7 +480,7 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, bud
                       num_kv_heads=heads)
 
     pol = get_policy(policy)
-    granularity = _policy_granularity(pol, policy, granularity)
+    granularity = policy_granularity(pol, policy, granularity)
     p = pol.make_params(**params)
     if facts is None and (pol.needs_model or pol.setup is not None):
         raise ValueError(f"policy {policy!r} needs model_config (head_dim and head counts of the model)")

@@ -246,7 +246,10 @@ def run(args) -> int:
             "context_lengths": plan.lengths, "n": args.n, "seed": args.seed, "max_tokens": plan.max_tokens,
             "policy_params": plan.params, "threads": torch.get_num_threads(), "interrupted": False,
             "scored": SCORED_TEXT, "chat_template_option": plan.chat}
-    resume = getattr(args, "resume", False) and not plan.lengths_layout
+    if getattr(args, "resume", False) and plan.lengths_layout:
+        raise ValueError("--resume continues task grids (--tasks ...); the passkey grid of context lengths reruns "
+                         "whole: drop --resume, or give another --json to keep the stored run")
+    resume = getattr(args, "resume", False)
     done, before = _resume_rows(args.json_path, meta) if resume else ([], 0.0)
     t0 = time.perf_counter() - before  # a resumed run's seconds include those of the runs it continues
     finished: list[dict] = list(done)  # the cells scored so far, kept when Ctrl-C stops the run
@@ -272,7 +275,7 @@ def plan_eval(args) -> EvalPlan:
     modes = list(d.modes) if mode is None else (list(MODES) if mode == "both" else [mode])
     if len(d.modes) == 1 and mode not in (None, *d.modes):
         raise ValueError(f"--mode {mode}: {d.title} runs in {d.modes[0]} mode only; use RULER tasks "
-                         f"(--tasks {ALL}) for the query-agnostic mode")
+                         f"(--tasks {RULER_SUITE}) for both modes")
     model = args.model or d.model
     _check_model(model, d)  # warnings first: they hold whatever else is wrong
     policies, ratios, lengths = _grid_options(args, d)

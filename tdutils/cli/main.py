@@ -30,6 +30,7 @@ from .. import (
 from ..answers import CHOICES
 from ..chat import uses_chat_template
 from ..data import MC_SAMPLE_NAME, SAMPLE_NAME
+from ..edit import policy_granularity
 from ..engines import engine_class, engine_kinds
 from ..eval.common import check_output_path
 from ..eval.tasks import SAMPLES, dataset_task, get_task, load_rows, score_rows, task_names
@@ -290,9 +291,10 @@ def _plan_policy(args):
         named = [f"--{k.replace('_', '-')} {v}" for k, v in params.items() if k in str(exc)] or \
             [f"--{k.replace('_', '-')} {v}" for k, v in params.items()]
         raise UsageError(f"{', '.join(named)}: {exc}" if named else str(exc)) from None
-    if args.granularity not in policy.granularities:
-        raise UsageError(f"--granularity {args.granularity}: policy {args.policy!r} keeps one set per request only; "
-                         "drop --granularity (or give --granularity request)")
+    try:
+        policy_granularity(policy, args.policy, args.granularity)  # the one check make_drop_fn makes too
+    except ValueError as exc:
+        raise UsageError(f"--granularity {args.granularity}: {exc}".replace("granularity='", "--granularity '")) from None
     if args.granularity != "request" and args.engine != "hf":
         raise UsageError(f"--granularity {args.granularity} needs --engine hf: LMCache stores one token list per request")
     return policy, params, settings
@@ -355,7 +357,7 @@ def set_kv_budget(args, engine, prompt_ids) -> dict:
             raise UsageError(f"--kv-budget-gb {args.kv_budget_gb:g} (= {nbytes // per:,} tokens at "
                              f"{_dtype_name(engine.facts.kv_dtype)}, {per:,} B per token) cannot hold one undropped "
                              f"request of the baseline ({need:,} tokens = longest prompt + --max-tokens); give at "
-                             f"least {least:g}")
+                             f"least --kv-budget-gb {least:g} (GiB)")
         engine.kv_budget_bytes = nbytes
         return kv_budget_meta(engine, "--kv-budget-gb")
     engine.kv_budget_tokens = args.kv_budget_tokens or default_kv_budget(map(len, prompt_ids), args.max_tokens)

@@ -373,7 +373,8 @@ def run_tasks(engine, tasks: Sequence[Task], modes: Sequence[str], cells: Sequen
     rows: list[dict] = []
     job = {"n": n, "seed": seed, "max_tokens": max_tokens, "batch_size": batch_size, "chat_template": chat_template,
            "stop_at_eos": stop_at_eos, "on_cell": on_cell, "on_group": on_group}
-    with tqdm(total=total, unit="cell", disable=not progress, dynamic_ncols=True, desc="eval") as bar:
+    with tqdm(total=total, unit="cell", disable=not progress, dynamic_ncols=True, desc="eval",
+              bar_format="{l_bar}{bar}| {n:.1f}/{total} cells [{elapsed}<{remaining}]") as bar:
         for length in lengths:
             for task in tasks:
                 rows += _run_task(engine, task, task_modes(task, modes), cells, length, done, bar, **job)
