@@ -497,6 +497,7 @@ def granularity_tests(report: dict) -> list[dict]:
             tests = pairwise_tests({g: c["scores"]["kl"] for g, c in here.items()}, "kl")
             beaten = {(t.b if t.better == t.a else t.a) for t in tests.itertuples() if t.separated}
             out.append({"policy": name, "ratio": ratio, "n": here[next(iter(here))]["n"],
+                        "missing": [g for g in grans if g not in here],
                         "kl": {g: c["score"] for g, c in here.items()},
                         "modify_ms": {g: 1e3 * c["modify_s"] / c["n"] for g, c in here.items()},
                         "tests": tests, "top": [g for g in here if g not in beaten]})
@@ -571,7 +572,8 @@ def granularity_winners(*stored: str) -> str:
         for t in granularity_tests(report):
             ps = [r.p_holm for r in t["tests"].itertuples() if r.separated and r.better in t["top"]]
             why = f" (p <= {max(ps):.2g})" if ps else ""
-            by.setdefault(t["policy"], []).append(f"{t['ratio']:g}: {_winner(t)}{why}")
+            missing = f" ({' and '.join(t['missing'])} not run)" if t["missing"] else ""
+            by.setdefault(t["policy"], []).append(f"{t['ratio']:g}: {_winner(t)}{why}{missing}")
         rows += [[f"`{p}`", model, "; ".join(v)] for p, v in by.items()]
     return T.md_table(["policy", "model", "winning granularity per drop ratio (paired sign-flip, Holm)"], rows)
 
