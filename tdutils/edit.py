@@ -271,7 +271,7 @@ class DropFn:
     def keep_indices(self, tensors: Mapping, tokens: Sequence[int]) -> torch.Tensor:
         """The indices this function keeps for one request: LongTensor `[k]` (granularity `"request"`), `[L, k]`
         (`"layer"`) or `[L, H_kv, k]` (`"head"`), sorted on the last dim; unequal per-head counts (AdaKV, PyramidKV)
-        as `[L, H_kv, k_max]` padded with -1 before each set's last index (`tdutils.selection.pack_sets`).
+        as `[L, H_kv, k_max]` padded with -1 before each set's indices (`tdutils.selection.pack_sets`).
 
         Raises:
             TypeError: an adapted ModifyFn (its kept indices are known only from its output: `kept_rows`).

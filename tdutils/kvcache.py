@@ -109,7 +109,7 @@ def apply_keep(kv: torch.Tensor, tokens: Sequence[int], keep: torch.Tensor, *, r
 def check_keep_sets(keep: torch.Tensor, n: int, num_layers: int, num_kv_heads: int) -> torch.Tensor:
     """Validate kept indices per request `[k]`, per layer `[L, k]` or per KV head `[L, H, k]` for `n` tokens;
     returns them as a CPU LongTensor sorted on the last dim (`check_keep` for `[k]`). Unequal per-head counts come
-    as `[L, H, k_max]` padded with -1 before each set's last index (`tdutils.selection.pack_sets`), returned as given.
+    as `[L, H, k_max]` padded with -1 before each set's indices (`tdutils.selection.pack_sets`), returned as given.
 
     Raises:
         ValueError: not integers, another `L` or `H`, empty sets, indices out of range or duplicated in a set,
@@ -147,8 +147,8 @@ def _check_padded(keep: torch.Tensor, n: int) -> torch.Tensor:
     if int(mask.max()) > 1:
         raise ValueError("kept indices contain duplicates within a set")
     if not bool(valid[..., -1].all()) or not torch.equal(pack_sets(mask[..., :n].bool()), keep):
-        raise ValueError("padded per-head sets must hold each set's indices ascending, its padding -1 just before "
-                         "its last index (tdutils.selection.pack_sets)")
+        raise ValueError("padded per-head sets must hold each set's indices ascending after its padding -1 "
+                         "(right-aligned: tdutils.selection.pack_sets)")
     return keep
 
 

@@ -21,13 +21,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------------------ representation
-def test_pack_sets_pads_before_each_sets_last_index_and_validates():
+def test_pack_sets_right_aligns_each_set_after_its_padding_and_validates():
     mask = torch.tensor([[[1, 0, 1, 1, 0, 1], [0, 1, 0, 0, 0, 1]]], dtype=torch.bool)
     keep = pack_sets(mask)
-    assert keep.tolist() == [[[0, 2, 3, 5], [1, -1, -1, 5]]]
+    assert keep.tolist() == [[[0, 2, 3, 5], [-1, -1, 1, 5]]]  # 2 padding columns, then head 1's set
     assert torch.equal(check_keep_sets(keep, 6, 1, 2), keep)
-    for bad in ([[[0, 2, 3, 5], [-1, 1, -1, 5]]], [[[0, 2, 3, 5], [1, -1, 5, -1]]], [[[0, 3, 2, 5], [1, -1, -1, 5]]],
-                [[[0, 2, 2, 5], [1, -1, -1, 5]]]):
+    for bad in ([[[0, 2, 3, 5], [-1, 1, -1, 5]]], [[[0, 2, 3, 5], [1, -1, -1, 5]]], [[[0, 2, 3, 5], [-1, 1, 5, -1]]],
+                [[[0, 3, 2, 5], [-1, -1, 1, 5]]], [[[0, 2, 2, 5], [-1, -1, 1, 5]]]):
         with pytest.raises(ValueError, match="padded|duplicates"):
             check_keep_sets(torch.tensor(bad), 6, 1, 2)
 
@@ -49,10 +49,10 @@ def test_adakv_allocation_by_hand():
     """k = 3 per head, H = 2: the layer keeps 6. alpha 0.7: int(2.1) = 2 safeguarded per head (the last token and the
     head's best; head 1 ties, the earlier token wins), then the 2 best of the rest across heads, both in head 0."""
     scores = torch.tensor([[[9.0, 8, 7, 6, 0, 0], [1, 1, 1, 1, 1, 0]]])
-    assert adakv_keep(scores, 3, 0.7).tolist() == [[[0, 1, 2, 5], [0, -1, -1, 5]]]
+    assert adakv_keep(scores, 3, 0.7).tolist() == [[[0, 1, 2, 5], [-1, -1, 0, 5]]]
     assert adakv_keep(scores, 3, 1.0).tolist() == [[[0, 1, 5], [0, 1, 5]]]  # all safeguarded: uniform
     protected = torch.tensor([False, False, False, False, True, True])
-    assert adakv_keep(scores, 3, 0.0, protected).tolist() == [[[0, 1, 4, 5], [4, -1, -1, 5]]]
+    assert adakv_keep(scores, 3, 0.0, protected).tolist() == [[[0, 1, 4, 5], [-1, -1, 4, 5]]]
 
 
 def _kvpress_adakv(scores, k, alpha, always):
