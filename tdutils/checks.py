@@ -126,3 +126,9 @@ def check_max_tokens(max_tokens, num_requests: int) -> list[int]:
                              f"or one per request")
         return [check_count(m, f"max_tokens[{i}]", 1) for i, m in enumerate(values)]
     return [check_count(max_tokens, "max_tokens", 1)] * num_requests
+
+
+def admits(reserved: int, need: int, running: int, budget: int | None, max_batch_size: int | None) -> bool:
+    """Whether a request reserving `need` KV tokens may join `running` requests that reserve `reserved` in all:
+    the sum stays within `budget` (None: unlimited) and the batch within `max_batch_size` (None: no cap)."""
+    return (budget is None or reserved + need <= budget) and (max_batch_size is None or running < max_batch_size)

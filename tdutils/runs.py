@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-from .checks import check_max_tokens
+from .checks import admits, check_max_tokens
 from .compression import Compression
 from .edit import as_drop_fn
 from .metrics import DecodeMetrics, ModifyMetrics, RunMetrics, phase_table
@@ -423,8 +423,6 @@ def _decode_work(caches: list[int], m: list[int], budget: int | None, max_batch_
     """`(steps, attended)`: decode steps of requests with `caches[i]` cached tokens generating `m[i]` each, admitted
     first come first served while their needs (`cache + m`) fit `budget` (the hf engine's admission with EOS
     ignored), and the KV tokens all steps attend over together."""
-    from .engines.scheduler import admits  # here: the engines package imports this module
-
     waiting, running, steps = deque(zip(caches, m)), [], 0
     while waiting or running:
         while waiting and (not running or admits(sum(c + n for c, n, _ in running), sum(waiting[0]), len(running),

@@ -103,7 +103,7 @@ def test_budget_errors_and_which_unit_applies(tiny):
     (["--kv-budget-gb", "-1"], "argument --kv-budget-gb: expected a finite number > 0, got '-1'"),
     (["--kv-budget-gb", "0.0001", "--num-requests", "2"],
      ("--kv-budget-gb 0.0001 (= 104 tokens at float32, 1,024 B per token) cannot hold one undropped request of the "
-      "baseline (1,088 tokens = longest prompt + --max-tokens); give at least 0.001038")),
+      "baseline (1,088 tokens = longest prompt + --max-tokens); give at least --kv-budget-gb 0.001038 (GiB)")),
     (["--kv-budget-gb", "0.01", "--engine", "lmcache"],
      "--kv-budget-gb: the lmcache engine takes its KV budget in tokens only"),
 ])

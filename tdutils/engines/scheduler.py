@@ -13,13 +13,9 @@ from __future__ import annotations
 import warnings
 from collections import deque
 
+from ..checks import admits
+
 KV_BLOCK_TOKENS = 256  # with EOS honoured, decode grants a request its tokens (reservation, storage) in blocks
-
-
-def admits(reserved: int, need: int, running: int, budget: int | None, max_batch_size: int | None) -> bool:
-    """Whether a request reserving `need` KV tokens may join `running` requests that reserve `reserved` in all:
-    the sum stays within `budget` (None: unlimited) and the batch within `max_batch_size` (None: no cap)."""
-    return (budget is None or reserved + need <= budget) and (max_batch_size is None or running < max_batch_size)
 
 
 class DecodeScheduler:
