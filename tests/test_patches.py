@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tdutils.cli.patches import main as patches_main
 from tdutils.serving import patches as tp
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,19 +147,19 @@ def test_the_patch_that_fits_each_version(package, version, name):
 def test_apply_is_idempotent_reports_and_reverts_exactly(tmp_path, capsys):
     root = _tree(tmp_path)
     vdir = str(root / "vllm")
-    assert tp.main(["check", "--vllm-dir", vdir]) == 1
+    assert patches_main(["check", "--vllm-dir", vdir]) == 1
     assert "unapplied" in capsys.readouterr().out
-    assert tp.main(["apply", "--vllm-dir", vdir]) == 0
+    assert patches_main(["apply", "--vllm-dir", vdir]) == 0
     out = capsys.readouterr().out
     assert "vLLM 0.25.1" in out and f"{BASE}: patched (1 hunk, +11 lines)" in out and f"{UTILS}: patched" in out
     patched = {p: (root / p).read_text() for p in (BASE, UTILS)}
-    assert tp.main(["apply", "--vllm-dir", str(root)]) == 0  # the site-packages folder works too
+    assert patches_main(["apply", "--vllm-dir", str(root)]) == 0  # the site-packages folder works too
     assert out.count("already") == 0 and "already patched, unchanged" in capsys.readouterr().out
     assert {p: (root / p).read_text() for p in (BASE, UTILS)} == patched
-    assert tp.main(["check", "--vllm-dir", vdir]) == 0
-    assert tp.main(["revert", "--vllm-dir", vdir]) == 0
+    assert patches_main(["check", "--vllm-dir", vdir]) == 0
+    assert patches_main(["revert", "--vllm-dir", vdir]) == 0
     assert (root / BASE).read_text() == SYNTH_BASE and (root / UTILS).read_text() == SYNTH_UTILS
-    assert tp.main(["revert", "--vllm-dir", vdir]) == 0
+    assert patches_main(["revert", "--vllm-dir", vdir]) == 0
     assert "already reverted" in capsys.readouterr().out
 
 
@@ -185,11 +186,11 @@ def test_patched_decorator_passes_positional_and_keyword_arguments(tmp_path):
 @pytest.mark.parametrize("version", ["0.22.9", "0.26.0", "1.0.0"])
 def test_versions_outside_the_tested_range_are_refused(tmp_path, capsys, version):
     root = _tree(tmp_path, version=version)
-    assert tp.main(["apply", "--vllm-dir", str(root / "vllm")]) == 2
+    assert patches_main(["apply", "--vllm-dir", str(root / "vllm")]) == 2
     err = capsys.readouterr().err
     assert f"vLLM {version} is outside the range" in err and "0.23.0-0.25.1" in err
     assert (root / BASE).read_text() == SYNTH_BASE  # untouched
-    assert tp.main(["apply", "--force", "--vllm-dir", str(root / "vllm")]) == 0
+    assert patches_main(["apply", "--force", "--vllm-dir", str(root / "vllm")]) == 0
 
 
 def test_local_version_suffix_and_dist_info(tmp_path):
@@ -204,21 +205,21 @@ def test_local_version_suffix_and_dist_info(tmp_path):
 
 def test_a_file_that_does_not_fit_changes_nothing(tmp_path, capsys):
     root = _tree(tmp_path, utils=SYNTH_UTILS.replace("# Save KV cache layer on exit", "# edited by hand"))
-    assert tp.main(["apply", "--vllm-dir", str(root / "vllm")]) == 2
+    assert patches_main(["apply", "--vllm-dir", str(root / "vllm")]) == 2
     assert "does not match the patch" in capsys.readouterr().err
     assert (root / BASE).read_text() == SYNTH_BASE  # the other file was not written either
-    assert tp.main(["check", "--vllm-dir", str(root / "vllm")]) == 2
+    assert patches_main(["check", "--vllm-dir", str(root / "vllm")]) == 2
 
 
 def test_vllm_not_found_says_how_to_point_at_it(tmp_path, capsys):
-    assert tp.main(["check", "--vllm-dir", str(tmp_path)]) == 2
+    assert patches_main(["check", "--vllm-dir", str(tmp_path)]) == 2
     assert "not a vLLM package folder" in capsys.readouterr().err
     if importlib.util.find_spec("vllm") is None:
-        assert tp.main(["check"]) == 2
+        assert patches_main(["check"]) == 2
         assert capsys.readouterr().err.strip() == (
             f"tdutils patches: error: vLLM is not installed in this Python environment ({sys.executable}); point at "
             f"it with --python /path/to/vllm-venv/bin/python or --vllm-dir /path/to/site-packages/vllm")
-    assert tp.main(["check", "--python", sys.executable, "--vllm-dir", str(tmp_path)]) == 2
+    assert patches_main(["check", "--python", sys.executable, "--vllm-dir", str(tmp_path)]) == 2
 
 
 @pytest.mark.skipif(not os.environ.get("TDUTILS_VLLM_WHEEL"), reason="set TDUTILS_VLLM_WHEEL to a vLLM wheel file")
@@ -287,8 +288,8 @@ def test_apply_patches_vllm_0_32_and_lmcache_side_by_side(tmp_path, capsys):
     _synthetic_from(tp.patch_for("lmcache", "0.5.6"), root, "0.5.6", "lmcache")
     files = sorted(p for p in root.rglob("*.py") if not p.name.startswith("_"))
     original = {p: p.read_text() for p in files}
-    assert tp.main(["check", "--vllm-dir", str(root / "vllm")]) == 1
-    assert tp.main(["apply", "--vllm-dir", str(root / "vllm")]) == 0
+    assert patches_main(["check", "--vllm-dir", str(root / "vllm")]) == 1
+    assert patches_main(["apply", "--vllm-dir", str(root / "vllm")]) == 0
     out = capsys.readouterr().out
     assert "vLLM 0.32.0 at" in out and "LMCache 0.5.6 at" in out, out
     assert "lmcache/sdk/context.py: patched (4 hunks, +12 lines)" in out, out
@@ -296,14 +297,14 @@ def test_apply_patches_vllm_0_32_and_lmcache_side_by_side(tmp_path, capsys):
     assert "lmcache/v1/gpu_connector/utils.py: patched (1 hunk, +3 lines)" in out, out
     assert f"{BASE}: patched (1 hunk, +11 lines)" in out, out
     assert '"CS": shape_desc.hs,' in (root / "lmcache/v1/gpu_connector/utils.py").read_text()
-    assert tp.main(["check", "--vllm-dir", str(root / "vllm")]) == 0
+    assert patches_main(["check", "--vllm-dir", str(root / "vllm")]) == 0
     out = capsys.readouterr().out
     assert "patch vllm-0.32-export-intermediate-tensors.diff: applied" in out and \
         "patch lmcache-sdk-fused-kv-layout.diff: applied" in out, out
-    assert tp.main(["revert", "--target", "lmcache", "--vllm-dir", str(root)]) == 0  # LMCache next to that vLLM
-    assert tp.main(["check", "--vllm-dir", str(root / "vllm")]) == 1  # LMCache unpatched, vLLM patched: 1
-    assert tp.main(["revert", "--vllm-dir", str(root / "vllm")]) == 0
-    assert tp.main(["revert", "--target", "lmcache", "--vllm-dir", str(tmp_path)]) == 2
+    assert patches_main(["revert", "--target", "lmcache", "--vllm-dir", str(root)]) == 0  # LMCache next to that vLLM
+    assert patches_main(["check", "--vllm-dir", str(root / "vllm")]) == 1  # LMCache unpatched, vLLM patched: 1
+    assert patches_main(["revert", "--vllm-dir", str(root / "vllm")]) == 0
+    assert patches_main(["revert", "--target", "lmcache", "--vllm-dir", str(tmp_path)]) == 2
     assert "LMCache is not installed there" in capsys.readouterr().err
     assert {p: p.read_text() for p in files} == original
 
@@ -312,10 +313,10 @@ def test_force_tries_the_newest_patch_whose_context_fits(tmp_path, capsys):
     """A vLLM 0.32.5 (no patch named for it) whose files look like 0.32's: --force picks the 0.32 port."""
     root = tmp_path / "site"
     _synthetic_from(tp.patch_for("vllm", "0.32.0"), root, "0.32.5", "vllm")
-    assert tp.main(["apply", "--target", "vllm", "--vllm-dir", str(root / "vllm")]) == 0  # 0.32.x: fits the range
-    assert tp.main(["revert", "--target", "vllm", "--vllm-dir", str(root / "vllm")]) == 0
+    assert patches_main(["apply", "--target", "vllm", "--vllm-dir", str(root / "vllm")]) == 0  # 0.32.x: fits the range
+    assert patches_main(["revert", "--target", "vllm", "--vllm-dir", str(root / "vllm")]) == 0
     (root / "vllm" / "_version.py").write_text("__version__ = version = '0.34.0'\n")
-    assert tp.main(["apply", "--target", "vllm", "--vllm-dir", str(root / "vllm")]) == 2
+    assert patches_main(["apply", "--target", "vllm", "--vllm-dir", str(root / "vllm")]) == 2
     assert "vLLM 0.34.0 is outside the range" in capsys.readouterr().err
-    assert tp.main(["apply", "--force", "--target", "vllm", "--vllm-dir", str(root / "vllm")]) == 0
+    assert patches_main(["apply", "--force", "--target", "vllm", "--vllm-dir", str(root / "vllm")]) == 0
     assert tp.status(tp.find_vllm(root / "vllm"), tp.load_patch(tp.patch_for("vllm", "0.32.0"))).state == "applied"
