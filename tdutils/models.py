@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import difflib
 import os
+import socket
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
@@ -187,7 +189,8 @@ class ModelRef:
         """The local folder or hub id that transformers' `from_pretrained` reads (config, tokenizer, weights).
 
         A packaged model or `.gguf` file is dequantized and cached on first use (`tdutils.gguf`; `fetch`: allow
-        the package index); `progress`: show the conversion's progress bars.
+        the package index, or for a hub id that is not cached, probe whether the hub answers); `progress`: show the
+        conversion's progress bars.
 
         Raises:
             ValueError: a `random:` model (built from `RANDOM_ARCHS`, it has no files); what `gguf.packaged_folder`
@@ -200,6 +203,8 @@ class ModelRef:
         if self.kind == "gguf":
             gguf.clean_stale_temporaries()
             return str(gguf.dequantized_folder(self.target, progress=progress))
+        if self.kind == "hub" and fetch:
+            _check_hub_reachable(self.target)
         return self.target
 
 
@@ -460,7 +465,38 @@ def load_model(
     return model, tokenizer
 
 
+def _check_hub_reachable(repo_id: str, timeout_s: float = 5.0) -> None:
+    """Fail at once when a hub model is not cached and the hub cannot be reached.
+
+    Without this, transformers' hub client retries for about 30 s and prints each retry before failing.
+
+    Raises:
+        OSError: `repo_id` has no cached config.json and the hub's host does not answer within `timeout_s`.
+    """
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return  # the hub client fails fast by itself in offline mode
+    # huggingface_hub comes with transformers; imported here because only hub ids need it
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+            return
+    except ValueError:
+        pass  # not a valid repo id: let transformers say so
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+    except OSError as exc:
+        raise _HubUnreachable(_offline_hint(repo_id, OSError(f"{host} cannot be reached ({exc})"))) from exc
+
+
+class _HubUnreachable(OSError):
+    """A hub model that is not cached while the hub cannot be reached; the message already holds the hint."""
+
+
 def _offline_hint(name: str, exc: Exception) -> str:
+    if isinstance(exc, _HubUnreachable):
+        return str(exc)
     offline = os.environ.get("HF_HUB_OFFLINE") == "1"
     return (
         f"could not load model {name!r}: {exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "

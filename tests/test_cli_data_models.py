@@ -304,3 +304,31 @@ def test_gold_answers_that_cannot_be_scored_fail_before_the_run(tmp_path):
     assert p.stderr.strip() == (f"python -m tdutils run: error: dataset {str(data)!r}: cannot tell how to score gold answers like "
                                 "['1 2', 'B']: expected digit passkeys or letters A-D"), p.stdout + p.stderr
     assert "prefill" not in p.stdout and not out.exists(), p.stdout
+
+
+def test_unreachable_hub_fails_at_once_with_one_hint(monkeypatch):
+    # Without the probe, the hub client retries for ~30 s and prints every retry.
+    import socket
+
+    import huggingface_hub
+
+    from tdutils.models import ModelRef, resolve_model
+
+    probes = []
+
+    def refuse(addr, timeout=None):
+        probes.append((addr, timeout))
+        raise OSError("Name or service not known")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: None)
+    ref = resolve_model("org/never-cached", weights=False)
+    with pytest.raises(OSError) as err:
+        ref.files()
+    msg = str(err.value)
+    assert "huggingface.co cannot be reached" in msg and msg.count("could not load model") == 1, msg
+    assert "local folder" in msg and probes == [(("huggingface.co", 443), 5.0)]
+    # a model already in the hub cache is not probed
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: "/cache/config.json")
+    assert ModelRef("org/cached", "hub", "org/cached").files() == "org/cached" and len(probes) == 1
