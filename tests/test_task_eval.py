@@ -71,6 +71,14 @@ def test_rows_columns_and_bookkeeping(small):
     assert set(table.loc[table["task"] == "niah_multiquery", "max_tokens"]) == {30}
 
 
+def test_rows_keep_each_prompts_scored_answer(small):
+    """Each row stores the answer it scored per prompt (text up to the first EOS), beside its per-prompt scores."""
+    table, responses = small
+    for r in table.itertuples():
+        assert r.answers == responses[r.task, r.mode, r.policy, r.drop_ratio, r.context_length]
+        assert len(r.answers) == len(r.scores["exact"]) == 6
+
+
 def test_agnostic_full_cache_answers_as_aware_and_ratio_zero_as_full(small):
     """prefill(context) + extend(question) holds the prompt's cache, so greedy answers are identical; a ratio-0
     edit returns the cache unchanged (docs/design.md §5), in both modes."""
@@ -215,8 +223,11 @@ def test_cli_resume_keeps_the_stored_cells_and_refuses_another_grid(tmp_path, ca
     assert run(_args(argv)) == 0  # no file yet: a fresh run
     first = json.loads(out.read_text())
     assert all(len(r["scores"]["exact"]) == 3 for r in first["rows"])  # every prompt's score is kept
-    # a killed run leaves what its last checkpoint wrote; resuming it runs only the missing cell
-    stored = {**first, "rows": first["rows"][:3], "meta": {**first["meta"], "interrupted": True}}
+    assert all(len(r["answers"]) == 3 for r in first["rows"])  # and the answer each one scored
+    # a killed run leaves what its last checkpoint wrote; resuming it runs only the missing cell (stored by a
+    # tdutils that kept no answers: such a file still resumes)
+    old_rows = [{k: v for k, v in r.items() if k != "answers"} for r in first["rows"][:3]]
+    stored = {**first, "rows": old_rows, "meta": {**first["meta"], "interrupted": True}}
     out.write_text(json.dumps(stored))
     from tdutils.eval import runner
 
@@ -227,6 +238,7 @@ def test_cli_resume_keeps_the_stored_cells_and_refuses_another_grid(tmp_path, ca
     assert ran == [[("random", 0.5)]]  # agnostic: the full cache was stored, only random@0.5 ran
     again = json.loads(out.read_text())
     assert [r["scores"] for r in again["rows"]] == [r["scores"] for r in first["rows"]]
+    assert [r["answers"] for r in again["rows"]] == [None] * 3 + [first["rows"][3]["answers"]]
     assert again["meta"]["interrupted"] is False and again["meta"]["seconds"] >= first["meta"]["seconds"]
     with pytest.raises(ValueError, match="--resume: .* is a run of another grid \\(n 3 there, 4 here\\)"):
         run(_args([*argv[:-6], "--n", "4", "--seed", "2", "--json", str(out), "--quiet", "--resume"]))
