@@ -297,6 +297,20 @@ def test_run_json_keeps_each_requests_answer(tmp_path, capsys):
     assert answers["baseline"][0].strip().startswith(rows[0].answer), answers  # the trained model finds the key
 
 
+def test_run_at_drop_ratio_one_says_what_it_kept(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc, got = _run_cli(["--drop-ratio", "1", "--num-requests", "2", "--max-tokens", "2", "--repeats", "1",
+                        "--no-progress", "--json", str(out)], capsys)
+    assert rc == 0, got.err
+    note = ("--drop-ratio 1 keeps only the tokens snapkv always keeps (its protected tokens: 64 KV tokens per "
+            "request), not 0: the ratio, capacity limit and accuracy are those of that set alone")
+    assert f"note: {note}\n" in got.out, got.out
+    assert "UserWarning" not in got.err, got.err  # make_drop_fn's warning gives way to the note
+    report = json.loads(out.read_text())
+    assert note in report["notes"]
+    assert {r["run"]: r["kv_tokens_after"] for r in report["table"]}["snapkv@1"] == 2 * 64  # the 64-token window
+
+
 def test_names_that_cannot_be_hub_ids_fail_without_the_hub(monkeypatch):
     from tdutils import data
 

@@ -20,6 +20,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 from .. import (
@@ -414,8 +415,10 @@ def cmd_run(args) -> int:
     check_device_output(out, "--json")  # /dev/full would fail only after all the work
     plan = plan_run(args)
     engine, prompt_ids = open_run_engine(args, plan)
-    drop_fn = make_drop_fn(args.policy, drop_ratio=args.drop_ratio, model_config=engine.facts,
-                           rerotate=args.positions == "compact", granularity=args.granularity, **plan.params)
+    with warnings.catch_warnings():  # ratio 1's warning: the run prints its own note, with the kept counts
+        warnings.filterwarnings("ignore", message="drop_ratio=1 keeps only")
+        drop_fn = make_drop_fn(args.policy, drop_ratio=args.drop_ratio, model_config=engine.facts,
+                               rerotate=args.positions == "compact", granularity=args.granularity, **plan.params)
     print(f"engine={args.engine} model={args.model} dataset={args.dataset} requests={len(plan.rows)} "
           f"prompt tokens={sum(map(len, prompt_ids))} max_tokens={args.max_tokens} "
           f"kv_budget_tokens={engine.kv_budget_tokens} positions={args.positions}", flush=True)
@@ -449,6 +452,7 @@ def report_run(args, plan: RunPlan, out, results, table) -> int:
     timing = table.attrs.get("timing", {})
     print(timing_line(timing))
     speed_notes = metrics.speedup_notes(table) + ([PREFILL_ONCE_NOTE] if timing.get("prefill") == "once" else [])
+    speed_notes += ratio_one_notes(args, results[name])
     for line in speed_notes:
         print(f"note: {line}")
     accuracy, notes = _accuracy(args, plan, results)
@@ -477,6 +481,18 @@ def _write_interrupted(args, plan: RunPlan, out, stop: Interrupted) -> int:
     print(f"python -m tdutils run: interrupted; the {len(stop.runs)} finished run(s) are in {out} "
           f"(\"interrupted\": true)", file=sys.stderr)
     return INTERRUPTED
+
+
+def ratio_one_notes(args, dropped) -> list[str]:
+    """At `--drop-ratio 1`, one note: what the dropped run (`RunResult`) kept per request (its policy's protected
+    tokens; `tdutils.selection.keep_count`: ratio 1 keeps 0, the policies still keep those), read from its outputs."""
+    if args.drop_ratio != 1:
+        return []
+    kept = sorted({o.cached_tokens for o in dropped.outputs})
+    span = f"{kept[0]}" if len(kept) == 1 else f"{kept[0]}-{kept[-1]}"
+    note = (f"--drop-ratio 1 keeps only the tokens {args.policy} always keeps (its protected tokens: {span} KV "
+            f"tokens per request), not 0: the ratio, capacity limit and accuracy are those of that set alone")
+    return [note]
 
 
 def run_answers(results) -> dict:
