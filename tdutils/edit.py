@@ -463,13 +463,10 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, bud
     check_granularity(granularity)
     r = _keep_rule(drop_ratio, budget)
     facts = model_facts(model_config) if model_config is not None else None
-    if facts is None and not callable(policy) and (get_policy(policy).needs_model
-                                                   or get_policy(policy).setup is not None):
-        # before the rerotate check: rerotate=False would not do without model_config either
-        raise ValueError(f"policy {policy!r} needs model_config (the model's facts: engine.facts, the model or its "
-                         "config): its head_dim and head counts")
     rope_spec = None
     if rerotate:
+        if facts is None and not callable(policy) and _reads_model(get_policy(policy)):
+            raise _needs_model(policy)  # rerotate=False would not do without model_config either
         if facts is None:
             raise ValueError("rerotate=True needs model_config (the model's facts: engine.facts, the model or its "
                              "config) to re-rotate keys; or pass rerotate=False and decode at the original positions "
@@ -490,6 +487,8 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, bud
     pol = get_policy(policy)
     granularity = policy_granularity(pol, policy, granularity)
     p = pol.make_params(**params)
+    if facts is None and _reads_model(pol):
+        raise _needs_model(policy)
     extra = dict(pol.setup(facts)) if pol.setup is not None else {}  # per-model values, computed once
     keep, reads_query = pol.keep, pol.needs != "kv"
     if granularity != "request" and not pol.per_head_only:  # request-only policies never see the keyword
@@ -503,6 +502,15 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, bud
         warnings.warn(ratio_one_note(policy, vars(p)), stacklevel=2)
     return DropFn(policy, select, r, budget, rerotate, rope_spec, dict(vars(p)), needs=pol.needs,
                   query_rows=pol.rows(p), reads_only=pol.builtin, granularity=granularity, num_kv_heads=heads)
+
+
+def _reads_model(pol) -> bool:
+    return pol.needs_model or pol.setup is not None
+
+
+def _needs_model(policy: str) -> ValueError:
+    return ValueError(f"policy {policy!r} needs model_config (the model's facts: engine.facts, the model or its "
+                      "config): its head_dim and head counts")
 
 
 def ratio_one_note(policy: str, params: Mapping) -> str:
