@@ -9,6 +9,7 @@ summarise. The accuracy regression on the trained model lives in `tests/test_acc
 
 import argparse
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -227,8 +228,9 @@ def test_cli_resume_keeps_the_stored_cells_and_refuses_another_grid(tmp_path, ca
     # a killed run leaves what its last checkpoint wrote; resuming it runs only the missing cell (stored by a
     # tdutils that kept no answers: such a file still resumes)
     old_rows = [{k: v for k, v in r.items() if k != "answers"} for r in first["rows"][:3]]
-    stored = {**first, "rows": old_rows, "meta": {**first["meta"], "interrupted": True}}
+    stored = {**first, "rows": old_rows, "meta": {**first["meta"], "interrupted": True, "seconds": 1000.0}}
     out.write_text(json.dumps(stored))
+    capsys.readouterr()
     from tdutils.eval import runner
 
     ran = []
@@ -239,6 +241,9 @@ def test_cli_resume_keeps_the_stored_cells_and_refuses_another_grid(tmp_path, ca
     again = json.loads(out.read_text())
     assert [r["scores"] for r in again["rows"]] == [r["scores"] for r in first["rows"]]
     assert [r["answers"] for r in again["rows"]] == [None] * 3 + [first["rows"][3]["answers"]]
-    assert again["meta"]["interrupted"] is False and again["meta"]["seconds"] >= first["meta"]["seconds"]
+    assert again["meta"]["interrupted"] is False and again["meta"]["seconds"] >= 1000  # the total, with the stored run
+    # the summary gives this invocation's seconds and the total
+    took = re.search(r", (\d+) s \(this run; (\d+) s with the stored run it resumed\)\n", capsys.readouterr().out)
+    assert took and int(took[2]) == round(again["meta"]["seconds"]) and int(took[2]) - int(took[1]) in (999, 1000, 1001)
     with pytest.raises(ValueError, match="--resume: .* is a run of another grid \\(n 3 there, 4 here\\)"):
         run(_args([*argv[:-6], "--n", "4", "--seed", "2", "--json", str(out), "--quiet", "--resume"]))
