@@ -150,6 +150,9 @@ def load_prompts(dataset: str = SAMPLE_NAME, *, num_requests: int | None = None,
             raise ValueError(  # noqa: TRY004 (bad data in a file, as the other row errors: ValueError)
                 f"dataset {dataset!r}: row {i} (counting from 0) has a {prompt_column!r} that is not text "
                 f"({type(prompt).__name__} {_short(prompt)}); every row needs the prompt as a string")
+        if not prompt:  # caught here, with the file and row, rather than as "prompt 0 is empty" at tokenization
+            raise ValueError(f"dataset {dataset!r}: row {i} (counting from 0) has an empty {prompt_column!r}; give "
+                             f"every row a prompt text, or remove that row")
         meta = {k: v for k, v in r.items() if k not in (prompt_column, answer_column)}
         ans = r.get(answer_column)
         out.append(PromptRow(prompt=prompt, answer=None if ans is None else str(ans), meta=meta))

@@ -20,6 +20,7 @@ import dataclasses
 import inspect
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -464,9 +465,13 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, bud
     facts = model_facts(model_config) if model_config is not None else None
     rope_spec = None
     if rerotate:
+        if facts is None and not callable(policy) and _reads_model(get_policy(policy)):
+            raise _needs_model(policy)  # rerotate=False would not do without model_config either
         if facts is None:
             raise ValueError("rerotate=True needs model_config (the model's facts: engine.facts, the model or its "
-                             "config) to re-rotate keys; or rerotate=False with positions='original'")
+                             "config) to re-rotate keys; or pass rerotate=False and decode at the original positions "
+                             "(an engine opened with positions='original', e.g. open_engine('hf', ..., "
+                             "positions='original'), or engine.modify(fn, positions='original'))")
         rope_spec = facts.rope
     if granularity != "request" and facts is None:
         raise ValueError(f"granularity={granularity!r} needs model_config (the model's layer and KV head counts)")
@@ -482,8 +487,8 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, bud
     pol = get_policy(policy)
     granularity = policy_granularity(pol, policy, granularity)
     p = pol.make_params(**params)
-    if facts is None and (pol.needs_model or pol.setup is not None):
-        raise ValueError(f"policy {policy!r} needs model_config (head_dim and head counts of the model)")
+    if facts is None and _reads_model(pol):
+        raise _needs_model(policy)
     extra = dict(pol.setup(facts)) if pol.setup is not None else {}  # per-model values, computed once
     keep, reads_query = pol.keep, pol.needs != "kv"
     if granularity != "request" and not pol.per_head_only:  # request-only policies never see the keyword
@@ -493,9 +498,28 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, bud
         return keep(get_kv(tensors), get_query(tensors) if reads_query else None, drop_ratio, params=p, facts=facts,
                     **extra)
 
+    if r == 1:
+        warnings.warn(ratio_one_note(policy, vars(p)), stacklevel=2)
     return DropFn(policy, select, r, budget, rerotate, rope_spec, dict(vars(p)), needs=pol.needs,
                   query_rows=pol.rows(p), reads_only=pol.builtin, granularity=granularity, num_kv_heads=heads)
 
 
+def _reads_model(pol) -> bool:
+    return pol.needs_model or pol.setup is not None
+
+
+def _needs_model(policy: str) -> ValueError:
+    return ValueError(f"policy {policy!r} needs model_config (the model's facts: engine.facts, the model or its "
+                      "config): its head_dim and head counts")
+
+
+def ratio_one_note(policy: str, params: Mapping) -> str:
+    """What drop ratio 1 keeps: not 0 tokens, but those `policy` always keeps (`tdutils.selection.keep_count`'s
+    rule: ratio 1 keeps 0, the policies still keep their protected tokens; at least one), named by its `params`."""
+    protected = ", ".join(f"{k}={params[k]}" for k in ("n_sink", "window") if params.get(k))
+    return (f"drop_ratio=1 keeps only the tokens {policy} always keeps ({protected or 'none protected'}; at least one "
+            f"per request), not 0: a test of the protected tokens alone; give budget=k to keep exactly k")
+
+
 __all__ = ["DropFn", "DropFunctionError", "ModifyFn", "Timings", "as_drop_fn", "check_token_ids", "kept_rows",
-           "make_drop_fn", "one_set", "validate_drop_output"]
+           "make_drop_fn", "one_set", "ratio_one_note", "validate_drop_output"]

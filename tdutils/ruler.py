@@ -505,7 +505,7 @@ def _build(plan: _Plan, task: str, context_tokens: int, tokenizer, chat: bool) -
         return fixed + len(enc(context_text(n)))
 
     def too_short(need: int) -> ValueError:
-        return _TooShort(need,
+        return ContextTooShort(need,
             f"{task}: context_tokens={context_tokens} is too short for the template and needles; "
             f"this tokenizer needs at least about {need} tokens"
         )
@@ -532,8 +532,9 @@ def _build(plan: _Plan, task: str, context_tokens: int, tokenizer, chat: bool) -
     raise too_short(count(n))
 
 
-class _TooShort(ValueError):
-    """One draw's template and needles do not fit in `context_tokens` (`need`: about the tokens they take)."""
+class ContextTooShort(ValueError):
+    """One draw's template and needles do not fit in `context_tokens` (`need`: about the tokens they take; the
+    floor itself when `make_ruler_example` refuses a length below `min_context_tokens`)."""
 
     def __init__(self, need: int, message: str):
         super().__init__(message)
@@ -649,7 +650,7 @@ def make_ruler_example(
         raise ValueError(f"tokenizer must be a Hugging Face tokenizer (with encode), got {type(tokenizer).__name__}")
     floor = min_context_tokens(task, tokenizer, chat_template=chat_template, context_tokens=context_tokens)
     if context_tokens < floor:
-        raise _TooShort(floor, f"{task}: context_tokens={context_tokens} is too short for the template and "
+        raise ContextTooShort(floor, f"{task}: context_tokens={context_tokens} is too short for the template and "
                                f"needles; this tokenizer needs at least {floor} tokens (for every draw)")
     return _make_example(task, context_tokens, tokenizer, rng, uses_chat_template(tokenizer, chat_template))
 
@@ -736,7 +737,7 @@ def min_context_tokens(task: str, tokenizer, *, chat_template: str | bool = "aut
             try:
                 _make_example(task, 1, tokenizer, random.Random(f"ruler-min:{task}:{i}"), chat,
                               plan_length=context_tokens or None)
-            except _TooShort as exc:
+            except ContextTooShort as exc:
                 need = max(need, exc.need)
         _floors[key] = need + max(math.ceil(_FLOOR_MARGIN[0] * need), _FLOOR_MARGIN[1]) if need else 1
     return _floors[key]
@@ -777,7 +778,7 @@ def make_ruler_dataset(
                 out.append(make_ruler_example(task, context_tokens, tokenizer=tokenizer, rng=rng,
                                               chat_template=chat_template))
                 break
-            except _TooShort:
+            except ContextTooShort:
                 if attempt == _REDRAWS:
                     raise
     return out

@@ -60,12 +60,22 @@ def default_kv_budget(prompt_lengths, max_tokens: int, full_requests: float = DE
     dropping does not shrink, so at exactly 4 only 7 would fit and the 2x capacity limit `1/(1 - r)` could
     not be reached (for T = 1024, max_tokens = 64: 8 x 576 = 4608 <= 4624 < 5 x 1088).
 
+    Args:
+        prompt_lengths: token counts T, one int per prompt (not the prompts or `PromptRow`s themselves).
+
     Raises:
-        ValueError: `full_requests < 1`.
+        TypeError: an item of `prompt_lengths` that is not an int (a prompt, a `PromptRow`).
+        ValueError: `full_requests < 1`, no lengths or one below 1, `max_tokens < 1`.
     """
     if full_requests < 1:
         raise ValueError(f"full_requests must be >= 1 (the budget must hold one undropped request), got {full_requests}")
     lengths = list(prompt_lengths)
+    bad = next((x for x in lengths if isinstance(x, bool) or not hasattr(x, "__index__")), None)
+    if bad is not None:
+        raise TypeError(f"prompt_lengths must be token counts (ints, one per prompt), got {type(bad).__name__}; pass "
+                        f"the prompts' lengths, e.g. [len(ids) for ids in token_ids] or, for rows, "
+                        f"[len(tokenizer(r.prompt)['input_ids']) for r in rows]")
+    lengths = [x.__index__() for x in lengths]
     if not lengths or min(lengths) < 1:
         raise ValueError(f"prompt_lengths must be positive token counts of at least one prompt, got {lengths[:8]}")
     if int(max_tokens) < 1:

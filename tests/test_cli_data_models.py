@@ -240,6 +240,75 @@ def test_unreadable_dataset_files_and_rows_name_the_file_and_row(tmp_path, monke
         load_prompts(str(ragged))
     assert str(e.value) == (f"dataset '{ragged}': row 1 (counting from 0) has no 'prompt' column (its columns: ['text']); every row "
                             f"needs a text 'prompt'")
+    empty = tmp_path / "emptyprompt.jsonl"  # named here, not as "prompt 0 is empty" when the engine tokenizes it
+    empty.write_text('{"prompt": "", "answer": "1"}\n{"prompt": "the pass key is 5", "answer": "5"}\n')
+    with pytest.raises(ValueError) as e:
+        load_prompts(str(empty))
+    assert str(e.value) == (f"dataset '{empty}': row 0 (counting from 0) has an empty 'prompt'; give every row a "
+                            f"prompt text, or remove that row")
+
+
+def _run_cli(argv, capsys):
+    from tdutils.cli.main import main
+
+    rc = main(["run", *argv])
+    return rc, capsys.readouterr()
+
+
+def test_run_context_length_with_a_read_dataset_is_refused_in_one_line(capsys):
+    rc, got = _run_cli(["--context-length", "256", "--no-progress"], capsys)  # the default dataset: 'sample'
+    assert rc == 2
+    assert got.err == ("python -m tdutils run: error: --context-length 256 applies to task datasets (such as --dataset "
+                       "ruler_niah_single_1 or passkey), whose prompts are built at that length; dataset 'sample' is "
+                       "read as it is: drop --context-length or pick a task dataset\n"), got.err
+    help_text = subprocess.run([sys.executable, "-m", "tdutils", "run", "--help"], check=False, capture_output=True,
+                               text=True, timeout=120).stdout
+    assert "--context-length CONTEXT_LENGTH\n                        task datasets only" in help_text, help_text
+
+
+def test_run_context_length_too_short_names_the_task_and_the_flag(capsys):
+    from tdutils.models import resolve_model
+
+    try:
+        resolve_model("smollm2-135m")
+    except (OSError, ValueError):
+        pytest.skip("smollm2-135m is not cached here")
+    rc, got = _run_cli(["--model", "smollm2-135m", "--context-length", "64", "--chat-template", "none",
+                        "--no-progress"], capsys)
+    assert rc == 2
+    assert got.err.startswith("python -m tdutils run: error: --dataset ruler_niah_single_1: --context-length 64 is too "
+                              "short for the task's template and needles; this tokenizer needs at least "), got.err
+    assert got.err.endswith(" tokens: give a larger --context-length\n") and "context_tokens" not in got.err, got.err
+
+
+def test_run_json_keeps_each_requests_answer(tmp_path, capsys):
+    from tdutils.eval.tasks import dataset_task, score_rows
+
+    out = tmp_path / "r.json"
+    rc, got = _run_cli(["--policy", "random", "--num-requests", "2", "--max-tokens", "6", "--repeats", "1",
+                        "--no-progress", "--json", str(out)], capsys)
+    assert rc == 0, got.err
+    report = json.loads(out.read_text())
+    answers = report["answers"]
+    assert list(answers) == ["baseline", "random@0.5"] and all(len(a) == 2 for a in answers.values()), answers
+    rows = load_prompts("sample", num_requests=2)
+    for name, texts in answers.items():  # the stored answers are what the accuracy scored
+        assert score_rows(rows, texts, task=dataset_task("sample", rows)).correct == report["accuracy"][name]["correct"]
+    assert answers["baseline"][0].strip().startswith(rows[0].answer), answers  # the trained model finds the key
+
+
+def test_run_at_drop_ratio_one_says_what_it_kept(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc, got = _run_cli(["--drop-ratio", "1", "--num-requests", "2", "--max-tokens", "2", "--repeats", "1",
+                        "--no-progress", "--json", str(out)], capsys)
+    assert rc == 0, got.err
+    note = ("--drop-ratio 1 keeps only the tokens snapkv always keeps (its protected tokens: 64 KV tokens per "
+            "request), not 0: the ratio, capacity limit and accuracy are those of that set alone")
+    assert f"note: {note}\n" in got.out, got.out
+    assert "UserWarning" not in got.err, got.err  # make_drop_fn's warning gives way to the note
+    report = json.loads(out.read_text())
+    assert note in report["notes"]
+    assert {r["run"]: r["kv_tokens_after"] for r in report["table"]}["snapkv@1"] == 2 * 64  # the 64-token window
 
 
 def test_names_that_cannot_be_hub_ids_fail_without_the_hub(monkeypatch):

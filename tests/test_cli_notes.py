@@ -70,6 +70,19 @@ def test_default_budget_rejects_bad_sizes(lengths, max_tokens, msg):
         default_kv_budget(lengths, max_tokens)
 
 
+def test_default_budget_names_what_to_pass_for_rows_instead_of_lengths():
+    from tdutils import default_kv_budget
+    from tdutils.data import load_prompts
+
+    rows = load_prompts("sample", num_requests=2)
+    with pytest.raises(TypeError, match=r"prompt_lengths must be token counts \(ints, one per prompt\), got PromptRow; "
+                                        r"pass the prompts' lengths, e\.g\. \[len\(ids\) for ids in token_ids\]"):
+        default_kv_budget(rows, 64)
+    with pytest.raises(TypeError, match="got str"):
+        default_kv_budget(["a prompt"], 64)
+    assert default_kv_budget([1024, 512], 64) == 4624  # ceil(4.25 x 1088)
+
+
 def test_a_near_miss_of_the_bundled_model_fails_at_once():
     from tdutils.models import load_model
 

@@ -69,6 +69,16 @@ def test_absent_servers_say_how_to_start_them_quickly():
     assert "[FAIL] vLLM at" in out and "vllm serve MODEL" in out and "some checks failed" in out
 
 
+def test_a_url_that_is_not_one_is_bad_input_in_one_line(capsys):
+    from tdutils.cli.main import main
+
+    assert main(["doctor", "--vllm-url", "notaurl"]) == 2
+    assert capsys.readouterr().err == ("python -m tdutils doctor: error: --vllm-url 'notaurl' is not a URL: it needs "
+                                       "http:// or https:// and a host, such as http://localhost:8000\n")
+    assert main(["doctor", "--lmcache-http-url", "localhost:8080"]) == 2  # no scheme: "localhost" is read as one
+    assert "--lmcache-http-url 'localhost:8080' is not a URL" in capsys.readouterr().err
+
+
 def test_a_working_setup_passes(tmp_path):
     pkg = _synthetic_vllm(tmp_path, patched=True)
     with serve(_routes()) as (url, log):

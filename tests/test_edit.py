@@ -65,6 +65,33 @@ def test_make_drop_fn_rejects_bad_arguments(tiny):
         make_drop_fn("random", model_config=model.config, windw=3)
 
 
+def test_without_model_config_the_message_points_to_what_works():
+    # a policy that reads the model: model_config is the only way (rerotate=False would fail next)
+    with pytest.raises(ValueError) as e:
+        make_drop_fn("snapkv", drop_ratio=0.5)
+    assert str(e.value) == ("policy 'snapkv' needs model_config (the model's facts: engine.facts, the model or its "
+                            "config): its head_dim and head counts")
+    with pytest.raises(ValueError, match="policy 'snapkv' needs model_config"):
+        make_drop_fn("snapkv", drop_ratio=0.5, rerotate=False)
+    # one that does not: rerotate=False, decoded at original positions, which is an engine's option
+    with pytest.raises(ValueError) as e:
+        make_drop_fn("random", drop_ratio=0.5)
+    assert "or pass rerotate=False and decode at the original positions (an engine opened with " \
+           "positions='original', e.g. open_engine('hf', ..., positions='original'), or engine.modify(fn, " \
+           "positions='original'))" in str(e.value), str(e.value)
+    assert make_drop_fn("random", drop_ratio=0.5, rerotate=False).rerotate is False  # what it suggests builds
+
+
+def test_drop_ratio_one_warns_that_only_the_protected_tokens_stay():
+    kv = _kv(T=30, D=64)
+    with pytest.warns(UserWarning) as caught:
+        fn = make_drop_fn("random", drop_ratio=1.0, rerotate=False, n_sink=1, window=2)
+    assert [str(w.message) for w in caught] == [(
+        "drop_ratio=1 keeps only the tokens random always keeps (n_sink=1, window=2; at least one per request), not "
+        "0: a test of the protected tokens alone; give budget=k to keep exactly k")]
+    assert fn.keep_indices({CacheKind.KV: kv}, list(range(30))).tolist() == [0, 28, 29]  # what it says it keeps
+
+
 def test_drop_fn_checks_input_shapes():
     fn = make_drop_fn("random", rerotate=False)
     with pytest.raises(ValueError, match=r"\[2, L, T, D\]"):

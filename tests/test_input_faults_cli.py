@@ -517,7 +517,8 @@ def test_ctrl_c_during_eval_keeps_the_finished_cells(tmp_path, capsys, monkeypat
     captured = capsys.readouterr()
     assert rc == 130, captured
     assert "Traceback" not in captured.err and captured.err.strip().splitlines() == [
-        f"tdutils: interrupted; the 2 finished cell(s) are in {out} (\"interrupted\": true in its meta)"], captured.err
+        (f"python -m tdutils eval: interrupted; the 2 finished cell(s) are in {out} (\"interrupted\": true in its "
+         f"meta)")], captured.err
     report = json.loads(out.read_text(encoding="utf-8"))
     assert report["meta"]["interrupted"] is True and "first EOS token" in report["meta"]["scored"], report["meta"]
     cells = [(r["policy"], r["drop_ratio"], r["context_tokens"], r["n"]) for r in report["rows"]]

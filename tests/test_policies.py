@@ -436,6 +436,9 @@ def test_reduce_gqa_takes_the_max_or_mean_over_each_kv_heads_query_group():
 
 @pytest.mark.parametrize("policy,params,msg", [
     ("random", {"seed": "1"}, "seed must be an integer, got '1'"),
+    # torch.Generator().manual_seed(-1) draws as 2**64 - 1 does; past 2**64 - 1 it fails only at the first request
+    ("random", {"seed": -1}, "seed must be an integer in [0, 2**64 - 1] (torch.Generator's seeds), got -1"),
+    ("random", {"seed": 2**64}, f"seed must be an integer in [0, 2**64 - 1] (torch.Generator's seeds), got {2**64}"),
     ("random", {"n_sink": -1}, "n_sink must be an integer >= 0, got -1"),
     ("snapkv", {"window": True}, "window must be a positive integer, got True"),
     ("snapkv", {"pooling": "sum"}, "pooling must be 'avg' or 'max', got 'sum'"),

@@ -9,6 +9,7 @@ summarise. The accuracy regression on the trained model lives in `tests/test_acc
 
 import argparse
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -69,6 +70,14 @@ def test_rows_columns_and_bookkeeping(small):
     # the longest gold answer + 2: "V ." is 6 tokens; four "key V" items are 4 * 6 + 3 commas + "." = 28
     assert set(table.loc[table["task"] == "niah_single", "max_tokens"]) == {8}
     assert set(table.loc[table["task"] == "niah_multiquery", "max_tokens"]) == {30}
+
+
+def test_rows_keep_each_prompts_scored_answer(small):
+    """Each row stores the answer it scored per prompt (text up to the first EOS), beside its per-prompt scores."""
+    table, responses = small
+    for r in table.itertuples():
+        assert r.answers == responses[r.task, r.mode, r.policy, r.drop_ratio, r.context_length]
+        assert len(r.answers) == len(r.scores["exact"]) == 6
 
 
 def test_agnostic_full_cache_answers_as_aware_and_ratio_zero_as_full(small):
@@ -215,9 +224,13 @@ def test_cli_resume_keeps_the_stored_cells_and_refuses_another_grid(tmp_path, ca
     assert run(_args(argv)) == 0  # no file yet: a fresh run
     first = json.loads(out.read_text())
     assert all(len(r["scores"]["exact"]) == 3 for r in first["rows"])  # every prompt's score is kept
-    # a killed run leaves what its last checkpoint wrote; resuming it runs only the missing cell
-    stored = {**first, "rows": first["rows"][:3], "meta": {**first["meta"], "interrupted": True}}
+    assert all(len(r["answers"]) == 3 for r in first["rows"])  # and the answer each one scored
+    # a killed run leaves what its last checkpoint wrote; resuming it runs only the missing cell (stored by a
+    # tdutils that kept no answers: such a file still resumes)
+    old_rows = [{k: v for k, v in r.items() if k != "answers"} for r in first["rows"][:3]]
+    stored = {**first, "rows": old_rows, "meta": {**first["meta"], "interrupted": True, "seconds": 1000.0}}
     out.write_text(json.dumps(stored))
+    capsys.readouterr()
     from tdutils.eval import runner
 
     ran = []
@@ -227,6 +240,10 @@ def test_cli_resume_keeps_the_stored_cells_and_refuses_another_grid(tmp_path, ca
     assert ran == [[("random", 0.5)]]  # agnostic: the full cache was stored, only random@0.5 ran
     again = json.loads(out.read_text())
     assert [r["scores"] for r in again["rows"]] == [r["scores"] for r in first["rows"]]
-    assert again["meta"]["interrupted"] is False and again["meta"]["seconds"] >= first["meta"]["seconds"]
+    assert [r["answers"] for r in again["rows"]] == [None] * 3 + [first["rows"][3]["answers"]]
+    assert again["meta"]["interrupted"] is False and again["meta"]["seconds"] >= 1000  # the total, with the stored run
+    # the summary gives this invocation's seconds and the total
+    took = re.search(r", (\d+) s \(this run; (\d+) s with the stored run it resumed\)\n", capsys.readouterr().out)
+    assert took and int(took[2]) == round(again["meta"]["seconds"]) and int(took[2]) - int(took[1]) in (999, 1000, 1001)
     with pytest.raises(ValueError, match="--resume: .* is a run of another grid \\(n 3 there, 4 here\\)"):
         run(_args([*argv[:-6], "--n", "4", "--seed", "2", "--json", str(out), "--quiet", "--resume"]))

@@ -257,7 +257,7 @@ def run(args) -> int:
         table, used_chat = execute_eval(args, plan, meta, done, finished, t0)
     except KeyboardInterrupt:
         return _interrupted(finished, COLUMNS if plan.lengths_layout else TASK_COLUMNS, args.json_path, meta, t0)
-    return report_eval(args, plan, table, used_chat, meta, t0)
+    return report_eval(args, plan, table, used_chat, meta, t0, resumed_s=before)
 
 
 def plan_eval(args) -> EvalPlan:
@@ -385,8 +385,10 @@ def execute_eval(args, plan: EvalPlan, meta: dict, done: list, finished: list, t
     return table, used_chat
 
 
-def report_eval(args, plan: EvalPlan, table, used_chat: bool, meta: dict, t0: float) -> int:
-    """Print `eval`'s table (and, for task tables, markdown, rankings and notes), write JSON and plot; status 0."""
+def report_eval(args, plan: EvalPlan, table, used_chat: bool, meta: dict, t0: float, *, resumed_s: float = 0.0) -> int:
+    """Print `eval`'s table (and, for task tables, markdown, rankings and notes), write JSON and plot; status 0.
+    `t0` is when the run began counting, `resumed_s` seconds before this invocation for a resumed run (`--resume`):
+    the summary line gives this invocation's seconds and the total, the JSON's `seconds` the total."""
     d = plan.defaults
     if plan.lengths_layout:
         print(format_table(table))
@@ -410,7 +412,9 @@ def report_eval(args, plan: EvalPlan, table, used_chat: bool, meta: dict, t0: fl
         what = f"{d.label}, model={plan.model}{chat_part}, n={args.n} per task and length"
     meta["metric"] = d.metric
     meta["seconds"] = seconds = time.perf_counter() - t0
-    print(f"\n{what}, seed={args.seed}, {seconds:.0f} s")
+    took = f"{seconds:.0f} s" if not resumed_s else \
+        f"{seconds - resumed_s:.0f} s (this run; {seconds:.0f} s with the stored run it resumed)"
+    print(f"\n{what}, seed={args.seed}, {took}")
     if args.json_path is not None:
         print(f"wrote {write_json(table, args.json_path, meta=meta)}")
     if args.plot is not None:
@@ -423,19 +427,20 @@ def report_eval(args, plan: EvalPlan, table, used_chat: bool, meta: dict, t0: fl
 
 
 def _interrupted(finished: list[dict], columns, json_path, meta: dict, t0: float) -> int:
-    """Ctrl-C stopped `run`: write the `finished` cells as JSON (meta `"interrupted": true`), say in one line where
+    """Ctrl-C stopped `eval`: write the `finished` cells as JSON (meta `"interrupted": true`), say in one line where
     they went, and return `startup.INTERRUPTED`."""
     import pandas as pd
 
     if not finished:
-        where = "no cell had finished; nothing was written"
+        where = " before any cell finished; nothing was written"
     elif json_path is None:
-        where = f"{len(finished)} cell(s) had finished (no --json to write them to)"
+        where = f"; {len(finished)} cell(s) had finished (no --json to write them to)"
     else:
         meta = {**meta, "interrupted": True, "seconds": time.perf_counter() - t0}
         path = write_json(pd.DataFrame(finished, columns=list(columns)), json_path, meta=meta)
-        where = f"the {len(finished)} finished cell(s) are in {path} (\"interrupted\": true in its meta)"
-    print(f"tdutils: interrupted; {where}", file=sys.stderr, flush=True)
+        where = f"; the {len(finished)} finished cell(s) are in {path} (\"interrupted\": true in its meta)"
+    # the form of `run`'s and of every other command's interrupt line (tdutils.cli.main)
+    print(f"python -m tdutils eval: interrupted{where}", file=sys.stderr, flush=True)
     return INTERRUPTED
 
 

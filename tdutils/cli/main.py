@@ -20,6 +20,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 from .. import (
@@ -36,6 +37,7 @@ from ..eval.common import check_output_path
 from ..eval.tasks import SAMPLES, dataset_task, get_task, load_rows, score_rows, task_names
 from ..models import check_context_lengths, context_window, resolve_model
 from ..policies import get_policy, policy_names
+from ..ruler import ContextTooShort
 from ..runs import (
     DEFAULT_FULL_REQUESTS,
     PREFILL_ONCE_NOTE,
@@ -138,8 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "task's own scorer), a .jsonl/.json/.csv/.parquet file with a 'prompt' "
                           "column, or a hub dataset id such as raniayu/token-dropping-demo (default: 'sample' for "
                           f"the bundled and random models; '{REAL_MODEL_DATASET}' for real models)")
-    run.add_argument("--context-length", type=positive_int, default=2048,
-                     help="task datasets: prompt tokens per request (default: 2048)")
+    run.add_argument("--context-length", type=positive_int, default=None,
+                     help="task datasets only (such as 'ruler_niah_single_1' or 'passkey'): prompt tokens per request "
+                          f"(default: {DEFAULT_CONTEXT_LENGTH}); refused with 'sample', 'mc-sample', files and hub "
+                          "datasets, whose prompts are read as they are")
     run.add_argument("--chat-template", choices=("auto", "none"), default="auto",
                      help="'auto' wraps every prompt as a user turn in the tokenizer's chat template when it has one "
                           "(default; instruction-tuned models answer raw prompts poorly); 'none' never")
@@ -183,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 REAL_MODEL_DATASET = "ruler_niah_single_1"  # `run`'s default dataset for a real model
+DEFAULT_CONTEXT_LENGTH = 2048  # `run --context-length` of a task dataset
 
 
 def accuracy_notes(reports, *, chance: float | None, missing: int = 0) -> list[str]:
@@ -256,15 +261,25 @@ def plan_run(args) -> RunPlan:
         local = model_ref.kind in ("bundled", "random")
         args.dataset = SAMPLE_NAME if local else REAL_MODEL_DATASET
     generated = args.dataset in task_names() and get_task(args.dataset).suite != SAMPLES
+    if not generated and args.context_length is not None:  # read prompts keep their own length
+        raise UsageError(f"--context-length {args.context_length} applies to task datasets (such as --dataset "
+                         f"{REAL_MODEL_DATASET} or passkey), whose prompts are built at that length; dataset "
+                         f"{args.dataset!r} is read as it is: drop --context-length or pick a task dataset")
     if generated:  # before the prompts are built (a 300k-token prompt takes seconds and gigabytes to make)
+        args.context_length = args.context_length or DEFAULT_CONTEXT_LENGTH
         task = get_task(args.dataset)
         if task.check_model is not None:
             task.check_model(args.model, f"--dataset {args.dataset}")
         check_context_lengths([args.context_length], context_window(args.model, progress=not args.no_progress),
                               model=args.model, option="--context-length", decode_tokens=args.max_tokens,
                               decode_option="--max-tokens")
-    rows = load_rows(args.dataset, num_requests=args.num_requests, model=args.model,
-                     context_tokens=args.context_length, chat_template=args.chat_template)
+    try:
+        rows = load_rows(args.dataset, num_requests=args.num_requests, model=args.model,
+                         context_tokens=args.context_length or DEFAULT_CONTEXT_LENGTH, chat_template=args.chat_template)
+    except ContextTooShort as exc:  # its message names the RULER task and `context_tokens`, not run's options
+        raise UsageError(f"--dataset {args.dataset}: --context-length {args.context_length} is too short for the "
+                         f"task's template and needles; this tokenizer needs at least {exc.need} tokens: give a "
+                         "larger --context-length") from None
     if generated:
         print(f"dataset {args.dataset}: {len(rows)} prompts of {args.context_length} tokens, chat template "
               f"{'applied' if rows[0].meta.get('chat_template') else 'not applied'}", flush=True)
@@ -400,8 +415,10 @@ def cmd_run(args) -> int:
     check_device_output(out, "--json")  # /dev/full would fail only after all the work
     plan = plan_run(args)
     engine, prompt_ids = open_run_engine(args, plan)
-    drop_fn = make_drop_fn(args.policy, drop_ratio=args.drop_ratio, model_config=engine.facts,
-                           rerotate=args.positions == "compact", granularity=args.granularity, **plan.params)
+    with warnings.catch_warnings():  # ratio 1's warning: the run prints its own note, with the kept counts
+        warnings.filterwarnings("ignore", message="drop_ratio=1 keeps only")
+        drop_fn = make_drop_fn(args.policy, drop_ratio=args.drop_ratio, model_config=engine.facts,
+                               rerotate=args.positions == "compact", granularity=args.granularity, **plan.params)
     print(f"engine={args.engine} model={args.model} dataset={args.dataset} requests={len(plan.rows)} "
           f"prompt tokens={sum(map(len, prompt_ids))} max_tokens={args.max_tokens} "
           f"kv_budget_tokens={engine.kv_budget_tokens} positions={args.positions}", flush=True)
@@ -435,6 +452,7 @@ def report_run(args, plan: RunPlan, out, results, table) -> int:
     timing = table.attrs.get("timing", {})
     print(timing_line(timing))
     speed_notes = metrics.speedup_notes(table) + ([PREFILL_ONCE_NOTE] if timing.get("prefill") == "once" else [])
+    speed_notes += ratio_one_notes(args, results[name])
     for line in speed_notes:
         print(f"note: {line}")
     accuracy, notes = _accuracy(args, plan, results)
@@ -442,7 +460,8 @@ def report_run(args, plan: RunPlan, out, results, table) -> int:
               "decode_speedups": metrics.repeat_ratios(results["baseline"], results[name]),
               "decode_speedup_median": float(table.loc[name, "decode_speedup"]), "accuracy": accuracy, "timing": timing,
               "notes": [*notes, *speed_notes],  # the JSON keeps every note the run printed
-              "table": json.loads(table.reset_index().to_json(orient="records")), "runs": runs}
+              "answers": run_answers(results), "table": json.loads(table.reset_index().to_json(orient="records")),
+              "runs": runs}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
     print(f"wrote {out}")
@@ -456,12 +475,31 @@ def _write_interrupted(args, plan: RunPlan, out, stop: Interrupted) -> int:
         print("python -m tdutils run: interrupted before any run finished; nothing was written", file=sys.stderr)
         return INTERRUPTED
     report = {"args": _args_dict(args), "interrupted": True, "kv_budget": plan.kv_budget, "accuracy": accuracy, "notes": notes,
-              "runs": [m.to_dict() for m in stop.runs]}
+              "answers": run_answers(stop.results), "runs": [m.to_dict() for m in stop.runs]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
     print(f"python -m tdutils run: interrupted; the {len(stop.runs)} finished run(s) are in {out} "
           f"(\"interrupted\": true)", file=sys.stderr)
     return INTERRUPTED
+
+
+def ratio_one_notes(args, dropped) -> list[str]:
+    """At `--drop-ratio 1`, one note: what the dropped run (`RunResult`) kept per request (its policy's protected
+    tokens; `tdutils.selection.keep_count`: ratio 1 keeps 0, the policies still keep those), read from its outputs."""
+    if args.drop_ratio != 1:
+        return []
+    kept = sorted({o.cached_tokens for o in dropped.outputs})
+    span = f"{kept[0]}" if len(kept) == 1 else f"{kept[0]}-{kept[-1]}"
+    note = (f"--drop-ratio 1 keeps only the tokens {args.policy} always keeps (its protected tokens: {span} KV "
+            f"tokens per request), not 0: the ratio, capacity limit and accuracy are those of that set alone")
+    return [note]
+
+
+def run_answers(results) -> dict:
+    """`{run name: [answer per request]}`, in the dataset's order: each request's scored answer
+    (`RequestOutput.answer`, the text up to its first EOS token) of the last repeat (greedy: the same every repeat),
+    so a reader of the JSON sees why a request was scored wrong."""
+    return {run_name: [o.answer for o in res.outputs] for run_name, res in results.items()}
 
 
 def _args_dict(args) -> dict:

@@ -30,9 +30,10 @@ from .common import DEV_SEED, FULL, TRAIN_SEED_BASE, DropRatios, check_seed, wil
 from .tasks import MODES, PASSKEY, PASSKEY_DEFAULTS, RULER_DEFAULTS, WORD_DEFAULTS, Task, get_task, task_names
 
 COLUMNS = ("policy", "drop_ratio", "context_tokens", "n", "correct", "accuracy", "ci_low", "ci_high", "modify_s",
-           "kept_tokens", "scores")
+           "kept_tokens", "scores", "answers")
 TASK_COLUMNS = ("task", "mode", "policy", "drop_ratio", "context_length", "n", "correct", "accuracy", "ci_low",
-                "ci_high", "partial", "kept_tokens", "modify_s", "max_tokens", "measure", "score", "scores")
+                "ci_high", "partial", "kept_tokens", "modify_s", "max_tokens", "measure", "score", "scores",
+                "answers")
 # The defaults of the two entry points: those the passkey and word-level registrations give the command line.
 DEFAULT_POLICIES = PASSKEY_DEFAULTS.policies
 DEFAULT_DROP_RATIOS = PASSKEY_DEFAULTS.drop_ratios
@@ -95,7 +96,8 @@ def passkey_eval(
         `drop_ratio`, `context_tokens`, `n`, `correct`, `accuracy` (fraction in [0, 1]), `ci_low`,
         `ci_high` (95% Wilson), `modify_s` (seconds in `modify` for the cell's n requests; 0 for full),
         `kept_tokens` (mean KV tokens per request after modify), `scores` (`{"exact": [0/1 per prompt]}`, in the
-        dataset's order: the same prompts in every cell, so two cells can be compared by a paired test).
+        dataset's order: the same prompts in every cell, so two cells can be compared by a paired test), `answers`
+        (the scored answer per prompt, the text up to its first EOS, in the same order).
 
     Raises:
         ValueError: no policies / ratios / lengths, a ratio outside [0, 1], `n < 1`, an unknown policy or
@@ -136,8 +138,8 @@ def lengths_eval(task: str, model, policies: Sequence[str], drop_ratios: Sequenc
 
     def cell(row, texts):
         rows.append({"policy": row["policy"], "drop_ratio": row["drop_ratio"], "context_tokens": row["context_length"],
-                     **{c: row[c] for c in ("n", "correct", "accuracy", "ci_low", "ci_high", "modify_s",
-                                            "kept_tokens", "scores")}})
+                     **{c: row.get(c) for c in ("n", "correct", "accuracy", "ci_low", "ci_high", "modify_s",
+                                            "kept_tokens", "scores", "answers")}})
         if partial is not None:
             partial.append(rows[-1])
         if responses is not None:
@@ -213,7 +215,9 @@ def task_eval(
         pandas DataFrame, one row per cell, ordered length -> task -> mode -> policy -> ratio, with `TASK_COLUMNS`:
         `correct`, `accuracy`, `ci_low`, `ci_high` (95% Wilson), `partial`, `kept_tokens` (mean KV tokens per
         request at decode), `modify_s`, `max_tokens`, `measure`, `score` and `scores` (`{measure: [per example]}`,
-        what `tdutils.eval.statistics` pairs). A teacher-forced task's exact-match columns are NaN.
+        what `tdutils.eval.statistics` pairs), `answers` (the scored answer per example, the text up to its first
+        EOS; None for a teacher-forced task, which generates none). A teacher-forced task's exact-match columns are
+        NaN.
 
     Raises:
         ValueError: see `check_task_grid` and `prepare_cells` (empty lists, unknown names, a mode a task cannot
@@ -457,7 +461,8 @@ def _run_group(engine, task: Task, mode: str, data: Sequence[Mapping], cells: Se
     for policy, r, _ in cells:
         marks = [task.score(d["values"], t) for d, t in zip(data, texts[policy, r])]
         per = {"exact": [float(e) for e, _ in marks], "partial": [float(p) for _, p in marks]}
-        scored(policy, r, cell_row(task.measure, per, modify_s[policy, r], kept[policy, r] / n), texts[policy, r])
+        row = cell_row(task.measure, per, modify_s[policy, r], kept[policy, r] / n)
+        scored(policy, r, {**row, "answers": list(texts[policy, r])}, texts[policy, r])
 
 
 def cell_row(measure: str, per: Mapping[str, list], modify_s: float, kept_tokens: float) -> dict:

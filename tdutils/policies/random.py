@@ -22,13 +22,15 @@ from .registry import register_policy
 class RandomParams:
     """Parameters of `random_keep`: RNG seed, attention sinks and observation window kept always."""
 
-    seed: int = field(default=0, metadata={"help": "seed of the random sample (the same seed keeps the same tokens)"})
+    seed: int = field(default=0, metadata={"help": "seed of the random sample, 0 to 2**64 - 1 (the same seed keeps the same tokens)"})
     n_sink: int = field(default=4, metadata={"help": "the first prompt tokens, always kept (attention sinks)"})
     window: int = field(default=16, metadata={"help": "the most recent prompt tokens, always kept"})
 
     def __post_init__(self):  # fail when the drop function is built, not on the first request
         if not is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not 0 <= self.seed < 2**64:  # torch.Generator's range: -1 would alias 2**64 - 1, past it fails at decode
+            raise ValueError(f"seed must be an integer in [0, 2**64 - 1] (torch.Generator's seeds), got {self.seed}")
         check_protected(self.n_sink, self.window)
 
 
