@@ -251,6 +251,64 @@ class QueryRecorder(AttentionRecorder):
 
 
 _active: QueryRecorder | None = None
+_slot_decode = False  # set by `slot_decode`: the engine's decode step, keys and values are slot store views
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float | None = None) -> torch.Tensor:
+    """Softmax attention of one query token per row over a cache read in place: what `sdpa` computes for a decode
+    step, as two batched matmuls that stream each key and value once (GQA without `repeat_kv`: the `g` query
+    heads of a KV head are the rows of one product), the softmax in fp32 (float64 stays float64).
+
+    Args:
+        query: `[B, Hq, 1, d]`. key, value: `[B, H, T, d]` with `H` dividing `Hq` (query head `h * g + j` reads
+            KV head `h`); strided views (a slot store's `[:rows, :, :cols]`) are read without a copy.
+        mask: None, or `[B, 1 or Hq, 1, T]`: boolean (True where a query attends) or additive (float); each row
+            attends somewhere.
+        scaling: logits are `q·k * scaling` (default `d ** -0.5`).
+
+    Returns:
+        `[B, 1, Hq, d]` in `query`'s dtype (transformers' attention output layout).
+    """
+    B, Hq, _, d = query.shape
+    H, T = key.shape[1], key.shape[2]
+    g = Hq // H
+    k = key.reshape(B * H, T, d)  # a view of slot store views (their batch and head strides merge)
+    q = query.reshape(B * H, g, d)
+    # the cache as the left operand (measured faster than q @ k^T on strided keys): [B*H, T, g], in the cache's
+    # dtype (bf16 logits are rounded to bf16: upcasting the keys instead cost more than it saved); at least fp32 on
+    logits = torch.bmm(k, q.transpose(1, 2)).view(B, H, T, g).transpose(2, 3)  # [B, H, g, T]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits.mul_(d ** -0.5 if scaling is None else scaling)
+    if mask is not None:  # [B, H or 1, g or 1, T]
+        mask = mask.reshape(B, -1, g if mask.shape[1] == Hq else 1, T)
+        logits = logits.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else logits.add_(mask)
+    probs = torch.softmax(logits, dim=-1).to(value.dtype).view(B * H, g, T)
+    out = torch.bmm(probs, value.reshape(B * H, T, d))  # [B*H, g, d]
+    return out.view(B, 1, Hq, d)
+
+
+class slot_decode:
+    """Context manager: inside it, the capturing `sdpa` attention runs `decode_attention` for one-token queries
+    on the CPU without soft-capping, sinks or dropout (the `hf` engine's decode step, whose keys
+    and values are slot store views); anything else goes to `sdpa` as usual."""
+
+    def __enter__(self):
+        global _slot_decode
+        self._prev, _slot_decode = _slot_decode, True
+        return self
+
+    def __exit__(self, *exc):
+        global _slot_decode
+        _slot_decode = self._prev
+        return False
+
+
+def _decode_fits(query, key, mask, kwargs) -> bool:
+    return (query.shape[2] == 1 and query.device.type == "cpu" and query.shape[1] % key.shape[1] == 0
+            and (mask is None or (mask.dim() == 4 and mask.shape[2] == 1))
+            and not kwargs.get("dropout") and kwargs.get("softcap") is None
+            and not any(kwargs.get(k) is not None for k in SINK_KWARGS))
 
 
 class recording:
@@ -274,6 +332,8 @@ def _wrap(base: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
         if _active is not None:
             _active.record(module.layer_idx, query, key, kwargs)
+        if _slot_decode and base == "sdpa" and _decode_fits(query, key, attention_mask, kwargs):
+            return decode_attention(query, key, value, attention_mask, kwargs.get("scaling")), None
         if base == "eager":
             # each modeling file defines its own eager attention (GQA repeat, softcapping, ...)
             fn = sys.modules[type(module).__module__].eager_attention_forward
