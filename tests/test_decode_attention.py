@@ -45,6 +45,16 @@ def test_decode_attention_in_bf16_is_within_bf16_rounding_of_fp32():
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=2 ** -6)  # one bf16 ulp of values of size ~1
 
 
+def test_half_precision_reads_whole_slot_rows_and_weighs_the_columns_past_the_view_zero():
+    q, k, v, _ = _inputs(torch.bfloat16)
+    T = k.shape[2]
+    k._base[:, :, T:], v._base[:, :, T:] = 3e4, -3e4  # what lies past the view: never seen
+    assert attention._whole_rows(k, T).shape == (k.shape[0] * k.shape[1], k._base.shape[2], k.shape[3])
+    assert attention._whole_rows(k.float(), T) is None and attention._whole_rows(k.contiguous(), T) is None
+    out = decode_attention(q, k, v, None)
+    torch.testing.assert_close(out, decode_attention(q, k.contiguous(), v.contiguous(), None), rtol=0, atol=2 ** -7)
+
+
 def test_the_engine_runs_decode_steps_and_only_them_through_it(monkeypatch):
     calls = []
     real = attention.decode_attention
