@@ -681,7 +681,10 @@ BLOCKS["chunked_prefill"] = (lambda: T.chunked_prefill(load("chunked_prefill_gem
 PAGES += ("docs/peer_openvino.md",)
 # stored run -> the engine's decode attention in that run: transformers' sdpa (before decode_attention), or
 # `tdutils.attention.decode_attention` over the slot store
-PEER_OPENVINO_RUNS = {f"peer_openvino_smollm2_{dtype}_1t_{r}": "sdpa" for r in "ab" for dtype in ("float32", "bfloat16")}
+_SDPA, _COPYING, _WHOLE = "sdpa (6f5fd0c)", "decode_attention, copying bmm (01cf8b0)", "decode_attention (f9560ad)"
+PEER_OPENVINO_RUNS = {f"peer_openvino_smollm2_{dtype}_1t_{r}": label for r, order, label in (
+    ("a", "fb", _SDPA), ("b", "fb", _SDPA), ("c", "bf", _COPYING), ("d", "bf", _COPYING), ("e", "bf", _WHOLE),
+    ("f", "bf", _WHOLE), ("g", "bf", _SDPA)) for dtype in ({"f": "float32", "b": "bfloat16"}[o] for o in order)}
 
 
 def peer_openvino_runs(runs: dict[str, str]) -> str:
