@@ -4,6 +4,7 @@
     python bench/peer_openvino.py --n 8 --context-length 1024 --rotation off
     python bench/peer_openvino.py --smoke              # CI: n=2 at 512 tokens, < 2 min; skips without the venv
     python bench/peer_openvino.py --build-venv         # build (or check) the OpenVINO venv and the IR, then exit
+    python bench/peer_openvino.py --dtype bfloat16     # both sides in bf16 (weights, activations, KV cache)
 
 OpenVINO runs in its own venv (`VENV`, `worker` through `harness.call`). The venv, the IR, budget matching and
 every column: docs/peer_openvino.md.
@@ -14,9 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +38,7 @@ AGGREGATION = ("norm_sum", "sum")
 ROTATION = {"off": (False,), "on": (True,), "both": (False, True)}
 SNAPKV_WINDOW = 64  # OpenVINO snapkv_window_size: SnapKV's window on tdutils' side
 SMOKE = {"n": 2, "context_length": 512, "max_tokens": 8, "batch_size": 2}
+PRECISION = {"float32": "f32", "bfloat16": "bf16"}  # --dtype -> OpenVINO's INFERENCE_PRECISION_HINT / KV_CACHE_PRECISION
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -114,7 +118,8 @@ venv_dir, venv_info, ensure_venv = VENV.dir, VENV.info, VENV.ensure
 
 
 def _env(threads: int) -> dict:
-    return H.peer_env(threads, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # OPENVINO_LOG_LEVEL=3: openvino.genai prints each compiled model's properties (`_compiled_properties`)
+    return H.peer_env(threads, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OPENVINO_LOG_LEVEL="3")
 
 
 def ensure_ir(py: Path, folder: Path, *, log=print) -> Path:
@@ -163,6 +168,24 @@ def _pipeline(spec: dict, conf: dict, props: dict):
     return ovg.ContinuousBatchingPipeline(spec["ir"], sc, "CPU", props), text
 
 
+def _compiled_properties(make, *args):
+    """`(make(*args), properties)`: the properties of the compiled LLM ("Model: LLM ..." block) that openvino.genai
+    prints on stdout under OPENVINO_LOG_LEVEL=3 while `make(*args)` builds a pipeline (its Python API returns no compiled
+    model), read from file descriptor 1; {} when it printed none."""
+    sys.stdout.flush()
+    with tempfile.TemporaryFile("w+") as f:
+        saved = os.dup(1)
+        os.dup2(f.fileno(), 1)  # C++ writes there, not through sys.stdout
+        try:
+            out = make(*args)
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        f.seek(0)
+        block = f.read().partition("Model: LLM")[2].partition("EXECUTION_DEVICES:\n")[0]
+    return out, {k.strip(): v.strip() for k, sep, v in (ln.partition(": ") for ln in block.splitlines()[1:]) if sep}
+
+
 def _run_batch(pipe, chunk, start: int, max_tokens: int, bytes_per_token: int):
     """One batch added at once and the pipeline stepped by hand (greedy, EOS ignored): `(generated ids per
     request, batch figures: `phase_split` + block slots per request at the last step and at the peak)`."""
@@ -197,14 +220,15 @@ def worker(spec: dict) -> dict:
 
     cfg = json.loads((Path(spec["ir"]) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    bytes_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4  # K+V, f32
-    props = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "INFERENCE_NUM_THREADS": spec["threads"]}
+    prec = spec.get("precision", "f32")
+    bytes_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * (4 if prec == "f32" else 2)
+    props = {"INFERENCE_PRECISION_HINT": prec, "KV_CACHE_PRECISION": prec, "INFERENCE_NUM_THREADS": spec["threads"]}
     prompts, bs = spec["prompts"], spec["batch_size"]
     results = []
     for conf in spec["configs"]:
         row = {"config": conf["name"], "requests": [], "batches": []}
         try:
-            pipe, text = _pipeline(spec, conf, props)
+            (pipe, text), row["compiled"] = _compiled_properties(_pipeline, spec, conf, props)
             if text:
                 row["eviction_config"] = text
             for start in range(0, len(prompts), bs):
@@ -243,6 +267,8 @@ def parse_args(argv=None):
 
     ap = H.parser("peer_openvino.py", __doc__)
     H.add_peer_options(ap, n=16, batch_size=4, out=DEFAULT_OUT)
+    ap.add_argument("--dtype", choices=tuple(PRECISION), default="float32", help="weights, activations and KV cache "
+                    "on both sides (OpenVINO: INFERENCE_PRECISION_HINT and KV_CACHE_PRECISION; default float32)")
     ap.add_argument("--drop-ratio", type=H.open_ratio, default=0.5, help="SnapKV drop ratio; sets the OpenVINO "
                     "budget (default 0.5)")
     ap.add_argument("--start-size", type=_block_multiple, default=32, help="OpenVINO start_size (default 32)")
@@ -305,7 +331,7 @@ def run(args) -> int:
     out_path = check_output_path(args.out, "--out", example=DEFAULT_OUT)
     threads = args.threads or usable_cores()
     torch.set_num_threads(threads)
-    engine = HFEngine(args.model, dtype="float32", kv_budget_tokens=None, prefill_batch_size=args.batch_size,
+    engine = HFEngine(args.model, dtype=args.dtype, kv_budget_tokens=None, prefill_batch_size=args.batch_size,
                       query_window=64, progress=False)  # SnapKV scores with the last 64 queries
     data, prompts, args.max_tokens = H.ruler_prompts(args.task, args.n, args.context_length, engine.tokenizer,
                                                      args.seed, args.max_tokens)
@@ -318,14 +344,15 @@ def run(args) -> int:
     td_s = time.perf_counter() - t0
 
     spec = {"ir": str(ir), "prompts": prompts, "configs": configs, "max_tokens": args.max_tokens,
-            "batch_size": args.batch_size, "threads": threads, "cache_gb": args.cache_gb}
+            "batch_size": args.batch_size, "threads": threads, "cache_gb": args.cache_gb,
+            "precision": PRECISION[args.dtype]}
     t1 = time.perf_counter()
     peer = H.call(__file__, "worker", spec, python=py, env=_env(threads), stream=True)
     ov_s = time.perf_counter() - t1
     rows, texts = report_rows(args, data, td, peer["rows"], engine.tokenizer, sorted(engine.eos_token_ids))
     print(H.render("peer_openvino", rows))
     meta = H.peer_meta(args, folder=str(folder), ir=str(ir), drop_ratio=args.drop_ratio, keep=keep, configs=configs,
-                       threads=threads, cache_gb=args.cache_gb, tdutils_seconds=round(td_s, 1),
+                       threads=threads, dtype=args.dtype, cache_gb=args.cache_gb, tdutils_seconds=round(td_s, 1),
                        openvino_seconds=round(ov_s, 1), peer=peer["info"], venv=venv_info(),
                        date=time.strftime("%Y-%m-%d %H:%M:%S"))
     details = [{"values": ex["values"], **{f"{e}|{c}": t[i] for (e, c), t in texts.items()}}
@@ -365,7 +392,9 @@ def report_rows(args, data, td, peer_rows, tok, eos) -> tuple[list[dict], dict]:
                      "tok_s": sum(x["decode_tokens"] for x in b) / sum(x["decode_s"] for x in b),
                      "prefill_s": sum(x["prefill_s"] for x in b) / len(b), "em": em, "partial": part,
                      "same": None if ref is None else sum(a == c for a, c in zip(out_texts, ref)),
-                     "eviction_config": prow.get("eviction_config")})
+                     "eviction_config": prow.get("eviction_config"), "compiled": prow.get("compiled")})
+    for r in rows:
+        r["dtype"] = args.dtype
     return add_ratios(rows), texts
 
 

@@ -251,6 +251,86 @@ class QueryRecorder(AttentionRecorder):
 
 
 _active: QueryRecorder | None = None
+_slot_decode = False  # set by `slot_decode`: the engine's decode step, keys and values are slot store views
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float | None = None) -> torch.Tensor:
+    """Softmax attention of one query token per row over a cache read in place: what `sdpa` computes for a decode
+    step, as two batched matmuls that stream each key and value once (GQA without `repeat_kv`: the `g` query
+    heads of a KV head are the rows of one product), the softmax in fp32 (float64 stays float64). In bf16 / fp16
+    a slot store view is read as its whole rows (`_whole_rows`: up to the store's width, the columns past `T`
+    weighted 0), which torch's `bmm` reads without a copy.
+
+    Args:
+        query: `[B, Hq, 1, d]`. key, value: `[B, H, T, d]` with `H` dividing `Hq` (query head `h * g + j` reads
+            KV head `h`); strided views (a slot store's `[:rows, :, :cols]`) are read without a copy.
+        mask: None, or `[B, 1 or Hq, 1, T]`: boolean (True where a query attends) or additive (float); each row
+            attends somewhere.
+        scaling: logits are `q·k * scaling` (default `d ** -0.5`).
+
+    Returns:
+        `[B, 1, Hq, d]` in `query`'s dtype (transformers' attention output layout).
+    """
+    B, Hq, _, d = query.shape
+    H, T = key.shape[1], key.shape[2]
+    g = Hq // H
+    k, v, Tw = _whole_rows(key, T), _whole_rows(value, T), T
+    if k is None or v is None:
+        k, v = key.reshape(B * H, T, d), value.reshape(B * H, T, d)
+    else:
+        Tw = k.shape[1]
+    q = query.reshape(B * H, g, d)
+    # the cache as the left operand (measured faster than q @ k^T on strided keys): [B*H, Tw, g], in the cache's
+    # dtype (bf16 logits are rounded to bf16: upcasting the keys instead cost more than it saved); at least fp32 on
+    logits = torch.bmm(k, q.transpose(1, 2))[:, :T].view(B, H, T, g).transpose(2, 3)  # [B, H, g, T]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits.mul_(d ** -0.5 if scaling is None else scaling)
+    if mask is not None:  # [B, H or 1, g or 1, T]
+        mask = mask.reshape(B, -1, g if mask.shape[1] == Hq else 1, T)
+        logits = logits.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else logits.add_(mask)
+    probs = logits.new_zeros((B, H, g, Tw), dtype=value.dtype)  # columns past T (whole rows) weigh 0
+    probs[..., :T] = torch.softmax(logits, dim=-1)
+    out = torch.bmm(probs.view(B * H, g, Tw), v)  # [B*H, g, d]
+    return out.view(B, 1, Hq, d)
+
+
+def _whole_rows(x: torch.Tensor, T: int) -> torch.Tensor | None:
+    """`x` `[B, H, T, d]`, a view of the first `T` of `Tw` columns of a `[.., B, H, Tw, d]` tensor (a slot store's
+    `[:rows, :, :cols]`), as the whole `[B*H, Tw, d]` rows: a batch torch's half-precision `bmm` reads in place,
+    where it copies the strided `[B*H, T, d]` first (fp32 `bmm` does not); the columns past `T` must hold finite
+    values (a slot store's do): they are read and weighted 0. None when `x` is not such a view, or not half
+    precision."""
+    B, H, _, d = x.shape
+    Tw = x.stride(1) // d
+    if x.stride() != (H * Tw * d, Tw * d, d, 1) or Tw == T or x.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if x.untyped_storage().nbytes() < (x.storage_offset() + B * H * Tw * d) * x.element_size():
+        return None
+    return x.as_strided((B * H, Tw, d), (Tw * d, d, 1))
+
+
+class slot_decode:
+    """Context manager: inside it, the capturing `sdpa` attention runs `decode_attention` for one-token queries
+    on the CPU without soft-capping, sinks or dropout (the `hf` engine's decode step, whose keys
+    and values are slot store views); anything else goes to `sdpa` as usual."""
+
+    def __enter__(self):
+        global _slot_decode
+        self._prev, _slot_decode = _slot_decode, True
+        return self
+
+    def __exit__(self, *exc):
+        global _slot_decode
+        _slot_decode = self._prev
+        return False
+
+
+def _decode_fits(query, key, mask, kwargs) -> bool:
+    return (query.shape[2] == 1 and query.device.type == "cpu" and query.shape[1] % key.shape[1] == 0
+            and (mask is None or (mask.dim() == 4 and mask.shape[2] == 1))
+            and not kwargs.get("dropout") and kwargs.get("softcap") is None
+            and not any(kwargs.get(k) is not None for k in SINK_KWARGS))
 
 
 class recording:
@@ -274,6 +354,8 @@ def _wrap(base: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
         if _active is not None:
             _active.record(module.layer_idx, query, key, kwargs)
+        if _slot_decode and base == "sdpa" and _decode_fits(query, key, attention_mask, kwargs):
+            return decode_attention(query, key, value, attention_mask, kwargs.get("scaling")), None
         if base == "eager":
             # each modeling file defines its own eager attention (GQA repeat, softcapping, ...)
             fn = sys.modules[type(module).__module__].eager_attention_forward

@@ -27,7 +27,23 @@ def test_defaults(pov):
     assert (a.model, a.task, a.context_length, a.n, a.drop_ratio, a.batch_size) == (
         "smollm2-135m", "niah_single_1", 2048, 16, 0.5, 4)
     assert (a.start_size, a.recent_size, a.aggregation, a.rotation) == (32, 64, "norm_sum", "both")
-    assert a.max_tokens is None and not a.smoke and a.out == pov.DEFAULT_OUT
+    assert a.max_tokens is None and not a.smoke and a.out == pov.DEFAULT_OUT and a.dtype == "float32"
+    assert pov.parse_args(["--dtype", "bfloat16"])[1].dtype == "bfloat16"
+
+
+def test_compiled_properties_are_read_from_what_openvino_prints(pov, capfd):
+    """The LLM's block of OPENVINO_LOG_LEVEL=3's print (the tokenizers' blocks come first), written to fd 1 as C++
+    does, comes back as a dict; nothing reaches the real stdout."""
+    import os
+
+    printed = ("Model: OV Tokenizer\n  KV_CACHE_PRECISION: u8\nEXECUTION_DEVICES:\n CPU: X\n"
+               "Model: LLM with Paged Attention\n  INFERENCE_PRECISION_HINT: bf16\n  KV_CACHE_PRECISION: bf16\n"
+               "  MODEL_DISTRIBUTION_POLICY: \nEXECUTION_DEVICES:\n CPU: X\n")
+    out, props = pov._compiled_properties(lambda x: os.write(1, printed.encode()) and x, 7)
+    assert out == 7 and props == {"INFERENCE_PRECISION_HINT": "bf16", "KV_CACHE_PRECISION": "bf16",
+                                  "MODEL_DISTRIBUTION_POLICY": ""}
+    assert pov._compiled_properties(lambda: 1) == (1, {})
+    assert capfd.readouterr().out == ""
 
 
 def test_smoke_overrides_sizes(pov):

@@ -677,6 +677,42 @@ BLOCKS["chunked_prefill"] = (lambda: T.chunked_prefill(load("chunked_prefill_gem
                              ("chunked_prefill_gemma3",))
 
 
+# ------------------------------------------------------- the engine beside OpenVINO GenAI per precision (issue 45)
+PAGES += ("docs/peer_openvino.md",)
+# stored run -> the engine's decode attention in that run: transformers' sdpa (before decode_attention), or
+# `tdutils.attention.decode_attention` over the slot store
+_SDPA, _COPYING, _WHOLE = "sdpa (6f5fd0c)", "decode_attention, copying bmm (01cf8b0)", "decode_attention (f9560ad)"
+PEER_OPENVINO_RUNS = {f"peer_openvino_smollm2_{dtype}_1t_{r}": label for r, order, label in (
+    ("a", "fb", _SDPA), ("b", "fb", _SDPA), ("c", "bf", _COPYING), ("d", "bf", _COPYING), ("e", "bf", _WHOLE),
+    ("f", "bf", _WHOLE), ("g", "bf", _SDPA)) for dtype in ({"f": "float32", "b": "bfloat16"}[o] for o in order)}
+
+
+def peer_openvino_runs(runs: dict[str, str]) -> str:
+    """`bench/peer_openvino.py` runs side by side: per run (in the order run), the engine's and OpenVINO's
+    full-cache and evicted decode tok/s, their ratio, prefill seconds per batch, and the precision OpenVINO compiled."""
+    head = ["stored run", "model", "dtype", "threads", "engine attention", "tdutils full tok/s",
+            "OpenVINO full tok/s", "tdutils ÷ OpenVINO", "tdutils SnapKV 0.5 tok/s", "OpenVINO evict tok/s",
+            "prefill s / batch (tdutils, OpenVINO)", "OpenVINO compiled: precision, KV cache, threads"]
+    rows = []
+    for name, attention in runs.items():
+        report = load(name)
+        m, by = report["meta"], {(r["engine"], r["config"].split(" ")[0]): r for r in report["rows"]}
+        td, ov = by["tdutils", "full"], by["openvino", "full"]
+        c = ov["compiled"]
+        rows.append([f"`{name}`", m["model"], m["dtype"], str(m["threads"]), attention, f"{td['tok_s']:.1f}",
+                     f"{ov['tok_s']:.1f}", f"{td['tok_s'] / ov['tok_s']:.2f}", f"{by['tdutils', 'snapkv']['tok_s']:.1f}",
+                     f"{by['openvino', 'evict']['tok_s']:.1f}", f"{td['prefill_s']:.1f}, {ov['prefill_s']:.1f}",
+                     f"{c['INFERENCE_PRECISION_HINT']}, {c['KV_CACHE_PRECISION']}, {c['INFERENCE_NUM_THREADS']}"])
+    m = load(next(iter(runs)))["meta"]
+    return "\n".join([T.md_table(head, rows), "", _source(
+        next(iter(runs)), f"and the other runs named; `{m['task']}`, {m['n']} prompts of {m['context_length']} tokens "
+        f"in one batch of {m['batch_size']}", f"{m['max_tokens']} greedy tokens", _seed(m["seed"]),
+        f"OpenVINO {m['peer']['openvino']}, openvino-genai {m['peer']['openvino-genai']}")])
+
+
+BLOCKS["peer_openvino_runs"] = (lambda: peer_openvino_runs(PEER_OPENVINO_RUNS), tuple(PEER_OPENVINO_RUNS))
+
+
 def blocks_in(text: str) -> list[str]:
     """Names of the generated blocks a page holds, in page order."""
     return [m.group(1) for m in _BLOCK.finditer(text)]

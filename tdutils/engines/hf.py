@@ -23,7 +23,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..attention import AttentionSpec, QueryRecorder, capture_implementation, ensure_capture, recording
+from ..attention import (
+    AttentionSpec,
+    QueryRecorder,
+    capture_implementation,
+    ensure_capture,
+    recording,
+    slot_decode,
+)
 from ..chat import uses_chat_template
 from ..checks import (
     GREEDY_BELOW,
@@ -191,7 +198,7 @@ class HFEngine(Engine):
         # unequal per-head counts: padding masked per layer and head in decode
         self._head_masks = install_head_masks(getattr(self.model.base_model, "layers", []), self.facts.gqa_group_size)
         self.attention = self._check_supported()  # one-line ValueError naming the family (backend included)
-        if query_window != 0:
+        if query_window != 0 or self.model.config._attn_implementation == "sdpa":  # sdpa: decode_attention too
             ensure_capture(self.model)
         windows = self.attention.sliding_windows
         # per mask key (a layer type, or None when one mask serves every layer): its sliding window
@@ -973,7 +980,7 @@ class HFEngine(Engine):
         rows = store.rows
         store.begin_step(run.next_pos[:rows])
         fed = run.next_ids[:rows].tolist() if comp is not None else None
-        with comp.capture(rows) if comp is not None else nullcontext():
+        with comp.capture(rows) if comp is not None else nullcontext(), slot_decode():
             out = self._forward(run.next_ids[:rows, None], self._decode_masks(store, run.next_pos[:rows]),
                                 run.next_pos[:rows, None], store.cache())
         store.end_step()
