@@ -20,15 +20,11 @@ ONE_SHOT_MAX = 8192  # longest prompt also prefilled in one shot (the docs' tabl
 
 def run_one(args: dict) -> dict:
     """Worker (`harness.call`): one configuration (the options as a dict, `length`, `chunk` 0 for one shot) in
-    this fresh process, so `ru_maxrss` is its own; returns its figures."""
+    this fresh process, so its peak RSS is its own; returns its figures."""
     import gc
     import time
 
-    import torch
-
-    args = argparse.Namespace(**args)
-
-    torch.set_num_threads(args.threads)
+    args = H.options(args)
     import tdutils
     from tdutils.compression import Compression
     from tdutils.eval.tasks import load_rows, score_rows
@@ -37,7 +33,7 @@ def run_one(args: dict) -> dict:
     rows = load_rows("ruler_niah_single_1", model=args.model, num_requests=1, context_tokens=args.length,
                      seed=args.seed)
     gc.collect()
-    with H.PeakRSS(period=0.005, mmap_threshold=None) as mem:  # resident memory every 5 ms while prefill runs
+    with H.PeakRSS() as mem:  # the resident set's peak while prefill runs
         t0 = time.perf_counter()
         if args.chunk:
             eng.prefill(rows, chunk=args.chunk, compression=Compression(args.policy, budget=args.budget))
@@ -58,11 +54,11 @@ def run_one(args: dict) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tdutils.cli.args import count, int_at_least, positive_int, usable_cores
+    from tdutils.cli.args import count, int_at_least, int_list, positive_int, usable_cores
 
     ap = H.parser("bench/chunked_prefill.py", __doc__, raw=False)
     H.add_standard(ap, model="gemma3-270m")
-    ap.add_argument("--lengths", type=H.int_list("token counts", "4096,8192"), default=[4096, 8192, 32000],
+    ap.add_argument("--lengths", type=int_list("token counts", "4096,8192"), default=[4096, 8192, 32000],
                     help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--chunk", type=positive_int, default=1024, help="C: prompt tokens per chunk")
     ap.add_argument("--budget", type=int_at_least(2), default=1024, help="B: tokens kept after each chunk")

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness as H
 
-from tdutils.cli.args import drop_ratios, positive_int
+from tdutils.cli.args import drop_ratios, int_list, positive_int
 from tdutils.engines.hf import HFEngine, _Request
 from tdutils.engines.packed import packing_available
 from tdutils.metrics import median_min_max
@@ -144,7 +144,7 @@ def measure_point(model, tok, batch: int, tokens: int, steps: int, repeats: int,
         log(f"  {batch}x{tokens} repeat {rep + 1}/{repeats}: " + ", ".join(
             f"{arm} {step[arm][-1] * 1e3:.1f}" for arm in arms) + " ms/step")
     eng = engines["engine"]
-    with H.PeakRSS() as mem_engine:  # glibc returns freed blocks >= 1 MiB at once: growth is what decode holds
+    with H.PeakRSS(mmap_threshold=1 << 20) as mem_engine:  # glibc returns freed blocks >= 1 MiB at once: growth is what decode holds
         eng.decode(max_tokens=steps)
     with H.PeakRSS() as mem_static:
         static_step(model, kv, batch, steps, feed)
@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=positive_int, default=32, help="decode steps per timed run (default 32)")
     ap.add_argument("--throughput", action="store_true",
                     help="also measure SnapKV drop 0.5 / 0.75 decode throughput (see --throughput-requests)")
-    ap.add_argument("--throughput-requests", type=H.int_list("request counts", "8,16"), default="8,16",
+    ap.add_argument("--throughput-requests", type=int_list("request counts", "8,16"), default="8,16",
                     help="request counts of the throughput sweeps (default 8,16)")
     ap.add_argument("--throughput-tokens", type=positive_int, default=1024, help="prompt tokens (default 1024)")
     ap.add_argument("--throughput-max-tokens", type=positive_int, default=32, help="decode tokens (default 32)")

@@ -21,7 +21,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -85,54 +84,11 @@ def one_line_errors(ap, fn, *args, also=()):
         fail(ap, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
-def at_least_one(text: str) -> float:
-    """argparse type of `--full-requests`: a finite number >= 1 (the KV budget must hold one undropped request)."""
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not (math.isfinite(v) and v >= 1):
-        raise argparse.ArgumentTypeError(f"expected a number >= 1 (the budget must hold one undropped request), "
-                                         f"got {text!r}")
-    return v
-
-
-def int_list(what: str, example: str):
-    """argparse type factory: comma-separated integers >= 1 (e.g. `int_list("token counts", "4096,8192")`)."""
-    def parse(text: str) -> list[int]:
-        try:
-            out = [int(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated {what}, e.g. {example}") from None
-        if not out or min(out) < 1:
-            raise argparse.ArgumentTypeError(f"{text!r}: give {what} >= 1, e.g. {example}")
-        return out
-    return parse
-
-
-def name_list(choices, what: str = "policy", allow_none: bool = False):
-    """argparse type factory: comma-separated names, each one of `choices` (with `allow_none`, "none": [])."""
-    def parse(text: str) -> list[str]:
-        if allow_none and text.strip().lower() == "none":
-            return []
-        out = [x.strip() for x in text.split(",") if x.strip()]
-        bad = [x for x in out if x not in choices]
-        if bad or not out:
-            raise argparse.ArgumentTypeError(f"unknown {what} {bad[0] if bad else text!r}; give comma-separated "
-                                             f"names from {', '.join(choices)}")
-        return out
-    return parse
-
-
 def open_ratio(text: str) -> float:
-    """argparse type: one drop ratio in the open interval (0, 1)."""
-    try:
-        r = float(text)
-    except ValueError:
-        r = math.nan
-    if not 0.0 < r < 1.0:  # nan compares false
-        raise argparse.ArgumentTypeError(f"expected a drop ratio in (0, 1), got {text!r}")
-    return r
+    """`tdutils.cli.args.open_ratio`, the argparse type of a drop ratio in (0, 1) (peer_openvino.py reads it here)."""
+    from tdutils.cli.args import open_ratio as parse
+
+    return parse(text)
 
 
 def compression_policies() -> list[str]:
@@ -262,12 +218,6 @@ def machine_record() -> dict:
     """Platform, processor, CPU count and Python version (the `machine` field of the rope / R-KV runs)."""
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "python": platform.python_version()}
-
-
-def alternating_orders(names, repeats: int) -> list[list[str]]:
-    """Run order of every repeat: `names` forward, then backward, then forward ... (machine drift hits all alike)."""
-    names = list(names)
-    return [names if r % 2 == 0 else names[::-1] for r in range(repeats)]
 
 
 def log(message: str) -> None:
@@ -409,117 +359,74 @@ def platform_fields() -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ memory probes
-def rss_bytes() -> int:
-    """This process's resident set now (bytes, /proc/self/statm)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set (VmHWM, bytes) since it started or since `reset_peak_rss`."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise KeyError("VmHWM")
-
-
-def reset_peak_rss() -> bool:
-    """Reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0: write 5 to /proc/self/clear_refs); False
-    where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def mmap_every_tensor(threshold: int = 128 * 1024) -> bool:
-    """glibc: serve every allocation >= `threshold` bytes by its own mmap (unmapped when freed; also stops glibc
-    raising the threshold) and return freed heap, so RSS follows live tensors. False without glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(-3, threshold) == 1  # M_MMAP_THRESHOLD
-        libc.malloc_trim(0)
-        return ok
-    except (OSError, AttributeError):
-        return False
-
-
 class PeakRSS:
-    """Context manager: `growth`, the peak growth of this process's RSS (bytes) inside the block, sampled every
-    `period` seconds; `start` and `peak` are the RSS before and the peak. `mmap_threshold` (bytes): call
-    `mmap_every_tensor` first so freed tensors leave RSS at once."""
+    """Context manager: the peak of this process's resident set inside the block (Linux /proc). On exit: `start`
+    and `peak` (bytes: the RSS before, and VmHWM, reset on entry by writing 5 to /proc/self/clear_refs), `growth` =
+    peak - start, `maxrss` (getrusage's ru_maxrss - start) and `method`. Where VmHWM cannot be reset the peak is
+    start + maxrss: ru_maxrss cannot be reset and a child inherits its parent's, so run the block in a fresh process.
+    `mmap_threshold` (bytes): first have glibc serve every allocation that large by its own mmap (unmapped when
+    freed; also stops glibc raising the threshold) and return freed heap, so RSS follows live tensors (`mmap`:
+    whether glibc took it)."""
 
-    def __init__(self, period: float = 0.001, mmap_threshold: int | None = 1 << 20):
-        self.period, self.mmap_threshold = period, mmap_threshold
+    def __init__(self, mmap_threshold: int | None = None):
+        self.mmap_threshold, self.mmap, self.hwm = mmap_threshold, False, True
 
     def __enter__(self):
         if self.mmap_threshold:
-            mmap_every_tensor(self.mmap_threshold)
-        self.start = self.peak = rss_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+            try:
+                libc = ctypes.CDLL("libc.so.6")
+                self.mmap = libc.mallopt(-3, self.mmap_threshold) == 1  # M_MMAP_THRESHOLD
+                libc.malloc_trim(0)
+            except (OSError, AttributeError):  # no glibc
+                pass
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            self.hwm = False
+        self.start = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         return self
 
-    def _run(self):
-        while not self._stop.wait(self.period):
-            self.peak = max(self.peak, rss_bytes())
-
     def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
-        self.growth = self.peak - self.start
+        self.maxrss = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.start)  # Linux: KiB
+        hwm = [ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith("VmHWM:")]
+        self.peak = int(hwm[0].split()[1]) * 1024 if self.hwm else self.start + self.maxrss
+        self.growth = max(0, self.peak - self.start)
+        self.method = ("VmHWM (reset via /proc/self/clear_refs)" if self.hwm else "ru_maxrss") + " - RSS before"
         return False
-
-
-def sync(device: str) -> None:
-    """Wait for the device's queued work (CUDA), so a clock read after it covers the work."""
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
 
 
 def time_alternated(fns: dict, repeats: int, device: str = "cpu", keep=None):
     """`({name: [seconds per repeat]}, [order of each repeat])`: every `fns[name]()` once per repeat, the order
-    alternating forward / backward (`alternating_orders`), the device synchronised around each call. `keep(repeat,
-    name, result)`, when given, sees each result before it is freed."""
+    alternating forward / backward (`tdutils.runs.run_orders`), timed by `tdutils.profiling.timed` (the device
+    synchronised around each call). `keep(repeat, name, result)`, when given, sees each result before it is freed."""
+    from tdutils.profiling import timed
+    from tdutils.runs import run_orders
+
     times = {name: [] for name in fns}
-    orders = alternating_orders(fns, repeats)
+    orders = run_orders(fns, repeats, "alternate")
     for i, order in enumerate(orders):
         for name in order:
-            sync(device)
-            t0 = time.perf_counter()
-            result = fns[name]()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
+            result, seconds = timed(fns[name], device=device)
+            times[name].append(seconds)
             if keep:
                 keep(i, name, result)
             del result
     return times, orders
 
 
-def extra_memory(fn, device: str = "cpu") -> tuple:
+def extra_memory(fn, device: str = "cpu", mmap_threshold: int | None = None) -> tuple:
     """`(fn(), bytes, method, ru_maxrss bytes)`: the memory one call of `fn` takes above what was held before.
-    CUDA: the allocator's peak (`tdutils.profiling.peak_memory`). CPU (run it in a fresh process): the peak RSS
-    (VmHWM, reset first) minus the RSS before, or getrusage's ru_maxrss where VmHWM cannot be reset (ru_maxrss
-    cannot be reset, and a child inherits its parent's, so it is only a fallback); the returned tensors count."""
+    CUDA: the allocator's peak (`tdutils.profiling.peak_memory`; no ru_maxrss: None). CPU (run it in a fresh
+    process): `PeakRSS(mmap_threshold)` around the call; the returned tensors count."""
     if device.startswith("cuda"):
         from tdutils.profiling import peak_memory
 
         out, extra = peak_memory(fn, device=device)
         return out, extra, "torch.cuda.max_memory_allocated - allocated before", None
-    hwm_ok = reset_peak_rss()
-    before = rss_bytes()
-    out = fn()
-    maxrss = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)  # Linux reports KiB
-    peak = peak_rss_bytes() if hwm_ok else before + maxrss
-    method = ("VmHWM (reset via /proc/self/clear_refs)" if hwm_ok else "ru_maxrss") + " - RSS before, subprocess"
-    return out, max(0, peak - before), method, maxrss
+    with PeakRSS(mmap_threshold) as mem:
+        out = fn()
+    malloc = f", mallopt(M_MMAP_THRESHOLD={mmap_threshold // 1024} KiB)" if mem.mmap else ", default malloc"
+    return out, mem.growth, mem.method + ", subprocess" + (malloc if mmap_threshold else ""), mem.maxrss
 
 
 # ------------------------------------------------------------------------------------------------ peer venvs
@@ -637,6 +544,16 @@ def call(file, func: str, payload, *, python=sys.executable, what: str | None = 
     payload and the result travel as JSON. `kw` as for `run_tagged`."""
     return run_tagged([str(python), str(HERE), "--worker", str(file), func], input=json.dumps(payload),
                       what=what or f"{Path(file).name} {func}", **kw)
+
+
+def options(payload: dict) -> argparse.Namespace:
+    """A worker's payload of options (a bench's own, as a dict) as a Namespace; torch's CPU threads set to its
+    `threads` when given."""
+    if payload.get("threads"):
+        import torch
+
+        torch.set_num_threads(payload["threads"])
+    return argparse.Namespace(**payload)
 
 
 def _worker_main(file: str, func: str) -> int:

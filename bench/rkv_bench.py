@@ -68,7 +68,7 @@ def run_time_child(args) -> dict:
     Returns `{"kind", "n", "device", "threads", "order": [[variants of round 0], ...], "times_s": {variant:
     [seconds per round]}}`; saves the first round's `exact` and `buffered` redundancies for `agreement`.
     """
-    args = _options(args)
+    args = H.options(args)
     kind, n = args.time_child[0], int(args.time_child[1])
     variants, device = list(args.variants), args.device
     _warm_up(kind, variants, args, device)
@@ -87,7 +87,7 @@ def run_time_child(args) -> dict:
 def run_memory_child(args) -> dict:
     """Worker (`harness.call`): one variant at one size in this (fresh) process: peak extra memory of one call
     (and the profiler's peak). `args`: the options (a dict from the parent), `child` = [kind, n, variant]."""
-    args = _options(args)
+    args = H.options(args)
     kind, n, variant = args.child
     n = int(n)
     device = args.device
@@ -96,23 +96,12 @@ def run_memory_child(args) -> dict:
     fn = variant_fn(variant, keys, kv, q, args.head_dim)
     out = {"kind": kind, "n": n, "variant": variant, "device": device, "threads": torch.get_num_threads()}
     # CPU: each tensor >= 128 KiB its own mapping, unmapped when freed, so RSS follows live tensors
-    mmap_ok = not device.startswith("cuda") and H.mmap_every_tensor()
-    result, out["peak_extra_bytes"], out["memory_method"], _ = H.extra_memory(fn, device)
-    if not device.startswith("cuda"):
-        out["memory_method"] += ", mallopt(M_MMAP_THRESHOLD=128 KiB)" if mmap_ok else ", default malloc"
+    result, out["peak_extra_bytes"], out["memory_method"], _ = H.extra_memory(fn, device, mmap_threshold=128 * 1024)
     del result
     if not device.startswith("cuda") and n <= args.profile_max_n:
         _, alloc = peak_memory(fn)
         out["alloc_peak_bytes"] = alloc  # torch profiler: peak live tensor bytes of one more call
     return out
-
-
-def _options(args):
-    if isinstance(args, dict):
-        args = argparse.Namespace(**args)
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
-    return args
 
 
 # ----------------------------------------------------------------------------------------------- agreement

@@ -104,9 +104,7 @@ def time_variants(kv, old, new, spec, repeats: int, device: str) -> tuple[dict[s
 
 def memory_child(payload: dict) -> dict:
     """Worker (`harness.call`): one memory measurement in a fresh process; payload: the options and `variant`."""
-    args = argparse.Namespace(**payload)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = H.options(payload)
     return measure_memory_here(args, args.variant)
 
 

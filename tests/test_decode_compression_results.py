@@ -92,7 +92,9 @@ def test_summary_stats_and_percentile(bench):
 
 
 def test_runs_alternate_and_ratios_are_taken_per_repeat(bench):
-    assert bench.alternating_orders(["full", "B=64", "B=128"], 3) == [
+    from tdutils.runs import run_orders
+
+    assert run_orders(["full", "B=64", "B=128"], 3, "alternate") == [
         ["full", "B=64", "B=128"], ["B=128", "B=64", "full"], ["full", "B=64", "B=128"]]
     runs = [{"config": "full", "repeat": 0, "decode_tok_s": 10.0}, {"config": "B=64", "repeat": 0, "decode_tok_s": 15.0},
             {"config": "B=64", "repeat": 1, "decode_tok_s": 30.0}, {"config": "full", "repeat": 1, "decode_tok_s": 25.0}]
@@ -164,10 +166,12 @@ def test_summary_prints_the_stored_table(bench, tables, capsys):
 
 
 def test_throughput_run_alternated_and_its_ratios_are_per_repeat(bench):
+    from tdutils.runs import run_orders
+
     run = _stored("decode_compression_throughput")
     m = run["meta"]
     configs = ["full"] + [f"B={b}" for b in m["budgets"]]
-    assert m["orders"] == bench.alternating_orders(configs, m["repeats"]) and m["repeats"] >= 2
+    assert m["orders"] == run_orders(configs, m["repeats"], "alternate") and m["repeats"] >= 2
     assert [r["config"] for r in run["runs"]] == [c for order in m["orders"] for c in order]
     stats = bench.ratio_stats(run["runs"])
     per_token = m["prompt_tokens"] + m["max_tokens"]
