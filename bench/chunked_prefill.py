@@ -49,6 +49,7 @@ def run_one(args: dict) -> dict:
             "peak_cache_tokens": pm.peak_cache_tokens[0], "final_cache_tokens": eng.kv(0).shape[2],
             "cuts": pm.cuts, "cut_s": round(pm.cut_seconds, 2), "prefill_s": round(seconds, 2),
             "rss_before_prefill_mib": round(base_mb), "peak_rss_above_load_mib": round(peak_mb - base_mb),
+            "memory_method": mem.method,
             "answer": outs[0].answer[:60], "correct": bool(score.is_correct[0]),
             "threads": args.threads}
 
@@ -56,7 +57,7 @@ def run_one(args: dict) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     from tdutils.cli.args import count, int_at_least, int_list, positive_int, usable_cores
 
-    ap = H.parser("bench/chunked_prefill.py", __doc__, raw=False)
+    ap = H.parser("bench/chunked_prefill.py", __doc__)
     H.add_standard(ap, model="gemma3-270m")
     ap.add_argument("--lengths", type=int_list("token counts", "4096,8192"), default=[4096, 8192, 32000],
                     help="prompt lengths in tokens, comma-separated")
@@ -112,10 +113,7 @@ def main(argv=None) -> int:
                     H.fail(ap, exc.last_line.split(": error: ", 1)[-1])
                 raise
             rows.append(row)
-            print(f"{row['prompt_tokens']:>6} tokens {row['mode']:>8}: peak cache {row['peak_cache_tokens']:>6} "
-                  f"tokens, peak RSS +{row['peak_rss_above_load_mib']:>5} MiB, prefill {row['prefill_s']:>7.1f} s "
-                  f"({row['cuts']} cuts, {row['cut_s']} s), needle {'found' if row['correct'] else 'missed'}: "
-                  f"{row['answer']!r}", flush=True)
+            print(H.render("chunked_prefill_row", row), flush=True)
     if args.json:
         H.write_json({"rows": rows}, args.json, indent=1)
     return 0

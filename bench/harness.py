@@ -30,13 +30,11 @@ MiB = 2 ** 20
 
 
 # ------------------------------------------------------------------------------------------------ options
-def parser(prog: str, doc: str, *, raw: bool = True) -> argparse.ArgumentParser:
+def parser(prog: str, doc: str) -> argparse.ArgumentParser:
     """A `tdutils.cli.args.OneLineParser` named `prog` (bad options: one line, exit 2) with `doc` as its help."""
     from tdutils.cli.args import OneLineParser
 
-    if raw:
-        return OneLineParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    return OneLineParser(prog=prog, description=doc.split("\n")[0])
+    return OneLineParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def add_standard(ap, *, json: str | None = "--json", json_dest: str = "json", summary: bool = True,
@@ -122,22 +120,6 @@ def check_json_dest(dest: str, option: str = "--json", example: str = "runs/benc
         check_output_path(dest, option, example=example)
 
 
-def read_json(path: str, option: str = "--summary"):
-    """The JSON value stored in `path` (a bench's own `--json` file).
-
-    Raises:
-        ValueError: the file is missing, unreadable, not UTF-8 or not JSON; the message names `option` and the path.
-    """
-    from tdutils.textio import read_text
-
-    try:
-        return json.loads(read_text(path))
-    except OSError as exc:
-        raise ValueError(f"{option} {path!r}: {exc.strerror or exc}; give a file a bench wrote with --json") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{option} {path!r} is not JSON ({exc}); give a file a bench wrote with --json") from None
-
-
 def write_json(results, dest: str, indent: int = 2, **kw) -> None:
     """Write `results` as indented JSON to the file `dest` (its folder made), or to stdout when `dest` is "-"."""
     text = json.dumps(results, indent=indent, **kw)
@@ -160,14 +142,23 @@ def render(name: str, *args) -> str:
 
 
 def summary(ap, args, name: str, keys=None, check=None) -> bool:
-    """With `--summary FILE`: print `render(name, report)` of the stored run and return True (bad files: one line,
-    exit 2); `keys` the run (a dict, or a list of such) must hold, `check(report, path)` any further test (raises
-    ValueError)."""
+    """With `--summary FILE`: print `render(name, report)` of the stored run and return True (bad files: missing,
+    unreadable, not UTF-8 or not JSON: one line naming the path, exit 2); `keys` the run (a dict, or a list of such)
+    must hold, `check(report, path)` any further test (raises ValueError)."""
     if not args.summary:
         return False
 
     def show():
-        report = read_json(args.summary)
+        from tdutils.textio import read_text
+
+        try:
+            report = json.loads(read_text(args.summary))
+        except OSError as exc:
+            raise ValueError(f"--summary {args.summary!r}: {exc.strerror or exc}; give a file a bench wrote with "
+                             f"--json") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--summary {args.summary!r} is not JSON ({exc}); give a file a bench wrote with "
+                             f"--json") from None
         runs = report if isinstance(report, list) else [report]
         if keys and not (runs and all(isinstance(r, dict) and set(keys) <= set(r) for r in runs)):
             raise ValueError(f"--summary {args.summary!r} is not a run of {ap.prog} (no {' and '.join(keys)}); "
@@ -200,20 +191,6 @@ def start(ap, argv, name: str, example: str, keys, check=None, json_dest: str = 
 
 
 # ------------------------------------------------------------------------------------------------ machine
-def machine() -> str:
-    """The CPU model and core count, as the stored runs record it (e.g. "Intel(R) Xeon(R) Processor, 2 cores
-    (shared)")."""
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)"
-
-
 def machine_record() -> dict:
     """Platform, processor, CPU count and Python version (the `machine` field of the rope / R-KV runs)."""
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
@@ -226,12 +203,19 @@ def log(message: str) -> None:
 
 
 def run_record(prog: str) -> dict:
-    """What a run was measured with: its command line, torch threads, machine, platform, torch and transformers
-    versions and the date (the `meta` fields of the policy-cost and decode-compression runs)."""
+    """What a run was measured with: its command line, torch threads, machine (the CPU model and core count, e.g.
+    "Intel(R) Xeon(R) Processor, 2 cores (shared)"), platform, torch and transformers versions and the date (the
+    `meta` fields of the policy-cost and decode-compression runs)."""
     import torch
     import transformers
 
-    return {"command": " ".join([prog] + sys.argv[1:]), "threads": torch.get_num_threads(), "machine": machine(),
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), "")
+    except OSError:
+        cpu = ""
+    machine = f"{cpu or platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)"
+    return {"command": " ".join([prog] + sys.argv[1:]), "threads": torch.get_num_threads(), "machine": machine,
             "platform": platform.platform(), "torch": torch.__version__, "transformers": transformers.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M")}
 

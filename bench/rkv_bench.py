@@ -128,7 +128,7 @@ def agreement(kind: str, n: int, args, save_dir: str) -> dict | None:
 
 # ----------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    p = H.parser("bench/rkv_bench.py", __doc__, raw=False)
+    p = H.parser("bench/rkv_bench.py", __doc__)
     p.add_argument("--sizes", type=int_at_least(RKV_WINDOW + 1, f"R-KV always keeps its last {RKV_WINDOW} tokens"),
                    nargs="+", default=[1024, 4096, 16384], help="key lengths n")
     p.add_argument("--heads", type=positive_int, default=8, help="KV heads H")
@@ -172,10 +172,7 @@ def main(argv=None) -> int:
                          "order": timing["order"]}
                     runs[variant] = r
                     results["runs"].append(r)
-                    mem, alloc = r["peak_extra_bytes"], r.get("alloc_peak_bytes")
-                    print(f"{kind:9} n={n:6} {variant:17} {r['median_s']:9.3f} s  peak extra "
-                          f"{(mem or 0) / MiB:9.1f} MiB" + (f" (tensors {alloc / MiB:.1f} MiB)" if alloc else ""),
-                          flush=True)
+                    print(H.render("rkv_bench_run", r), flush=True)
                 results["summary"].append(summarize(kind, n, runs, agreement(kind, n, args, save_dir)))
     results["seconds"] = time.perf_counter() - t_start
     print(H.render("rkv_bench_rounds", results["summary"]))

@@ -135,7 +135,7 @@ def accuracy_layer0(kv, old, new, spec) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = H.parser("bench/rope_bench.py", __doc__, raw=False)
+    p = H.parser("bench/rope_bench.py", __doc__)
     p.add_argument("--layers", type=positive_int, default=36)
     p.add_argument("--tokens", type=positive_int, default=8192)
     p.add_argument("--dim", type=positive_int, default=1024, help="D = H_kv * head_dim")
