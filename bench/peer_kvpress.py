@@ -4,8 +4,8 @@
                                                                    # n=50, ratios 0.5/0.75, every press below
     python bench/peer_kvpress.py --n 4 --context-length 1024 --presses snapkv,random,tova --ratios 0.5
 
-kvpress runs in its own venv (`VENV`, `worker` through `harness.call`). The flow, the columns and the defaults:
-docs/benchmarks.md#benchpeer_kvpresspy-nvidia-kvpress-on-the-same-token-ids.
+kvpress runs in its own venv (`VENV`, `worker` through `harness.call`; `decoding_worker` is decode_compression.py's
+kvpress side). The flow, the columns and the defaults: docs/benchmarks.md#benchpeer_kvpresspy-nvidia-kvpress-on-the-same-token-ids.
 """
 
 from __future__ import annotations
