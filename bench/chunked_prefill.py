@@ -56,6 +56,7 @@ def run_one(args: dict) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     from tdutils.cli.args import count, int_at_least, int_list, positive_int, usable_cores
+    from tdutils.compression import compression_policies
 
     ap = H.parser("bench/chunked_prefill.py", __doc__)
     H.add_standard(ap, model="gemma3-270m")
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--chunk", type=positive_int, default=1024, help="C: prompt tokens per chunk")
     ap.add_argument("--budget", type=int_at_least(2), default=1024, help="B: tokens kept after each chunk")
-    ap.add_argument("--policy", default="snapkv", choices=H.compression_policies())
+    ap.add_argument("--policy", default="snapkv", choices=compression_policies())
     ap.add_argument("--max-tokens", type=positive_int, default=24)
     ap.add_argument("--threads", type=int_at_least(1), default=1, help=f"torch threads (at most {usable_cores()})")
     ap.add_argument("--seed", type=count, default=5_000_000)

@@ -12,7 +12,6 @@ Every part, option and column: docs/benchmarks.md#benchdecode_compressionpy-comp
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 import time
@@ -20,8 +19,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness as H
-
-essay_prompts = functools.partial(H.essay_prompts, wrap=False)  # passages that fit in the text (tests read it here)
 
 PARTS = ("throughput", "fidelity", "ruler", "kvpress")
 RULER_PREFILL_BATCH = 4  # prompts prefilled together in `ruler` (recorded in its meta)
@@ -79,11 +76,12 @@ def _engine(args, **kw):
 def run_throughput(args) -> dict:
     import tdutils
     from tdutils.compression import Compression
+    from tdutils.ruler import essay_prompts
     from tdutils.runs import run_orders
 
     t_start = time.perf_counter()
     eng = _engine(args)
-    prompts = essay_prompts(eng.tokenizer, args.num_requests, args.prompt_tokens)
+    prompts = essay_prompts(eng.tokenizer, args.num_requests, args.prompt_tokens, wrap=False)
     eng.kv_budget_tokens = tdutils.default_kv_budget(map(len, prompts), args.max_tokens, args.full_requests)
     configs = {f"B={b}": Compression(args.policy, budget=b, buffer=args.buffer, window=args.window)
                for b in args.budgets}
@@ -131,10 +129,11 @@ def _throughput_run(name: str, rep: int, result, tokens: int) -> dict:
 # ------------------------------------------------------------------------------------------ fidelity
 def run_fidelity(args) -> dict:
     from tdutils.compression import Compression, cache_sizes, fidelity, greedy_agreement
+    from tdutils.ruler import essay_prompts
 
     t_start = time.perf_counter()
     eng = _engine(args, positions=args.positions)
-    prompts = essay_prompts(eng.tokenizer, args.num_requests, args.prompt_tokens)
+    prompts = essay_prompts(eng.tokenizer, args.num_requests, args.prompt_tokens, wrap=False)
     eng.prefill(prompts)
     saved = eng.snapshot()
     t0 = time.perf_counter()
@@ -254,6 +253,7 @@ def run_kvpress(args) -> dict:
 
     from tdutils.compression import Compression, greedy_agreement
     from tdutils.models import resolve_model
+    from tdutils.ruler import essay_prompts
 
     t_start = time.perf_counter()
     folder = resolve_model(args.model).files()  # the folder (or hub id) the peer's transformers loads
@@ -262,7 +262,7 @@ def run_kvpress(args) -> dict:
     td = {}
     for positions in ("compact", "original"):
         eng = _engine(args, positions=positions)
-        prompts = essay_prompts(eng.tokenizer, args.num_requests, prompt_tokens)
+        prompts = essay_prompts(eng.tokenizer, args.num_requests, prompt_tokens, wrap=False)
         eng.prefill(prompts)
         saved = eng.snapshot()
         full = [o.output_ids for o in eng.decode(args.max_tokens, ignore_eos=True)]
@@ -314,8 +314,9 @@ def run_kvpress(args) -> dict:
 # ------------------------------------------------------------------------------------------ command line
 def build_parser() -> argparse.ArgumentParser:
     from tdutils.cli.args import count, full_requests, int_list, name_list, positive_int, usable_cores
+    from tdutils.compression import compression_policies
 
-    held = H.compression_policies()  # the policies that can hold a budget while the cache grows
+    held = compression_policies()  # the policies that can hold a budget while the cache grows
     budgets = int_list("budgets", "64,128")
     ap = H.parser("bench/decode_compression.py", __doc__)
     H.add_standard(ap, json=None)

@@ -17,10 +17,8 @@ import math
 import os
 import platform
 import resource
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -89,24 +87,6 @@ def open_ratio(text: str) -> float:
     return parse(text)
 
 
-def compression_policies() -> list[str]:
-    """The registered policies that can hold a budget while the cache grows (`tdutils.compression.Compression`):
-    those whose cut, tried on the bundled model's shapes, keeps the budget. Leaves out `h2o` (needs every prompt
-    query) and `middle_chunk` (keeps a fixed share, not the budget)."""
-    from tdutils.compression import Compression
-    from tdutils.models import tiny_qwen3_config
-    from tdutils.policies import policy_names
-
-    config, out = tiny_qwen3_config(64), []
-    for name in policy_names():
-        try:
-            Compression(name, budget=64, buffer=64).drop_fn(model_config=config)
-        except ValueError:
-            continue
-        out.append(name)
-    return out
-
-
 # ------------------------------------------------------------------------------------------------ JSON and --summary
 def check_json_dest(dest: str, option: str = "--json", example: str = "runs/bench.json") -> None:
     """Check before any work that `dest` ("-" for stdout, else a file path) can be written.
@@ -130,15 +110,19 @@ def write_json(results, dest: str, indent: int = 2, **kw) -> None:
         Path(dest).write_text(text + "\n", encoding="utf-8")
 
 
+def load_file(name: str, path: Path):
+    """The module of the file `path`, loaded once as `sys.modules[name]` (no package around it is imported)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
 def render(name: str, *args) -> str:
     """`bench_tables.NAME(*args)` of `tools/bench_tables.py`, the renderers of the benches' runs (`NAME` a bench's
     name: the table of its stored run, as the docs pages show it)."""
-    mod = sys.modules.get("bench_tables")
-    if mod is None:
-        spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "tools" / "bench_tables.py")
-        mod = sys.modules["bench_tables"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    return getattr(mod, name)(*args)
+    return getattr(load_file("bench_tables", ROOT / "tools" / "bench_tables.py"), name)(*args)
 
 
 def summary(ap, args, name: str, keys=None, check=None) -> bool:
@@ -309,34 +293,6 @@ def ruler_scores(task: str, data, texts) -> tuple[list[bool], list[float]]:
     return [bool(e) for e, _ in s], [float(p) for _, p in s]
 
 
-def essay_prompts(tokenizer, n: int, tokens: int, *, wrap: bool = True) -> list[list[int]]:
-    """`n` continuation prompts of exactly `tokens` token ids from the RULER essay haystack (Alice, ch. 1-6), each
-    led by the tokenizer's own leading special tokens: passages starting at `n` evenly spaced words; with `wrap`
-    they read on from the start of the text past its end, without it they must fit in the text.
-
-    Raises:
-        ValueError: the text cannot give `n` passages of that many tokens.
-    """
-    import re
-
-    text = (ROOT / "tdutils" / "assets" / "ruler" / "alice_ch1-6.txt").read_text(encoding="utf-8")
-    words = re.sub(r"\s+", " ", text).strip().split(" ")
-    lead = list(tokenizer("", add_special_tokens=True)["input_ids"])
-    body = tokens - len(lead)
-    span = 2 * body + 16  # words: more than enough for `body` tokens of English prose
-    if not wrap and (body < 1 or n * span > len(words)):
-        raise ValueError(f"the essay text ({len(words)} words) cannot give {n} passages of {tokens} tokens")
-    ring = words * (1 + span // len(words) + 1) if wrap else words
-    step = len(words) // max(n, 1) if wrap else (len(words) - span) // max(n - 1, 1)
-    out = []
-    for i in range(n):
-        ids = tokenizer(" ".join(ring[i * step:i * step + span]), add_special_tokens=False)["input_ids"]
-        if len(ids) < body:
-            raise ValueError(f"passage {i} has {len(ids)} tokens, fewer than {body}")
-        out.append(lead + list(ids[:body]))
-    return out
-
-
 def platform_fields() -> dict:
     """`machine` (platform string) and `processor`: the fields of the throughput and engine runs."""
     return {"machine": platform.platform(), "processor": platform.processor()}
@@ -414,76 +370,8 @@ def extra_memory(fn, device: str = "cpu", mmap_threshold: int | None = None) -> 
 
 
 # ------------------------------------------------------------------------------------------------ peer venvs
-MARKER = ".tdutils-peer-venv.json"
-
-
-class PeerVenv:
-    """A peer's own venv (packages that pin another transformers than tdutils', never installed here), built once
-    under `$env_var` or `~/.cache/tdutils/<name>` and reused while its marker file matches `packages`:
-    `python -m venv`; `pip install packages[0]` (torch's CPU wheel, on this machine's disk) first; the rest with a
-    constraint file pinning that torch (so no package pulls a CUDA torch); `pip uninstall remove`; then
-    `check` (Python printing the versions named `versions`, torch's first)."""
-
-    def __init__(self, name: str, env_var: str, packages, check: str, versions, remove=()):
-        self.name, self.env_var, self.packages = name, env_var, tuple(packages)
-        self.check, self.versions, self.remove = check, tuple(versions), tuple(remove)
-        self.torch = self.packages[0].split("==")[1]
-
-    def dir(self) -> Path:
-        if os.environ.get(self.env_var):
-            return Path(os.environ[self.env_var]).expanduser()
-        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tdutils" / self.name
-
-    def python(self, venv: Path | None = None) -> Path:
-        return (venv or self.dir()) / "bin" / "python"
-
-    def info(self, venv: Path | None = None) -> dict | None:
-        """The marker of a complete venv (packages, versions, build seconds, size), or None when it must be built."""
-        try:
-            info = json.loads(((venv or self.dir()) / MARKER).read_text())
-        except (OSError, ValueError):
-            return None
-        if info.get("packages") != list(self.packages) or not self.python(venv).exists():
-            return None
-        return info
-
-    def ensure(self, *, timeout: float = 3600, log=print) -> Path:
-        """The venv's python, building the venv first when it is missing or incomplete.
-
-        Raises:
-            subprocess.CalledProcessError / TimeoutExpired: venv creation, pip or the import check failed.
-            RuntimeError: the venv got another torch than `packages[0]` pins.
-        """
-        venv = self.dir()
-        if self.info(venv) is not None:
-            return self.python(venv)
-        if venv.exists():  # half-built (an interrupted pip): start again rather than patch it up
-            shutil.rmtree(venv)
-        venv.parent.mkdir(parents=True, exist_ok=True)
-        log(f"building the peer venv in {venv} (once; a few minutes)")
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-        py = str(self.python(venv))
-        pip = [py, "-m", "pip", "install", "-q"]
-        subprocess.run([*pip, self.packages[0]], check=True, timeout=timeout)
-        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-            f.write(f"torch=={self.torch}\n")
-        try:
-            subprocess.run([*pip, "-c", f.name, *self.packages[1:]], check=True, timeout=timeout)
-        finally:
-            os.unlink(f.name)
-        if self.remove:
-            subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", *self.remove], check=True, timeout=600)
-        out = subprocess.run([py, "-c", self.check], check=True, timeout=600, capture_output=True,
-                             text=True).stdout.split()
-        if not out[0].startswith(self.torch):  # the constraint should make this impossible; say so if it happens
-            raise RuntimeError(f"the peer venv got torch {out[0]}, not {self.torch}")
-        info = {"packages": list(self.packages), **({"removed": list(self.remove)} if self.remove else {}),
-                **dict(zip(self.versions, out)), "build_s": round(time.perf_counter() - t0, 1),
-                "size_mb": round(sum(p.stat().st_size for p in venv.rglob("*") if p.is_file() and not p.is_symlink())
-                                 / MiB), "built": time.strftime("%Y-%m-%d %H:%M:%S")}
-        (venv / MARKER).write_text(json.dumps(info, indent=1))
-        return self.python(venv)
+venvs = load_file("tdutils_venvs", ROOT / "tdutils" / "serving" / "venvs.py")  # stdlib only, also in a peer venv
+PeerVenv, MARKER = venvs.CachedVenv, venvs.MARKER  # a peer's own venv, built once and reused (its docstring)
 
 
 def peer_env(threads: int, **extra) -> dict:

@@ -19,7 +19,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness as H
-from harness import essay_prompts  # the prompts (tests read it here too)
 
 # name -> (policy, parameters, target share of the baseline decode)
 VARIANTS = {
@@ -58,6 +57,7 @@ def run(args) -> dict:
 
     import tdutils
     from tdutils.policies import query_window_for
+    from tdutils.ruler import essay_prompts
 
     t_start = time.perf_counter()
     try:

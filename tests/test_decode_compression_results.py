@@ -104,18 +104,6 @@ def test_runs_alternate_and_ratios_are_taken_per_repeat(bench):
     assert stats["B=64"]["tok_s"]["median"] == 22.5
 
 
-def test_essay_prompts_have_exactly_the_asked_length():
-    from tdutils.models import load_tokenizer
-
-    bench = _load(ROOT / "bench" / "decode_compression.py", "bench_decode_compression_prompts")
-    tok = load_tokenizer("tiny-qwen3")
-    prompts = bench.essay_prompts(tok, 5, 40)
-    assert [len(p) for p in prompts] == [40] * 5
-    assert len({tuple(p) for p in prompts}) == 5  # different passages
-    with pytest.raises(ValueError, match="cannot give"):
-        bench.essay_prompts(tok, 10_000, 64)
-
-
 def test_bench_refuses_bad_options_before_loading_a_model(bench, capsys):
     with pytest.raises(SystemExit) as exc:
         bench.main(["fidelity", "--policies", "nosuch"])
