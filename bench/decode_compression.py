@@ -48,19 +48,6 @@ def summary_stats(values) -> dict:
             "max": max(values)}
 
 
-def ratio_stats(runs: list[dict], baseline: str = "full") -> dict[str, dict]:
-    """Per configuration, decode tok/s over the repeats and its ratio to the baseline's in the same repeat."""
-    by = {}
-    for r in runs:
-        by.setdefault(r["config"], {})[r["repeat"]] = r
-    out = {}
-    for config, reps in by.items():
-        tok = [reps[k]["decode_tok_s"] for k in sorted(reps)]
-        ratio = [reps[k]["decode_tok_s"] / by[baseline][k]["decode_tok_s"] for k in sorted(reps)]
-        out[config] = {"tok_s": summary_stats(tok), "ratio": summary_stats(ratio), "ratios": ratio}
-    return out
-
-
 # ------------------------------------------------------------------------------------------ shared setup
 def _meta(args, part: str, **extra) -> dict:
     return {"part": part, **H.run_record("bench/decode_compression.py"), "model": args.model, **extra}
@@ -76,6 +63,7 @@ def _engine(args, **kw):
 def run_throughput(args) -> dict:
     import tdutils
     from tdutils.compression import Compression
+    from tdutils.metrics import repeat_ratios
     from tdutils.ruler import essay_prompts
     from tdutils.runs import run_orders
 
@@ -94,14 +82,15 @@ def run_throughput(args) -> dict:
     runs = [_throughput_run(name, rep, results["baseline" if name == "full" else name], len(prompts) * args.max_tokens)
             for rep, order in enumerate(orders) for name in order]
     configs = {"full": None, **configs}
-    stats = ratio_stats(runs)
     rows = []
     for name, comp in configs.items():
-        mine = [r for r in runs if r["config"] == name]
+        mine = [r for r in runs if r["config"] == name]  # in repeat order
         decode_s = sum(r["decode_s"] for r in mine)
+        ratios = repeat_ratios(results["baseline"], results["baseline" if name == "full" else name])  # per repeat
         rows.append({"config": name, "budget": None if comp is None else comp.budget,
-                     "peak_batch": max(r["peak_batch"] for r in mine), "tok_s": stats[name]["tok_s"],
-                     "ratio": stats[name]["ratio"], "ratios": stats[name]["ratios"],
+                     "peak_batch": max(r["peak_batch"] for r in mine),
+                     "tok_s": summary_stats(r["decode_tok_s"] for r in mine),
+                     "ratio": summary_stats(ratios), "ratios": ratios,
                      "compressions": mine[0]["compressions"],
                      "compress_share": sum(r["compress_s"] for r in mine) / decode_s,
                      "kv_peak_cache_tokens": max(r["kv_peak_cache_tokens"] for r in mine),

@@ -31,7 +31,6 @@ METHODS = ("reference", "exact", "tiled", "buffered")
 VARIANTS = (*METHODS, "snapkv", "rkv_scores_exact")
 KINDS = ("realistic", "random")  # key distributions
 RKV_WINDOW, SNAPKV_WINDOW, MIX = 16, 64, 0.25
-MiB = H.MiB
 
 
 # ----------------------------------------------------------------------------------------------- inputs
@@ -193,9 +192,9 @@ def summarize(kind: str, n: int, runs: dict, agree: dict | None) -> dict:
     s = {"kind": kind, "n": n, "agreement": agree}
     ref, snap = runs.get("reference"), runs.get("snapkv")
     for name, r in runs.items():
-        row = {"median_s": r["median_s"], "peak_extra_mib": (r["peak_extra_bytes"] or 0) / MiB}
+        row = {"median_s": r["median_s"], "peak_extra_mib": (r["peak_extra_bytes"] or 0) / H.MiB}
         if r.get("alloc_peak_bytes") is not None:
-            row["alloc_peak_mib"] = r["alloc_peak_bytes"] / MiB
+            row["alloc_peak_mib"] = r["alloc_peak_bytes"] / H.MiB
         if ref:
             row["speedup_vs_reference"] = _round_ratio(ref["times_s"], r["times_s"])
             if ref["peak_extra_bytes"]:

@@ -24,7 +24,6 @@ from tdutils.cli.args import positive_float, positive_int
 from tdutils.rope import RopeSpec, rerotate_k_cache
 
 VARIANTS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MiB = H.MiB
 
 
 def make_spec(head_dim: int, theta: float) -> RopeSpec:
@@ -165,7 +164,7 @@ def main(argv=None) -> int:
     old, new = make_positions(args.tokens, args.device)
     shape = list(kv.shape)
     cache_bytes = kv.numel() * kv.element_size()
-    print(f"rerotate_k_cache on {shape} {kv.dtype} ({cache_bytes / MiB:.0f} MiB) device={args.device} "
+    print(f"rerotate_k_cache on {shape} {kv.dtype} ({cache_bytes / H.MiB:.0f} MiB) device={args.device} "
           f"threads={torch.get_num_threads()} repeats={args.repeats}")
 
     results = {"shape": shape, "dtype": str(kv.dtype), "device": args.device, "threads": torch.get_num_threads(),
