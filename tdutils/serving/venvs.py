@@ -28,7 +28,7 @@ def pip_install(python, packages, *, torch: str | None = None, timeout_s: float 
         subprocess.CalledProcessError: pip failed (its output is above); subprocess.TimeoutExpired.
     """
     cmd = [str(python), "-m", "pip", "install", "-q", *packages]
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as f:
         if torch:
             f.write(f"torch=={torch}\n")
             cmd += ["-c", f.name]
@@ -105,7 +105,7 @@ class CachedVenv:
     def info(self, venv: Path | None = None) -> dict | None:
         """The marker of a complete venv (packages, versions, build seconds, size), or None when it must be built."""
         try:
-            info = json.loads(((venv or self.dir()) / self.marker).read_text())
+            info = json.loads(((venv or self.dir()) / self.marker).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
         if info.get("packages") != list(self.packages) or not self.python(venv).exists():
@@ -137,5 +137,5 @@ class CachedVenv:
         info = {"packages": list(self.packages), **({"removed": list(self.remove)} if self.remove else {}),
                 **dict(zip(self.versions, out)), "build_s": round(time.perf_counter() - t0, 1),
                 "size_mb": round(size / 2**20), "built": time.strftime("%Y-%m-%d %H:%M:%S")}
-        (venv / self.marker).write_text(json.dumps(info, indent=1))
+        (venv / self.marker).write_text(json.dumps(info, indent=1), encoding="utf-8")
         return py
