@@ -20,15 +20,11 @@ ONE_SHOT_MAX = 8192  # longest prompt also prefilled in one shot (the docs' tabl
 
 def run_one(args: dict) -> dict:
     """Worker (`harness.call`): one configuration (the options as a dict, `length`, `chunk` 0 for one shot) in
-    this fresh process, so `ru_maxrss` is its own; returns its figures."""
+    this fresh process, so its peak RSS is its own; returns its figures."""
     import gc
     import time
 
-    import torch
-
-    args = argparse.Namespace(**args)
-
-    torch.set_num_threads(args.threads)
+    args = H.options(args)
     import tdutils
     from tdutils.compression import Compression
     from tdutils.eval.tasks import load_rows, score_rows
@@ -37,7 +33,7 @@ def run_one(args: dict) -> dict:
     rows = load_rows("ruler_niah_single_1", model=args.model, num_requests=1, context_tokens=args.length,
                      seed=args.seed)
     gc.collect()
-    with H.PeakRSS(period=0.005, mmap_threshold=None) as mem:  # resident memory every 5 ms while prefill runs
+    with H.PeakRSS() as mem:  # the resident set's peak while prefill runs
         t0 = time.perf_counter()
         if args.chunk:
             eng.prefill(rows, chunk=args.chunk, compression=Compression(args.policy, budget=args.budget))
@@ -53,20 +49,22 @@ def run_one(args: dict) -> dict:
             "peak_cache_tokens": pm.peak_cache_tokens[0], "final_cache_tokens": eng.kv(0).shape[2],
             "cuts": pm.cuts, "cut_s": round(pm.cut_seconds, 2), "prefill_s": round(seconds, 2),
             "rss_before_prefill_mib": round(base_mb), "peak_rss_above_load_mib": round(peak_mb - base_mb),
+            "memory_method": mem.method,
             "answer": outs[0].answer[:60], "correct": bool(score.is_correct[0]),
             "threads": args.threads}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tdutils.cli.args import count, int_at_least, positive_int, usable_cores
+    from tdutils.cli.args import count, int_at_least, int_list, positive_int, usable_cores
+    from tdutils.compression import compression_policies
 
-    ap = H.parser("bench/chunked_prefill.py", __doc__, raw=False)
+    ap = H.parser("bench/chunked_prefill.py", __doc__)
     H.add_standard(ap, model="gemma3-270m")
-    ap.add_argument("--lengths", type=H.int_list("token counts", "4096,8192"), default=[4096, 8192, 32000],
+    ap.add_argument("--lengths", type=int_list("token counts", "4096,8192"), default=[4096, 8192, 32000],
                     help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--chunk", type=positive_int, default=1024, help="C: prompt tokens per chunk")
     ap.add_argument("--budget", type=int_at_least(2), default=1024, help="B: tokens kept after each chunk")
-    ap.add_argument("--policy", default="snapkv", choices=H.compression_policies())
+    ap.add_argument("--policy", default="snapkv", choices=compression_policies())
     ap.add_argument("--max-tokens", type=positive_int, default=24)
     ap.add_argument("--threads", type=int_at_least(1), default=1, help=f"torch threads (at most {usable_cores()})")
     ap.add_argument("--seed", type=count, default=5_000_000)
@@ -116,10 +114,7 @@ def main(argv=None) -> int:
                     H.fail(ap, exc.last_line.split(": error: ", 1)[-1])
                 raise
             rows.append(row)
-            print(f"{row['prompt_tokens']:>6} tokens {row['mode']:>8}: peak cache {row['peak_cache_tokens']:>6} "
-                  f"tokens, peak RSS +{row['peak_rss_above_load_mib']:>5} MiB, prefill {row['prefill_s']:>7.1f} s "
-                  f"({row['cuts']} cuts, {row['cut_s']} s), needle {'found' if row['correct'] else 'missed'}: "
-                  f"{row['answer']!r}", flush=True)
+            print(H.render("chunked_prefill_row", row), flush=True)
     if args.json:
         H.write_json({"rows": rows}, args.json, indent=1)
     return 0

@@ -12,7 +12,6 @@ Every part, option and column: docs/benchmarks.md#benchdecode_compressionpy-comp
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 import time
@@ -20,22 +19,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness as H
-from harness import alternating_orders  # used below; tests read it here too
-
-essay_prompts = functools.partial(H.essay_prompts, wrap=False)  # passages that fit in the text (tests read it here)
 
 PARTS = ("throughput", "fidelity", "ruler", "kvpress")
 RULER_PREFILL_BATCH = 4  # prompts prefilled together in `ruler` (recorded in its meta)
 FIDELITY_POLICIES = ("rkv", "snapkv", "tova", "knorm", "streaming_llm", "random")
-# kvpress press class -> (tdutils policy, tdutils window, kvpress constructor keyword arguments). Windows follow
-# kvpress' own behaviour: SnapKV scores with (and keeps) the last w queries (w = the run's window on both sides);
-# TOVA keeps and scores with the last token; Knorm and StreamingLLM (4 sinks) keep no extra window.
-KVPRESS_PRESSES = {
-    "snapkv": ("SnapKVPress", "snapkv", None, ("window_size",)),
-    "tova": ("TOVAPress", "tova", 1, ()),
-    "knorm": ("KnormPress", "knorm", 0, ()),
-    "streaming_llm": ("StreamingLLMPress", "streaming_llm", 0, ()),
-}
+# kvpress press (`peer_kvpress.PRESSES`) -> (tdutils window, kvpress keyword arguments set to the run's window).
+# Windows follow kvpress' own behaviour: SnapKV scores with (and keeps) the last w queries (w = the run's window on
+# both sides); TOVA keeps and scores with the last token; Knorm and StreamingLLM (4 sinks) keep no extra window.
+KVPRESS_PRESSES = {"snapkv": (None, ("window_size",)), "tova": (1, ()), "knorm": (0, ()), "streaming_llm": (0, ())}
 
 
 # ------------------------------------------------------------------------------------------ pure functions
@@ -57,19 +48,6 @@ def summary_stats(values) -> dict:
             "max": max(values)}
 
 
-def ratio_stats(runs: list[dict], baseline: str = "full") -> dict[str, dict]:
-    """Per configuration, decode tok/s over the repeats and its ratio to the baseline's in the same repeat."""
-    by = {}
-    for r in runs:
-        by.setdefault(r["config"], {})[r["repeat"]] = r
-    out = {}
-    for config, reps in by.items():
-        tok = [reps[k]["decode_tok_s"] for k in sorted(reps)]
-        ratio = [reps[k]["decode_tok_s"] / by[baseline][k]["decode_tok_s"] for k in sorted(reps)]
-        out[config] = {"tok_s": summary_stats(tok), "ratio": summary_stats(ratio), "ratios": ratio}
-    return out
-
-
 # ------------------------------------------------------------------------------------------ shared setup
 def _meta(args, part: str, **extra) -> dict:
     return {"part": part, **H.run_record("bench/decode_compression.py"), "model": args.model, **extra}
@@ -85,14 +63,17 @@ def _engine(args, **kw):
 def run_throughput(args) -> dict:
     import tdutils
     from tdutils.compression import Compression
+    from tdutils.metrics import repeat_ratios
+    from tdutils.ruler import essay_prompts
+    from tdutils.runs import run_orders
 
     t_start = time.perf_counter()
     eng = _engine(args)
-    prompts = essay_prompts(eng.tokenizer, args.num_requests, args.prompt_tokens)
+    prompts = essay_prompts(eng.tokenizer, args.num_requests, args.prompt_tokens, wrap=False)
     eng.kv_budget_tokens = tdutils.default_kv_budget(map(len, prompts), args.max_tokens, args.full_requests)
     configs = {f"B={b}": Compression(args.policy, budget=b, buffer=args.buffer, window=args.window)
                for b in args.budgets}
-    orders = alternating_orders(["full", *configs], args.repeats)
+    orders = run_orders(["full", *configs], args.repeats, "alternate")
     H.log(f"model={args.model} requests={len(prompts)} prompt_tokens={args.prompt_tokens} max_tokens={args.max_tokens} "
          f"kv_budget_tokens={eng.kv_budget_tokens} policy={args.policy} N={args.buffer} w={args.window}")
     # the shared comparison loop (tdutils.runs.compare): forward, then backward order in every repeat
@@ -101,14 +82,15 @@ def run_throughput(args) -> dict:
     runs = [_throughput_run(name, rep, results["baseline" if name == "full" else name], len(prompts) * args.max_tokens)
             for rep, order in enumerate(orders) for name in order]
     configs = {"full": None, **configs}
-    stats = ratio_stats(runs)
     rows = []
     for name, comp in configs.items():
-        mine = [r for r in runs if r["config"] == name]
+        mine = [r for r in runs if r["config"] == name]  # in repeat order
         decode_s = sum(r["decode_s"] for r in mine)
+        ratios = repeat_ratios(results["baseline"], results["baseline" if name == "full" else name])  # per repeat
         rows.append({"config": name, "budget": None if comp is None else comp.budget,
-                     "peak_batch": max(r["peak_batch"] for r in mine), "tok_s": stats[name]["tok_s"],
-                     "ratio": stats[name]["ratio"], "ratios": stats[name]["ratios"],
+                     "peak_batch": max(r["peak_batch"] for r in mine),
+                     "tok_s": summary_stats(r["decode_tok_s"] for r in mine),
+                     "ratio": summary_stats(ratios), "ratios": ratios,
                      "compressions": mine[0]["compressions"],
                      "compress_share": sum(r["compress_s"] for r in mine) / decode_s,
                      "kv_peak_cache_tokens": max(r["kv_peak_cache_tokens"] for r in mine),
@@ -136,10 +118,11 @@ def _throughput_run(name: str, rep: int, result, tokens: int) -> dict:
 # ------------------------------------------------------------------------------------------ fidelity
 def run_fidelity(args) -> dict:
     from tdutils.compression import Compression, cache_sizes, fidelity, greedy_agreement
+    from tdutils.ruler import essay_prompts
 
     t_start = time.perf_counter()
     eng = _engine(args, positions=args.positions)
-    prompts = essay_prompts(eng.tokenizer, args.num_requests, args.prompt_tokens)
+    prompts = essay_prompts(eng.tokenizer, args.num_requests, args.prompt_tokens, wrap=False)
     eng.prefill(prompts)
     saved = eng.snapshot()
     t0 = time.perf_counter()
@@ -253,75 +236,13 @@ def run_ruler(args) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ kvpress
-def worker(spec: dict) -> dict:
-    """Runs in the peer venv (torch, transformers < 5.3, kvpress; `harness.call`); must not import tdutils."""
-    import importlib.metadata
-
-    import kvpress
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    torch.set_num_threads(spec["threads"])
-    transformers.utils.logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32, attn_implementation="sdpa").eval()
-
-    def make(key):
-        name, _, _, keywords = KVPRESS_PRESSES[key]
-        kw = {k: spec["window"] for k in keywords}
-        base = getattr(kvpress, name)(**kw)
-        return kvpress.DecodingPress(base_press=base, compression_interval=spec["buffer"],
-                                     target_size=spec["budget"], hidden_states_buffer_size=spec["buffer"])
-
-    def generate(ids, press):
-        """Greedy, EOS ignored: prefill the whole prompt (DecodingPress does nothing there), then feed each
-        generated token at its original position, as kvpress' pipeline does (`generate_answer`)."""
-        cache = DynamicCache()
-        t = len(ids)
-        with torch.inference_mode():
-            out = model(input_ids=torch.tensor([ids]), past_key_values=cache, logits_to_keep=1)
-            gen = [int(out.logits[0, -1].argmax())]
-            lengths = []
-            t0 = time.perf_counter()
-            for step in range(spec["max_tokens"] - 1):
-                out = model(input_ids=torch.tensor([[gen[-1]]]), past_key_values=cache,
-                            position_ids=torch.tensor([[t + step]]))
-                gen.append(int(out.logits[0, -1].argmax()))
-                lengths.append(cache.layers[0].keys.shape[2])
-            seconds = time.perf_counter() - t0
-        return gen, seconds, lengths
-
-    results = []
-    for key in ["full"] + spec["presses"]:
-        row = {"press": key, "requests": []}
-        try:
-            for i, ids in enumerate(spec["prompts"]):
-                if key == "full":
-                    gen, seconds, lengths = generate(ids, None)
-                else:
-                    press = make(key)
-                    with press(model):
-                        gen, seconds, lengths = generate(ids, press)
-                row["requests"].append({"output_ids": gen, "decode_s": seconds, "max_cache": max(lengths),
-                                        "min_cache_after_first": min(lengths[spec["buffer"]:] or lengths),
-                                        "last_cache": lengths[-1]})
-                print(f"[kvpress] {key} prompt {i + 1}/{len(spec['prompts'])}: {len(gen) / seconds:.1f} tok/s, "
-                      f"cache max {max(lengths)} last {lengths[-1]}", file=sys.stderr, flush=True)
-        except Exception as exc:  # noqa: BLE001 (a press that cannot run is reported; the others go on)
-            row = {"press": key, "error": f"{type(exc).__name__}: {exc}"[:500]}
-            print(f"[kvpress] {key} FAILED: {row['error']}", file=sys.stderr, flush=True)
-        results.append(row)
-    info = {"torch": torch.__version__, "transformers": transformers.__version__,
-            "kvpress": importlib.metadata.version("kvpress")}
-    return {"info": info, "rows": results}
-
-
 def run_kvpress(args) -> dict:
+    import peer_kvpress
     import transformers
-    from peer_kvpress import VENV
 
     from tdutils.compression import Compression, greedy_agreement
     from tdutils.models import resolve_model
+    from tdutils.ruler import essay_prompts
 
     t_start = time.perf_counter()
     folder = resolve_model(args.model).files()  # the folder (or hub id) the peer's transformers loads
@@ -330,13 +251,13 @@ def run_kvpress(args) -> dict:
     td = {}
     for positions in ("compact", "original"):
         eng = _engine(args, positions=positions)
-        prompts = essay_prompts(eng.tokenizer, args.num_requests, prompt_tokens)
+        prompts = essay_prompts(eng.tokenizer, args.num_requests, prompt_tokens, wrap=False)
         eng.prefill(prompts)
         saved = eng.snapshot()
         full = [o.output_ids for o in eng.decode(args.max_tokens, ignore_eos=True)]
         td[positions, "full"] = full
         for key in args.presses:
-            _, policy, window, _ = KVPRESS_PRESSES[key]
+            policy, window = peer_kvpress.PRESSES[key][1], KVPRESS_PRESSES[key][0]
             eng.restore(saved)
             comp = Compression(policy, budget=B, buffer=N, window=w if window is None else window)
             outs = eng.decode(args.max_tokens, ignore_eos=True, compression=comp)
@@ -345,18 +266,18 @@ def run_kvpress(args) -> dict:
         del eng
     td_s = time.perf_counter() - t_start
 
-    py = VENV.ensure(log=H.log)
-    spec = {"folder": folder, "prompts": prompts, "presses": args.presses, "budget": B, "buffer": N, "window": w,
-            "max_tokens": args.max_tokens, "threads": args.threads}
+    py = peer_kvpress.VENV.ensure(log=H.log)
+    spec = {"folder": folder, "prompts": prompts, "budget": B, "buffer": N, "max_tokens": args.max_tokens,
+            "threads": args.threads, "presses": {k: dict.fromkeys(KVPRESS_PRESSES[k][1], w) for k in args.presses}}
     t1 = time.perf_counter()
-    peer = H.call(__file__, "worker", spec, python=py, env=H.peer_env(args.threads), stream=True)
+    peer = H.call(peer_kvpress.__file__, "decoding_worker", spec, python=py, env=H.peer_env(args.threads), stream=True)
     kv_s = time.perf_counter() - t1
     kv_full = [r["output_ids"] for r in peer["rows"][0]["requests"]]
     cross = [greedy_agreement(a, b) for a, b in zip(td["compact", "full"], kv_full)]
     rows = []
     for prow in peer["rows"][1:]:
         key = prow["press"]
-        name, policy, window, _ = KVPRESS_PRESSES[key]
+        name, policy, window = *peer_kvpress.PRESSES[key][:2], KVPRESS_PRESSES[key][0]
         row = {"press": name, "policy": policy, "tdutils_window": w if window is None else window}
         if "error" in prow:
             rows.append({**row, "error": prow["error"]})
@@ -373,7 +294,7 @@ def run_kvpress(args) -> dict:
         rows.append(row)
     meta = _meta(args, "kvpress", num_requests=len(prompts), prompt_tokens=prompt_tokens, max_tokens=args.max_tokens,
                  budget=B, buffer=N, window=w, presses=args.presses, folder=folder, peer=peer["info"],
-                 peer_venv=VENV.info(), tdutils_seconds=td_s, kvpress_seconds=kv_s,
+                 peer_venv=peer_kvpress.VENV.info(), tdutils_seconds=td_s, kvpress_seconds=kv_s,
                  seconds=time.perf_counter() - t_start)
     meta["transformers"] = transformers.__version__
     return {"part": "kvpress", "meta": meta, "rows": rows, "cross": summary_stats(cross), "cross_agreements": cross}
@@ -381,63 +302,55 @@ def run_kvpress(args) -> dict:
 
 # ------------------------------------------------------------------------------------------ command line
 def build_parser() -> argparse.ArgumentParser:
-    from tdutils.cli.args import count, positive_int, usable_cores
+    from tdutils.cli.args import count, full_requests, int_list, name_list, positive_int, usable_cores
+    from tdutils.compression import compression_policies
 
-    held = H.compression_policies()  # the policies that can hold a budget while the cache grows
-    budgets = H.int_list("budgets", "64,128")
+    held = compression_policies()  # the policies that can hold a budget while the cache grows
+    budgets = int_list("budgets", "64,128")
     ap = H.parser("bench/decode_compression.py", __doc__)
     H.add_standard(ap, json=None)
     sub = ap.add_subparsers(dest="part")
 
-    def common(p, model="smollm2-135m"):
-        H.add_standard(p, model=model, threads=usable_cores(), summary=False)
+    def part(name: str, text: str, requests=None, prompt_tokens=None, max_tokens=256):
+        """A part's subcommand: the shared options, then (given `requests`) the essay prompts' and the cache's."""
+        p = sub.add_parser(name, help=text)
+        H.add_standard(p, model="smollm2-135m", threads=usable_cores(), summary=False)
+        if requests:
+            p.add_argument("--num-requests", type=positive_int, default=requests)
+            p.add_argument("--prompt-tokens", type=positive_int, default=prompt_tokens,
+                           help=None if prompt_tokens else "default: the budget")
+            p.add_argument("--max-tokens", type=positive_int, default=max_tokens, help="generated tokens per request")
+            p.add_argument("--buffer", type=positive_int, default=64, help="buffer N (default 64)")
+            p.add_argument("--window", type=count, default=8)
+        return p
 
-    p = sub.add_parser("throughput", help="full cache vs decode-time compression at a fixed KV budget")
-    common(p)
-    p.add_argument("--num-requests", type=positive_int, default=16)
-    p.add_argument("--prompt-tokens", type=positive_int, default=128)
-    p.add_argument("--max-tokens", type=positive_int, default=384, help="generated tokens per request (the issue: 2048)")
+    p = part("throughput", "full cache vs decode-time compression at a fixed KV budget", 16, 128, 384)
     p.add_argument("--budgets", type=budgets, default=[64, 128], help="budgets B (default 64,128)")
-    p.add_argument("--buffer", type=positive_int, default=64, help="buffer N (default 64)")
-    p.add_argument("--window", type=count, default=8)
     p.add_argument("--policy", default="rkv", choices=held)
-    p.add_argument("--full-requests", type=H.at_least_one, default=4.25, help="KV budget in full-cache requests")
+    p.add_argument("--full-requests", type=full_requests, default=4.25, help="KV budget in full-cache requests")
     p.add_argument("--repeats", type=positive_int, default=2)
 
-    p = sub.add_parser("fidelity", help="greedy agreement and teacher-forced KL against the full cache")
-    common(p)
-    p.add_argument("--policies", type=H.name_list(held), default=list(FIDELITY_POLICIES))
-    p.add_argument("--num-requests", type=positive_int, default=4)
-    p.add_argument("--prompt-tokens", type=positive_int, default=128)
-    p.add_argument("--max-tokens", type=positive_int, default=256)
+    p = part("fidelity", "greedy agreement and teacher-forced KL against the full cache", 4, 128)
+    p.add_argument("--policies", type=name_list(held), default=list(FIDELITY_POLICIES))
     p.add_argument("--budgets", type=budgets, default=[32, 64, 128])
-    p.add_argument("--buffer", type=positive_int, default=64)
-    p.add_argument("--window", type=count, default=8)
     p.add_argument("--positions", choices=("compact", "original"), default="compact")
-    p.add_argument("--check-free", type=H.name_list(held, allow_none=True), default=["rkv"],
+    p.add_argument("--check-free", type=name_list(held, allow_none=True), default=["rkv"],
                    help="policies whose free greedy decode also runs, to check the teacher-forced agreement "
                         "(default rkv; none: no check)")
 
-    p = sub.add_parser("ruler", help="RULER exact match: chunked prefill under a budget vs one-shot compression")
-    common(p)
+    p = part("ruler", "RULER exact match: chunked prefill under a budget vs one-shot compression")
     p.add_argument("--task", default="niah_single_1")
     p.add_argument("--context-length", type=positive_int, default=2048)
     p.add_argument("--n", type=positive_int, default=20)
     p.add_argument("--seed", type=int, default=5_000_000, help="dataset seed (default: the held-out seed)")
     p.add_argument("--budget", type=positive_int, default=512)
-    p.add_argument("--chunks", type=H.int_list("chunk sizes", "256,512"), default=[256, 512])
-    p.add_argument("--policies", type=H.name_list(held), default=["snapkv", "knorm"])
+    p.add_argument("--chunks", type=int_list("chunk sizes", "256,512"), default=[256, 512])
+    p.add_argument("--policies", type=name_list(held), default=["snapkv", "knorm"])
     p.add_argument("--max-tokens", type=positive_int, default=None, help="default: the task's CPU default")
 
-    p = sub.add_parser("kvpress", help="kvpress' DecodingPress beside tdutils' decode-time compression")
-    common(p)
-    p.add_argument("--presses", type=H.name_list(tuple(KVPRESS_PRESSES), "press"), default=list(KVPRESS_PRESSES))
-    p.add_argument("--num-requests", type=positive_int, default=4)
-    p.add_argument("--prompt-tokens", type=positive_int, default=None, help="default: the budget")
-    p.add_argument("--max-tokens", type=positive_int, default=256)
+    p = part("kvpress", "kvpress' DecodingPress beside tdutils' decode-time compression", 4)
+    p.add_argument("--presses", type=name_list(tuple(KVPRESS_PRESSES), "press"), default=list(KVPRESS_PRESSES))
     p.add_argument("--budget", type=positive_int, default=128)
-    p.add_argument("--buffer", type=positive_int, default=64)
-    p.add_argument("--window", type=count, default=8)
     return ap
 
 

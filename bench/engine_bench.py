@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness as H
 
-from tdutils.cli.args import drop_ratios, positive_int
+from tdutils.cli.args import drop_ratios, int_list, positive_int
 from tdutils.engines.hf import HFEngine, _Request
 from tdutils.engines.packed import packing_available
 from tdutils.metrics import median_min_max
@@ -144,9 +144,10 @@ def measure_point(model, tok, batch: int, tokens: int, steps: int, repeats: int,
         log(f"  {batch}x{tokens} repeat {rep + 1}/{repeats}: " + ", ".join(
             f"{arm} {step[arm][-1] * 1e3:.1f}" for arm in arms) + " ms/step")
     eng = engines["engine"]
-    with H.PeakRSS() as mem_engine:  # glibc returns freed blocks >= 1 MiB at once: growth is what decode holds
+    # glibc returns freed blocks >= 1 MiB at once: growth is what decode holds
+    with H.PeakRSS(mmap_threshold=1 << 20) as mem_engine:
         eng.decode(max_tokens=steps)
-    with H.PeakRSS() as mem_static:
+    with H.PeakRSS(mmap_threshold=1 << 20) as mem_static:
         static_step(model, kv, batch, steps, feed)
     budget_bytes = budget * f.kv_bytes_per_token
     d = eng.metrics.decode
@@ -158,6 +159,7 @@ def measure_point(model, tok, batch: int, tokens: int, steps: int, repeats: int,
         "kv_budget_tokens": budget, "kv_budget_bytes": budget_bytes,
         "engine_storage_tokens": d.kv_storage_tokens, "engine_storage_bytes": d.kv_storage_bytes,
         "engine_decode_peak_bytes": mem_engine.growth, "static_decode_peak_bytes": mem_static.growth,
+        "memory_method": mem_engine.method,
         "engine_memory_of_budget": mem_engine.growth / budget_bytes,
         "static_memory_of_budget": mem_static.growth / budget_bytes,
         "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
@@ -282,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=positive_int, default=32, help="decode steps per timed run (default 32)")
     ap.add_argument("--throughput", action="store_true",
                     help="also measure SnapKV drop 0.5 / 0.75 decode throughput (see --throughput-requests)")
-    ap.add_argument("--throughput-requests", type=H.int_list("request counts", "8,16"), default="8,16",
+    ap.add_argument("--throughput-requests", type=int_list("request counts", "8,16"), default="8,16",
                     help="request counts of the throughput sweeps (default 8,16)")
     ap.add_argument("--throughput-tokens", type=positive_int, default=1024, help="prompt tokens (default 1024)")
     ap.add_argument("--throughput-max-tokens", type=positive_int, default=32, help="decode tokens (default 32)")
@@ -380,9 +382,7 @@ def main(argv=None) -> int:
 
     if args.profile and args.points:
         results["profile"] = profile_point(model, tok, *args.points[0], min(args.steps, 8))
-        for arm, ops in results["profile"].items():
-            log(f"profile {arm} ({args.points[0][0]}x{args.points[0][1]}, {ops['total_cpu_s']:.2f} CPU s): " + ", ".join(
-                f"{name} {share:.0%}" for name, share in ops.items() if name != "total_cpu_s"))
+        log(H.render("engine_bench_profile", results["profile"], *args.points[0]))
         save()
     for b, t in args.points:
         results["points"].append(measure_point(model, tok, b, t, args.steps, args.repeats, log))

@@ -17,11 +17,8 @@ import math
 import os
 import platform
 import resource
-import shutil
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -31,13 +28,11 @@ MiB = 2 ** 20
 
 
 # ------------------------------------------------------------------------------------------------ options
-def parser(prog: str, doc: str, *, raw: bool = True) -> argparse.ArgumentParser:
+def parser(prog: str, doc: str) -> argparse.ArgumentParser:
     """A `tdutils.cli.args.OneLineParser` named `prog` (bad options: one line, exit 2) with `doc` as its help."""
     from tdutils.cli.args import OneLineParser
 
-    if raw:
-        return OneLineParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    return OneLineParser(prog=prog, description=doc.split("\n")[0])
+    return OneLineParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def add_standard(ap, *, json: str | None = "--json", json_dest: str = "json", summary: bool = True,
@@ -85,72 +80,11 @@ def one_line_errors(ap, fn, *args, also=()):
         fail(ap, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
-def at_least_one(text: str) -> float:
-    """argparse type of `--full-requests`: a finite number >= 1 (the KV budget must hold one undropped request)."""
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not (math.isfinite(v) and v >= 1):
-        raise argparse.ArgumentTypeError(f"expected a number >= 1 (the budget must hold one undropped request), "
-                                         f"got {text!r}")
-    return v
-
-
-def int_list(what: str, example: str):
-    """argparse type factory: comma-separated integers >= 1 (e.g. `int_list("token counts", "4096,8192")`)."""
-    def parse(text: str) -> list[int]:
-        try:
-            out = [int(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated {what}, e.g. {example}") from None
-        if not out or min(out) < 1:
-            raise argparse.ArgumentTypeError(f"{text!r}: give {what} >= 1, e.g. {example}")
-        return out
-    return parse
-
-
-def name_list(choices, what: str = "policy", allow_none: bool = False):
-    """argparse type factory: comma-separated names, each one of `choices` (with `allow_none`, "none": [])."""
-    def parse(text: str) -> list[str]:
-        if allow_none and text.strip().lower() == "none":
-            return []
-        out = [x.strip() for x in text.split(",") if x.strip()]
-        bad = [x for x in out if x not in choices]
-        if bad or not out:
-            raise argparse.ArgumentTypeError(f"unknown {what} {bad[0] if bad else text!r}; give comma-separated "
-                                             f"names from {', '.join(choices)}")
-        return out
-    return parse
-
-
 def open_ratio(text: str) -> float:
-    """argparse type: one drop ratio in the open interval (0, 1)."""
-    try:
-        r = float(text)
-    except ValueError:
-        r = math.nan
-    if not 0.0 < r < 1.0:  # nan compares false
-        raise argparse.ArgumentTypeError(f"expected a drop ratio in (0, 1), got {text!r}")
-    return r
+    """`tdutils.cli.args.open_ratio`, the argparse type of a drop ratio in (0, 1) (peer_openvino.py reads it here)."""
+    from tdutils.cli.args import open_ratio as parse
 
-
-def compression_policies() -> list[str]:
-    """The registered policies that can hold a budget while the cache grows (`tdutils.compression.Compression`):
-    those whose cut, tried on the bundled model's shapes, keeps the budget. Leaves out `h2o` (needs every prompt
-    query) and `middle_chunk` (keeps a fixed share, not the budget)."""
-    from tdutils.compression import Compression
-    from tdutils.models import tiny_qwen3_config
-    from tdutils.policies import policy_names
-
-    config, out = tiny_qwen3_config(64), []
-    for name in policy_names():
-        try:
-            Compression(name, budget=64, buffer=64).drop_fn(model_config=config)
-        except ValueError:
-            continue
-        out.append(name)
-    return out
+    return parse(text)
 
 
 # ------------------------------------------------------------------------------------------------ JSON and --summary
@@ -166,22 +100,6 @@ def check_json_dest(dest: str, option: str = "--json", example: str = "runs/benc
         check_output_path(dest, option, example=example)
 
 
-def read_json(path: str, option: str = "--summary"):
-    """The JSON value stored in `path` (a bench's own `--json` file).
-
-    Raises:
-        ValueError: the file is missing, unreadable, not UTF-8 or not JSON; the message names `option` and the path.
-    """
-    from tdutils.textio import read_text
-
-    try:
-        return json.loads(read_text(path))
-    except OSError as exc:
-        raise ValueError(f"{option} {path!r}: {exc.strerror or exc}; give a file a bench wrote with --json") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{option} {path!r} is not JSON ({exc}); give a file a bench wrote with --json") from None
-
-
 def write_json(results, dest: str, indent: int = 2, **kw) -> None:
     """Write `results` as indented JSON to the file `dest` (its folder made), or to stdout when `dest` is "-"."""
     text = json.dumps(results, indent=indent, **kw)
@@ -192,26 +110,39 @@ def write_json(results, dest: str, indent: int = 2, **kw) -> None:
         Path(dest).write_text(text + "\n", encoding="utf-8")
 
 
+def load_file(name: str, path: Path):
+    """The module of the file `path`, loaded once as `sys.modules[name]` (no package around it is imported)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
 def render(name: str, *args) -> str:
     """`bench_tables.NAME(*args)` of `tools/bench_tables.py`, the renderers of the benches' runs (`NAME` a bench's
     name: the table of its stored run, as the docs pages show it)."""
-    mod = sys.modules.get("bench_tables")
-    if mod is None:
-        spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "tools" / "bench_tables.py")
-        mod = sys.modules["bench_tables"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    return getattr(mod, name)(*args)
+    return getattr(load_file("bench_tables", ROOT / "tools" / "bench_tables.py"), name)(*args)
 
 
 def summary(ap, args, name: str, keys=None, check=None) -> bool:
-    """With `--summary FILE`: print `render(name, report)` of the stored run and return True (bad files: one line,
-    exit 2); `keys` the run (a dict, or a list of such) must hold, `check(report, path)` any further test (raises
-    ValueError)."""
+    """With `--summary FILE`: print `render(name, report)` of the stored run and return True (bad files: missing,
+    unreadable, not UTF-8 or not JSON: one line naming the path, exit 2); `keys` the run (a dict, or a list of such)
+    must hold, `check(report, path)` any further test (raises ValueError)."""
     if not args.summary:
         return False
 
     def show():
-        report = read_json(args.summary)
+        from tdutils.textio import read_text
+
+        try:
+            report = json.loads(read_text(args.summary))
+        except OSError as exc:
+            raise ValueError(f"--summary {args.summary!r}: {exc.strerror or exc}; give a file a bench wrote with "
+                             f"--json") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--summary {args.summary!r} is not JSON ({exc}); give a file a bench wrote with "
+                             f"--json") from None
         runs = report if isinstance(report, list) else [report]
         if keys and not (runs and all(isinstance(r, dict) and set(keys) <= set(r) for r in runs)):
             raise ValueError(f"--summary {args.summary!r} is not a run of {ap.prog} (no {' and '.join(keys)}); "
@@ -244,30 +175,10 @@ def start(ap, argv, name: str, example: str, keys, check=None, json_dest: str = 
 
 
 # ------------------------------------------------------------------------------------------------ machine
-def machine() -> str:
-    """The CPU model and core count, as the stored runs record it (e.g. "Intel(R) Xeon(R) Processor, 2 cores
-    (shared)")."""
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)"
-
-
 def machine_record() -> dict:
     """Platform, processor, CPU count and Python version (the `machine` field of the rope / R-KV runs)."""
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "python": platform.python_version()}
-
-
-def alternating_orders(names, repeats: int) -> list[list[str]]:
-    """Run order of every repeat: `names` forward, then backward, then forward ... (machine drift hits all alike)."""
-    names = list(names)
-    return [names if r % 2 == 0 else names[::-1] for r in range(repeats)]
 
 
 def log(message: str) -> None:
@@ -276,12 +187,19 @@ def log(message: str) -> None:
 
 
 def run_record(prog: str) -> dict:
-    """What a run was measured with: its command line, torch threads, machine, platform, torch and transformers
-    versions and the date (the `meta` fields of the policy-cost and decode-compression runs)."""
+    """What a run was measured with: its command line, torch threads, machine (the CPU model and core count, e.g.
+    "Intel(R) Xeon(R) Processor, 2 cores (shared)"), platform, torch and transformers versions and the date (the
+    `meta` fields of the policy-cost and decode-compression runs)."""
     import torch
     import transformers
 
-    return {"command": " ".join([prog] + sys.argv[1:]), "threads": torch.get_num_threads(), "machine": machine(),
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), "")
+    except OSError:
+        cpu = ""
+    machine = f"{cpu or platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)"
+    return {"command": " ".join([prog] + sys.argv[1:]), "threads": torch.get_num_threads(), "machine": machine,
             "platform": platform.platform(), "torch": torch.__version__, "transformers": transformers.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M")}
 
@@ -375,224 +293,85 @@ def ruler_scores(task: str, data, texts) -> tuple[list[bool], list[float]]:
     return [bool(e) for e, _ in s], [float(p) for _, p in s]
 
 
-def essay_prompts(tokenizer, n: int, tokens: int, *, wrap: bool = True) -> list[list[int]]:
-    """`n` continuation prompts of exactly `tokens` token ids from the RULER essay haystack (Alice, ch. 1-6), each
-    led by the tokenizer's own leading special tokens: passages starting at `n` evenly spaced words; with `wrap`
-    they read on from the start of the text past its end, without it they must fit in the text.
-
-    Raises:
-        ValueError: the text cannot give `n` passages of that many tokens.
-    """
-    import re
-
-    text = (ROOT / "tdutils" / "assets" / "ruler" / "alice_ch1-6.txt").read_text(encoding="utf-8")
-    words = re.sub(r"\s+", " ", text).strip().split(" ")
-    lead = list(tokenizer("", add_special_tokens=True)["input_ids"])
-    body = tokens - len(lead)
-    span = 2 * body + 16  # words: more than enough for `body` tokens of English prose
-    if not wrap and (body < 1 or n * span > len(words)):
-        raise ValueError(f"the essay text ({len(words)} words) cannot give {n} passages of {tokens} tokens")
-    ring = words * (1 + span // len(words) + 1) if wrap else words
-    step = len(words) // max(n, 1) if wrap else (len(words) - span) // max(n - 1, 1)
-    out = []
-    for i in range(n):
-        ids = tokenizer(" ".join(ring[i * step:i * step + span]), add_special_tokens=False)["input_ids"]
-        if len(ids) < body:
-            raise ValueError(f"passage {i} has {len(ids)} tokens, fewer than {body}")
-        out.append(lead + list(ids[:body]))
-    return out
-
-
 def platform_fields() -> dict:
     """`machine` (platform string) and `processor`: the fields of the throughput and engine runs."""
     return {"machine": platform.platform(), "processor": platform.processor()}
 
 
 # ------------------------------------------------------------------------------------------------ memory probes
-def rss_bytes() -> int:
-    """This process's resident set now (bytes, /proc/self/statm)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set (VmHWM, bytes) since it started or since `reset_peak_rss`."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise KeyError("VmHWM")
-
-
-def reset_peak_rss() -> bool:
-    """Reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0: write 5 to /proc/self/clear_refs); False
-    where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def mmap_every_tensor(threshold: int = 128 * 1024) -> bool:
-    """glibc: serve every allocation >= `threshold` bytes by its own mmap (unmapped when freed; also stops glibc
-    raising the threshold) and return freed heap, so RSS follows live tensors. False without glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(-3, threshold) == 1  # M_MMAP_THRESHOLD
-        libc.malloc_trim(0)
-        return ok
-    except (OSError, AttributeError):
-        return False
-
-
 class PeakRSS:
-    """Context manager: `growth`, the peak growth of this process's RSS (bytes) inside the block, sampled every
-    `period` seconds; `start` and `peak` are the RSS before and the peak. `mmap_threshold` (bytes): call
-    `mmap_every_tensor` first so freed tensors leave RSS at once."""
+    """Context manager: the peak of this process's resident set inside the block (Linux /proc). On exit: `start`
+    and `peak` (bytes: the RSS before, and VmHWM, reset on entry by writing 5 to /proc/self/clear_refs), `growth` =
+    peak - start, `maxrss` (getrusage's ru_maxrss - start) and `method`. Where VmHWM cannot be reset the peak is
+    start + maxrss: ru_maxrss cannot be reset and a child inherits its parent's, so run the block in a fresh process.
+    `mmap_threshold` (bytes): first have glibc serve every allocation that large by its own mmap (unmapped when
+    freed; also stops glibc raising the threshold) and return freed heap, so RSS follows live tensors (`mmap`:
+    whether glibc took it)."""
 
-    def __init__(self, period: float = 0.001, mmap_threshold: int | None = 1 << 20):
-        self.period, self.mmap_threshold = period, mmap_threshold
+    def __init__(self, mmap_threshold: int | None = None):
+        self.mmap_threshold, self.mmap, self.hwm = mmap_threshold, False, True
 
     def __enter__(self):
         if self.mmap_threshold:
-            mmap_every_tensor(self.mmap_threshold)
-        self.start = self.peak = rss_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+            try:
+                libc = ctypes.CDLL("libc.so.6")
+                self.mmap = libc.mallopt(-3, self.mmap_threshold) == 1  # M_MMAP_THRESHOLD
+                libc.malloc_trim(0)
+            except (OSError, AttributeError):  # no glibc
+                pass
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            self.hwm = False
+        self.start = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         return self
 
-    def _run(self):
-        while not self._stop.wait(self.period):
-            self.peak = max(self.peak, rss_bytes())
-
     def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
-        self.growth = self.peak - self.start
+        self.maxrss = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.start)  # Linux: KiB
+        hwm = [ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith("VmHWM:")]
+        self.peak = int(hwm[0].split()[1]) * 1024 if self.hwm else self.start + self.maxrss
+        self.growth = max(0, self.peak - self.start)
+        self.method = ("VmHWM (reset via /proc/self/clear_refs)" if self.hwm else "ru_maxrss") + " - RSS before"
         return False
-
-
-def sync(device: str) -> None:
-    """Wait for the device's queued work (CUDA), so a clock read after it covers the work."""
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
 
 
 def time_alternated(fns: dict, repeats: int, device: str = "cpu", keep=None):
     """`({name: [seconds per repeat]}, [order of each repeat])`: every `fns[name]()` once per repeat, the order
-    alternating forward / backward (`alternating_orders`), the device synchronised around each call. `keep(repeat,
-    name, result)`, when given, sees each result before it is freed."""
+    alternating forward / backward (`tdutils.runs.run_orders`), timed by `tdutils.profiling.timed` (the device
+    synchronised around each call). `keep(repeat, name, result)`, when given, sees each result before it is freed."""
+    from tdutils.profiling import timed
+    from tdutils.runs import run_orders
+
     times = {name: [] for name in fns}
-    orders = alternating_orders(fns, repeats)
+    orders = run_orders(fns, repeats, "alternate")
     for i, order in enumerate(orders):
         for name in order:
-            sync(device)
-            t0 = time.perf_counter()
-            result = fns[name]()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
+            result, seconds = timed(fns[name], device=device)
+            times[name].append(seconds)
             if keep:
                 keep(i, name, result)
             del result
     return times, orders
 
 
-def extra_memory(fn, device: str = "cpu") -> tuple:
+def extra_memory(fn, device: str = "cpu", mmap_threshold: int | None = None) -> tuple:
     """`(fn(), bytes, method, ru_maxrss bytes)`: the memory one call of `fn` takes above what was held before.
-    CUDA: the allocator's peak (`tdutils.profiling.peak_memory`). CPU (run it in a fresh process): the peak RSS
-    (VmHWM, reset first) minus the RSS before, or getrusage's ru_maxrss where VmHWM cannot be reset (ru_maxrss
-    cannot be reset, and a child inherits its parent's, so it is only a fallback); the returned tensors count."""
+    CUDA: the allocator's peak (`tdutils.profiling.peak_memory`; no ru_maxrss: None). CPU (run it in a fresh
+    process): `PeakRSS(mmap_threshold)` around the call; the returned tensors count."""
     if device.startswith("cuda"):
         from tdutils.profiling import peak_memory
 
         out, extra = peak_memory(fn, device=device)
         return out, extra, "torch.cuda.max_memory_allocated - allocated before", None
-    hwm_ok = reset_peak_rss()
-    before = rss_bytes()
-    out = fn()
-    maxrss = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)  # Linux reports KiB
-    peak = peak_rss_bytes() if hwm_ok else before + maxrss
-    method = ("VmHWM (reset via /proc/self/clear_refs)" if hwm_ok else "ru_maxrss") + " - RSS before, subprocess"
-    return out, max(0, peak - before), method, maxrss
+    with PeakRSS(mmap_threshold) as mem:
+        out = fn()
+    malloc = f", mallopt(M_MMAP_THRESHOLD={mmap_threshold // 1024} KiB)" if mem.mmap else ", default malloc"
+    return out, mem.growth, mem.method + ", subprocess" + (malloc if mmap_threshold else ""), mem.maxrss
 
 
 # ------------------------------------------------------------------------------------------------ peer venvs
-MARKER = ".tdutils-peer-venv.json"
-
-
-class PeerVenv:
-    """A peer's own venv (packages that pin another transformers than tdutils', never installed here), built once
-    under `$env_var` or `~/.cache/tdutils/<name>` and reused while its marker file matches `packages`:
-    `python -m venv`; `pip install packages[0]` (torch's CPU wheel, on this machine's disk) first; the rest with a
-    constraint file pinning that torch (so no package pulls a CUDA torch); `pip uninstall remove`; then
-    `check` (Python printing the versions named `versions`, torch's first)."""
-
-    def __init__(self, name: str, env_var: str, packages, check: str, versions, remove=()):
-        self.name, self.env_var, self.packages = name, env_var, tuple(packages)
-        self.check, self.versions, self.remove = check, tuple(versions), tuple(remove)
-        self.torch = self.packages[0].split("==")[1]
-
-    def dir(self) -> Path:
-        if os.environ.get(self.env_var):
-            return Path(os.environ[self.env_var]).expanduser()
-        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tdutils" / self.name
-
-    def python(self, venv: Path | None = None) -> Path:
-        return (venv or self.dir()) / "bin" / "python"
-
-    def info(self, venv: Path | None = None) -> dict | None:
-        """The marker of a complete venv (packages, versions, build seconds, size), or None when it must be built."""
-        try:
-            info = json.loads(((venv or self.dir()) / MARKER).read_text())
-        except (OSError, ValueError):
-            return None
-        if info.get("packages") != list(self.packages) or not self.python(venv).exists():
-            return None
-        return info
-
-    def ensure(self, *, timeout: float = 3600, log=print) -> Path:
-        """The venv's python, building the venv first when it is missing or incomplete.
-
-        Raises:
-            subprocess.CalledProcessError / TimeoutExpired: venv creation, pip or the import check failed.
-            RuntimeError: the venv got another torch than `packages[0]` pins.
-        """
-        venv = self.dir()
-        if self.info(venv) is not None:
-            return self.python(venv)
-        if venv.exists():  # half-built (an interrupted pip): start again rather than patch it up
-            shutil.rmtree(venv)
-        venv.parent.mkdir(parents=True, exist_ok=True)
-        log(f"building the peer venv in {venv} (once; a few minutes)")
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-        py = str(self.python(venv))
-        pip = [py, "-m", "pip", "install", "-q"]
-        subprocess.run([*pip, self.packages[0]], check=True, timeout=timeout)
-        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-            f.write(f"torch=={self.torch}\n")
-        try:
-            subprocess.run([*pip, "-c", f.name, *self.packages[1:]], check=True, timeout=timeout)
-        finally:
-            os.unlink(f.name)
-        if self.remove:
-            subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", *self.remove], check=True, timeout=600)
-        out = subprocess.run([py, "-c", self.check], check=True, timeout=600, capture_output=True,
-                             text=True).stdout.split()
-        if not out[0].startswith(self.torch):  # the constraint should make this impossible; say so if it happens
-            raise RuntimeError(f"the peer venv got torch {out[0]}, not {self.torch}")
-        info = {"packages": list(self.packages), **({"removed": list(self.remove)} if self.remove else {}),
-                **dict(zip(self.versions, out)), "build_s": round(time.perf_counter() - t0, 1),
-                "size_mb": round(sum(p.stat().st_size for p in venv.rglob("*") if p.is_file() and not p.is_symlink())
-                                 / MiB), "built": time.strftime("%Y-%m-%d %H:%M:%S")}
-        (venv / MARKER).write_text(json.dumps(info, indent=1))
-        return self.python(venv)
+venvs = load_file("tdutils_venvs", ROOT / "tdutils" / "serving" / "venvs.py")  # stdlib only, also in a peer venv
+PeerVenv, MARKER = venvs.CachedVenv, venvs.MARKER  # a peer's own venv, built once and reused (its docstring)
 
 
 def peer_env(threads: int, **extra) -> dict:
@@ -637,6 +416,16 @@ def call(file, func: str, payload, *, python=sys.executable, what: str | None = 
     payload and the result travel as JSON. `kw` as for `run_tagged`."""
     return run_tagged([str(python), str(HERE), "--worker", str(file), func], input=json.dumps(payload),
                       what=what or f"{Path(file).name} {func}", **kw)
+
+
+def options(payload: dict) -> argparse.Namespace:
+    """A worker's payload of options (a bench's own, as a dict) as a Namespace; torch's CPU threads set to its
+    `threads` when given."""
+    if payload.get("threads"):
+        import torch
+
+        torch.set_num_threads(payload["threads"])
+    return argparse.Namespace(**payload)
 
 
 def _worker_main(file: str, func: str) -> int:

@@ -4,8 +4,8 @@
                                                                    # n=50, ratios 0.5/0.75, every press below
     python bench/peer_kvpress.py --n 4 --context-length 1024 --presses snapkv,random,tova --ratios 0.5
 
-kvpress runs in its own venv (`VENV`, `worker` through `harness.call`). The flow, the columns and the defaults:
-docs/benchmarks.md#benchpeer_kvpresspy-nvidia-kvpress-on-the-same-token-ids.
+kvpress runs in its own venv (`VENV`, `worker` through `harness.call`; `decoding_worker` is decode_compression.py's
+kvpress side). The flow, the columns and the defaults: docs/benchmarks.md#benchpeer_kvpresspy-nvidia-kvpress-on-the-same-token-ids.
 """
 
 from __future__ import annotations
@@ -118,6 +118,22 @@ def _record_kept(press, record: dict):
     return press
 
 
+def _greedy(model, cache, token: int, position: int, steps: int) -> tuple[list[int], float, list[int]]:
+    """`steps` greedy tokens (EOS ignored), fed one at a time into `cache` from `token` at `position` on, as
+    kvpress' pipeline does (`generate_answer`): `(token ids, seconds, the cache's length after each step)`."""
+    import torch
+
+    gen, lengths = [], []
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for step in range(steps):
+            out = model(input_ids=torch.tensor([[gen[-1] if gen else token]]), past_key_values=cache,
+                        position_ids=torch.tensor([[position + step]]), logits_to_keep=1)
+            gen.append(int(out.logits[0, -1].argmax()))
+            lengths.append(cache.layers[0].keys.shape[2])
+    return gen, time.perf_counter() - t0, lengths
+
+
 def _run_request(model, key: str, ratio: float, ids: list[int], max_tokens: int):
     """One prompt through kvpress: `(generated ids, decode seconds, cache lengths, kept mask [L, H, T] or None)`.
     `with press(model): model.model(ids[:-1])` compresses each layer's cache after its attention; then the last
@@ -133,16 +149,8 @@ def _run_request(model, key: str, ratio: float, ids: list[int], max_tokens: int)
         else:
             with _record_kept(_make_press(key, ratio), record)(model):
                 model.model(input_ids=torch.tensor([ids[:-1]]), past_key_values=cache)
-        cached = [layer.keys.shape[2] for layer in cache.layers]
-        t0 = time.perf_counter()
-        out = model(input_ids=torch.tensor([[ids[-1]]]), past_key_values=cache, position_ids=torch.tensor([[t - 1]]),
-                    logits_to_keep=1)
-        gen = [int(out.logits[0, -1].argmax())]
-        for step in range(max_tokens - 1):
-            out = model(input_ids=torch.tensor([[gen[-1]]]), past_key_values=cache,
-                        position_ids=torch.tensor([[t + step]]))
-            gen.append(int(out.logits[0, -1].argmax()))
-        seconds = time.perf_counter() - t0
+    cached = [layer.keys.shape[2] for layer in cache.layers]
+    gen, seconds, _ = _greedy(model, cache, ids[-1], t - 1, max_tokens)
     if key == FULL:
         return gen, seconds, cached, None
     layers = len(model.model.layers)
@@ -152,20 +160,31 @@ def _run_request(model, key: str, ratio: float, ids: list[int], max_tokens: int)
     return gen, seconds, cached, torch.cat([mask, torch.ones(*mask.shape[:2], 1, dtype=torch.bool)], dim=2)  # + T-1
 
 
-def worker(spec: dict) -> dict:
-    """Runs in the peer venv (`harness.call`): every press and ratio on the prompts of `spec`; the kept sets go
-    to `spec["kept_path"]` (torch.save: too large for JSON), the rows and versions come back."""
-    import importlib.metadata
-
+def _peer_models(spec: dict, attns) -> dict:
+    """{attention implementation: the model of `spec["folder"]` in float32}, torch at `spec["threads"]` threads."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(spec["threads"])
     transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars would flood the log
-    models = {attn: AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32,
-                                                         attn_implementation=attn).eval()
-              for attn in {"eager" if k != FULL and PRESSES[k][3] else "sdpa" for k in spec["presses"]}}
+    return {attn: transformers.AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32,
+                                                                    attn_implementation=attn).eval()
+            for attn in attns}
+
+
+def _versions() -> dict:
+    """The peer venv's torch, transformers and kvpress versions."""
+    import importlib.metadata
+
+    return {name: importlib.metadata.version(name) for name in ("torch", "transformers", "kvpress")}
+
+
+def worker(spec: dict) -> dict:
+    """Runs in the peer venv (`harness.call`): every press and ratio on the prompts of `spec`; the kept sets go
+    to `spec["kept_path"]` (torch.save: too large for JSON), the rows and versions come back."""
+    import torch
+
+    models = _peer_models(spec, {"eager" if k != FULL and PRESSES[k][3] else "sdpa" for k in spec["presses"]})
     results, kept_masks = [], {}
     for key in spec["presses"]:
         for ratio in ([0.0] if key == FULL else spec["ratios"]):
@@ -187,10 +206,54 @@ def worker(spec: dict) -> dict:
                 H.log(f"[kvpress] {key} r={ratio} FAILED: {row['error']}")
             results.append(row)
     torch.save(kept_masks, spec["kept_path"])
-    info = {"torch": torch.__version__, "transformers": transformers.__version__,
-            "kvpress": importlib.metadata.version("kvpress"),
-            "defaults": {k: _press_defaults(k) for k in spec["presses"] if k != FULL}}
-    return {"info": info, "rows": results}
+    return {"info": {**_versions(), "defaults": {k: _press_defaults(k) for k in spec["presses"] if k != FULL}},
+            "rows": results}
+
+
+def decoding_worker(spec: dict) -> dict:
+    """Runs in the peer venv (`harness.call`) for `bench/decode_compression.py kvpress`: the full cache, then each
+    press of `spec["presses"]` ({key: keyword arguments}) inside kvpress' `DecodingPress` (budget, buffer), on every
+    prompt; per request the generated ids, decode seconds and the cache's largest, smallest after the first
+    compression, and last length."""
+    import kvpress
+    import torch
+    from transformers import DynamicCache
+
+    model = _peer_models(spec, ["sdpa"])["sdpa"]
+
+    def generate(ids):
+        """Greedy, EOS ignored: the whole prompt prefilled (DecodingPress does nothing there), then each generated
+        token fed at its original position."""
+        cache = DynamicCache()
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([ids]), past_key_values=cache, logits_to_keep=1)
+        first = int(out.logits[0, -1].argmax())
+        gen, seconds, lengths = _greedy(model, cache, first, len(ids), spec["max_tokens"] - 1)
+        return [first, *gen], seconds, lengths
+
+    results = []
+    for key, kw in {FULL: None, **spec["presses"]}.items():
+        row = {"press": "full" if key == FULL else key, "requests": []}
+        try:
+            for i, ids in enumerate(spec["prompts"]):
+                if key == FULL:
+                    gen, seconds, lengths = generate(ids)
+                else:
+                    press = kvpress.DecodingPress(base_press=getattr(kvpress, PRESSES[key][0])(**kw),
+                                                  compression_interval=spec["buffer"], target_size=spec["budget"],
+                                                  hidden_states_buffer_size=spec["buffer"])
+                    with press(model):
+                        gen, seconds, lengths = generate(ids)
+                row["requests"].append({"output_ids": gen, "decode_s": seconds, "max_cache": max(lengths),
+                                        "min_cache_after_first": min(lengths[spec["buffer"]:] or lengths),
+                                        "last_cache": lengths[-1]})
+                H.log(f"[kvpress] {row['press']} prompt {i + 1}/{len(spec['prompts'])}: {len(gen) / seconds:.1f} "
+                      f"tok/s, cache max {max(lengths)} last {lengths[-1]}")
+        except Exception as exc:  # noqa: BLE001 (a press that cannot run is reported; the others go on)
+            row = {"press": row["press"], "error": f"{type(exc).__name__}: {exc}"[:500]}
+            H.log(f"[kvpress] {row['press']} FAILED: {row['error']}")
+        results.append(row)
+    return {"info": _versions(), "rows": results}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -198,10 +261,12 @@ def worker(spec: dict) -> dict:
 
 def _presses(text: str) -> list[str]:
     """argparse type of `--presses`: press keys, also as kvpress class names (`SnapKVPress`) or `h2o`."""
+    from tdutils.cli.args import name_list
+
     alias = {"streamingllm": "streaming_llm", "observedattention": "observed_attention", "h2o": "observed_attention",
              "expectedattention": "expected_attention"}
     keys = (t.strip().lower().removesuffix("press").replace("-", "_") for t in text.split(","))
-    return H.name_list(PRESSES, "press")(",".join(alias.get(k, k) for k in keys))
+    return name_list(PRESSES, "press")(",".join(alias.get(k, k) for k in keys))
 
 
 def parse_args(argv=None):

@@ -19,7 +19,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness as H
-from harness import essay_prompts  # the prompts (tests read it here too)
 
 # name -> (policy, parameters, target share of the baseline decode)
 VARIANTS = {
@@ -58,6 +57,7 @@ def run(args) -> dict:
 
     import tdutils
     from tdutils.policies import query_window_for
+    from tdutils.ruler import essay_prompts
 
     t_start = time.perf_counter()
     try:
@@ -114,7 +114,7 @@ def run(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tdutils.cli.args import positive_int, usable_cores
+    from tdutils.cli.args import name_list, open_ratio, positive_int, usable_cores
 
     ap = H.parser("bench/policy_cost.py", __doc__)
     ap.add_argument("--smoke", action="store_true",
@@ -124,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-requests", type=positive_int, default=8)
     ap.add_argument("--prompt-tokens", type=positive_int, default=2048)
     ap.add_argument("--max-tokens", type=positive_int, default=64, help="baseline decode tokens per request")
-    ap.add_argument("--drop-ratio", type=H.open_ratio, default=0.5)
-    ap.add_argument("--policies", type=H.name_list(VARIANTS), default=list(VARIANTS),
+    ap.add_argument("--drop-ratio", type=open_ratio, default=0.5)
+    ap.add_argument("--policies", type=name_list(VARIANTS), default=list(VARIANTS),
                     help=f"comma-separated, from {', '.join(VARIANTS)} (default: all)")
     return ap
 

@@ -31,7 +31,6 @@ METHODS = ("reference", "exact", "tiled", "buffered")
 VARIANTS = (*METHODS, "snapkv", "rkv_scores_exact")
 KINDS = ("realistic", "random")  # key distributions
 RKV_WINDOW, SNAPKV_WINDOW, MIX = 16, 64, 0.25
-MiB = H.MiB
 
 
 # ----------------------------------------------------------------------------------------------- inputs
@@ -68,7 +67,7 @@ def run_time_child(args) -> dict:
     Returns `{"kind", "n", "device", "threads", "order": [[variants of round 0], ...], "times_s": {variant:
     [seconds per round]}}`; saves the first round's `exact` and `buffered` redundancies for `agreement`.
     """
-    args = _options(args)
+    args = H.options(args)
     kind, n = args.time_child[0], int(args.time_child[1])
     variants, device = list(args.variants), args.device
     _warm_up(kind, variants, args, device)
@@ -87,7 +86,7 @@ def run_time_child(args) -> dict:
 def run_memory_child(args) -> dict:
     """Worker (`harness.call`): one variant at one size in this (fresh) process: peak extra memory of one call
     (and the profiler's peak). `args`: the options (a dict from the parent), `child` = [kind, n, variant]."""
-    args = _options(args)
+    args = H.options(args)
     kind, n, variant = args.child
     n = int(n)
     device = args.device
@@ -96,23 +95,12 @@ def run_memory_child(args) -> dict:
     fn = variant_fn(variant, keys, kv, q, args.head_dim)
     out = {"kind": kind, "n": n, "variant": variant, "device": device, "threads": torch.get_num_threads()}
     # CPU: each tensor >= 128 KiB its own mapping, unmapped when freed, so RSS follows live tensors
-    mmap_ok = not device.startswith("cuda") and H.mmap_every_tensor()
-    result, out["peak_extra_bytes"], out["memory_method"], _ = H.extra_memory(fn, device)
-    if not device.startswith("cuda"):
-        out["memory_method"] += ", mallopt(M_MMAP_THRESHOLD=128 KiB)" if mmap_ok else ", default malloc"
+    result, out["peak_extra_bytes"], out["memory_method"], _ = H.extra_memory(fn, device, mmap_threshold=128 * 1024)
     del result
     if not device.startswith("cuda") and n <= args.profile_max_n:
         _, alloc = peak_memory(fn)
         out["alloc_peak_bytes"] = alloc  # torch profiler: peak live tensor bytes of one more call
     return out
-
-
-def _options(args):
-    if isinstance(args, dict):
-        args = argparse.Namespace(**args)
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
-    return args
 
 
 # ----------------------------------------------------------------------------------------------- agreement
@@ -139,7 +127,7 @@ def agreement(kind: str, n: int, args, save_dir: str) -> dict | None:
 
 # ----------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    p = H.parser("bench/rkv_bench.py", __doc__, raw=False)
+    p = H.parser("bench/rkv_bench.py", __doc__)
     p.add_argument("--sizes", type=int_at_least(RKV_WINDOW + 1, f"R-KV always keeps its last {RKV_WINDOW} tokens"),
                    nargs="+", default=[1024, 4096, 16384], help="key lengths n")
     p.add_argument("--heads", type=positive_int, default=8, help="KV heads H")
@@ -183,10 +171,7 @@ def main(argv=None) -> int:
                          "order": timing["order"]}
                     runs[variant] = r
                     results["runs"].append(r)
-                    mem, alloc = r["peak_extra_bytes"], r.get("alloc_peak_bytes")
-                    print(f"{kind:9} n={n:6} {variant:17} {r['median_s']:9.3f} s  peak extra "
-                          f"{(mem or 0) / MiB:9.1f} MiB" + (f" (tensors {alloc / MiB:.1f} MiB)" if alloc else ""),
-                          flush=True)
+                    print(H.render("rkv_bench_run", r), flush=True)
                 results["summary"].append(summarize(kind, n, runs, agreement(kind, n, args, save_dir)))
     results["seconds"] = time.perf_counter() - t_start
     print(H.render("rkv_bench_rounds", results["summary"]))
@@ -207,9 +192,9 @@ def summarize(kind: str, n: int, runs: dict, agree: dict | None) -> dict:
     s = {"kind": kind, "n": n, "agreement": agree}
     ref, snap = runs.get("reference"), runs.get("snapkv")
     for name, r in runs.items():
-        row = {"median_s": r["median_s"], "peak_extra_mib": (r["peak_extra_bytes"] or 0) / MiB}
+        row = {"median_s": r["median_s"], "peak_extra_mib": (r["peak_extra_bytes"] or 0) / H.MiB}
         if r.get("alloc_peak_bytes") is not None:
-            row["alloc_peak_mib"] = r["alloc_peak_bytes"] / MiB
+            row["alloc_peak_mib"] = r["alloc_peak_bytes"] / H.MiB
         if ref:
             row["speedup_vs_reference"] = _round_ratio(ref["times_s"], r["times_s"])
             if ref["peak_extra_bytes"]:

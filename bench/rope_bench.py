@@ -24,7 +24,6 @@ from tdutils.cli.args import positive_float, positive_int
 from tdutils.rope import RopeSpec, rerotate_k_cache
 
 VARIANTS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MiB = H.MiB
 
 
 def make_spec(head_dim: int, theta: float) -> RopeSpec:
@@ -104,9 +103,7 @@ def time_variants(kv, old, new, spec, repeats: int, device: str) -> tuple[dict[s
 
 def memory_child(payload: dict) -> dict:
     """Worker (`harness.call`): one memory measurement in a fresh process; payload: the options and `variant`."""
-    args = argparse.Namespace(**payload)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = H.options(payload)
     return measure_memory_here(args, args.variant)
 
 
@@ -137,7 +134,7 @@ def accuracy_layer0(kv, old, new, spec) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = H.parser("bench/rope_bench.py", __doc__, raw=False)
+    p = H.parser("bench/rope_bench.py", __doc__)
     p.add_argument("--layers", type=positive_int, default=36)
     p.add_argument("--tokens", type=positive_int, default=8192)
     p.add_argument("--dim", type=positive_int, default=1024, help="D = H_kv * head_dim")
@@ -167,7 +164,7 @@ def main(argv=None) -> int:
     old, new = make_positions(args.tokens, args.device)
     shape = list(kv.shape)
     cache_bytes = kv.numel() * kv.element_size()
-    print(f"rerotate_k_cache on {shape} {kv.dtype} ({cache_bytes / MiB:.0f} MiB) device={args.device} "
+    print(f"rerotate_k_cache on {shape} {kv.dtype} ({cache_bytes / H.MiB:.0f} MiB) device={args.device} "
           f"threads={torch.get_num_threads()} repeats={args.repeats}")
 
     results = {"shape": shape, "dtype": str(kv.dtype), "device": args.device, "threads": torch.get_num_threads(),

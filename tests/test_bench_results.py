@@ -2,7 +2,6 @@
 `tools/render_results.py` writes from `docs/results/*.json` (the bench scripts' own summaries among them), every
 stored run is published, and those runs alternated their variants inside each repeat."""
 
-import argparse
 import importlib.util
 import json
 import re
@@ -139,10 +138,10 @@ def test_rope_bench_times_both_variants_in_every_repeat():
 
 def test_rkv_bench_times_every_variant_in_every_round(tmp_path):
     rkv = _bench("rkv_bench")
-    args = argparse.Namespace(time_child=["realistic", "96"], variants=["reference", "exact", "snapkv"], device="cpu",
-                              repeats=2, heads=2, head_dim=16, query_heads=4, seed=0, save_dir=str(tmp_path))
+    payload = {"time_child": ["realistic", "96"], "variants": ["reference", "exact", "snapkv"], "device": "cpu",
+               "repeats": 2, "heads": 2, "head_dim": 16, "query_heads": 4, "seed": 0, "save_dir": str(tmp_path)}
     torch.manual_seed(0)
-    out = rkv.run_time_child(args)
+    out = rkv.run_time_child(payload)  # the options as harness.call hands them to the child
     assert out["order"] == [["reference", "exact", "snapkv"], ["snapkv", "exact", "reference"]]
     assert {k: len(v) for k, v in out["times_s"].items()} == {"reference": 2, "exact": 2, "snapkv": 2}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["realistic_96_exact.pt"]  # kept for the agreement

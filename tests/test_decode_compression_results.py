@@ -91,27 +91,11 @@ def test_summary_stats_and_percentile(bench):
     assert s == {"mean": 4.0, "median": 2.5, "min": 1.0, "max": 10.0}
 
 
-def test_runs_alternate_and_ratios_are_taken_per_repeat(bench):
-    assert bench.alternating_orders(["full", "B=64", "B=128"], 3) == [
+def test_runs_alternate():
+    from tdutils.runs import run_orders
+
+    assert run_orders(["full", "B=64", "B=128"], 3, "alternate") == [
         ["full", "B=64", "B=128"], ["B=128", "B=64", "full"], ["full", "B=64", "B=128"]]
-    runs = [{"config": "full", "repeat": 0, "decode_tok_s": 10.0}, {"config": "B=64", "repeat": 0, "decode_tok_s": 15.0},
-            {"config": "B=64", "repeat": 1, "decode_tok_s": 30.0}, {"config": "full", "repeat": 1, "decode_tok_s": 25.0}]
-    stats = bench.ratio_stats(runs)
-    assert stats["full"]["ratios"] == [1.0, 1.0]
-    assert stats["B=64"]["ratios"] == [1.5, 1.2]  # each repeat against its own baseline, not pooled
-    assert stats["B=64"]["tok_s"]["median"] == 22.5
-
-
-def test_essay_prompts_have_exactly_the_asked_length():
-    from tdutils.models import load_tokenizer
-
-    bench = _load(ROOT / "bench" / "decode_compression.py", "bench_decode_compression_prompts")
-    tok = load_tokenizer("tiny-qwen3")
-    prompts = bench.essay_prompts(tok, 5, 40)
-    assert [len(p) for p in prompts] == [40] * 5
-    assert len({tuple(p) for p in prompts}) == 5  # different passages
-    with pytest.raises(ValueError, match="cannot give"):
-        bench.essay_prompts(tok, 10_000, 64)
 
 
 def test_bench_refuses_bad_options_before_loading_a_model(bench, capsys):
@@ -163,16 +147,18 @@ def test_summary_prints_the_stored_table(bench, tables, capsys):
     assert capsys.readouterr().out.strip() == tables.decode_compression(_stored("decode_compression_throughput")).strip()
 
 
-def test_throughput_run_alternated_and_its_ratios_are_per_repeat(bench):
+def test_throughput_run_alternated_and_its_ratios_are_per_repeat():
+    from tdutils.runs import run_orders
+
     run = _stored("decode_compression_throughput")
     m = run["meta"]
     configs = ["full"] + [f"B={b}" for b in m["budgets"]]
-    assert m["orders"] == bench.alternating_orders(configs, m["repeats"]) and m["repeats"] >= 2
+    assert m["orders"] == run_orders(configs, m["repeats"], "alternate") and m["repeats"] >= 2
     assert [r["config"] for r in run["runs"]] == [c for order in m["orders"] for c in order]
-    stats = bench.ratio_stats(run["runs"])
+    tok_s = {(r["config"], r["repeat"]): r["decode_tok_s"] for r in run["runs"]}
     per_token = m["prompt_tokens"] + m["max_tokens"]
-    for row in run["rows"]:
-        assert row["ratios"] == pytest.approx(stats[row["config"]]["ratios"])
+    for row in run["rows"]:  # each repeat against the full cache's in the same repeat, not pooled
+        assert row["ratios"] == pytest.approx([tok_s[row["config"], k] / tok_s["full", k] for k in range(m["repeats"])])
         assert row["kv_peak_reserved_tokens"] <= m["kv_budget_tokens"]
         if row["config"] == "full":
             assert row["peak_batch"] == m["kv_budget_tokens"] // per_token == 4

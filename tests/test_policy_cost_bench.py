@@ -41,18 +41,6 @@ def test_smoke_run_times_every_policy_and_stores_a_table(tmp_path):
     assert s.returncode == 0 and s.stdout.splitlines()[0].startswith("| policy | modify s |")
 
 
-def test_prompts_wrap_around_the_essay():
-    mod = _module()
-
-    class Tok:  # one token per word, no leading special token
-        def __call__(self, text, add_special_tokens=True):
-            return {"input_ids": [len(w) for w in text.split(" ")] if text else []}
-
-    prompts = mod.essay_prompts(Tok(), 8, 5000)  # 8 x 5000 words > the essay's ~12800: passages wrap around
-    assert len(prompts) == 8 and all(len(p) == 5000 for p in prompts)
-    assert len({tuple(p) for p in prompts}) == 8
-
-
 def test_bad_arguments_fail_in_one_line():
     p = _bench("--policies", "snapkv,foo")
     assert p.returncode == 2 and "unknown policy 'foo'" in p.stderr and p.stdout == ""

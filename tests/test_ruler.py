@@ -333,3 +333,24 @@ def test_errors(smol):
         _ex("niah_single_1", 1000, smol, chat="yes")
     with pytest.raises(ValueError, match="n must be"):
         make_ruler_dataset("vt", -1, 1000, tokenizer=smol, seed=0)
+
+
+def test_essay_prompts_wrap_around_the_essay():
+    class Tok:  # one token per word, no leading special token
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [len(w) for w in text.split(" ")] if text else []}
+
+    prompts = ruler.essay_prompts(Tok(), 8, 5000)  # 8 x 5000 words > the essay's ~12800: passages wrap around
+    assert len(prompts) == 8 and all(len(p) == 5000 for p in prompts)
+    assert len({tuple(p) for p in prompts}) == 8
+
+
+def test_essay_prompts_without_wrap_have_exactly_the_asked_length():
+    from tdutils.models import load_tokenizer
+
+    tok = load_tokenizer("tiny-qwen3")
+    prompts = ruler.essay_prompts(tok, 5, 40, wrap=False)
+    assert [len(p) for p in prompts] == [40] * 5
+    assert len({tuple(p) for p in prompts}) == 5  # different passages
+    with pytest.raises(ValueError, match="cannot give"):
+        ruler.essay_prompts(tok, 10_000, 64, wrap=False)

@@ -73,12 +73,21 @@ def chunked_prefill(report: dict) -> str:
                                f"{r['prefill_s']:.1f} ({r['cut_s']:.1f})", "found" if r["correct"] else "missed"]
                               for r in rows))
     r0 = rows[0]
+    memory = (f"the peak of the process's resident set ({r0['memory_method'].split(' - ')[0]})" if "memory_method" in r0 else
+              "the process's resident set sampled every 5 ms")  # runs before the VmHWM probe sampled it
     lines.append("")
     lines.append(f"Model `{r0['model']}`, one `ruler_niah_single_1` prompt per length (held-out seed), each "
-                 f"configuration in a fresh process; memory: the process's resident set sampled every 5 ms during "
+                 f"configuration in a fresh process; memory: {memory} during "
                  f"prefill, above what it held just before (model loaded, {r0['rss_before_prefill_mib']} MiB); "
                  f"{r0['threads']} torch thread, 2 shared cores. One shot above 8192 tokens not run.")
     return "\n".join(lines)
+
+
+def chunked_prefill_row(r: dict) -> str:
+    """`bench/chunked_prefill.py`: the line it prints as each configuration (a row of its run) finishes."""
+    return (f"{r['prompt_tokens']:>6} tokens {r['mode']:>8}: peak cache {r['peak_cache_tokens']:>6} tokens, peak RSS "
+            f"+{r['peak_rss_above_load_mib']:>5} MiB, prefill {r['prefill_s']:>7.1f} s ({r['cuts']} cuts, {r['cut_s']} s), "
+            f"needle {'found' if r['correct'] else 'missed'}: {r['answer']!r}")
 
 
 def loop_start(ids, max_period: int = 64, min_repeats: int = 2) -> int | None:
@@ -318,6 +327,13 @@ def rkv_bench(results: dict) -> str:
     return "\n".join(lines)
 
 
+def rkv_bench_run(r: dict) -> str:
+    """`bench/rkv_bench.py`: the line it prints per variant as each key distribution and length finishes."""
+    mem, alloc = r["peak_extra_bytes"], r.get("alloc_peak_bytes")
+    return (f"{r['kind']:9} n={r['n']:6} {r['variant']:17} {r['median_s']:9.3f} s  peak extra {(mem or 0) / MiB:9.1f} MiB"
+            + (f" (tensors {alloc / MiB:.1f} MiB)" if alloc else ""))
+
+
 def rkv_bench_rounds(summary: list[dict]) -> str:
     """`bench/rkv_bench.py`: one table per key distribution and length of a run's `summary`, as it prints them."""
     out = [("\nspeed-up = reference time / method time; memory = method peak extra / reference peak extra; "
@@ -371,6 +387,13 @@ def rope_bench_run(results: dict, cache_bytes: int) -> str:
     out.append(f"bound (one layer's keys in fp32): {fp32['one_layer_keys_fp32_bytes'] / MiB:.1f} MiB; output cache "
                f"{cache_bytes / MiB:.0f} MiB (not counted); memory: {fp32['memory_method']}")
     return "\n".join(out)
+
+
+def engine_bench_profile(profile: dict, batch: int, tokens: int) -> str:
+    """`bench/engine_bench.py --profile`: per arm, the CPU seconds of the profiled steps at `batch` x `tokens` and
+    the share of its top ops (the run's `profile`)."""
+    return "\n".join(f"profile {arm} ({batch}x{tokens}, {ops['total_cpu_s']:.2f} CPU s): " + ", ".join(
+        f"{name} {share:.0%}" for name, share in ops.items() if name != "total_cpu_s") for arm, ops in profile.items())
 
 
 def engine_bench_targets(results: dict, step: float, memory: float) -> str:

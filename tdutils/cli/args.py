@@ -10,6 +10,7 @@ a report, and exit status 1 (`report_error`).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import traceback
 
@@ -121,8 +122,6 @@ def int_at_least(low: int, why: str = ""):
 
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0 (`nan` and `inf` are refused, though Python's `float` reads both)."""
-    import math
-
     try:
         v = float(text)
     except ValueError:
@@ -160,6 +159,57 @@ def drop_ratios(text: str) -> list[float]:
                                              f"a ratio of 1 keeps only the always-kept tokens; give ratios such as 0.5,0.75")
         out.append(r)
     return out
+
+
+def open_ratio(text: str) -> float:
+    """argparse type: one drop ratio in the open interval (0, 1)."""
+    try:
+        r = float(text)
+    except ValueError:
+        r = math.nan
+    if not 0.0 < r < 1.0:  # nan compares false
+        raise argparse.ArgumentTypeError(f"expected a drop ratio in (0, 1), got {text!r}")
+    return r
+
+
+def full_requests(text: str) -> float:
+    """argparse type of `--full-requests` (a KV budget in undropped requests): a finite number >= 1, as the budget
+    must hold one undropped request."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v >= 1):
+        raise argparse.ArgumentTypeError(f"expected a number >= 1 (the budget must hold one undropped request), "
+                                         f"got {text!r}")
+    return v
+
+
+def int_list(what: str, example: str):
+    """argparse type factory: comma-separated integers >= 1 (e.g. `int_list("token counts", "4096,8192")`)."""
+    def parse(text: str) -> list[int]:
+        try:
+            out = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated {what}, e.g. {example}") from None
+        if not out or min(out) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: give {what} >= 1, e.g. {example}")
+        return out
+    return parse
+
+
+def name_list(choices, what: str = "policy", allow_none: bool = False):
+    """argparse type factory: comma-separated names, each one of `choices` (with `allow_none`, "none": [])."""
+    def parse(text: str) -> list[str]:
+        if allow_none and text.strip().lower() == "none":
+            return []
+        out = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in out if x not in choices]
+        if bad or not out:
+            raise argparse.ArgumentTypeError(f"unknown {what} {bad[0] if bad else text!r}; give comma-separated "
+                                             f"names from {', '.join(choices)}")
+        return out
+    return parse
 
 
 def check_device_output(path, option: str = "--json") -> None:

@@ -462,57 +462,6 @@ def remove_unheld_shm(paths, shm_dir: Path = SHM_DIR) -> list[Path]:
     return removed
 
 
-def pip_install_keeping_torch(*packages: str, python: str = sys.executable, timeout_s: float = 1800) -> None:
-    """`pip install packages` into `python`'s environment without ever replacing its torch.
-
-    The installed torch version is passed as a pip constraint, so a package that needs another torch makes
-    pip fail with a resolution error instead of swapping Colab's CUDA build for a different one.
-
-    Raises:
-        subprocess.CalledProcessError: pip failed (its output is above); subprocess.TimeoutExpired.
-    """
-    import tempfile
-
-    probe = subprocess.run([python, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True,
-                           timeout=120, check=False)  # no torch there: nothing to keep
-    cmd = [python, "-m", "pip", "install", "-q", *packages]
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        if probe.returncode == 0:
-            f.write(f"torch=={probe.stdout.strip()}\n")
-            cmd += ["-c", f.name]
-    try:
-        subprocess.run(cmd, check=True, timeout=timeout_s)
-    finally:
-        os.unlink(f.name)
-
-
-def install_serving_env(path: str | os.PathLike, packages: list[str], *, remove: tuple[str, ...] = (),
-                        timeout_s: float = 3600) -> Path:
-    """Create a venv at `path` (unless its python already exists) and pip-install `packages` into it.
-
-    vLLM pins its own torch and transformers, so it never shares tdutils' environment (docs/engines_and_serving.md).
-
-    Args:
-        packages: pip requirements, e.g. `["vllm==0.25.1", "lmcache==0.5.6"]`.
-        remove: distributions to uninstall afterwards (the CPU build of vLLM pulls CUDA builds of
-            torchvision/torchaudio/torchcodec that break the transformers import there).
-
-    Returns:
-        The venv's python.
-
-    Raises:
-        subprocess.CalledProcessError / TimeoutExpired: venv creation or pip failed.
-    """
-    path = Path(path)
-    py = path / "bin" / "python"
-    if not py.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=300)
-    subprocess.run([str(py), "-m", "pip", "install", "-q", *packages], check=True, timeout=timeout_s)
-    if remove:
-        subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", *remove], check=True, timeout=600)
-    return py
-
-
 @dataclass
 class ServingStack:
     """A running LMCache server + vLLM pair: the URLs the `lmcache` engine takes, and the processes."""
@@ -536,7 +485,7 @@ def serving_stack(model: str, *, python: str, log_dir: str | os.PathLike, env: d
 
     Args:
         model: what vLLM serves (hub id or local folder).
-        python: the serving venv's interpreter (`install_serving_env`); its `lmcache` script starts LMCache.
+        python: the serving venv's interpreter (`tdutils.serving.venvs.install_venv`); its `lmcache` script starts LMCache.
         log_dir: where `lmcache.log` and `vllm.log` go.
         env: extra environment for both servers (e.g. `{"VLLM_USE_FLASHINFER_SAMPLER": "0"}` on a T4).
         lmcache_options: more keyword arguments of `lmcache_server_command` (e.g. `l1_size_gb`).
