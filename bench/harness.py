@@ -80,13 +80,6 @@ def one_line_errors(ap, fn, *args, also=()):
         fail(ap, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
-def open_ratio(text: str) -> float:
-    """`tdutils.cli.args.open_ratio`, the argparse type of a drop ratio in (0, 1) (peer_openvino.py reads it here)."""
-    from tdutils.cli.args import open_ratio as parse
-
-    return parse(text)
-
-
 # ------------------------------------------------------------------------------------------------ JSON and --summary
 def check_json_dest(dest: str, option: str = "--json", example: str = "runs/bench.json") -> None:
     """Check before any work that `dest` ("-" for stdout, else a file path) can be written.

@@ -263,13 +263,13 @@ def _block_multiple(text):
 
 
 def parse_args(argv=None):
-    from tdutils.cli.args import positive_int
+    from tdutils.cli.args import open_ratio, positive_int
 
     ap = H.parser("peer_openvino.py", __doc__)
     H.add_peer_options(ap, n=16, batch_size=4, out=DEFAULT_OUT)
     ap.add_argument("--dtype", choices=tuple(PRECISION), default="float32", help="weights, activations and KV cache "
                     "on both sides (OpenVINO: INFERENCE_PRECISION_HINT and KV_CACHE_PRECISION; default float32)")
-    ap.add_argument("--drop-ratio", type=H.open_ratio, default=0.5, help="SnapKV drop ratio; sets the OpenVINO "
+    ap.add_argument("--drop-ratio", type=open_ratio, default=0.5, help="SnapKV drop ratio; sets the OpenVINO "
                     "budget (default 0.5)")
     ap.add_argument("--start-size", type=_block_multiple, default=32, help="OpenVINO start_size (default 32)")
     ap.add_argument("--recent-size", type=_block_multiple, default=64,
