@@ -247,3 +247,23 @@ def test_cli_resume_keeps_the_stored_cells_and_refuses_another_grid(tmp_path, ca
     assert took and int(took[2]) == round(again["meta"]["seconds"]) and int(took[2]) - int(took[1]) in (999, 1000, 1001)
     with pytest.raises(ValueError, match="--resume: .* is a run of another grid \\(n 3 there, 4 here\\)"):
         run(_args([*argv[:-6], "--n", "4", "--seed", "2", "--json", str(out), "--quiet", "--resume"]))
+
+
+def test_task_table_leaves_out_the_columns_no_row_has():
+    import pandas as pd
+
+    from tdutils.eval.report import format_task_table
+
+    base = {"context_length": 512, "mode": "agnostic", "drop_ratio": 0.5, "n": 2, "modify_s": 0.1, "kept_tokens": 256}
+    fidelity = pd.DataFrame([{**base, "task": "text_fidelity", "policy": "snapkv", "correct": float("nan"),
+                              "accuracy": float("nan"), "ci_low": float("nan"), "ci_high": float("nan"),
+                              "partial": float("nan"), "measure": "kl", "score": 0.0299}])
+    text = format_task_table(fidelity)
+    assert "nan" not in text and "accuracy" not in text and "partial" not in text, text
+    assert text.splitlines()[1].split()[-2:] == ["kl", "0.0299"], text
+    needle = {**base, "task": "ruler_niah_single_1", "policy": "knorm", "correct": 1, "accuracy": 0.5,
+              "ci_low": 0.0945, "ci_high": 0.9055, "partial": 0.5, "measure": "exact", "score": 0.5}
+    mixed = format_task_table(pd.DataFrame([needle, fidelity.iloc[0].to_dict()]))
+    rows = mixed.splitlines()
+    assert "accuracy" in rows[0] and "50.0%" in rows[1] and "9.4-90.5" in rows[1], mixed
+    assert "nan" not in mixed and rows[2].count("–") == 4, mixed

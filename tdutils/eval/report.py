@@ -45,16 +45,33 @@ def format_table(table) -> str:
     return t[cols].to_string(index=False)
 
 
+def _missing(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
 def format_task_table(table) -> str:
-    """A `task_eval` table as text: one row per cell, exact match and its 95% interval in percent, partial credit."""
+    """A `task_eval` table as text: one row per cell, exact match and its 95% interval in percent, partial credit.
+
+    A column no row has (exact match on a teacher-forced task, partial credit on a single-answer one) is left out;
+    a row without a value shows `–`."""
     t = table.copy()
-    t["accuracy"] = (100 * t["accuracy"]).map("{:.1f}%".format)
-    t["95% CI"] = [f"{100 * lo:.1f}-{100 * hi:.1f}" for lo, hi in zip(table["ci_low"], table["ci_high"])]
-    t["partial"] = (100 * t["partial"]).map("{:.1f}%".format)
+
+    def pct(x):
+        return "–" if _missing(x) else f"{100 * x:.1f}%"
+
+    t["accuracy"] = t["accuracy"].map(pct)
+    t["95% CI"] = ["–" if _missing(lo) else f"{100 * lo:.1f}-{100 * hi:.1f}"
+                   for lo, hi in zip(table["ci_low"], table["ci_high"])]
+    t["correct"] = ["–" if _missing(c) else f"{c:.0f}" for c in table["correct"]]
+    t["partial"] = t["partial"].map(pct)
     t["modify_s"] = t["modify_s"].map("{:.3f}".format)
     t["kept_tokens"] = t["kept_tokens"].map("{:.0f}".format)
-    cols = ["context_length", "task", "mode", "policy", "drop_ratio", "n", "correct", "accuracy", "95% CI", "partial",
-            "modify_s", "kept_tokens"]
+    cols = ["context_length", "task", "mode", "policy", "drop_ratio", "n"]
+    if table["accuracy"].notna().any():
+        cols += ["correct", "accuracy", "95% CI"]
+    if table["partial"].notna().any():
+        cols += ["partial"]
+    cols += ["modify_s", "kept_tokens"]
     if "measure" in t.columns and (t["measure"] != "exact").any():  # partial credit, text fidelity: their own score
         t["score"] = t["score"].map("{:.3g}".format)
         cols += ["measure", "score"]
