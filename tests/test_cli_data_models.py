@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tdutils.data import load_prompts, make_passkey_dataset
 from tdutils.models import load_model, model_facts
@@ -62,6 +63,7 @@ def test_main_job_prints_ratio_and_writes_json(tmp_path):
      "bad --context-lengths value (whole numbers of tokens such as 1024 2048) 'abc'"),
     (["eval", "--threads", "0"], "--threads must be between 1 and the"),
     (["eval", "--threads", "100000"], "CPU core(s) this process may use, got 100000"),
+    (["run", "--threads", "0"], "--threads must be between 1 and the"),
     (["run", "--json", "/proc/tdutils-run.json"], ("--json '/proc/tdutils-run.json' is not a writable file path: no "
                                                    "file can be created in '/proc'")),
     (["eval", "--context-lengths", "128", "--window", "200", "--n", "2"],
@@ -285,10 +287,15 @@ def test_run_json_keeps_each_requests_answer(tmp_path, capsys):
     from tdutils.eval.tasks import dataset_task, score_rows
 
     out = tmp_path / "r.json"
-    rc, got = _run_cli(["--policy", "random", "--num-requests", "2", "--max-tokens", "6", "--repeats", "1",
-                        "--no-progress", "--json", str(out)], capsys)
+    threads = torch.get_num_threads()
+    try:
+        rc, got = _run_cli(["--policy", "random", "--num-requests", "2", "--max-tokens", "6", "--repeats", "1",
+                            "--threads", "1", "--no-progress", "--json", str(out)], capsys)
+    finally:
+        torch.set_num_threads(threads)
     assert rc == 0, got.err
     report = json.loads(out.read_text())
+    assert report["threads"] == 1 and report["args"]["threads"] == 1  # --threads reached torch
     answers = report["answers"]
     assert list(answers) == ["baseline", "random@0.5"] and all(len(a) == 2 for a in answers.values()), answers
     rows = load_prompts("sample", num_requests=2)

@@ -81,6 +81,18 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def check_threads(threads: int | None) -> None:
+    """Check a `--threads` value: None (torch's choice) or 1 .. `usable_cores()`.
+
+    Raises:
+        ValueError: outside that range (the message names the cores this process may use).
+    """
+    cores = usable_cores()
+    if threads is not None and not 1 <= threads <= cores:
+        raise ValueError(f"--threads must be between 1 and the {cores} CPU core(s) this process may use, got {threads} "
+                         "(more threads than cores only wait on each other)")
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad option in one line (no usage block) and exits with status 2."""
 

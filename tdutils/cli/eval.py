@@ -47,7 +47,7 @@ from ..eval.statistics import has_scores
 from ..eval.tasks import GROUPS, MODES, RULER, SUITE_LABELS, SUITES, Defaults, get_task, task_names
 from ..models import check_context_lengths, context_window, resolve_model
 from ..policies import policy_names
-from .args import usable_cores
+from .args import check_threads
 from .policy_options import policy_arguments, policy_params
 from .startup import INTERRUPTED
 
@@ -285,10 +285,7 @@ def plan_eval(args) -> EvalPlan:
         if value < 1:
             raise ValueError(f"{option} must be >= 1, got {value}")
     threads = getattr(args, "threads", None)
-    cores = usable_cores()
-    if threads is not None and not 1 <= threads <= cores:
-        raise ValueError(f"--threads must be between 1 and the {cores} CPU core(s) this process may use, got {threads} "
-                         "(more threads than cores only wait on each other)")
+    check_threads(threads)
     # "" is checked too (and refused, as `run --json ""`), never read as "no file"
     if args.json_path is not None:
         check_output_path(args.json_path, "--json", example="runs/eval.json")

@@ -23,6 +23,8 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
+import torch
+
 from .. import (
     make_drop_fn,
     metrics,  # module access: tests replace metrics.speedup_notes
@@ -50,6 +52,7 @@ from .args import (
     OneLineParser,
     UsageError,
     check_device_output,
+    check_threads,
     drop_ratio,
     positive_float,
     positive_int,
@@ -172,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     policy_arguments(run)  # --window, --n-sink, --kernel-size, ...: one per policy parameter
     run.add_argument("--dtype", default="auto", help="model dtype: auto, float32, float16, bfloat16 (default: auto)")
     run.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    run.add_argument("--threads", type=int, default=None,
+                     help="torch CPU threads (torch.set_num_threads; default: torch's choice); the JSON records the "
+                          "threads used")
     run.add_argument("--json", dest="json_path", default="runs/run.json",
                      help="where to write the metrics as JSON (default: runs/run.json); a run stopped with Ctrl-C "
                           "writes the runs it finished there, marked \"interrupted\": true")
@@ -251,6 +257,7 @@ def plan_run(args) -> RunPlan:
         UsageError: a bad policy parameter or granularity, a dataset whose gold answers cannot be scored.
         ValueError: those of `load_rows` (a missing file, a context length the model cannot hold, ...).
     """
+    check_threads(args.threads)
     policy, params, settings = _plan_policy(args)
     # the model name resolved once; a broken local folder fails before the dataset loads
     model_ref = resolve_model(args.model, weights=args.engine == "hf")
@@ -414,6 +421,8 @@ def cmd_run(args) -> int:
     out = check_output_path(args.json_path, "--json", example="runs/run.json")  # before any work
     check_device_output(out, "--json")  # /dev/full would fail only after all the work
     plan = plan_run(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     engine, prompt_ids = open_run_engine(args, plan)
     with warnings.catch_warnings():  # ratio 1's warning: the run prints its own note, with the kept counts
         warnings.filterwarnings("ignore", message="drop_ratio=1 keeps only")
@@ -456,7 +465,8 @@ def report_run(args, plan: RunPlan, out, results, table) -> int:
     for line in speed_notes:
         print(f"note: {line}")
     accuracy, notes = _accuracy(args, plan, results)
-    report = {"args": _args_dict(args), "interrupted": False, "kv_budget": plan.kv_budget,
+    report = {"args": _args_dict(args), "threads": torch.get_num_threads(), "interrupted": False,
+              "kv_budget": plan.kv_budget,
               "decode_speedups": metrics.repeat_ratios(results["baseline"], results[name]),
               "decode_speedup_median": float(table.loc[name, "decode_speedup"]), "accuracy": accuracy, "timing": timing,
               "notes": [*notes, *speed_notes],  # the JSON keeps every note the run printed
