@@ -410,16 +410,17 @@ def _keep_rule(drop_ratio: float | None, budget: int | None) -> float | None:
     return None
 
 
-def policy_granularity(pol, policy: str, granularity: str) -> str:
-    """The granularity a registered policy selects at when `granularity` is asked; ValueError where it has none."""
+def policy_granularity(pol, policy: str, granularity: str, *, option: str = "granularity=") -> str:
+    """The granularity a registered policy selects at when `granularity` is asked; ValueError where it has none,
+    naming the setting as `option` spells it (`"granularity="` for the API, `"--granularity "` for the CLI)."""
     if pol.per_head_only and granularity != "head":
         if granularity == "layer":
             raise ValueError(f"policy {policy!r} moves budget between heads or layers, so it selects per KV head only; "
-                             f"use granularity='head' (or the default), not 'layer'")
+                             f"use {option}'head' (or the default), not 'layer'")
         return "head"  # the default ("request") asks for the policy's own sets: per head
     if granularity not in pol.granularities:
         raise ValueError(f"policy {policy!r} keeps one set per request only (its scores are not defined per layer or "
-                         f"head); use granularity='request', not {granularity!r}")
+                         f"head); use {option}'request', not {granularity!r}")
     return granularity
 
 
@@ -429,8 +430,9 @@ def make_drop_fn(policy: str | SelectFn, *, drop_ratio: float | None = None, bud
 
     Args:
         policy: a registered policy name (`tdutils.policies.policy_names()`: `"snapkv"`, `"rkv"`, `"random"`,
-            `"middle_chunk"`, `"streaming_llm"`, `"h2o"`, `"tova"`, `"knorm"`, `"keydiff"`, and any registered
-            with `tdutils.policies.register_policy`; its parameters are the fields of its params dataclass,
+            `"middle_chunk"`, `"streaming_llm"`, `"h2o"`, `"tova"`, `"knorm"`, `"keydiff"`, `"expected_attention"`,
+            `"adakv_snapkv"`, `"adakv_expected_attention"`, `"pyramidkv"`, and any registered with
+            `tdutils.policies.register_policy`; its parameters are the fields of its params dataclass,
             e.g. `tdutils.policies.SnapKVParams`), or your own selection function `select(tensors, tokens) ->
             LongTensor` of kept indices (it may read `CacheKind.KV` and `CacheKind.QUERY`); `drop_ratio` is then
             passed to it as a keyword if it accepts one.

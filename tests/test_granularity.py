@@ -394,6 +394,7 @@ def test_cli_runs_a_policy_per_head_and_refuses_what_cannot(tiny, tmp_path, caps
     rc = main(["run", "--policy", "middle_chunk", "--granularity", "layer", *common, "--json", str(tmp_path / "r.json")])
     err = capsys.readouterr().err
     assert rc == 2 and "policy 'middle_chunk' keeps one set per request only" in err, err
+    assert "use --granularity 'request', not 'layer'" in err, err  # the CLI's option, not the API's keyword
     rc = main(["run", "--policy", "knorm", "--granularity", "head", "--engine", "lmcache", *common,
                "--json", str(tmp_path / "r.json")])
     err = capsys.readouterr().err

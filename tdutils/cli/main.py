@@ -314,9 +314,9 @@ def _plan_policy(args):
             [f"--{k.replace('_', '-')} {v}" for k, v in params.items()]
         raise UsageError(f"{', '.join(named)}: {exc}" if named else str(exc)) from None
     try:
-        policy_granularity(policy, args.policy, args.granularity)  # the one check make_drop_fn makes too
+        policy_granularity(policy, args.policy, args.granularity, option="--granularity ")  # make_drop_fn's check
     except ValueError as exc:
-        raise UsageError(f"--granularity {args.granularity}: {exc}".replace("granularity='", "--granularity '")) from None
+        raise UsageError(f"--granularity {args.granularity}: {exc}") from None
     if args.granularity != "request" and args.engine != "hf":
         raise UsageError(f"--granularity {args.granularity} needs --engine hf: LMCache stores one token list per request")
     return policy, params, settings
