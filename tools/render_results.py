@@ -409,6 +409,15 @@ def engine_changes() -> str:
     return T.md_table(head, rows) + "\n\n" + _source("engine_smollm2", "docs/results/engine.json")
 
 
+OPENVINO_LATEST = "ef"  # the stored peer_openvino runs with the engine's current decode attention
+
+
+def _openvino_ratio(name: str) -> float:
+    """The engine's full-cache decode tok/s over OpenVINO GenAI's in one stored `bench/peer_openvino.py` run."""
+    by = {(r["engine"], r["config"].split(" ")[0]): r["tok_s"] for r in load(name)["rows"]}
+    return by["tdutils", "full"] / by["openvino", "full"]
+
+
 def speed_summary() -> str:
     """README's one table of the speed ratios (issue 34's targets) with the command of each stored run."""
     smol, qwen = load("engine_smollm2"), load("engine")
@@ -454,6 +463,10 @@ def speed_summary() -> str:
          "≥ 1.85", f"{row['snapkv@0.5']['decode_speedup']:.2f}", "engine_throughput_smollm2"],
         [f"SnapKV@0.75 ÷ its capacity limit 4, {s0['requests']} requests (batch stays full)", "≥ 0.9",
          f"{srow['snapkv@0.75']['of_limit']:.2f}", "engine_throughput_smollm2_steady"],
+        [("full-cache decode tok/s ÷ OpenVINO GenAI, SmolLM2 4×2048, 1 thread each, fp32 / bf16 (decode_attention; "
+         "each run's own ratio)"), "≥ 1.0", "; ".join(
+             " / ".join(f"{_openvino_ratio(f'peer_openvino_smollm2_{d}_1t_{r}'):.2f}" for d in ("float32", "bfloat16"))
+             for r in OPENVINO_LATEST), "[peer_openvino](docs/peer_openvino.md)"],
     ]
     return "\n".join([T.md_table(["figure", "target", "measured", "stored run"], rows), "",
                       (f"(SmolLM2 runs {smol['date']}, {T.threads(smol['torch_threads'])}; policy costs "
@@ -624,7 +637,8 @@ BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
     "engine_changes": (engine_changes, ("engine_smollm2", "engine")),
     "speed_summary": (speed_summary, ("engine_smollm2", "engine", "policy_cost", "engine_throughput_smollm2",
                                       "engine_throughput_smollm2_steady", "engine_smollm2_1thread",
-                                      "engine_1thread")),
+                                      "engine_1thread", *(f"peer_openvino_smollm2_{d}_1t_{r}" for r in OPENVINO_LATEST
+                                                          for d in ("float32", "bfloat16")))),
     "policy_cost": (lambda: T.policy_cost(load("policy_cost")) + " " + _source("policy_cost"),
                     ("policy_cost",)),
     "engine_profile": (engine_profile, ("engine_profile",)),
