@@ -1,5 +1,15 @@
+import signal
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    # A test run started as a background job (nohup, `cmd &` in a script) inherits SIGINT ignored, and so would
+    # every `python -m tdutils` the Ctrl-C tests start: they would run to the end. Give this process Python's usual
+    # handler, so its children start with SIGINT's default disposition, as under a terminal.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
