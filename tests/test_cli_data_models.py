@@ -296,6 +296,11 @@ def test_run_json_keeps_each_requests_answer(tmp_path, capsys):
     assert rc == 0, got.err
     report = json.loads(out.read_text())
     assert report["threads"] == 1 and report["args"]["threads"] == 1  # --threads reached torch
+    gold = report["gold"]
+    assert gold == [r.answer for r in load_prompts("sample", num_requests=2)], gold
+    for name, marks in ((n, report["accuracy"][n]["is_correct"]) for n in report["answers"]):
+        assert sum(marks) == report["accuracy"][name]["correct"] and len(marks) == 2, marks
+    assert "--repeats 1: each figure is one measurement" in got.out, got.out
     answers = report["answers"]
     assert list(answers) == ["baseline", "random@0.5"] and all(len(a) == 2 for a in answers.values()), answers
     rows = load_prompts("sample", num_requests=2)
@@ -408,3 +413,17 @@ def test_unreachable_hub_fails_at_once_with_one_hint(monkeypatch):
     # a model already in the hub cache is not probed
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: "/cache/config.json")
     assert ModelRef("org/cached", "hub", "org/cached").files() == "org/cached" and len(probes) == 1
+
+
+def test_run_says_when_a_policy_stores_more_than_its_ratio_asks(tmp_path, capsys):
+    # AdaKV's per-head budgets are stored padded to each layer's largest head: the kept fraction is not 1 - r
+    out = tmp_path / "r.json"
+    rc, got = _run_cli(["--policy", "adakv_snapkv", "--window", "8", "--num-requests", "2", "--max-tokens", "2",
+                        "--repeats", "2", "--no-progress", "--json", str(out)], capsys)
+    assert rc == 0, got.err
+    report = json.loads(out.read_text())
+    kept = {r["run"]: r["kept_fraction"] for r in report["table"]}["adakv_snapkv@0.5"]
+    assert kept > 0.55, report["table"]
+    note = f"adakv_snapkv@0.5 stores {kept:.2f} of the prompt's KV tokens, not 1 - 0.5 = 0.50"
+    assert note in got.out and any(n.startswith(note) for n in report["notes"]), got.out
+    assert "--repeats 1" not in got.out

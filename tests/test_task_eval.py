@@ -267,3 +267,11 @@ def test_task_table_leaves_out_the_columns_no_row_has():
     rows = mixed.splitlines()
     assert "accuracy" in rows[0] and "50.0%" in rows[1] and "9.4-90.5" in rows[1], mixed
     assert "nan" not in mixed and rows[2].count("–") == 4, mixed
+
+
+def test_resume_from_a_path_with_nothing_stored_says_it_starts_the_whole_grid(tmp_path, capsys):
+    from tdutils.cli.eval import _resume_rows
+
+    missing = tmp_path / "typo.json"
+    assert _resume_rows(str(missing), {}) == ([], 0.0)
+    assert f"--resume: nothing stored at {missing} yet: starting the whole grid there" in capsys.readouterr().out

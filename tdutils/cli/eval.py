@@ -476,6 +476,8 @@ def _resume_rows(json_path, meta: dict) -> tuple[list[dict], float]:
     if json_path is None or not Path(json_path).exists():
         if json_path is None:
             raise ValueError("--resume continues the run stored in --json; give --json PATH")
+        # a mistyped path would otherwise rerun the whole grid without a word
+        print(f"--resume: nothing stored at {json_path} yet: starting the whole grid there", flush=True)
         return [], 0.0
     try:
         stored = json.loads(Path(json_path).read_text(encoding="utf-8"))

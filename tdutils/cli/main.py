@@ -461,7 +461,7 @@ def report_run(args, plan: RunPlan, out, results, table) -> int:
     timing = table.attrs.get("timing", {})
     print(timing_line(timing))
     speed_notes = metrics.speedup_notes(table) + ([PREFILL_ONCE_NOTE] if timing.get("prefill") == "once" else [])
-    speed_notes += ratio_one_notes(args, results[name])
+    speed_notes += ratio_one_notes(args, results[name]) + stored_notes(args, table, name)
     for line in speed_notes:
         print(f"note: {line}")
     accuracy, notes = _accuracy(args, plan, results)
@@ -470,7 +470,8 @@ def report_run(args, plan: RunPlan, out, results, table) -> int:
               "decode_speedups": metrics.repeat_ratios(results["baseline"], results[name]),
               "decode_speedup_median": float(table.loc[name, "decode_speedup"]), "accuracy": accuracy, "timing": timing,
               "notes": [*notes, *speed_notes],  # the JSON keeps every note the run printed
-              "answers": run_answers(results), "table": json.loads(table.reset_index().to_json(orient="records")),
+              "answers": run_answers(results), "gold": [r.answer for r in plan.rows],
+              "table": json.loads(table.reset_index().to_json(orient="records")),
               "runs": runs}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
@@ -484,8 +485,9 @@ def _write_interrupted(args, plan: RunPlan, out, stop: Interrupted) -> int:
     if not stop.runs:
         print("python -m tdutils run: interrupted before any run finished; nothing was written", file=sys.stderr)
         return INTERRUPTED
-    report = {"args": _args_dict(args), "interrupted": True, "kv_budget": plan.kv_budget, "accuracy": accuracy, "notes": notes,
-              "answers": run_answers(stop.results), "runs": [m.to_dict() for m in stop.runs]}
+    report = {"args": _args_dict(args), "threads": torch.get_num_threads(), "interrupted": True,
+              "kv_budget": plan.kv_budget, "accuracy": accuracy, "notes": notes, "answers": run_answers(stop.results),
+              "gold": [r.answer for r in plan.rows], "runs": [m.to_dict() for m in stop.runs]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
     print(f"python -m tdutils run: interrupted; the {len(stop.runs)} finished run(s) are in {out} "
@@ -503,6 +505,21 @@ def ratio_one_notes(args, dropped) -> list[str]:
     note = (f"--drop-ratio 1 keeps only the tokens {args.policy} always keeps (its protected tokens: {span} KV "
             f"tokens per request), not 0: the ratio, capacity limit and accuracy are those of that set alone")
     return [note]
+
+
+def stored_notes(args, table, name: str) -> list[str]:
+    """Notes on what a run's figures rest on: a single repeat (no spread to show noise), and a dropped run that
+    stores more than `1 - drop_ratio` of the prompt (protected tokens; per-head budgets padded per layer)."""
+    notes = []
+    if args.repeats == 1:
+        notes.append("--repeats 1: each figure is one measurement, with no spread to show a busy machine (which can "
+                     "move a ratio 2x or more); use --repeats 3 (the default) for a ratio to rely on")
+    kept, want = float(table.loc[name, "kept_fraction"]), 1 - args.drop_ratio
+    if args.drop_ratio < 1 and kept > want + 0.05:
+        notes.append(f"{name} stores {kept:.2f} of the prompt's KV tokens, not 1 - {args.drop_ratio:g} = {want:.2f}: "
+                     "its protected tokens (window, sinks) or, for per-head budgets (AdaKV, PyramidKV), each layer "
+                     "stored at its largest head's count; the capacity limit and the speed-up follow what is stored")
+    return notes
 
 
 def run_answers(results) -> dict:
@@ -531,8 +548,8 @@ def _accuracy(args, plan: RunPlan, results, *, quiet: bool = False):
     elif not plan.scored:
         notes.append("no accuracy: no row of the dataset has a gold 'answer'")
     reports = {}
+    ok = [r.answer is not None for r in plan.rows]
     if plan.scored:
-        ok = [r.answer is not None for r in plan.rows]
         reports = {run_name: score_rows(plan.scored, [o.answer for o, has in zip(res.outputs, ok) if has],
                                         task=plan.task) for run_name, res in results.items()}
     for run_name, rep in reports.items():
@@ -545,7 +562,14 @@ def _accuracy(args, plan: RunPlan, results, *, quiet: bool = False):
     if not quiet:
         for line in notes:
             print(f"note: {line}")
-    return {run_name: rep.to_dict() for run_name, rep in reports.items()}, notes
+    return {run_name: {**rep.to_dict(), "is_correct": _per_request(rep.is_correct, ok)}
+            for run_name, rep in reports.items()}, notes
+
+
+def _per_request(marks: list[bool], scored: list[bool]) -> list[bool | None]:
+    """The scorer's marks (one per row with a gold answer) laid out per request, None where a row has none."""
+    it = iter(marks)
+    return [next(it) if has else None for has in scored]
 
 
 def _preload(command: str) -> None:
