@@ -204,7 +204,7 @@ def test_unavailable_devices_fail_before_loading(monkeypatch):
 def test_load_model_without_progress_shows_no_loading_bar(capfd):
     from transformers.utils import logging as hf_logging
 
-    assert hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # an earlier in-process `run --no-progress` turns the bars off for the process
     load_model("tiny-qwen3", device="cpu", progress=False)
     assert "Loading weights" not in capfd.readouterr().err
     assert hf_logging.is_progress_bar_enabled()  # restored afterwards
