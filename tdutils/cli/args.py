@@ -81,6 +81,12 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def add_threads_option(parser: argparse.ArgumentParser, more_help: str = "") -> None:
+    """`--threads N` (torch CPU threads; None: torch's choice), checked by `check_threads` once parsed."""
+    parser.add_argument("--threads", type=int, default=None,
+                        help=f"torch CPU threads (torch.set_num_threads; default: torch's choice){more_help}")
+
+
 def check_threads(threads: int | None) -> None:
     """Check a `--threads` value: None (torch's choice) or 1 .. `usable_cores()`.
 

@@ -47,7 +47,7 @@ from ..eval.statistics import has_scores
 from ..eval.tasks import GROUPS, MODES, RULER, SUITE_LABELS, SUITES, Defaults, get_task, task_names
 from ..models import check_context_lengths, context_window, resolve_model
 from ..policies import policy_names
-from .args import check_threads
+from .args import add_threads_option, check_threads
 from .policy_options import policy_arguments, policy_params
 from .startup import INTERRUPTED
 
@@ -142,9 +142,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--plot", default=None,
                         help="also save a plot to this path (PNG, SVG, ...): passkey accuracy per length, or the RULER "
                              "leaderboard (mean exact match over tasks vs drop ratio, one panel per mode)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (torch.set_num_threads; default: torch's choice). The bundled models "
-                             "are tiny: 1 thread per run is fastest when several runs share a machine")
+    add_threads_option(parser, ". The bundled models are tiny: 1 thread per run is fastest when several runs "
+                               "share a machine")
     parser.add_argument("--quiet", action="store_true", help="no per-cell progress lines and no progress bar")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run stored in --json (the same model, seed, n and decode tokens): its "

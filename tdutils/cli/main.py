@@ -51,6 +51,7 @@ from ..runs import (
 from .args import (
     OneLineParser,
     UsageError,
+    add_threads_option,
     check_device_output,
     check_threads,
     drop_ratio,
@@ -175,9 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     policy_arguments(run)  # --window, --n-sink, --kernel-size, ...: one per policy parameter
     run.add_argument("--dtype", default="auto", help="model dtype: auto, float32, float16, bfloat16 (default: auto)")
     run.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-    run.add_argument("--threads", type=int, default=None,
-                     help="torch CPU threads (torch.set_num_threads; default: torch's choice); the JSON records the "
-                          "threads used")
+    add_threads_option(run, "; the JSON records the threads used")
     run.add_argument("--json", dest="json_path", default="runs/run.json",
                      help="where to write the metrics as JSON (default: runs/run.json); a run stopped with Ctrl-C "
                           "writes the runs it finished there, marked \"interrupted\": true")
