@@ -26,6 +26,7 @@ from ..edit import make_drop_fn
 from ..engines.base import Engine
 from ..engines.hf import HFEngine
 from ..models import RULER_MODEL_NAME, TINY_MODEL_NAME, resolve_model
+from ..policies.reuse import shared_scores
 from .common import DEV_SEED, FULL, TRAIN_SEED_BASE, DropRatios, check_seed, wilson_interval
 from .tasks import MODES, PASSKEY, PASSKEY_DEFAULTS, RULER_DEFAULTS, WORD_DEFAULTS, Task, get_task, task_names
 
@@ -603,17 +604,18 @@ def _decode_cells(engine, saved, chunk, cells, extensions, max_tokens: int, stop
     """Each cell of one chunk from the prefilled state `saved`: restore, edit, extend (when given), decode; the
     answers, modify seconds and kept tokens are added to `out` (`_results`); `done(policy, ratio)` after each."""
     texts, modify_s, kept = out
-    for policy, r, fn in cells:
-        _restore(engine, saved, chunk)
-        if fn is not None:
-            engine.modify(fn)
-            modify_s[policy, r] += engine.metrics.modify.seconds
-        if extensions is not None:
-            engine.extend(extensions)
-        outs = engine.decode(max_tokens=max_tokens, temperature=0.0, ignore_eos=not stop_at_eos)
-        texts[policy, r] += [o.answer for o in outs]
-        kept[policy, r] += sum(o.cached_tokens for o in outs)
-        done(policy, r)
+    with shared_scores():  # a policy's scores of these caches, computed at its first ratio, serve the others
+        for policy, r, fn in cells:
+            _restore(engine, saved, chunk)
+            if fn is not None:
+                engine.modify(fn)
+                modify_s[policy, r] += engine.metrics.modify.seconds
+            if extensions is not None:
+                engine.extend(extensions)
+            outs = engine.decode(max_tokens=max_tokens, temperature=0.0, ignore_eos=not stop_at_eos)
+            texts[policy, r] += [o.answer for o in outs]
+            kept[policy, r] += sum(o.cached_tokens for o in outs)
+            done(policy, r)
 
 
 def run_forced_cells(engine, prompts: Sequence, continuations: Sequence[Sequence[int]], cells: Sequence[tuple], *,
@@ -657,21 +659,22 @@ def run_forced_cells(engine, prompts: Sequence, continuations: Sequence[Sequence
         engine.prefill(chunk)
         saved = _snapshot(engine)
         ref = _forced_logits(engine, forced)
-        for policy, r, fn in cells:
-            outs = ref
-            if fn is not None:
-                _restore(engine, saved, chunk)
-                engine.modify(fn)
-                modify_s[policy, r] += engine.metrics.modify.seconds
-                outs = _forced_logits(engine, forced)
-            for (logits, cached), (full, _), ids in zip(outs, ref, forced):
-                for k, v in continuation_measures(full, logits, ids).items():
-                    per[policy, r][k].append(v)
-                kept[policy, r] += cached
-            if tick is not None:
-                tick(policy, r, len(chunk) / len(prompts))
-            if on_cell is not None and start + batch_size >= len(prompts):  # its last chunk: the cell is scored
-                on_cell(policy, r, per[policy, r], modify_s[policy, r], kept[policy, r])
+        with shared_scores():  # a policy's scores of these caches, computed at its first ratio, serve the others
+            for policy, r, fn in cells:
+                outs = ref
+                if fn is not None:
+                    _restore(engine, saved, chunk)
+                    engine.modify(fn)
+                    modify_s[policy, r] += engine.metrics.modify.seconds
+                    outs = _forced_logits(engine, forced)
+                for (logits, cached), (full, _), ids in zip(outs, ref, forced):
+                    for k, v in continuation_measures(full, logits, ids).items():
+                        per[policy, r][k].append(v)
+                    kept[policy, r] += cached
+                if tick is not None:
+                    tick(policy, r, len(chunk) / len(prompts))
+                if on_cell is not None and start + batch_size >= len(prompts):  # its last chunk: the cell is scored
+                    on_cell(policy, r, per[policy, r], modify_s[policy, r], kept[policy, r])
     return per
 
 

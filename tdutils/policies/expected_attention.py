@@ -42,6 +42,7 @@ from ..selection import (
 )
 from .params import check_int, is_number
 from .registry import register_policy
+from .reuse import reused
 from .scoring import check_query
 
 
@@ -77,6 +78,7 @@ def averaged_rotation(spec, start: int, count: int) -> torch.Tensor:
     return out.T
 
 
+@reused
 def expected_attention_head_scores(kv: torch.Tensor, q: torch.Tensor, *, params: ExpectedAttentionParams, facts
                                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The expected-attention score of every token per KV head (the module docstring's definition).

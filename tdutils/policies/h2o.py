@@ -34,6 +34,7 @@ from ..selection import (
     repeat_keep,
 )
 from .registry import register_policy
+from .reuse import reused
 from .scoring import check_query, layer_attentions, model_attention, plain_attention, reduce_gqa
 
 # fp32 attention probabilities held per block of query rows (16 MiB: small blocks skip most of the causal
@@ -53,6 +54,7 @@ class H2OParams:
         check_protected(self.n_sink, 0 if self.window is None else self.window)
 
 
+@reused
 def h2o_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, attention: AttentionSpec | None = None
                ) -> torch.Tensor:
     """Attention accumulated over all prompt queries (causal), per token (arXiv:2306.14048).
@@ -132,6 +134,12 @@ def _accumulated(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, layer: Layer
     return acc
 
 
+@reused
+def _stacked_head_scores(kv, q, head_dim, attention) -> torch.Tensor:
+    """fp32 `[L, H, T]` on the CPU: `_head_scores` of every layer."""
+    return torch.stack(list(_head_scores(kv, q, head_dim, attention))).cpu()
+
+
 def h2o_keep(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, *, head_dim: int, window: int | None = None,
              n_sink: int = 0, attention: AttentionSpec | None = None, granularity: str = "request") -> torch.Tensor:
     """Kept indices: the recent window, the sinks, and the heavy hitters, `keep_count(T, drop_ratio)` in all.
@@ -146,7 +154,7 @@ def h2o_keep(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, *, head_dim: 
         return repeat_keep(torch.arange(T), kv.shape[1], kv.shape[3] // head_dim, granularity)
     w = k // 2 if window is None else window
     if granularity != "request":
-        per_head = torch.stack(list(_head_scores(kv, q, head_dim, attention))).cpu()  # [L, H, T]
+        per_head = _stacked_head_scores(kv, q, head_dim, attention)  # [L, H, T]
         return keep_top_per_head(per_head, k, protected_mask(T, n_sink=n_sink, window=w), granularity)
     scores = h2o_scores(kv, q, head_dim=head_dim, attention=attention).cpu()
     return keep_top_scores(scores, k, protected_mask(T, n_sink=n_sink, window=w))

@@ -37,6 +37,7 @@ from ..selection import (
 )
 from .params import check_int, check_odd_kernel, is_number
 from .registry import register_policy
+from .reuse import reused
 from .scoring import check_query, layer_attentions, model_attention, pool_tokens
 
 Redundancy = Literal["reference", "exact", "tiled", "buffered"]
@@ -536,6 +537,7 @@ def _scores(kv: torch.Tensor, q: torch.Tensor, p: RKVParams, head_dim: int, atte
     return z.mean(dim=1).sum(dim=0)
 
 
+@reused
 def _head_scores(kv: torch.Tensor, q: torch.Tensor, p: RKVParams, head_dim: int, attention: AttentionSpec | None
                  ) -> torch.Tensor:
     """`Z = λ·I − (1 − λ)·R[:, :T−w]` per layer and KV head: fp32 `[L, H, T - w]` on the KV's device."""

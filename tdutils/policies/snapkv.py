@@ -35,6 +35,7 @@ from ..selection import (
 )
 from .params import check_choice, check_int, check_odd_kernel
 from .registry import register_policy
+from .reuse import reused
 from .scoring import (
     GQA_REDUCTIONS,
     POOLINGS,
@@ -127,6 +128,7 @@ def _pooled_votes(kv: torch.Tensor, q: torch.Tensor, p: SnapKVParams, head_dim: 
         yield pool_tokens(vote, p.kernel_size, p.pooling)
 
 
+@reused
 def _scores(kv: torch.Tensor, q: torch.Tensor, p: SnapKVParams, head_dim: int, attention: AttentionSpec | None
             ) -> torch.Tensor:
     check_query(kv, q, p.window, head_dim, "SnapKV")  # before reading kv's shape
@@ -151,6 +153,7 @@ def _keep_indices(kv: torch.Tensor, q: torch.Tensor, drop_ratio: float, p: SnapK
     return keep_top_scores(full, k, protected)
 
 
+@reused
 def _head_votes(kv, q, p: SnapKVParams, head_dim: int, attention) -> torch.Tensor:
     """fp32 `[L, H, T]` on the CPU: the pooled votes per KV head, 0 in the window's slots (`T > w`)."""
     votes = torch.cat(list(_pooled_votes(kv, q, p, head_dim, attention))).cpu()  # [L, H, T - w]
