@@ -668,6 +668,118 @@ BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
 }
 
 
+# ------------------------------------------------------------------- the paired real-model leaderboard (issue 43)
+LEADERBOARD_RUNS = ("leaderboard_smollm2_2048",)
+
+
+def _measure_value(measure: str, value: float) -> str:
+    return f"{value:.3f}" if measure == "kl" else f"{100 * value:.1f}"
+
+
+def leaderboard_cells(stored: str) -> str:
+    """Each cell of a stored leaderboard by its task's own measure (exact match %, partial credit %, or mean KL), at
+    every drop ratio, with `*` where the paired test against the full cache on the same prompts rejects equality
+    (Holm across the cells of that task and mode, family-wise 0.05)."""
+    import pandas as pd
+
+    from tdutils.eval import ALPHA
+    from tdutils.eval.statistics import holm, paired_differences
+
+    report = load(stored)
+    m, table = report["meta"], pd.DataFrame(report["rows"])
+    diffs = paired_differences(table)
+    diffs["holm"] = diffs.groupby(["task", "mode"], sort=False)["p_value"].transform(lambda p: holm(list(p)))
+    sig = {(d.task, d.mode, d.policy, d.drop_ratio) for d in diffs.itertuples() if d.holm < ALPHA}
+    tasks = list(dict.fromkeys(table["task"]))
+    measures = {t: table[table["task"] == t]["measure"].iloc[0] for t in tasks}
+    ratios = sorted(r for r in table["drop_ratio"].unique() if r > 0)
+    rows = []
+    for (mode, policy), g in table.groupby(["mode", "policy"], sort=False):
+        cells = []
+        for task in tasks:
+            t = g[g["task"] == task].set_index("drop_ratio")["score"]
+            if t.empty:
+                cells.append("–")
+                continue
+            cells.append(" / ".join(_measure_value(measures[task], t.loc[r]) + ("*" if (task, mode, policy, r) in sig
+                                                                                   else "")
+                                    for r in (t.index if policy == "full" else ratios)))
+        rows.append([mode, f"`{policy}`" if policy != "full" else "full", *cells])
+    names = {"exact": "exact match %", "partial": "partial credit %", "kl": "mean KL, nats"}
+    head = ["mode", "policy", *(f"{t} ({names.get(measures[t], measures[t])})" for t in tasks)]
+    n = {t: int(table[table["task"] == t]["n"].iloc[0]) for t in tasks}
+    return "\n".join([T.md_table(head, rows), "",
+                      f"Drop ratios {' / '.join(f'{r:g}' for r in ratios)} (the full cache: one figure); n = "
+                      + ", ".join(f"{n[t]} ({t})" for t in tasks) + " prompts per cell, the same prompts in every "
+                      f"cell of a task. `*`: the paired test against the full cache (exact McNemar for exact match, "
+                      f"sign-flip for the others) rejects equality, Holm-corrected across the task's cells of that "
+                      f"mode at family-wise {ALPHA:g}. " + _leaderboard_source(stored, m)])
+
+
+def _leaderboard_source(stored: str, m: dict) -> str:
+    dtype = m.get("dtype", "float32")
+    return _source(stored, f"model `{m['model']}`", f"{dtype} weights, activations and KV cache",
+                   f"chat template {m['chat_template']}", _seed(m["seed"]), T.threads(m["threads"]),
+                   f"{_minutes(m['seconds'])} of wall time on the shared 2 cores")
+
+
+def _separated(rank) -> set:
+    """The pairs `(better, worse)` of policies a `rank_policies` table separates (per mode)."""
+    return {(r.mode, r.policy, b) for r in rank.itertuples() for b in r.above.split(", ") if b}
+
+
+def leaderboard_ranking(stored: str) -> str:
+    """`rank_policies` of a stored leaderboard per measure and drop ratio (paired tests, Holm), and for exact
+    match how many pairs of policies the paired tests separate against unpaired per-cell Wilson intervals on the
+    same cells."""
+    import pandas as pd
+
+    from tdutils.eval import ALPHA, rank_policies
+
+    report = load(stored)
+    m, table = report["meta"], pd.DataFrame(report["rows"])
+    measures = list(dict.fromkeys(table["measure"]))
+    rows, counts = [], []
+    for measure in measures:
+        for ratio in m["drop_ratios"]:
+            rank = rank_policies(table, ratio, measure=measure)
+            for mode, g in rank.groupby("mode", sort=False):
+                rows.append([measure, f"{ratio:g}", mode, ", ".join(
+                    f"{r.rank}. `{r.policy}`{_over(r)} {_measure_value(measure, r.score)}" for r in g.itertuples())])
+            if measure == "exact":
+                paired = _separated(rank)
+                unpaired = _separated(rank_policies(table.drop(columns=["scores"]), ratio, measure=measure))
+                counts.append([f"{ratio:g}", len(paired), len(unpaired), len(paired - unpaired), len(unpaired - paired)])
+    out = [T.md_table(["measure", "drop ratio", "mode", "rank. policy score (exact / partial: %, kl: nats)"], rows), "",
+           (f"Per measure the cells of the tasks scored by it are pooled (exact match: both needle tasks); a policy "
+           f"ranks below another only where the paired test on the same prompts (exact McNemar; sign-flip for a "
+           f"continuous measure) rejects equality, Holm-corrected across the mode's pairs at family-wise "
+           f"{ALPHA:g}; policies sharing a rank are not separated. {OVER_NOTE}")]
+    if counts:
+        out += ["", T.md_table(["drop ratio", "pairs separated, paired McNemar", ("pairs separated, unpaired Wilson "
+                                "intervals"), "by the paired test only", "by the intervals only"], counts), "",
+                "Pairs of policies (both modes, the full cache included) separated on exact match, pooled over the "
+                "needle tasks, by `rank_policies` with the per-prompt scores (paired) and without them (unpaired "
+                "Wilson intervals of each cell, the only test a run without per-prompt scores allows). "
+                + _leaderboard_source(stored, m)]
+    return "\n".join(out)
+
+
+def leaderboard_plot(stored: str) -> None:
+    """`plot_paired_differences` of a stored leaderboard's exact-match tasks, saved beside its JSON."""
+    import pandas as pd
+
+    from tdutils.eval import plot_paired_differences
+    from tdutils.eval.statistics import paired_differences
+
+    table = pd.DataFrame(load(stored)["rows"])
+    plot_paired_differences(paired_differences(table), RESULTS / f"{stored}.png")
+
+
+BLOCKS.update({f"{name}_cells": (lambda name=name: leaderboard_cells(name), (name,)) for name in LEADERBOARD_RUNS})
+BLOCKS.update({f"{name}_ranking": (lambda name=name: leaderboard_ranking(name), (name,)) for name in LEADERBOARD_RUNS})
+
+
 # ------------------------------------------------------------ compression while the cache grows (issue 33, item 5)
 PAGES += ("docs/decode_compression.md",)
 
