@@ -45,6 +45,7 @@ def test_sign_flip_and_holm_hand_computed():
     # 5 prompts, every difference positive: exact test over 2**5 sign flips, 2 of them as extreme: 2 / 32
     assert sign_flip_test([1, 2, 3, 4, 5], [0, 0, 0, 0, 0]) == pytest.approx(0.0625)
     assert sign_flip_test([1, 2], [1, 2]) == 1.0
+    assert sign_flip_test([0.7], [0.2]) == 1.0  # one prompt: both flips are as extreme (a `--n 1` quick look)
     # sorted 0.01, 0.03, 0.04: 3 * 0.01, max(0.03, 2 * 0.03), max(0.06, 1 * 0.04)
     assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
     assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])

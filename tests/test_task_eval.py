@@ -273,5 +273,5 @@ def test_resume_from_a_path_with_nothing_stored_says_it_starts_the_whole_grid(tm
     from tdutils.cli.eval import _resume_rows
 
     missing = tmp_path / "typo.json"
-    assert _resume_rows(str(missing), {}) == ([], 0.0)
+    assert _resume_rows(str(missing), {}) == ([], 0.0, {})
     assert f"--resume: nothing stored at {missing} yet: starting the whole grid there" in capsys.readouterr().out

@@ -99,6 +99,25 @@ def check_threads(threads: int | None) -> None:
                          "(more threads than cores only wait on each other)")
 
 
+DTYPES = ("auto", "float32", "float16", "bfloat16")  # --dtype values (tdutils.models.load_model's names)
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # load_model reads these too
+
+
+def dtype_option(text: str) -> str:
+    """argparse type of `--dtype`: one of `DTYPES` (or an alias of `DTYPE_ALIASES`, given back as its full name)."""
+    value = DTYPE_ALIASES.get(text.strip().lower(), text.strip().lower())
+    if value not in DTYPES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(DTYPES)}, got {text!r}")
+    return value
+
+
+def add_dtype_option(parser: argparse.ArgumentParser, default: str | None = "auto", more_help: str = "") -> None:
+    """`--dtype` (the model's dtype when the engine loads it), checked by `dtype_option` as it is parsed: a bad value
+    is refused in one line with exit status 2. `more_help` is added to the help after the choices."""
+    parser.add_argument("--dtype", type=dtype_option, default=default,
+                        help=f"model dtype: {', '.join(DTYPES)}{more_help}")
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad option in one line (no usage block) and exits with status 2."""
 

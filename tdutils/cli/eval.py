@@ -4,22 +4,27 @@
 `tdutils.cli.main`). Every option left unset takes its default from the registration of the run's tasks
 (`tdutils.eval.tasks.Defaults`: model, policies, drop ratios, context lengths, n, modes, decode tokens, layout);
 `--tasks` unset runs the tasks registered for `--model` (none given: the passkey benchmark of `tiny-qwen3`; a model
-that is not bundled: RULER's templates). Everything that can be checked without the model is checked before any
-work; bad values raise ValueError (the command line prints one line, exit status 2), and Ctrl-C writes the cells
-that finished to `--json`, marked `"interrupted": true` (exit status 130). The JSON is also rewritten after every
-(length, task, mode) group, so a run killed outright leaves its finished cells there, and `--resume` continues it
-without running them again; a progress bar with an ETA runs on stderr unless `--quiet`.
+that is not bundled: RULER's templates); `--tasks leaderboard` runs the default real-model grid
+(`tdutils.eval.grid.LEADERBOARD`: its tasks, each with its own n, policies, ratios, length and dtype), and without
+`--n` every task takes its own n. Before the run starts one line gives the size of the whole grid (cells, prompts
+prefilled). Everything that can be checked without the model is checked before any work; bad values raise
+ValueError (the command line prints one line, exit status 2), and Ctrl-C writes the cells that finished to `--json`,
+marked `"interrupted": true` (exit status 130). The JSON is also rewritten after every (length, task, mode) group,
+so a run killed outright leaves its finished cells there, and `--resume` continues it without running them again;
+a progress bar with an ETA runs on stderr unless `--quiet`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 
 from ..chat import uses_chat_template
+from ..eval import grid as grids  # read as grids.LEADERBOARD at each run (a test may replace it)
 from ..eval.common import (
     DEV_SEED,
     FULL,
@@ -30,11 +35,13 @@ from ..eval.common import (
     check_plot_path,
     check_seed,
 )
+from ..eval.grid import LEADERBOARD_WORD
 from ..eval.report import (
     OVER_BUDGET,
     format_table,
     format_task_table,
     measure_markdown,
+    n_text,
     plot_accuracy,
     plot_leaderboard,
     rank_policies,
@@ -42,17 +49,30 @@ from ..eval.report import (
     weak_task_notes,
     write_json,
 )
-from ..eval.runner import COLUMNS, TASK_COLUMNS, _open_engine, lengths_eval, split_granularity, task_eval
+from ..eval.runner import (
+    COLUMNS,
+    TASK_BATCH_SIZE,
+    TASK_COLUMNS,
+    _open_engine,
+    grid_size,
+    lengths_eval,
+    split_granularity,
+    task_counts,
+    task_eval,
+    task_modes,
+    task_n,
+)
 from ..eval.statistics import has_scores
 from ..eval.tasks import GROUPS, MODES, RULER, SUITE_LABELS, SUITES, Defaults, get_task, task_names
 from ..models import check_context_lengths, context_window, resolve_model
 from ..policies import policy_names
-from .args import add_threads_option, check_threads
+from .args import add_dtype_option, add_threads_option, check_threads
 from .policy_options import policy_arguments, policy_params
 from .startup import INTERRUPTED
 
 ALL = "all"  # --policies: every registered policy; --tasks: every word-level task
 RULER_SUITE = "ruler"  # --tasks: every RULER template task
+LEADERBOARD = LEADERBOARD_WORD  # --tasks: the default real-model grid (tdutils.eval.grid.LEADERBOARD)
 CHAT_TEMPLATES = ("auto", "none")
 SCORED_TEXT = ("each response up to its first EOS token (RequestOutput.answer): decoding ignores EOS so every cell "
                "decodes the same number of tokens, and what follows an EOS is not the model's answer")
@@ -105,9 +125,12 @@ def add_arguments(parser) -> None:
 
     suites = "; ".join(f"'{_group_word(s)}': {SUITE_LABELS[s]} ({', '.join(task_names(s))})" for s in SUITES
                        if task_names(s))
+    board = grids.LEADERBOARD
     parser.add_argument("--tasks", nargs="+", default=None,
-                        help=f"task names or whole suites: {suites}. Default: the tasks of --model ('{task_names()[0]}' "
-                             f"without one; '{RULER_SUITE}' for a --model that is not bundled)")
+                        help=f"task names or whole suites: {suites}; '{LEADERBOARD}': the default real-model grid "
+                             f"({_board_text(board)}; bfloat16 on a GPU or a CPU with native bfloat16, else float32; "
+                             "any option given overrides it). Default: the tasks of --model "
+                             f"('{task_names()[0]}' without one; '{RULER_SUITE}' for a --model that is not bundled)")
     parser.add_argument("--chat-template", choices=CHAT_TEMPLATES, default="auto",
                         help="RULER template tasks: 'auto' (default) wraps each prompt in the tokenizer's chat template "
                              "when it has one; 'none' feeds the raw template")
@@ -124,8 +147,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--context-lengths", nargs="+", default=None,
                         help=f"prompt lengths in tokens (default: {each('context_lengths')})")
     parser.add_argument("--n", type=int, default=None,
-                        help="prompts per context length and task (default: "
-                             f"{'; '.join(f'{label} {d.n}' for label, d in _suite_defaults())})")
+                        help="prompts per context length and task, the same for every task (default: each task's own: "
+                             f"{'; '.join(f'{label} {d.n}' for label, d in _suite_defaults())}; '{LEADERBOARD}': "
+                             f"{', '.join(f'{t} {k}' for t, k in board.task_n.items())})")
     parser.add_argument("--seed", type=_seed_option, default=DEV_SEED,
                         help=f"dataset seed, below {TRAIN_SEED_BASE} (training streams); {DEV_SEED} is the development "
                              f"seed, {HELDOUT_SEED} the held-out seed of the published table (default: %(default)s)")
@@ -142,11 +166,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--plot", default=None,
                         help="also save a plot to this path (PNG, SVG, ...): passkey accuracy per length, or the RULER "
                              "leaderboard (mean exact match over tasks vs drop ratio, one panel per mode)")
+    add_dtype_option(parser, None, f" (default: auto, the checkpoint's own, float32 for the bundled and packaged "
+                                   f"models; '--tasks {LEADERBOARD}': bfloat16 on a GPU or a CPU with native "
+                                   "bfloat16, else float32); the JSON records the dtype the model ran in")
     add_threads_option(parser, ". The bundled models are tiny: 1 thread per run is fastest when several runs "
                                "share a machine")
     parser.add_argument("--quiet", action="store_true", help="no per-cell progress lines and no progress bar")
     parser.add_argument("--resume", action="store_true",
-                        help="continue the run stored in --json (the same model, seed, n and decode tokens): its "
+                        help="continue the run stored in --json (the same model, seed, n, decode tokens and dtype): its "
                              "finished cells are kept and not run again. The JSON is rewritten after every group of "
                              "cells, so a killed run resumes where it stopped")
     parser.add_argument("--ignore-eos", action="store_true",
@@ -155,9 +182,18 @@ def add_arguments(parser) -> None:
     policy_arguments(parser, skip=POLICY_OPTION_SKIP)  # --window, --n-sink, ...: each reaches every policy with it
 
 
+def _board_text(board) -> str:
+    """The leaderboard grid in words, for `--help`."""
+    n = ", ".join(f"{t} n={k}" for t, k in board.task_n.items())
+    return (f"{n}; every policy that selects one set per request (not AdaKV/PyramidKV) and full; drop ratios "
+            f"{' '.join(map(str, board.drop_ratios))}; {' '.join(map(str, board.context_lengths))} tokens; "
+            f"both modes (text_fidelity agnostic); model {board.model}")
+
+
 def parse_tasks(values: Iterable[str]) -> list[str]:
-    """`--tasks` values as a list: a suite's word (`'all'`: the word-level tasks, `'ruler'`: RULER's templates)
-    expands to its tasks; a task whose layout is `"lengths"` (`passkey`) must stand alone.
+    """`--tasks` values as a list: a suite's word (`'all'`: the word-level tasks, `'ruler'`: RULER's templates) and
+    `'leaderboard'` (`tdutils.eval.grid.LEADERBOARD`'s tasks) expand to their tasks; a task whose layout is
+    `"lengths"` (`passkey`) must stand alone.
 
     Raises:
         ValueError: an unknown task, or a `"lengths"` task mixed with other tasks (its table has no task column).
@@ -166,7 +202,9 @@ def parse_tasks(values: Iterable[str]) -> list[str]:
         tasks = _split(values, str, "task")
     except argparse.ArgumentTypeError as exc:
         raise ValueError(str(exc)) from None
-    tasks = list(dict.fromkeys(t for x in tasks for t in (_grouped(GROUPS[x]) if x in GROUPS else (x,))))
+    board = grids.LEADERBOARD.tasks
+    tasks = list(dict.fromkeys(t for x in tasks for t in (_grouped(GROUPS[x]) if x in GROUPS else
+                                                          board if x == LEADERBOARD else (x,))))
     unknown = [t for t in tasks if t not in task_names()]
     if unknown:
         choices = []
@@ -176,6 +214,7 @@ def parse_tasks(values: Iterable[str]) -> list[str]:
                 choices.append(f"{_group_word(suite)!r} ({SUITE_LABELS[suite]}: {', '.join(names)})")
             else:
                 choices += [repr(t) for t in names]
+        choices.insert(2, f"{LEADERBOARD!r} (the default real-model grid: {', '.join(board)})")
         raise ValueError(f"--tasks: unknown {', '.join(map(repr, unknown))}; choose "
                          f"{', '.join(choices[:-1])} or {choices[-1]}")
     alone = [t for t in tasks if get_task(t).defaults.layout == "lengths"]
@@ -206,8 +245,12 @@ class EvalPlan:
 
     Attributes:
         tasks: the task names; defaults: the `Defaults` the run takes (those of its first task that runs on a
-            bundled model, else of its first task); model, modes, policies, ratios, lengths, max_tokens: the grid;
-        params: policy parameters given, per policy label; chat: `--chat-template`; threads: `--threads` or None.
+            bundled model, else of its first task; `--tasks leaderboard`: with the grid's model, policies, ratios,
+            lengths and modes); model, modes, policies, ratios, lengths, max_tokens: the grid;
+        params: policy parameters given, per policy label; chat: `--chat-template`; threads: `--threads` or None;
+        n: prompts per (task, length), an int when every task has the same, else `{task: n}` (`--n` unset: each
+            task's own default; the leaderboard's own for its tasks); dtype: what the engine is opened with;
+        dtype_note: why, when the leaderboard chose it (None otherwise).
     """
 
     tasks: list
@@ -221,6 +264,9 @@ class EvalPlan:
     params: dict
     chat: str
     threads: int | None
+    n: int | dict
+    dtype: str
+    dtype_note: str | None = None
 
     @property
     def lengths_layout(self) -> bool:
@@ -242,18 +288,20 @@ def run(args) -> int:
     meta = {"model": plan.model, "tasks": plan.tasks, "modes": plan.modes, "policies": plan.policies,
             # no ratio was run when only the full cache was asked for (it ignores them)
             "drop_ratios": list(plan.ratios) if any(p != FULL for p in plan.policies) else [],
-            "context_lengths": plan.lengths, "n": args.n, "seed": args.seed, "max_tokens": plan.max_tokens,
+            "context_lengths": plan.lengths, "n": plan.n, "seed": args.seed, "max_tokens": plan.max_tokens,
             "policy_params": plan.params, "threads": torch.get_num_threads(), "interrupted": False,
             "scored": SCORED_TEXT, "chat_template_option": plan.chat}
     if getattr(args, "resume", False) and plan.lengths_layout:
         raise ValueError("--resume continues task grids (--tasks ...); the passkey grid of context lengths reruns "
                          "whole: drop --resume, or give another --json to keep the stored run")
     resume = getattr(args, "resume", False)
-    done, before = _resume_rows(args.json_path, meta) if resume else ([], 0.0)
+    done, before, stored = _resume_rows(args.json_path, meta) if resume else ([], 0.0, {})
+    for line in plan_lines(plan, stored=len(done)):
+        print(line, flush=True)
     t0 = time.perf_counter() - before  # a resumed run's seconds include those of the runs it continues
     finished: list[dict] = list(done)  # the cells scored so far, kept when Ctrl-C stops the run
     try:
-        table, used_chat = execute_eval(args, plan, meta, done, finished, t0)
+        table, used_chat = execute_eval(args, plan, meta, done, finished, t0, stored_dtype=stored.get("dtype"))
     except KeyboardInterrupt:
         return _interrupted(finished, COLUMNS if plan.lengths_layout else TASK_COLUMNS, args.json_path, meta, t0)
     return report_eval(args, plan, table, used_chat, meta, t0, resumed_s=before)
@@ -261,15 +309,20 @@ def run(args) -> int:
 
 def plan_eval(args) -> EvalPlan:
     """Check every `eval` option that can be checked without the model and settle the grid (`EvalPlan`); sets
-    `args.n` to the run's default when it was left out.
+    `args.n` to the run's n (`EvalPlan.n`) when it was left out.
 
     Raises:
         ValueError: a bad option (one line naming it), or a context length the model cannot hold.
     """
-    tasks = parse_tasks(getattr(args, "tasks", None) or default_tasks(getattr(args, "model", None)))
+    words = getattr(args, "tasks", None) or default_tasks(getattr(args, "model", None))
+    tasks = parse_tasks(words)
+    board = grids.LEADERBOARD if LEADERBOARD in _split(words, str, "task") else None
     specs = [get_task(t) for t in tasks]
     # the run's defaults: those of its first task that runs on a bundled model, else of its first task
     d = next((s.defaults for s in specs if not s.defaults.real_model), specs[0].defaults)
+    if board is not None:  # the leaderboard's grid where an option is left out
+        d = replace(d, model=board.model, policies=tuple(board.policies()), drop_ratios=board.drop_ratios,
+                    context_lengths=board.context_lengths, modes=board.modes)
     mode = getattr(args, "mode", None)
     modes = list(d.modes) if mode is None else (list(MODES) if mode == "both" else [mode])
     if len(d.modes) == 1 and mode not in (None, *d.modes):
@@ -278,11 +331,19 @@ def plan_eval(args) -> EvalPlan:
     model = args.model or d.model
     _check_model(model, d)  # warnings first: they hold whatever else is wrong
     policies, ratios, lengths = _grid_options(args, d)
-    args.n = args.n if args.n is not None else d.n
+    if args.n is not None and args.n < 1:
+        raise ValueError(f"--n must be >= 1, got {args.n}")
+    own = board.task_n if board is not None else {}
+    args.n = n = args.n if args.n is not None else task_counts(
+        {t: own.get(t, get_task(t).defaults.n) for t in tasks}, tasks)
     max_tokens = args.max_tokens if args.max_tokens is not None else d.max_tokens
-    for option, value in (("--n", args.n), ("--max-tokens", 1 if max_tokens is None else max_tokens)):
-        if value < 1:
-            raise ValueError(f"{option} must be >= 1, got {value}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
+    dtype, dtype_note = getattr(args, "dtype", None), None
+    if dtype is None and board is not None:
+        dtype, why = board.dtype()
+        dtype_note = f"dtype {dtype}: the {LEADERBOARD}'s default, as {why}; --dtype changes it"
+    dtype = dtype or "auto"
     threads = getattr(args, "threads", None)
     check_threads(threads)
     # "" is checked too (and refused, as `run --json ""`), never read as "no file"
@@ -303,7 +364,26 @@ def plan_eval(args) -> EvalPlan:
     check_context_lengths(lengths, context_window(model), model=model, option="--context-lengths")
     return EvalPlan(tasks, d, model, modes, policies, ratios, lengths, max_tokens,
                     {p: values for p, values in given.items() if values},
-                    getattr(args, "chat_template", "auto") or "auto", threads)
+                    getattr(args, "chat_template", "auto") or "auto", threads, n, dtype, dtype_note)
+
+
+def plan_lines(plan: EvalPlan, *, stored: int = 0) -> list[str]:
+    """What `eval` prints before it starts: the leaderboard's dtype choice (when it made one) and, for a task grid,
+    its size: cells, prompts prefilled and prefill batches of the whole grid (`tdutils.eval.runner.grid_size`),
+    and how many cells a resumed run has stored."""
+    lines = [] if plan.dtype_note is None else [plan.dtype_note]
+    if plan.lengths_layout:
+        return lines
+    specs = [get_task(t) for t in plan.tasks]
+    per = sum(1 if p == FULL else len(plan.ratios) for p in plan.policies)
+    size = grid_size(specs, plan.modes, per, plan.lengths, plan.n, TASK_BATCH_SIZE)
+    pairs = sum(len(task_modes(t, plan.modes)) for t in specs)
+    lengths = "/".join(map(str, plan.lengths))
+    left = f"; {stored} stored, {size['cells'] - stored} to run" if stored else ""
+    lines.append(f"grid: {size['cells']} cells = {per} policy/ratio cells x {pairs} (task, mode) pairs x "
+                 f"{len(plan.lengths)} length(s) ({lengths} tokens); n = {n_text(plan.n)}; {size['prompts']} prompts "
+                 f"prefilled, in {size['batches']} batches of up to {TASK_BATCH_SIZE}{left}")
+    return lines
 
 
 def _grid_options(args, d: Defaults):
@@ -357,9 +437,15 @@ def _check_model(model: str, d: Defaults) -> None:
               f"(--tasks {_group_word(RULER)})", file=sys.stderr, flush=True)
 
 
-def execute_eval(args, plan: EvalPlan, meta: dict, done: list, finished: list, t0: float):
-    """Open the engine and run the grid: `(table, whether the chat template was applied)`. Each scored cell is
-    appended to `finished`; the JSON at `--json` is rewritten after every group (for `--resume`)."""
+def execute_eval(args, plan: EvalPlan, meta: dict, done: list, finished: list, t0: float, *,
+                 stored_dtype: str | None = None):
+    """Open the engine (`plan.dtype`; `meta["dtype"]` becomes the dtype its model runs in) and run the grid:
+    `(table, whether the chat template was applied)`. Each scored cell is appended to `finished`; the JSON at
+    `--json` is rewritten after every group (for `--resume`).
+
+    Raises:
+        ValueError: a resumed run (`stored_dtype`, the stored run's dtype) in another dtype than this one's model.
+    """
     import pandas as pd
 
     def checkpoint():  # a killed run (no Ctrl-C) still leaves its finished cells for --resume
@@ -368,17 +454,27 @@ def execute_eval(args, plan: EvalPlan, meta: dict, done: list, finished: list, t
                        meta={**meta, "interrupted": True, "seconds": time.perf_counter() - t0})
 
     log = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
-    common = {"n": args.n, "seed": args.seed, "max_tokens": plan.max_tokens, "log": log, "policy_params": plan.params,
+    common = {"n": plan.n, "seed": args.seed, "max_tokens": plan.max_tokens, "log": log, "policy_params": plan.params,
               "partial": finished, "chat_template": plan.chat}
-    engine = _open_engine(None, plan.model, args.seed)
+    engine = _open_engine(None, plan.model, args.seed, dtype=plan.dtype)
+    meta["dtype"] = engine_dtype(engine)
+    if stored_dtype is not None and stored_dtype != meta["dtype"]:
+        raise ValueError(f"--resume: {args.json_path} was run in {stored_dtype}, this run's model is "
+                         f"{meta['dtype']}; give --dtype {stored_dtype}, or another --json")
     used_chat = plan.defaults.chat_template and _uses_chat(engine.tokenizer, plan.chat)
     if plan.lengths_layout:
         return lengths_eval(plan.tasks[0], plan.model, plan.policies, plan.ratios, plan.lengths, engine=engine,
                             **common), used_chat
     table = task_eval(plan.model, plan.tasks, plan.modes, plan.policies, plan.ratios, plan.lengths, engine=engine,
                       done=done, progress=not args.quiet, stop_at_eos=not getattr(args, "ignore_eos", False),
-                      checkpoint=checkpoint, **common)
+                      checkpoint=checkpoint, batch_size=TASK_BATCH_SIZE, **common)
     return table, used_chat
+
+
+def engine_dtype(engine) -> str:
+    """The dtype name (`"float32"`, `"bfloat16"`, ...) an engine's model runs in."""
+    dtype = getattr(getattr(engine, "model", None), "dtype", None) or engine.facts.kv_dtype
+    return str(dtype).removeprefix("torch.")
 
 
 def report_eval(args, plan: EvalPlan, table, used_chat: bool, meta: dict, t0: float, *, resumed_s: float = 0.0) -> int:
@@ -388,24 +484,25 @@ def report_eval(args, plan: EvalPlan, table, used_chat: bool, meta: dict, t0: fl
     d = plan.defaults
     if plan.lengths_layout:
         print(format_table(table))
-        what = f"{d.label}, model={plan.model}, n={args.n} per length"
+        what = f"{d.label}, model={plan.model}, n={plan.n} per length"
     else:
         print(format_task_table(table))
         print()
-        if table["correct"].notna().any():
-            print(task_markdown(table))
+        exact = _exact_rows(table)
+        if exact["correct"].notna().any():
+            print(task_markdown(exact))
         for task in plan.tasks:
             if get_task(task).measure != "exact":
                 print()
                 print(measure_markdown(table, task))
-        notes = weak_task_notes(table)
+        notes = weak_task_notes(exact)  # not a partial-credit task's exact match, which ranks nothing
         for line in [*ranking_lines(table), *notes]:
             print(line)
         meta["notes"] = notes
         if d.chat_template:
             meta["chat_template"] = "applied (the tokenizer's own)" if used_chat else "none"
         chat_part = f", chat template {'applied' if used_chat else 'not applied'}" if d.chat_template else ""
-        what = f"{d.label}, model={plan.model}{chat_part}, n={args.n} per task and length"
+        what = f"{d.label}, model={plan.model}{chat_part}, n={n_text(plan.n)} per task and length"
     meta["metric"] = d.metric
     meta["seconds"] = seconds = time.perf_counter() - t0
     took = f"{seconds:.0f} s" if not resumed_s else \
@@ -417,9 +514,19 @@ def report_eval(args, plan: EvalPlan, table, used_chat: bool, meta: dict, t0: fl
         import matplotlib
 
         matplotlib.use("Agg")  # a command line needs no display
-        (plot_accuracy if plan.lengths_layout else plot_leaderboard)(table, args.plot)
+        (plot_accuracy if plan.lengths_layout else plot_leaderboard)(
+            table if plan.lengths_layout else _exact_rows(table), args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _exact_rows(table):
+    """The rows of tasks ranked by exact match (`measure == "exact"`) when there are any, else all: the exact-match
+    table and plot leave out tasks ranked by another measure (partial credit, text fidelity), whose own table
+    (`measure_markdown`) shows their exact match beside it."""
+    if "measure" not in table.columns or not (table["measure"] == "exact").any():
+        return table
+    return table[table["measure"] == "exact"]
 
 
 def _interrupted(finished: list[dict], columns, json_path, meta: dict, t0: float) -> int:
@@ -462,14 +569,14 @@ def ranking_lines(table) -> list[str]:
 RESUME_KEYS = ("model", "n", "seed", "max_tokens", "policy_params", "chat_template_option")
 
 
-def _resume_rows(json_path, meta: dict) -> tuple[list[dict], float]:
-    """The rows of the run stored at `json_path` to resume (`--resume`) and the seconds it ran; `([], 0.0)` when no
-    file is there yet.
+def _resume_rows(json_path, meta: dict) -> tuple[list[dict], float, dict]:
+    """The rows of the run stored at `json_path` to resume (`--resume`), the seconds it ran and its meta;
+    `([], 0.0, {})` when no file is there yet. Its `n` (an int, or `{task: n}`) must give each task of this run
+    (`meta["tasks"]`) the count this run gives it.
 
     Raises:
         ValueError: no --json, a file that is not a stored run, or one of another grid (`RESUME_KEYS` differ).
     """
-    import json
     from pathlib import Path
 
     if json_path is None or not Path(json_path).exists():
@@ -477,19 +584,30 @@ def _resume_rows(json_path, meta: dict) -> tuple[list[dict], float]:
             raise ValueError("--resume continues the run stored in --json; give --json PATH")
         # a mistyped path would otherwise rerun the whole grid without a word
         print(f"--resume: nothing stored at {json_path} yet: starting the whole grid there", flush=True)
-        return [], 0.0
+        return [], 0.0, {}
     try:
         stored = json.loads(Path(json_path).read_text(encoding="utf-8"))
         old, rows = stored["meta"], stored["rows"]
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"--resume: {json_path} is not a stored eval run ({exc}); remove it or give another "
                          "--json") from None
-    differ = [k for k in RESUME_KEYS if old.get(k) != json.loads(json.dumps(meta.get(k), default=str))]
+    differ = [k for k in RESUME_KEYS if not _same(k, old, meta)]
     if differ:
         what = ", ".join(f"{k} {old.get(k)!r} there, {meta.get(k)!r} here" for k in differ)
         raise ValueError(f"--resume: {json_path} is a run of another grid ({what}); rerun with its options or another "
                          "--json")
-    return rows, float(old.get("seconds") or 0.0)
+    return rows, float(old.get("seconds") or 0.0), old
+
+
+def _same(key: str, old: Mapping, meta: Mapping) -> bool:
+    """Whether the stored run's `old[key]` is this run's `meta[key]` (as JSON stores it); `n` per task of this run,
+    so an int and a `{task: n}` that give each task the same count are the same."""
+    new = json.loads(json.dumps(meta.get(key), default=str))
+    if key != "n" or not (isinstance(old.get(key), Mapping) or isinstance(new, Mapping)):
+        return old.get(key) == new
+    stored = old.get(key)
+    return all((stored.get(t) if isinstance(stored, Mapping) else stored) == task_n(new, t)
+               for t in meta.get("tasks") or [])
 
 
 def _uses_chat(tokenizer, chat_template) -> bool:

@@ -51,6 +51,7 @@ from ..runs import (
 from .args import (
     OneLineParser,
     UsageError,
+    add_dtype_option,
     add_threads_option,
     check_device_output,
     check_threads,
@@ -174,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "shows medians, the ratio is the median of the per-repeat ratios with its min-max, and a "
                           "note says when the repeats disagree (a busy machine); 1 for a quick look (default: 3)")
     policy_arguments(run)  # --window, --n-sink, --kernel-size, ...: one per policy parameter
-    run.add_argument("--dtype", default="auto", help="model dtype: auto, float32, float16, bfloat16 (default: auto)")
+    add_dtype_option(run, "auto", " (default: auto)")
     run.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     add_threads_option(run, "; the JSON records the threads used")
     run.add_argument("--json", dest="json_path", default="runs/run.json",

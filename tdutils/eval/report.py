@@ -78,6 +78,24 @@ def format_task_table(table) -> str:
     return t[cols].to_string(index=False)
 
 
+def n_text(n: int | Mapping[str, int]) -> str:
+    """Prompts per cell in words: an int (or a run's JSON `meta.n`) `"100"`; `{task: n}` `"100 (a, b), 32 (c)"`,
+    or `"100"` when every task has the same."""
+    if not isinstance(n, Mapping):
+        return str(int(n))
+    by: dict[int, list[str]] = {}
+    for task, k in n.items():
+        by.setdefault(int(k), []).append(str(task))
+    if len(by) == 1:
+        return str(next(iter(by)))
+    return ", ".join(f"{k} ({', '.join(tasks)})" for k, tasks in by.items())
+
+
+def _n_of(table) -> str:
+    """`n_text` of a `task_eval` table's rows (each task's `n`)."""
+    return n_text(dict(zip(table["task"], table["n"].astype(int))))
+
+
 def leaderboard(table):
     """Average exact match over tasks and context lengths per (mode, policy, drop ratio) of a `task_eval` table:
     a DataFrame with `mode`, `policy`, `drop_ratio`, `accuracy` (mean of the cells' exact-match fractions, each
@@ -106,7 +124,7 @@ def task_markdown(table, *, context_length: int | None = None) -> str:
     pooled = t.groupby(["mode", "policy", "drop_ratio", "task"], sort=False)[["correct", "n"]].sum()
     lengths = "/".join(str(x) for x in sorted(t["context_length"].unique()))
     head = ["mode", "policy", "drop ratios", *tasks, "average"]
-    lines = [f"Exact match (%), {lengths} tokens, n = {int(t['n'].iloc[0])} per task and length",
+    lines = [f"Exact match (%), {lengths} tokens, n = {_n_of(t)} per task and length",
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (mode, policy), g in t.groupby(["mode", "policy"], sort=False):
         ratios = sorted(g["drop_ratio"].unique())
@@ -373,7 +391,7 @@ def plot_leaderboard(table, path: str | Path | None = None, *, title: str = "RUL
     axes[0][0].set_ylabel("exact match, mean over tasks (%)")
     axes[0][-1].legend(loc="best", fontsize=8)
     tasks = table["task"].nunique()
-    fig.suptitle(f"{title} ({tasks} tasks; {lengths} tokens; n={int(table['n'].iloc[0])} per cell)", fontsize=10)
+    fig.suptitle(f"{title} ({tasks} tasks; {lengths} tokens; n={_n_of(table)} per cell)", fontsize=10)
     fig.tight_layout()
     return _save_figure(fig, path)
 
@@ -463,6 +481,6 @@ def _save_figure(fig, path: str | Path | None):
 
 
 __all__ = ["OVER_BUDGET", "UNPAIRED", "WEAK_FULL_ACCURACY", "format_table", "format_task_table", "leaderboard", "measure_markdown",
-           "plot_accuracy",
+           "n_text", "plot_accuracy",
            "plot_leaderboard", "plot_paired_differences", "plot_ranking", "rank_policies", "task_markdown", "weak_task_notes", "weak_tasks",
            "write_json"]

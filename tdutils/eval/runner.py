@@ -47,6 +47,7 @@ DEFAULT_TASK_CONTEXT_LENGTHS = WORD_DEFAULTS.context_lengths
 DEFAULT_REAL_DROP_RATIOS = RULER_DEFAULTS.drop_ratios
 DEFAULT_REAL_CONTEXT_LENGTHS = RULER_DEFAULTS.context_lengths
 DEFAULT_REAL_N = RULER_DEFAULTS.n
+TASK_BATCH_SIZE = 25  # task_eval's prompts per prefill batch
 
 
 def passkey_eval(
@@ -167,12 +168,12 @@ def task_eval(
     drop_ratios: Sequence[float] = DEFAULT_TASK_DROP_RATIOS,
     context_lengths: Sequence[int] = DEFAULT_TASK_CONTEXT_LENGTHS,
     *,
-    n: int = 200,
+    n: int | Mapping[str, int] = 200,
     seed: int = DEV_SEED,
     max_tokens: int | None = None,
     policy_params: Mapping[str, Mapping] | None = None,
     engine=None,
-    batch_size: int = 25,
+    batch_size: int = TASK_BATCH_SIZE,
     device=None,
     dtype="auto",
     log: Callable[[str], None] | None = None,
@@ -199,8 +200,8 @@ def task_eval(
         tasks, modes: registered task names (`task_names()`) and `"aware"` / `"agnostic"`.
         policies, drop_ratios, context_lengths: `"full"` and/or registered policies (optionally `/layer`,
             `/head`), fractions in [0, 1], prompt lengths in tokens (context and question together).
-        n, seed: examples per (task, length) and the dataset seed (`check_seed`; below `TRAIN_SEED_BASE` for a
-            bundled model).
+        n, seed: examples per (task, length), one count or `{task: count}` naming every task (each row keeps its
+            own `n`), and the dataset seed (`check_seed`; below `TRAIN_SEED_BASE` for a bundled model).
         max_tokens: greedy decode tokens per request; None: each task's own `Task.max_tokens`.
         policy_params: extra `make_drop_fn` keywords per policy, e.g. `{"snapkv": {"window": 32}}`.
         batch_size, device, dtype: examples prefilled together; the engine opened here.
@@ -229,6 +230,7 @@ def task_eval(
     policies = list(policies)
     specs, modes, lengths, ratios, done = check_task_grid(tasks, modes, policies, drop_ratios, context_lengths, done,
                                                           n=n, batch_size=batch_size, max_tokens=max_tokens)
+    n = task_counts(n, [t.name for t in specs])
     engine = _open_engine(engine, model, seed, device=device, dtype=dtype)
     cells = prepare_cells(engine, specs, modes, policies, ratios, lengths, policy_params, seed=seed,
                           chat_template=chat_template)
@@ -239,14 +241,15 @@ def task_eval(
     return pd.DataFrame(rows, columns=list(TASK_COLUMNS))
 
 
-def check_task_grid(tasks, modes, policies, drop_ratios, context_lengths, done, *, n: int, batch_size: int,
-                    max_tokens: int | None):
+def check_task_grid(tasks, modes, policies, drop_ratios, context_lengths, done, *, n: int | Mapping[str, int],
+                    batch_size: int, max_tokens: int | None):
     """`task_eval`'s checks that need no model: `(specs, modes, lengths, DropRatios, done rows)`.
 
     Raises:
         ValueError: no tasks / modes / policies / ratios / lengths, an unknown task or mode, the agnostic mode for a
             task without a context/question split, a teacher-forced task with the aware mode alone, `done` rows
-            without per-prompt scores, a ratio outside [0, 1], or `n`, `batch_size`, `max_tokens` below 1.
+            without per-prompt scores, a ratio outside [0, 1], or `n` (each task's), `batch_size`, `max_tokens`
+            below 1, or an `n` mapping that lacks a task.
     """
     tasks, modes = list(tasks), list(modes)
     lengths = [int(x) for x in context_lengths]
@@ -272,10 +275,52 @@ def check_task_grid(tasks, modes, policies, drop_ratios, context_lengths, done, 
     if any(not isinstance(r.get("scores"), Mapping) for r in done):
         raise ValueError("the stored rows to resume from keep no per-prompt scores (a run of an older tdutils); "
                          "start the run afresh")
-    for name, value in (("n", n), ("batch_size", batch_size), ("max_tokens", 1 if max_tokens is None else max_tokens)):
+    task_counts(n, tasks)
+    for name, value in (("batch_size", batch_size), ("max_tokens", 1 if max_tokens is None else max_tokens)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     return specs, modes, lengths, ratios, done
+
+
+def task_counts(n: int | Mapping[str, int], tasks: Sequence[str]) -> int | dict[str, int]:
+    """`n` checked for `tasks`: an int >= 1 as it is; a mapping as `{task: n}` in `tasks` order, or the one int
+    they all share (what a run's JSON `meta.n` stores).
+
+    Raises:
+        ValueError: a count below 1, or a mapping without one of `tasks`.
+    """
+    if isinstance(n, Mapping):
+        missing = [t for t in tasks if t not in n]
+        if missing:
+            raise ValueError(f"n gives no count for task(s) {missing}; give an int or one per task")
+        per = {t: int(n[t]) for t in tasks}
+        bad = {t: k for t, k in per.items() if k < 1}
+        if bad:
+            raise ValueError(f"n must be >= 1 for every task, got {bad}")
+        return next(iter(per.values())) if len(set(per.values())) == 1 else per
+    if int(n) < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    return int(n)
+
+
+def task_n(n: int | Mapping[str, int], task: str) -> int:
+    """The count of `task` in `n` (an int: every task's)."""
+    return int(n[task]) if isinstance(n, Mapping) else int(n)
+
+
+def grid_size(tasks: Sequence[Task], modes: Sequence[str], cells: int, lengths: Sequence[int],
+              n: int | Mapping[str, int], batch_size: int) -> dict[str, int]:
+    """What `run_tasks` does for a whole grid on an engine with `snapshot` / `extend` (`HFEngine`): `cells`, every
+    (length, task, mode, cell) with `cells` policy/ratio cells per (length, task, mode); `prompts` prefilled, each
+    (length, task)'s once for all its cells and modes (`run_cells_shared` prefills the context and extends it with
+    the question for the aware cells); `batches`, the prefill calls of at most `batch_size` prompts."""
+    out = {"cells": 0, "prompts": 0, "batches": 0}
+    for task in tasks:
+        k = task_n(n, task.name)
+        out["cells"] += len(lengths) * len(task_modes(task, modes)) * cells
+        out["prompts"] += len(lengths) * k
+        out["batches"] += len(lengths) * math.ceil(k / batch_size)
+    return out
 
 
 def prepare_cells(engine, specs, modes, policies, ratios, lengths, policy_params, *, seed: int, chat_template):
@@ -345,7 +390,8 @@ def task_modes(task: Task, modes: Sequence[str]) -> list[str]:
 
 
 def run_tasks(engine, tasks: Sequence[Task], modes: Sequence[str], cells: Sequence[tuple], lengths: Sequence[int], *,
-              n: int, seed: int, max_tokens: int | None, batch_size: int, chat_template: str | bool = "auto",
+              n: int | Mapping[str, int], seed: int, max_tokens: int | None, batch_size: int,
+              chat_template: str | bool = "auto",
               on_cell: Callable[[dict, list], None] | None = None,
               on_group: Callable[[list[dict], float], None] | None = None, done: Mapping[tuple, dict] | None = None,
               progress: bool = False, stop_at_eos: bool = True) -> list[dict]:
@@ -356,7 +402,8 @@ def run_tasks(engine, tasks: Sequence[Task], modes: Sequence[str], cells: Sequen
         tasks: registered `Task`s; modes: `"aware"` / `"agnostic"` (the latter needs `Task.split`; a teacher-forced
             task runs in the agnostic mode only, `task_modes`).
         cells: `(policy, ratio, drop_fn or None)` from `build_cells`.
-        n, seed, chat_template: for each task's `make_dataset`; max_tokens: decode tokens (None: `Task.max_tokens`).
+        n, seed, chat_template: for each task's `make_dataset` (`n`: one count, or `{task: count}`); max_tokens:
+            decode tokens (None: `Task.max_tokens`).
         on_cell: called with each new cell's row and its answers (a teacher-forced task: no answers) once scored.
         on_group: called with the rows of each (length, task, mode) and the seconds they took (datasets excluded).
         done: rows already scored, by `cell_key` (a resumed run): those cells are not run again and their rows
@@ -382,7 +429,8 @@ def run_tasks(engine, tasks: Sequence[Task], modes: Sequence[str], cells: Sequen
               bar_format="{l_bar}{bar}| {n:.1f}/{total} cells [{elapsed}<{remaining}]") as bar:
         for length in lengths:
             for task in tasks:
-                rows += _run_task(engine, task, task_modes(task, modes), cells, length, done, bar, **job)
+                rows += _run_task(engine, task, task_modes(task, modes), cells, length, done, bar,
+                                  **{**job, "n": task_n(n, task.name)})
     return rows
 
 
@@ -741,6 +789,6 @@ def _restore(engine, saved, prompts) -> None:
 
 __all__ = ["COLUMNS", "DEFAULT_CONTEXT_LENGTHS", "DEFAULT_DROP_RATIOS", "DEFAULT_N", "DEFAULT_POLICIES",
            "DEFAULT_REAL_CONTEXT_LENGTHS", "DEFAULT_REAL_DROP_RATIOS", "DEFAULT_REAL_N", "DEFAULT_TASK_CONTEXT_LENGTHS",
-           "DEFAULT_TASK_DROP_RATIOS", "DEFAULT_TASK_POLICIES", "TASKS", "TASK_COLUMNS",
-           "build_cells", "cell_key", "cell_row", "continuation_measures", "lengths_eval", "passkey_eval", "run_cells",
-           "run_cells_shared", "run_forced_cells", "run_tasks", "task_eval", "task_modes"]
+           "DEFAULT_TASK_DROP_RATIOS", "DEFAULT_TASK_POLICIES", "TASKS", "TASK_BATCH_SIZE", "TASK_COLUMNS", "build_cells", "cell_key", "cell_row", "continuation_measures", "grid_size", "lengths_eval",
+           "passkey_eval", "run_cells", "run_cells_shared", "run_forced_cells", "run_tasks", "task_counts", "task_eval",
+           "task_modes", "task_n"]

@@ -128,7 +128,8 @@ def sign_flip_test(x: Sequence[float], y: Sequence[float], *, n_resamples: int =
                    seed: int = SEED) -> float:
     """Two-sided p-value that the mean of `x - y` is 0: the paired permutation test that flips the sign of each
     prompt's difference (`scipy.stats.permutation_test`, `permutation_type="samples"`; exact for n <= 12 prompts
-    whose 2**n flips fit `n_resamples`). 1.0 when every difference is 0.
+    whose 2**n flips fit `n_resamples`). 1.0 when every difference is 0, and for one prompt (its two flips, d and
+    -d, are both as far from 0: scipy's test needs two).
 
     Raises:
         ValueError: lists of different lengths or empty.
@@ -138,7 +139,7 @@ def sign_flip_test(x: Sequence[float], y: Sequence[float], *, n_resamples: int =
 
     xs, ys = _paired(x, y)
     d = np.asarray(xs, dtype=float) - np.asarray(ys, dtype=float)
-    if np.all(d == 0):
+    if np.all(d == 0) or len(d) == 1:
         return 1.0
     res = permutation_test((d,), np.mean, permutation_type="samples", n_resamples=n_resamples,
                            alternative="two-sided", random_state=np.random.default_rng(seed))
