@@ -776,8 +776,41 @@ def leaderboard_plot(stored: str) -> None:
     plot_paired_differences(paired_differences(table), RESULTS / f"{stored}.png")
 
 
+def leaderboard_summary(stored: str) -> str:
+    """README's view of a stored leaderboard: per measure and mode, the policies that share the best rank at each drop
+    ratio (no paired test separates them from the best one), the full cache left out."""
+    import pandas as pd
+
+    from tdutils.eval import rank_policies
+
+    report = load(stored)
+    m, table = report["meta"], pd.DataFrame(report["rows"])
+    label = {"exact": "exact match", "partial": "partial credit", "kl": "mean KL to the full cache"}
+    names = {ms: f"{label.get(ms, ms)}: " + ", ".join(f"`{t}`" for t in dict.fromkeys(table[table["measure"] == ms]["task"]))
+             for ms in dict.fromkeys(table["measure"])}
+    rows = []
+    for measure in dict.fromkeys(table["measure"]):
+        ranks = {ratio: rank_policies(table, ratio, measure=measure) for ratio in m["drop_ratios"]}
+        for mode in dict.fromkeys(ranks[m["drop_ratios"][0]]["mode"]):
+            cells = []
+            for ratio, rank in ranks.items():
+                g = rank[(rank["mode"] == mode) & (rank["policy"] != "full")]
+                best = g[g["rank"] == g["rank"].min()]
+                cells.append(", ".join(f"`{r.policy}`{_over(r)}" for r in best.itertuples()))
+            rows.append([names.get(measure, measure), mode, *cells])
+    n = m["n"] if isinstance(m["n"], int) else ", ".join(f"{v}" for v in dict.fromkeys(m["n"].values()))
+    return "\n".join([T.md_table(["measure", "mode", *(f"best at {r:g} (paired tests, Holm)" for r in m["drop_ratios"])],
+                                 rows), "",
+                      f"SmolLM2-135M-Instruct, {m['context_lengths'][0]} tokens, n = {n} prompts per cell; a policy is "
+                      f"listed where no paired test on the same prompts puts another policy above it (the full cache "
+                      f"left out). {OVER_NOTE} Tables, intervals and the tests: "
+                      f"[docs/real_models.md](docs/real_models.md#the-default-leaderboard-grid). "
+                      + _source(stored)])
+
+
 BLOCKS.update({f"{name}_cells": (lambda name=name: leaderboard_cells(name), (name,)) for name in LEADERBOARD_RUNS})
 BLOCKS.update({f"{name}_ranking": (lambda name=name: leaderboard_ranking(name), (name,)) for name in LEADERBOARD_RUNS})
+BLOCKS.update({f"{name}_summary": (lambda name=name: leaderboard_summary(name), (name,)) for name in LEADERBOARD_RUNS})
 
 
 # ------------------------------------------------------------ compression while the cache grows (issue 33, item 5)
