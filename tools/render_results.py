@@ -793,7 +793,7 @@ def leaderboard_summary(stored: str) -> str:
         ranks = {ratio: rank_policies(table, ratio, measure=measure) for ratio in m["drop_ratios"]}
         for mode in dict.fromkeys(ranks[m["drop_ratios"][0]]["mode"]):
             cells = []
-            for ratio, rank in ranks.items():
+            for rank in ranks.values():
                 g = rank[(rank["mode"] == mode) & (rank["policy"] != "full")]
                 best = g[g["rank"] == g["rank"].min()]
                 cells.append(", ".join(f"`{r.policy}`{_over(r)}" for r in best.itertuples()))
