@@ -796,14 +796,15 @@ def leaderboard_summary(stored: str) -> str:
             for rank in ranks.values():
                 g = rank[(rank["mode"] == mode) & (rank["policy"] != "full")]
                 best = g[g["rank"] == g["rank"].min()]
-                cells.append(", ".join(f"`{r.policy}`{_over(r)}" for r in best.itertuples()))
+                below = " (below the full cache)" if int(best["rank"].iloc[0]) > 1 else ""
+                cells.append(", ".join(f"`{r.policy}`{_over(r)}" for r in best.itertuples()) + below)
             rows.append([names.get(measure, measure), mode, *cells])
-    n = m["n"] if isinstance(m["n"], int) else ", ".join(f"{v}" for v in dict.fromkeys(m["n"].values()))
+    n = " / ".join(str(int(v)) for v in dict.fromkeys(table["n"]))  # the tasks run (a stopped grid: not all)
     return "\n".join([T.md_table(["measure", "mode", *(f"best at {r:g} (paired tests, Holm)" for r in m["drop_ratios"])],
                                  rows), "",
                       f"SmolLM2-135M-Instruct, {m['context_lengths'][0]} tokens, n = {n} prompts per cell; a policy is "
                       f"listed where no paired test on the same prompts puts another policy above it (the full cache "
-                      f"left out). {OVER_NOTE} Tables, intervals and the tests: "
+                      f"left out; 'below the full cache': the paired test separates them from it). {OVER_NOTE} Tables, intervals and the tests: "
                       f"[docs/real_models.md](docs/real_models.md#the-default-leaderboard-grid). "
                       + _source(stored)])
 
