@@ -592,8 +592,10 @@ def run_cells(engine, prompts: Sequence, cells: Sequence[tuple], *, max_tokens: 
 
     Returns:
         `(texts, modify_s, kept)`, dicts keyed by `(policy, ratio)`: answers (`RequestOutput.answer`: decoded up
-        to the first EOS token) in prompt order, seconds in `modify` summed over chunks, and KV tokens per request
-        at decode summed over requests (cache after the edit, extension included).
+        to the first EOS token) in prompt order, seconds in `modify` summed over chunks (a policy's scores are
+        computed at its first ratio of a chunk and reused at the others, `tdutils.policies.reuse`, so the first
+        ratio's cell holds the scoring), and KV tokens per request at decode summed over requests (cache after the
+        edit, extension included).
     """
     out = _results(cells)
     for start in range(0, len(prompts), batch_size):
