@@ -257,10 +257,14 @@ _slot_decode = False  # set by `slot_decode`: the engine's decode step, keys and
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                      scaling: float | None = None) -> torch.Tensor:
     """Softmax attention of one query token per row over a cache read in place: what `sdpa` computes for a decode
-    step, as two batched matmuls that stream each key and value once (GQA without `repeat_kv`: the `g` query
-    heads of a KV head are the rows of one product), the softmax in fp32 (float64 stays float64). In bf16 / fp16
-    a slot store view is read as its whole rows (`_whole_rows`: up to the store's width, the columns past `T`
-    weighted 0), which torch's `bmm` reads without a copy.
+    step, streaming each key and value once (GQA without `repeat_kv`).
+
+    fp32 and bf16 caches on the CPU go to the compiled kernel (`tdutils.kernels`: logits, softmax and the
+    weighted sum in fp32, columns the mask hides for every head of a KV head skipped). Otherwise, or where it
+    cannot be built, two batched matmuls (the `g` query heads of a KV head are the rows of one product) with the
+    softmax in fp32 (float64 stays float64); in bf16 / fp16 a slot store view is then read as its whole rows
+    (`_whole_rows`: up to the store's width, the columns past `T` weighted 0), which torch's `bmm` reads
+    without a copy.
 
     Args:
         query: `[B, Hq, 1, d]`. key, value: `[B, H, T, d]` with `H` dividing `Hq` (query head `h * g + j` reads
@@ -275,6 +279,18 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     B, Hq, _, d = query.shape
     H, T = key.shape[1], key.shape[2]
     g = Hq // H
+    scaling = d ** -0.5 if scaling is None else scaling
+    if _kernel_fits(key, value, mask):
+        from .kernels import decode_attention_kernel
+
+        op = decode_attention_kernel()
+        if op is not None:
+            out = torch.empty(B, Hq, d, dtype=torch.float32)
+            m = None if mask is None else mask[:, :, 0, :]  # [B, 1 or Hq, T]
+            if m is not None and m.dtype != torch.bool:
+                m = m.float()
+            op(query.reshape(B, Hq, d).float().contiguous(), key, value, m, float(scaling), out)
+            return out.to(query.dtype).view(B, 1, Hq, d)
     k, v, Tw = _whole_rows(key, T), _whole_rows(value, T), T
     if k is None or v is None:
         k, v = key.reshape(B * H, T, d), value.reshape(B * H, T, d)
@@ -285,7 +301,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     # dtype (bf16 logits are rounded to bf16: upcasting the keys instead cost more than it saved); at least fp32 on
     logits = torch.bmm(k, q.transpose(1, 2))[:, :T].view(B, H, T, g).transpose(2, 3)  # [B, H, g, T]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    logits.mul_(d ** -0.5 if scaling is None else scaling)
+    logits.mul_(scaling)
     if mask is not None:  # [B, H or 1, g or 1, T]
         mask = mask.reshape(B, -1, g if mask.shape[1] == Hq else 1, T)
         logits = logits.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else logits.add_(mask)
@@ -293,6 +309,14 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     probs[..., :T] = torch.softmax(logits, dim=-1)
     out = torch.bmm(probs.view(B * H, g, Tw), v)  # [B*H, g, d]
     return out.view(B, 1, Hq, d)
+
+
+def _kernel_fits(key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether the compiled kernel (`tdutils.kernels`) takes these operands: CPU keys and values both fp32 or both
+    bf16 with unit last stride, a boolean or floating mask."""
+    return (key.device.type == "cpu" and key.dtype == value.dtype and key.dtype in (torch.float32, torch.bfloat16)
+            and key.stride(-1) == 1 and value.stride(-1) == 1 and key.shape == value.shape
+            and (mask is None or mask.dtype == torch.bool or mask.is_floating_point()))
 
 
 def _whole_rows(x: torch.Tensor, T: int) -> torch.Tensor | None:

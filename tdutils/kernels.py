@@ -1,0 +1,82 @@
+"""Compiled CPU kernels of the `hf` engine's decode step, built on first use with torch's C++ extension loader.
+
+`decode_attention_kernel()` returns the compiled decode attention (`tdutils/csrc/decode_attention.cpp`: one query
+token per row over a KV cache read in place, GQA without copies, each key and value row streamed once, AVX-512
+where the CPU has it) or None where it cannot be built: then `tdutils.attention.decode_attention` computes the same
+attention with batched matmuls, and one line says why. The first call on a machine compiles it (about 15 s on 2
+cores; torch caches the build under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`); later
+processes load the cached build in well under a second.
+
+Needs a C++ compiler (`c++`/`g++`, or `CXX`) and ninja (a requirement of tdutils). `TDUTILS_DECODE_KERNEL=0`
+turns the kernel off (the matmul path only), e.g. to compare the two.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_attention.cpp"
+NAME = "tdutils_kernels"
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno"]
+ENV = "TDUTILS_DECODE_KERNEL"
+
+_lock = threading.Lock()
+_state: dict = {}  # "op": the loaded op or None, "why": why not
+
+
+def decode_attention_kernel():
+    """The compiled `decode_attention_out(q, k, v, mask, scaling, out)` op, or None where it cannot be built
+    (no compiler or ninja, a failed build, `TDUTILS_DECODE_KERNEL=0`); builds it on the first call (one line on
+    stderr while it compiles, one line when it is unavailable). Never raises.
+
+    The op's contract (shapes, dtypes): `tdutils/csrc/decode_attention.cpp`'s header; `decode_attention` calls it.
+    """
+    if "op" in _state:
+        return _state["op"]
+    with _lock:
+        if "op" not in _state:
+            _state["op"], _state["why"] = _build()
+            if _state["op"] is None and _state["why"]:
+                print(f"tdutils: decode attention falls back to batched matmuls: {_state['why']}", file=sys.stderr,
+                      flush=True)
+    return _state["op"]
+
+
+def kernel_status() -> str:
+    """One line: whether the compiled decode attention is in use, and why not (builds it if not tried yet)."""
+    op = decode_attention_kernel()
+    return "compiled decode attention: in use" if op is not None else \
+        f"compiled decode attention: not in use ({_state.get('why') or 'unknown'})"
+
+
+def _build():
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None, ""  # asked for: no line
+    if hasattr(torch.ops, NAME) and hasattr(getattr(torch.ops, NAME), "decode_attention_out"):
+        return getattr(torch.ops, NAME).decode_attention_out, ""  # loaded by another copy of this module
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.verify_ninja_availability()
+    except Exception as exc:  # noqa: BLE001 - any missing piece means the matmul path
+        return None, f"ninja is missing ({exc}); pip install ninja"
+    import shutil
+
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None and shutil.which("g++") is None:
+        return None, f"no C++ compiler ({cxx}, g++) on PATH"
+    try:
+        build_dir = Path(cpp_extension._get_build_directory(NAME, verbose=False))
+        if not (build_dir / f"{NAME}.so").exists():
+            print("tdutils: compiling the CPU decode attention kernel (once per machine, ~15 s)", file=sys.stderr,
+                  flush=True)
+        cpp_extension.load(NAME, sources=[str(SOURCE)], extra_cflags=FLAGS, is_python_module=False, verbose=False)
+        return getattr(torch.ops, NAME).decode_attention_out, ""
+    except Exception as exc:  # noqa: BLE001 - a failed build falls back, with the reason
+        msg = str(exc).strip().splitlines()
+        return None, f"the build failed ({msg[-1] if msg else type(exc).__name__})"
