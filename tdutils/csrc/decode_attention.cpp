@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -101,6 +102,29 @@ inline void logits16(const float* qs, const KV* kb, int64_t kst, int64_t t0, int
   }
 }
 
+#if defined(__AVX512BF16__)
+// the bf16 form of logits16: q_j (bf16, unscaled: the model's own bf16 query) . k[t0 + r] by AVX512-BF16 dot
+// products of bf16 pairs into fp32 (each product exact, sums in fp32), times `scaling`; no key row is converted
+template <int D>
+inline void logits16_bf16(const uint16_t* qbf, const uint16_t* kb, int64_t kst, int64_t t0, int64_t g, int64_t T,
+                          float scaling, float* logits) {
+  static_assert(D % 32 == 0, "bf16 pairs: D a multiple of 32");
+  const __m512 s = _mm512_set1_ps(scaling);
+  for (int64_t j = 0; j < g; ++j) {
+    __m512bh qc[D / 32];
+    for (int c = 0; c < D / 32; ++c) qc[c] = (__m512bh)_mm512_loadu_si512(qbf + j * D + c * 32);
+    __m512 v[16];
+    for (int r = 0; r < 16; ++r) {
+      const uint16_t* row = kb + (t0 + r) * kst;
+      __m512 a = _mm512_setzero_ps();
+      for (int c = 0; c < D / 32; ++c) a = _mm512_dpbf16_ps(a, qc[c], (__m512bh)_mm512_loadu_si512(row + c * 32));
+      v[r] = a;
+    }
+    _mm512_storeu_ps(logits + j * T + t0, _mm512_mul_ps(sum16(v), s));
+  }
+}
+#endif
+
 // acc[j] (the output of head j, fp32, D values) = sum over live columns t of p[j*T + t] * v[t] for every head
 // j < g: blocks of 4 heads x 64 values stay in registers while the value rows stream past once per block
 template <int D, typename KV>
@@ -167,6 +191,7 @@ void run(const float* q, const KV* k, const KV* v, const void* mask, bool mask_b
   const float ninf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(g * d), logits(g * T), acc(g * d), row(d), madd(heads * T), inv(g), blockbuf(16 * d);
+    std::vector<uint16_t> qbf(std::is_same_v<KV, uint16_t> ? g * d : 0);
     std::vector<uint8_t> live(T);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / H, h = item % H;
@@ -174,6 +199,15 @@ void run(const float* q, const KV* k, const KV* v, const void* mask, bool mask_b
       const KV* vb = v + b * vs[0] + h * vs[1];
       for (int64_t j = 0; j < g; ++j)
         for (int64_t i = 0; i < d; ++i) qs[j * d + i] = q[(b * Hq + h * g + j) * d + i] * scaling;
+      if constexpr (std::is_same_v<KV, uint16_t>) {  // the query in bf16, unscaled (exact for a bf16 model's)
+        for (int64_t j = 0; j < g; ++j)
+          for (int64_t i = 0; i < d; ++i) {
+            uint32_t bits;
+            std::memcpy(&bits, q + (b * Hq + h * g + j) * d + i, sizeof bits);
+            bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even (q is finite)
+            qbf[j * d + i] = static_cast<uint16_t>(bits >> 16);
+          }
+      }
       item_mask(mask, mask_bool, ms, b, h, g, T, madd.data(), live.data(), heads);
       // pass 1: logits, every live key row read once for the g heads
       float* rw = row.data();
@@ -184,7 +218,14 @@ void run(const float* q, const KV* k, const KV* v, const void* mask, bool mask_b
         for (; t + 16 <= T; t += 16) {
           bool any = false;
           for (int r = 0; r < 16; ++r) any = any || live[t + r];
-          if (any) logits16<D>(qs.data(), kb, ks[2], t, g, T, logits.data(), blockbuf.data());
+          if (any) {
+#if defined(__AVX512BF16__)
+            if constexpr (std::is_same_v<KV, uint16_t> && D % 32 == 0)
+              logits16_bf16<D>(qbf.data(), kb, ks[2], t, g, T, scaling, logits.data());
+            else
+#endif
+              logits16<D>(qs.data(), kb, ks[2], t, g, T, logits.data(), blockbuf.data());
+          }
           for (int64_t j = 0; j < g; ++j) {
             const float* mj = madd.data() + (heads == 1 ? 0 : j) * T + t;
             float* lj = logits.data() + j * T + t;
