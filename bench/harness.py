@@ -249,10 +249,14 @@ def decode_cells(engine, prompts, cells, *, max_tokens: int, batch_size: int, ke
     (`snapshot` / `restore`) each cell `(name, drop_fn or None)` edited and decoded (greedy, EOS ignored).
 
     Returns {name: {"texts" (answers, cut at the first EOS), "kept" (cached tokens at decode), "tokens",
-    "seconds", "tok_s" (decode), "prefill_s" (per batch), "keep" (with `keep`: each request's kept indices)}}.
+    "seconds", "tok_s" (decode: every `decode()` call whole, from the slot store's allocation and the caches'
+    admission to the last token), "steady_tokens", "steady_seconds", "steady_tok_s" (the tokens after each
+    request's first and the seconds from the step that gave the batch its last first token to the last step:
+    OpenVINO's decode phase, `peer_openvino.phase_split`), "prefill_s" (per batch), "keep" (with `keep`: each
+    request's kept indices)}}.
     """
-    res = {name: {"texts": [], "kept": [], "keep": [], "tokens": 0, "seconds": 0.0, "prefill_s": []}
-           for name, _ in cells}
+    res = {name: {"texts": [], "kept": [], "keep": [], "tokens": 0, "seconds": 0.0, "prefill_s": [],
+                  "steady_tokens": 0, "steady_seconds": 0.0} for name, _ in cells}
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
         engine.prefill(chunk)
@@ -271,10 +275,14 @@ def decode_cells(engine, prompts, cells, *, max_tokens: int, batch_size: int, ke
             cell["kept"] += [o.cached_tokens for o in outs]
             cell["tokens"] += d.output_tokens
             cell["seconds"] += d.seconds
+            times = [r.token_times for r in engine.requests]  # seconds from the decode call's start, per token
+            cell["steady_tokens"] += sum(len(t) - 1 for t in times)
+            cell["steady_seconds"] += max(t[-1] for t in times) - max(t[0] for t in times)
             cell["prefill_s"].append(prefill_s)
             log(f"[tdutils] {name} prompts {start + 1}-{start + len(chunk)}: {d.tokens_per_s:.1f} tok/s")
     for cell in res.values():
         cell["tok_s"] = cell["tokens"] / cell["seconds"] if cell["seconds"] > 0 else math.nan
+        cell["steady_tok_s"] = cell["steady_tokens"] / cell["steady_seconds"] if cell["steady_seconds"] > 0 else math.nan
     return res
 
 

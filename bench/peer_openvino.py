@@ -376,6 +376,7 @@ def report_rows(args, data, td, peer_rows, tok, eos) -> tuple[list[dict], dict]:
         texts["tdutils", name] = cell["texts"]
         rows.append({"engine": "tdutils", "config": "full" if name == "full" else f"snapkv r={args.drop_ratio:g}",
                      "n": n, "kept": sum(cell["kept"]) / n, "tok_s": cell["tokens"] / cell["seconds"],
+                     "steady_tok_s": cell["steady_tok_s"],
                      "prefill_s": sum(cell["prefill_s"]) / len(cell["prefill_s"]), "em": em, "partial": part,
                      "same": None if name == "full" else sum(a == b for a, b in zip(cell["texts"], td["full"]["texts"]))})
     for prow in peer_rows:

@@ -22,7 +22,10 @@ import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_attention.cpp"
 NAME = "tdutils_kernels"
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno"]
+# -fopenmp: at::parallel_for's OpenMP regions (the work items spread over torch's threads); the module then needs
+# libgomp.so.1, which the loader finds already loaded with torch (one OpenMP runtime, torch.set_num_threads applies)
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno"]
+LDFLAGS = ["-fopenmp"]
 ENV = "TDUTILS_DECODE_KERNEL"
 
 _lock = threading.Lock()
@@ -75,7 +78,8 @@ def _build():
         if not (build_dir / f"{NAME}.so").exists():
             print("tdutils: compiling the CPU decode attention kernel (once per machine, ~15 s)", file=sys.stderr,
                   flush=True)
-        cpp_extension.load(NAME, sources=[str(SOURCE)], extra_cflags=FLAGS, is_python_module=False, verbose=False)
+        cpp_extension.load(NAME, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
+                           is_python_module=False, verbose=False)
         return getattr(torch.ops, NAME).decode_attention_out, ""
     except Exception as exc:  # noqa: BLE001 - a failed build falls back, with the reason
         msg = str(exc).strip().splitlines()

@@ -450,11 +450,15 @@ def _f(v, spec):
 
 
 def peer_openvino(rows: list[dict]) -> str:
-    """`bench/peer_openvino.py`: the report as plain-text columns: engine, config, kept tokens, decode tok/s, ratio to the same engine's full cache, prefill
-    seconds per batch, RULER exact match and partial credit, answers equal to the full cache's."""
-    head = ("engine", "config", "kept", "decode tok/s", "ratio", "prefill s", "EM", "part", "same")
+    """`bench/peer_openvino.py`: the report as plain-text columns: engine, config, kept tokens, decode tok/s, the
+    decode tok/s after each request's first token (OpenVINO's own rows count only those; tdutils' `tok_s` counts
+    whole `decode()` calls, admission included; runs stored before it have no such column), ratio to the same
+    engine's full cache, prefill seconds per batch, RULER exact match and partial credit, answers equal to the full
+    cache's."""
+    head = ("engine", "config", "kept", "decode tok/s", "after 1st tok/s", "ratio", "prefill s", "EM", "part", "same")
     return text_table(head, [
         (r["engine"], r["config"], "FAILED: " + r["error"][:80]) if "error" in r else
-        (r["engine"], r["config"], _f(r["kept"], ".0f"), _f(r["tok_s"], ".1f"), _f(r["ratio"], ".2f"),
+        (r["engine"], r["config"], _f(r["kept"], ".0f"), _f(r["tok_s"], ".1f"),
+         _f(r.get("steady_tok_s", r["tok_s"] if r["engine"] == "openvino" else None), ".1f"), _f(r["ratio"], ".2f"),
          _f(r["prefill_s"], ".1f"), _f(r["em"], ".2f"), _f(r["partial"], ".2f"),
          "" if r.get("same") is None else f"{r['same']}/{r['n']}") for r in rows])
