@@ -330,6 +330,7 @@ def run(args) -> int:
     H.check_ruler_task(args.task)
     out_path = check_output_path(args.out, "--out", example=DEFAULT_OUT)
     threads = args.threads or usable_cores()
+    cores = H.bind_cores(threads)  # the OpenVINO worker inherits the binding: the same cores for both
     torch.set_num_threads(threads)
     engine = HFEngine(args.model, dtype=args.dtype, kv_budget_tokens=None, prefill_batch_size=args.batch_size,
                       query_window=64, progress=False)  # SnapKV scores with the last 64 queries
@@ -352,7 +353,7 @@ def run(args) -> int:
     rows, texts = report_rows(args, data, td, peer["rows"], engine.tokenizer, sorted(engine.eos_token_ids))
     print(H.render("peer_openvino", rows))
     meta = H.peer_meta(args, folder=str(folder), ir=str(ir), drop_ratio=args.drop_ratio, keep=keep, configs=configs,
-                       threads=threads, dtype=args.dtype, cache_gb=args.cache_gb, tdutils_seconds=round(td_s, 1),
+                       threads=threads, cores=cores, dtype=args.dtype, cache_gb=args.cache_gb, tdutils_seconds=round(td_s, 1),
                        openvino_seconds=round(ov_s, 1), peer=peer["info"], venv=venv_info(),
                        date=time.strftime("%Y-%m-%d %H:%M:%S"))
     details = [{"values": ex["values"], **{f"{e}|{c}": t[i] for (e, c), t in texts.items()}}

@@ -177,11 +177,15 @@ def test_add_ratios_without_baseline(pov):
 
 def test_format_table(pov):
     table = pov.H.render("peer_openvino", pov.add_ratios(_rows())).splitlines()
-    assert table[0].split() == ["engine", "config", "kept", "decode", "tok/s", "ratio", "prefill", "s", "EM", "part",
-                                "same"]
+    assert table[0].split() == ["engine", "config", "kept", "decode", "tok/s", "after", "1st", "tok/s", "ratio",
+                                "prefill", "s", "EM", "part", "same"]
+    # a stored run without the engine's after-first-token figure leaves it blank; OpenVINO's rows count only those
     assert table[2].split() == ["tdutils", "snapkv", "r=0.5", "1024", "25.0", "1.25", "30.0", "0.75", "0.75", "3/4"]
-    assert table[4].split() == ["openvino", "evict", "norm_sum", "rot=off", "1056", "38.2", "1.12", "18.4", "1.00",
-                                "1.00", "4/4"]
+    assert table[4].split() == ["openvino", "evict", "norm_sum", "rot=off", "1056", "38.2", "38.2", "1.12", "18.4",
+                                "1.00", "1.00", "4/4"]
+    with_steady = [dict(r, steady_tok_s=26.5) if r["engine"] == "tdutils" else r for r in _rows()]
+    line = pov.H.render("peer_openvino", pov.add_ratios(with_steady)).splitlines()[2].split()
+    assert line[4:6] == ["25.0", "26.5"], line
     assert table[1].split()[-1] == "1.00"  # no "same" column for a baseline of its own
     assert table[5].split()[:4] == ["openvino", "evict", "norm_sum", "rot=on"] and "FAILED: RuntimeError: boom" in table[5]
     # columns line up: every value starts where its header does
