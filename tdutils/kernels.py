@@ -62,14 +62,17 @@ def _build():
         return None, ""  # asked for: no line
     if hasattr(torch.ops, NAME) and hasattr(getattr(torch.ops, NAME), "decode_attention_out"):
         return getattr(torch.ops, NAME).decode_attention_out, ""  # loaded by another copy of this module
+    import shutil
+
+    bin_dir = str(Path(sys.executable).parent)  # pip's ninja lives beside the interpreter of an unactivated venv
+    if shutil.which("ninja") is None and shutil.which("ninja", path=bin_dir) is not None:
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")  # torch's loader looks on PATH
     try:
         from torch.utils import cpp_extension
 
         cpp_extension.verify_ninja_availability()
     except Exception as exc:  # noqa: BLE001 - any missing piece means the matmul path
         return None, f"ninja is missing ({exc}); pip install ninja"
-    import shutil
-
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None and shutil.which("g++") is None:
         return None, f"no C++ compiler ({cxx}, g++) on PATH"
