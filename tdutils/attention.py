@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels import decode_attention_kernel
+
 SINK_KWARGS = ("s_aux", "sinks")  # names under which transformers' attention modules pass learned sinks
 
 
@@ -281,8 +283,6 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     g = Hq // H
     scaling = d ** -0.5 if scaling is None else scaling
     if _kernel_fits(key, value, mask):
-        from .kernels import decode_attention_kernel
-
         op = decode_attention_kernel()
         if op is not None:
             out = torch.empty(B, Hq, d, dtype=torch.float32)
