@@ -99,3 +99,12 @@ def test_engine_decode_packed_equals_unpacked(tiny, sample_ids):
         HFEngine(model, tokenizer=tok, progress=False, packed_linears="yes")
     with pytest.raises(TypeError, match="packed_linears must be None, True or False, got 1"):
         HFEngine(model, tokenizer=tok, progress=False, packed_linears=1)
+
+
+def test_bf16_packs_smaller_weights_than_fp32():
+    from tdutils.engines.packed import default_min_elements
+
+    net = nn.Sequential(nn.Linear(2048, 4096), nn.Linear(4096, 16))  # the second: 2^16 elements, a k/v projection's size
+    assert len(PackedLinears(net, min_elements=default_min_elements(torch.float32))) == 1
+    bf16 = net.to(torch.bfloat16)
+    assert len(PackedLinears(bf16, min_elements=default_min_elements(torch.bfloat16))) == 2

@@ -50,7 +50,7 @@ from ..policies.scoring import window_attention
 from .base import Engine, register_engine, tokenize_extensions
 from .decode_compression import SlotCompressor
 from .kvstore import PaddingMasks, SlotKVStore, install_head_masks, plan_slots
-from .packed import MIN_ELEMENTS, PackedLinears, packing_available, packing_pays
+from .packed import PackedLinears, default_min_elements, packing_available, packing_pays
 from .sampling import check_forced_ids, choose_tokens, request_generators
 from .scheduler import (
     KV_BLOCK_TOKENS,
@@ -219,8 +219,9 @@ class HFEngine(Engine):
             raise ValueError(f"packed_linears=True needs torch with oneDNN and a CPU model in float32 or bfloat16 "
                              f"(this one: {self.model.dtype} on {self.device}); pass packed_linears=None or False")
         use = packing_pays(self.model) if packed_linears is None else packed_linears
-        # True packs every nn.Linear; the default only the large ones (MIN_ELEMENTS), where packing pays
-        self._packed = PackedLinears(self.model, min_elements=MIN_ELEMENTS if packed_linears is None else 1) if use else None
+        # True packs every nn.Linear; the default only those large enough that packing pays (default_min_elements)
+        least = default_min_elements(self.model.dtype) if packed_linears is None else 1
+        self._packed = PackedLinears(self.model, min_elements=least) if use else None
 
     # ------------------------------------------------------------------ helpers
     @property

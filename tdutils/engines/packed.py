@@ -28,11 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# Packing pays where a weight streams from memory: a matrix of at least 2^16 elements in a model whose packed
-# weights (>= 32 MiB) do not stay in the CPU caches between steps. SmolLM2's 192 x 576 k/v projections are such:
-# cold in a decode step, MKL's matmul of 4 rows took 68 us (bf16) / 67 us (fp32), and packing them bought 2% (fp32)
-# to 13% (bf16) of the step (1 thread); below ~2^16 oneDNN's ~12 us per call is not repaid.
-MIN_ELEMENTS = 1 << 16
+# Packing pays where a weight streams from memory: a matrix of at least 2^18 elements (1 MiB in fp32; smaller
+# ones gain little through oneDNN, whose call costs ~12 us) in a model whose packed weights (>= 32 MiB) do not stay
+# in the CPU caches between steps. In bf16 MKL's small matmuls are slow (SmolLM2's 192 x 576 k/v projections: 68 us
+# each, cold, in a decode step), and packing from 2^16 elements bought 13% of a bf16 step (fp32: 2%, not taken, as
+# it moves fp32 logits by float summation order past the real-model exactness tests' 1e-4).
+MIN_ELEMENTS = 1 << 18
+MIN_ELEMENTS_BF16 = 1 << 16
 AUTO_MIN_BYTES = 32 << 20
 
 
@@ -41,6 +43,11 @@ def _eligible(model: nn.Module, min_elements: int) -> list[nn.Linear]:
     # replaced (accelerate's offload hooks) keeps it
     return [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype in PACKED_DTYPES
             and m.weight.numel() >= min_elements and "forward" not in m.__dict__]
+
+
+def default_min_elements(dtype: torch.dtype) -> int:
+    """The smallest weight (in elements) the engine's default packs for a model in `dtype`."""
+    return MIN_ELEMENTS_BF16 if dtype == torch.bfloat16 else MIN_ELEMENTS
 
 
 def packing_pays(model: nn.Module) -> bool:
