@@ -77,13 +77,30 @@ def _build():
     if shutil.which(cxx) is None and shutil.which("g++") is None:
         return None, f"no C++ compiler ({cxx}, g++) on PATH"
     try:
-        build_dir = Path(cpp_extension._get_build_directory(NAME, verbose=False))
+        # one build per CPU type: -march=native code from a newer CPU would crash an older one sharing the home
+        # directory (a cluster's nodes)
+        build_dir = Path(cpp_extension._get_build_directory(NAME, verbose=False)).with_name(f"{NAME}-{_cpu_tag()}")
+        build_dir.mkdir(parents=True, exist_ok=True)
         if not (build_dir / f"{NAME}.so").exists():
             print("tdutils: compiling the CPU decode attention kernel (once per machine, ~15 s)", file=sys.stderr,
                   flush=True)
         cpp_extension.load(NAME, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
-                           is_python_module=False, verbose=False)
+                           build_directory=str(build_dir), is_python_module=False, verbose=False)
         return getattr(torch.ops, NAME).decode_attention_out, ""
     except Exception as exc:  # noqa: BLE001 - a failed build falls back, with the reason
         msg = str(exc).strip().splitlines()
         return None, f"the build failed ({msg[-1] if msg else type(exc).__name__})"
+
+
+def _cpu_tag() -> str:
+    """A short tag of this CPU's instruction sets (its model name and flags where the OS lists them)."""
+    import hashlib
+    import platform
+
+    desc = platform.machine() + platform.processor()
+    try:
+        info = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines()
+        desc += "".join(line for line in info if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        pass
+    return hashlib.sha1(desc.encode()).hexdigest()[:10]
