@@ -535,8 +535,10 @@ def test_ctrl_c_anywhere_else_is_one_line_with_status_130(capsys, monkeypatch):
     assert capsys.readouterr().err == "python -m tdutils run: interrupted; nothing was written\n"
 
 
-def test_a_signal_stops_a_real_run_cleanly(tmp_path):
-    """SIGINT (what Ctrl-C sends) to `python -m tdutils run`: status 130, one line, no traceback."""
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_signal_stops_a_real_run_cleanly(tmp_path, signame):
+    """SIGINT (what Ctrl-C sends) or SIGTERM (`kill`; a `nohup ... &` job ignores SIGINT) to `python -m tdutils
+    run`: status 130, one line, no traceback, the finished runs written."""
     import signal
     import time
 
@@ -549,7 +551,7 @@ def test_a_signal_stops_a_real_run_cleanly(tmp_path):
     for line in p.stdout:  # the dropped run's line comes after the baseline's run was collected
         if line.startswith("repeat 1/3") and "streaming_llm" in line or time.time() > deadline:
             break
-    p.send_signal(signal.SIGINT)
+    p.send_signal(getattr(signal, signame))
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "interrupted" in err, err

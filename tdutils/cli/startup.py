@@ -51,11 +51,22 @@ def exit_on_interrupt_while_starting() -> None:
     _STARTING["installed"] = True
 
 
+def _terminate_as_interrupt(signum, frame) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM, while the finished work is written, ends it
+    raise KeyboardInterrupt
+
+
 def interrupt_as_exception() -> None:
     """Undo `exit_on_interrupt_while_starting`: Ctrl-C raises KeyboardInterrupt again (the commands catch it to
-    write what they finished)."""
+    write what they finished). In `python -m tdutils`, SIGTERM (`kill PID`) does the same while it has its default
+    disposition: a job started with `nohup ... &` ignores SIGINT, and `kill` is then the only way to stop it without
+    losing the cells it finished; a second SIGTERM ends the process at once."""
     import signal
 
     if _STARTING["installed"] and signal.getsignal(signal.SIGINT) is _exit_interrupted:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     _STARTING["installed"] = False
+    if _run_as_tdutils_main() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminate_as_interrupt)
