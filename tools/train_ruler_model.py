@@ -533,7 +533,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-minutes", type=float, default=60.0,
                     help="wall-clock budget; the lr schedule follows it")
     ap.add_argument("--save-every", type=float, default=10.0, help="minutes between checkpoints")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default 2, or the cores this process may use where fewer)")
     ap.add_argument("--tasks", default=None, help="comma-separated subset of RULER_TASKS (default: all five)")
     ap.add_argument("--init-from", type=Path, default=None, help="model folder to continue from")
     ap.add_argument("--rope-theta", type=float, default=None,
@@ -594,6 +595,8 @@ def main(argv=None) -> int:
     if args.insert_layers and args.init_from is None:
         ap.error("--insert-layers needs --init-from (the trained model to grow)")
     cores = usable_cores()
+    if args.threads is None:
+        args.threads = min(2, cores)
     if not 1 <= args.threads <= cores:
         ap.error(f"--threads must be between 1 and the {cores} CPU core(s) this process may use, got {args.threads}")
     if out.exists() and not out.is_dir():  # found now, not by the save after the whole budget
