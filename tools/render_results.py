@@ -725,8 +725,12 @@ def leaderboard_cells(stored: str) -> str:
 
 def _leaderboard_source(stored: str, m: dict) -> str:
     dtype = m.get("dtype", "float32")
+    threads = m["threads"]  # an int, or {task: threads} for a run resumed with other threads
+    threads = T.threads(threads) if isinstance(threads, int) else "; ".join(
+        f"{T.threads(n)} ({', '.join(f'`{t}`' for t, k in threads.items() if k == n)})"
+        for n in sorted(set(threads.values()), reverse=True))
     return _source(stored, f"model `{m['model']}`", f"{dtype} weights, activations and KV cache",
-                   f"chat template {m['chat_template']}", _seed(m["seed"]), T.threads(m["threads"]),
+                   f"chat template {m['chat_template']}", _seed(m["seed"]), threads,
                    f"{_minutes(m['seconds'])} of wall time on the shared 2 cores")
 
 
