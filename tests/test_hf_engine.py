@@ -44,6 +44,33 @@ def test_prefill_exposes_one_kv_per_request(tiny, sample_ids):
         torch.testing.assert_close(kv, alone, atol=1e-5, rtol=0)
 
 
+
+def test_prefill_batches_keep_long_prompts_unpadded():
+    from tdutils.engines.hf import prefill_batches
+
+    assert prefill_batches([300, 10, 300, 12, 301], 4, pad_free=256) == [[0, 2], [4], [1, 3]]
+    assert prefill_batches([300, 300, 300], 2, pad_free=256) == [[0, 1], [2]]
+    assert prefill_batches([5, 7, 9], 2, pad_free=256) == [[0, 1], [2]]  # short prompts: padded batches as before
+    assert prefill_batches([], 4) == []
+
+
+def test_long_and_short_prompts_keep_their_order_and_caches(tiny, sample_ids):
+    """Long prompts run beside prompts of their own length only; each request still gets the KV of prefilling it
+    alone, in prompt order."""
+    from tdutils.engines.hf import PAD_FREE_TOKENS
+
+    g = torch.Generator().manual_seed(0)
+    long_a = torch.randint(5, 200, (PAD_FREE_TOKENS + 3,), generator=g).tolist()
+    long_b = torch.randint(5, 200, (PAD_FREE_TOKENS + 3,), generator=g).tolist()
+    long_c = torch.randint(5, 200, (PAD_FREE_TOKENS + 8,), generator=g).tolist()
+    prompts = [long_a, sample_ids[0], long_b, sample_ids[1], long_c]
+    eng = _engine(tiny, prefill_batch_size=4)
+    assert eng.prefill(prompts) == [len(x) for x in prompts]
+    for i, x in enumerate(prompts):
+        one = _engine(tiny)
+        one.prefill([x])
+        torch.testing.assert_close(eng.kv(i), one.kv(0), atol=1e-5, rtol=0)
+
 @pytest.mark.parametrize("policy_kw", [None, {"positions": "compact"}, {"positions": "original"}])
 def test_ragged_batched_decoding_equals_one_at_a_time(tiny, sample_ids, policy_kw):
     model, _ = tiny
