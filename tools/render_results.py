@@ -627,6 +627,24 @@ def granularity_cost(stored: str = GRANULARITY_COST) -> str:
                                  f"{_minutes(m['seconds'])} of wall time on the shared 2 cores")])
 
 
+def main_job(stored: str) -> str:
+    """What a stored `python -m tdutils run --model ... --json` took, from its JSON: the whole command, the estimate
+    it printed before the runs, the runs, the decode-throughput ratio and both runs' accuracy."""
+    r = load(stored)
+    a, timing, kv = r["args"], r["timing"], r["kv_budget"]
+    split, name = timing["split"], next(k for k in r["accuracy"] if k != "baseline")
+    acc = "; ".join(f"{k} {v['correct']}/{v['n']} correct" for k, v in r["accuracy"].items())
+    ratios = r["decode_speedups"]
+    return (f"`python -m tdutils run --model {a['model']}` with its defaults ({a['num_requests']} `{a['dataset']}` "
+            f"prompts of {a['context_length']} tokens, {a['policy']} at {a['drop_ratio']:g}, {a['repeats']} repeats, "
+            f"{kv['dtype']}, {T.threads(r['threads'])}) took {r['command_s'] / 60:.1f} min from start to exit "
+            f"(model, dataset and warm-up included): the estimate printed before the runs said "
+            f"{timing['estimate_s'] / 60:.1f} min, the runs took {timing['elapsed_s'] / 60:.1f} min (the one prefill "
+            f"{split['prefill_s']:.0f} s, decodes {split['decode_s']:.0f} s, modifies {split['modify_s']:.0f} s). "
+            f"Decode throughput {name} / baseline {r['decode_speedup_median']:.2f}x (median of {len(ratios)} repeats, "
+            f"{min(ratios):.2f}-{max(ratios):.2f}x); {acc}. " + _source(stored, "2 quiet cores"))
+
+
 # SnapKV at each granularity x positions on tdutils' side, the same kvpress SnapKVPress on the other (issue 44)
 SNAPKV_RUNS = ("peer_kvpress_head", "peer_kvpress_snapkv_head_compact", "peer_kvpress_snapkv_request_original",
                "peer_kvpress_snapkv_request_compact")
@@ -672,6 +690,7 @@ BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
     "granularity_leaderboard_gemma3": (lambda: granularity_leaderboard(GRANULARITY_RUNS[1]), GRANULARITY_RUNS[1:]),
     "granularity_winners": (lambda: granularity_winners(*GRANULARITY_RUNS), GRANULARITY_RUNS),
     "granularity_cost": (granularity_cost, (GRANULARITY_COST,)),
+    "main_job_smollm2": (lambda: main_job("run_smollm2_2048"), ("run_smollm2_2048",)),
 }
 
 

@@ -437,7 +437,7 @@ def cmd_run(args) -> int:
                                  repeats=args.repeats, progress=lambda line: print(line, flush=True))
     except Interrupted as stop:
         return _write_interrupted(args, plan, out, stop)
-    status = report_run(args, plan, out, results, table)
+    status = report_run(args, plan, out, results, table, started=started)
     print(f"{(time.perf_counter() - started) / 60:.1f} min since the command started (model, dataset and warm-up "
           f"included)")
     return status
@@ -449,8 +449,10 @@ RUN_COLUMNS = ["requests", "prompt_tokens", "kv_tokens_after", "kept_fraction", 
                "decode_speedup_max", "capacity_limit"]
 
 
-def report_run(args, plan: RunPlan, out, results, table) -> int:
-    """Print `run`'s phase table, speed-up line, notes and accuracy, and write its JSON to `out`; exit status 0."""
+def report_run(args, plan: RunPlan, out, results, table, *, started: float | None = None) -> int:
+    """Print `run`'s phase table, speed-up line, notes and accuracy, and write its JSON to `out`; exit status 0.
+    `started`: the command's `time.perf_counter()` at its start; the JSON's `command_s` is the seconds from it to
+    the report (model, dataset and warm-up included; None without it)."""
     name = plan.name
     runs = [m.to_dict() for pair in zip(results["baseline"].repeats, results[name].repeats) for m in pair]
     import pandas as pd  # seconds to import; `_preload` has it loaded before a run
@@ -472,7 +474,8 @@ def report_run(args, plan: RunPlan, out, results, table) -> int:
               "notes": [*notes, *speed_notes],  # the JSON keeps every note the run printed
               "answers": run_answers(results), "gold": [r.answer for r in plan.rows],
               "table": json.loads(table.reset_index().to_json(orient="records")),
-              "runs": runs}
+              "runs": runs,
+              "command_s": None if started is None else time.perf_counter() - started}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
     print(f"wrote {out}")
