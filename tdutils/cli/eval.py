@@ -66,7 +66,7 @@ from ..eval.statistics import has_scores
 from ..eval.tasks import GROUPS, MODES, RULER, SUITE_LABELS, SUITES, Defaults, get_task, task_names
 from ..models import check_context_lengths, context_window, resolve_model
 from ..policies import policy_names
-from .args import add_dtype_option, add_threads_option, check_threads
+from .args import add_dtype_option, add_threads_option, check_threads, positive_int, usable_cores
 from .policy_options import policy_arguments, policy_params
 from .startup import INTERRUPTED
 
@@ -171,6 +171,11 @@ def add_arguments(parser) -> None:
                                    "bfloat16, else float32); the JSON records the dtype the model ran in")
     add_threads_option(parser, ". The bundled models are tiny: 1 thread per run is fastest when several runs "
                                "share a machine")
+    parser.add_argument("--workers", type=positive_int, default=1,
+                        help="processes that share each task's prompts, each with its own engine and --threads / N "
+                             "torch threads (at least 1), bound to cores of its own where there are enough; the "
+                             "cells are the same as in one process. On a CPU two one-thread workers do more than one "
+                             "two-thread process (docs/real_models.md). Default: 1")
     parser.add_argument("--quiet", action="store_true", help="no per-cell progress lines and no progress bar")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run stored in --json (the same model, seed, n, decode tokens and dtype): its "
@@ -250,7 +255,7 @@ class EvalPlan:
         params: policy parameters given, per policy label; chat: `--chat-template`; threads: `--threads` or None;
         n: prompts per (task, length), an int when every task has the same, else `{task: n}` (`--n` unset: each
             task's own default; the leaderboard's own for its tasks); dtype: what the engine is opened with;
-        dtype_note: why, when the leaderboard chose it (None otherwise).
+        dtype_note: why, when the leaderboard chose it (None otherwise); workers: `--workers`.
     """
 
     tasks: list
@@ -267,6 +272,7 @@ class EvalPlan:
     n: int | dict
     dtype: str
     dtype_note: str | None = None
+    workers: int = 1
 
     @property
     def lengths_layout(self) -> bool:
@@ -289,7 +295,8 @@ def run(args) -> int:
             # no ratio was run when only the full cache was asked for (it ignores them)
             "drop_ratios": list(plan.ratios) if any(p != FULL for p in plan.policies) else [],
             "context_lengths": plan.lengths, "n": plan.n, "seed": args.seed, "max_tokens": plan.max_tokens,
-            "policy_params": plan.params, "threads": torch.get_num_threads(), "interrupted": False,
+            "policy_params": plan.params, "threads": torch.get_num_threads(), "workers": plan.workers,
+            "interrupted": False,
             "scored": SCORED_TEXT, "chat_template_option": plan.chat}
     if getattr(args, "resume", False) and plan.lengths_layout:
         raise ValueError("--resume continues task grids (--tasks ...); the passkey grid of context lengths reruns "
@@ -346,6 +353,13 @@ def plan_eval(args) -> EvalPlan:
     dtype = dtype or "auto"
     threads = getattr(args, "threads", None)
     check_threads(threads)
+    workers = getattr(args, "workers", 1) or 1
+    if workers > usable_cores():
+        raise ValueError(f"--workers {workers} is more than the {usable_cores()} CPU core(s) this process may use; "
+                         f"give at most {usable_cores()}")
+    if threads is not None and threads < workers:
+        raise ValueError(f"--threads {threads} is shared among --workers {workers}: each needs at least one thread; "
+                         f"give --threads {workers} or more, or fewer workers")
     # "" is checked too (and refused, as `run --json ""`), never read as "no file"
     if args.json_path is not None:
         check_output_path(args.json_path, "--json", example="runs/eval.json")
@@ -364,7 +378,7 @@ def plan_eval(args) -> EvalPlan:
     check_context_lengths(lengths, context_window(model), model=model, option="--context-lengths")
     return EvalPlan(tasks, d, model, modes, policies, ratios, lengths, max_tokens,
                     {p: values for p, values in given.items() if values},
-                    getattr(args, "chat_template", "auto") or "auto", threads, n, dtype, dtype_note)
+                    getattr(args, "chat_template", "auto") or "auto", threads, n, dtype, dtype_note, workers)
 
 
 def plan_lines(plan: EvalPlan, *, stored: int = 0) -> list[str]:
@@ -467,7 +481,7 @@ def execute_eval(args, plan: EvalPlan, meta: dict, done: list, finished: list, t
                             **common), used_chat
     table = task_eval(plan.model, plan.tasks, plan.modes, plan.policies, plan.ratios, plan.lengths, engine=engine,
                       done=done, progress=not args.quiet, stop_at_eos=not getattr(args, "ignore_eos", False),
-                      checkpoint=checkpoint, batch_size=TASK_BATCH_SIZE, **common)
+                      checkpoint=checkpoint, batch_size=TASK_BATCH_SIZE, workers=plan.workers, **common)
     return table, used_chat
 
 

@@ -184,6 +184,8 @@ def task_eval(
     progress: bool = False,
     stop_at_eos: bool = True,
     checkpoint: Callable[[], None] | None = None,
+    workers: int = 1,
+    worker_threads: int | None = None,
 ):
     """Exact match on registered tasks (Hsieh et al., "RULER", arXiv:2404.06654; `tdutils.eval.tasks`) for every
     (task, mode, context length, policy, drop ratio) cell — the query-aware and query-agnostic leaderboard.
@@ -212,6 +214,11 @@ def task_eval(
         done: rows of a stored run of the same grid, not run again (`run_tasks`); rows need per-prompt `scores`.
         stop_at_eos: a request leaves the decode batch at its first EOS (the scored answers are the same).
         checkpoint: called after each (length, task, mode) group that ran.
+        workers: processes that run each (length, task)'s prompts, split into contiguous shards
+            (`tdutils.eval.workers.WorkerPool`, each with its own engine opened from `model`, which must then be a
+            name, in the dtype of this process's engine); 1 runs everything here. worker_threads: torch threads per
+            worker (default: this process's threads divided among the workers, at least 1); each worker is bound
+            to cores of its own where there are enough (`worker_cores`).
 
     Returns:
         pandas DataFrame, one row per cell, ordered length -> task -> mode -> policy -> ratio, with `TASK_COLUMNS`:
@@ -223,9 +230,15 @@ def task_eval(
 
     Raises:
         ValueError: see `check_task_grid` and `prepare_cells` (empty lists, unknown names, a mode a task cannot
-            run in, bad counts or seeds, a length too short for a task or too long for the model).
+            run in, bad counts or seeds, a length too short for a task or too long for the model); `workers` or
+            `worker_threads` below 1; `workers` > 1 with an engine whose model has no name to reopen.
     """
     import pandas as pd
+    import torch
+
+    for name, value in (("workers", workers), ("worker_threads", 1 if worker_threads is None else worker_threads)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
     policies = list(policies)
     specs, modes, lengths, ratios, done = check_task_grid(tasks, modes, policies, drop_ratios, context_lengths, done,
@@ -235,9 +248,22 @@ def task_eval(
     cells = prepare_cells(engine, specs, modes, policies, ratios, lengths, policy_params, seed=seed,
                           chat_template=chat_template)
     cell, group = _task_callbacks(partial, responses, log, checkpoint)
-    rows = run_tasks(engine, specs, modes, cells, lengths, n=n, seed=seed, max_tokens=max_tokens,
-                     batch_size=batch_size, chat_template=chat_template, on_cell=cell, on_group=group,
-                     done={cell_key(r): dict(r) for r in done}, progress=progress, stop_at_eos=stop_at_eos)
+    job = dict(n=n, seed=seed, max_tokens=max_tokens, batch_size=batch_size, chat_template=chat_template,
+               on_cell=cell, on_group=group, done={cell_key(r): dict(r) for r in done}, progress=progress,
+               stop_at_eos=stop_at_eos)
+    if workers == 1:
+        return pd.DataFrame(run_tasks(engine, specs, modes, cells, lengths, **job), columns=list(TASK_COLUMNS))
+    from .workers import WorkerPool, worker_cores
+
+    name = model if isinstance(model, str) else None
+    if name is None:
+        raise ValueError("workers > 1 reopens the model in each worker process by its name: give task_eval a "
+                         "model name (a bundled or packaged name, hub id, folder or .gguf), not a model object")
+    threads = worker_threads or max(1, torch.get_num_threads() // workers)
+    dtype = str(engine.model.dtype).removeprefix("torch.")
+    with WorkerPool(workers, threads=threads, model=name, dtype=dtype, seed=seed, policies=policies, ratios=ratios,
+                    params=policy_params or {}, cores=worker_cores(workers, threads)) as pool:
+        rows = run_tasks(engine, specs, modes, cells, lengths, pool=pool, **job)
     return pd.DataFrame(rows, columns=list(TASK_COLUMNS))
 
 
@@ -394,9 +420,11 @@ def run_tasks(engine, tasks: Sequence[Task], modes: Sequence[str], cells: Sequen
               chat_template: str | bool = "auto",
               on_cell: Callable[[dict, list], None] | None = None,
               on_group: Callable[[list[dict], float], None] | None = None, done: Mapping[tuple, dict] | None = None,
-              progress: bool = False, stop_at_eos: bool = True) -> list[dict]:
+              progress: bool = False, stop_at_eos: bool = True, pool=None) -> list[dict]:
     """The benchmark loop: every (length, task, mode, cell) on `engine`, scored, in that order; nothing is checked
-    here but that each length leaves room for the decode (the entry points check the rest first).
+    here but that each length leaves room for the decode (the entry points check the rest first). With `pool` (a
+    `tdutils.eval.workers.WorkerPool`) each (length, task)'s cells run in its worker processes, the datasets,
+    scoring, callbacks and progress bar staying here.
 
     Args:
         tasks: registered `Task`s; modes: `"aware"` / `"agnostic"` (the latter needs `Task.split`; a teacher-forced
@@ -424,7 +452,7 @@ def run_tasks(engine, tasks: Sequence[Task], modes: Sequence[str], cells: Sequen
     total = len(lengths) * sum(len(task_modes(t, modes)) for t in tasks) * len(cells)
     rows: list[dict] = []
     job = {"n": n, "seed": seed, "max_tokens": max_tokens, "batch_size": batch_size, "chat_template": chat_template,
-           "stop_at_eos": stop_at_eos, "on_cell": on_cell, "on_group": on_group}
+           "stop_at_eos": stop_at_eos, "on_cell": on_cell, "on_group": on_group, "pool": pool}
     with tqdm(total=total, unit="cell", disable=not progress, dynamic_ncols=True, desc="eval",
               bar_format="{l_bar}{bar}| {n:.1f}/{total} cells [{elapsed}<{remaining}]") as bar:
         for length in lengths:
@@ -436,7 +464,7 @@ def run_tasks(engine, tasks: Sequence[Task], modes: Sequence[str], cells: Sequen
 
 def _run_task(engine, task: Task, modes: Sequence[str], cells: Sequence[tuple], length: int, done: Mapping, bar, *,
               n: int, seed: int, max_tokens: int | None, batch_size: int, chat_template, stop_at_eos: bool,
-              on_cell, on_group) -> list[dict]:
+              on_cell, on_group, pool=None) -> list[dict]:
     """`run_tasks` for one (length, task): its dataset (made only when a cell is still to run), the cells of each
     mode not in `done`, one prefill per chunk for both modes where they share it (`run_cells_shared`), the rows."""
     tok = engine.tokenizer
@@ -457,7 +485,10 @@ def _run_task(engine, task: Task, modes: Sequence[str], cells: Sequence[tuple], 
         bar.update(fraction)
 
     t0 = time.perf_counter()
-    if all(todo.get(m) for m in MODES) and not task.teacher_forced and _snapshot_capable(engine):
+    if pool is not None and any(todo.values()):
+        shared = pool.generate(task, data, todo, decode_tokens=decode_tokens, batch_size=batch_size,
+                               stop_at_eos=stop_at_eos, tick=tick)
+    elif all(todo.get(m) for m in MODES) and not task.teacher_forced and _snapshot_capable(engine):
         contexts, questions = zip(*(task.split(tok, d) for d in data))
         shared = run_cells_shared(engine, contexts, questions, todo, max_tokens=decode_tokens, batch_size=batch_size,
                                   stop_at_eos=stop_at_eos, tick=tick)
@@ -497,8 +528,13 @@ def _run_group(engine, task: Task, mode: str, data: Sequence[Mapping], cells: Se
         def forced(policy, r, per, modify_s, kept):
             scored(policy, r, cell_row(task.measure, per, modify_s, kept / n), [])
 
-        run_forced_cells(engine, prompts, [d["continuation"] for d in data], cells, batch_size=batch_size,
-                         on_cell=forced, tick=tick)
+        if generated is None:
+            run_forced_cells(engine, prompts, [d["continuation"] for d in data], cells, batch_size=batch_size,
+                             on_cell=forced, tick=tick)
+        else:  # `WorkerPool.generate`'s merged measures
+            per, modify_s, kept = generated
+            for policy, r, _ in cells:
+                forced(policy, r, per[policy, r], modify_s[policy, r], kept[policy, r])
         return
     extensions = None
     if mode == "agnostic":
