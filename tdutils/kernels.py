@@ -27,6 +27,12 @@ NAME = "tdutils_kernels"
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno"]
 LDFLAGS = ["-fopenmp"]
 ENV = "TDUTILS_DECODE_KERNEL"
+# torch's loader guards a build with a `lock` file in the build directory and waits, without a time limit, while it
+# exists: a build killed hard (kill -9, out of memory) leaves it behind. A build takes ~15 s (a minute on a loaded
+# machine), so a lock older than STALE_LOCK_S is a dead build's, removed; a younger one is waited for, polled,
+# at most LOCK_WAIT_S, then this process uses the matmul path.
+STALE_LOCK_S = 120.0
+LOCK_WAIT_S = 150.0
 
 _lock = threading.Lock()
 _state: dict = {}  # "op": the loaded op or None, "why": why not
@@ -81,6 +87,9 @@ def _build():
         # directory (a cluster's nodes)
         build_dir = Path(cpp_extension._get_build_directory(NAME, verbose=False)).with_name(f"{NAME}-{_cpu_tag()}")
         build_dir.mkdir(parents=True, exist_ok=True)
+        busy = _wait_for_lock(build_dir / "lock")
+        if busy:
+            return None, busy
         if not (build_dir / f"{NAME}.so").exists():
             print("tdutils: compiling the CPU decode attention kernel (once per machine, ~15 s)", file=sys.stderr,
                   flush=True)
@@ -90,6 +99,31 @@ def _build():
     except Exception as exc:  # noqa: BLE001 - a failed build falls back, with the reason
         msg = str(exc).strip().splitlines()
         return None, f"the build failed ({msg[-1] if msg else type(exc).__name__})"
+
+
+def _wait_for_lock(lock: Path) -> str:
+    """Wait while another process builds (its `lock` younger than `STALE_LOCK_S`, at most `LOCK_WAIT_S`); remove
+    a stale lock. Returns "" when the build may go ahead, else why this process falls back."""
+    import time
+
+    deadline, said = time.monotonic() + LOCK_WAIT_S, False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return ""
+        if age > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+            print(f"tdutils: removed {lock}, left {age:.0f} s ago by a kernel build that was killed", file=sys.stderr,
+                  flush=True)
+            return ""
+        if time.monotonic() > deadline:
+            return (f"another process has been compiling it for {age:.0f} s ({lock}); if none is, delete that file")
+        if not said:
+            print(f"tdutils: waiting for another process compiling the decode attention kernel ({lock})",
+                  file=sys.stderr, flush=True)
+            said = True
+        time.sleep(0.5)
 
 
 def _cpu_tag() -> str:

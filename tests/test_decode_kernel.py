@@ -116,3 +116,28 @@ def test_a_failed_build_falls_back_with_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("tdutils: decode attention falls back to batched matmuls: the build failed"), err
     assert kernels.kernel_status().startswith("compiled decode attention: not in use (the build failed")
+
+
+def test_a_killed_builds_lock_is_removed_not_waited_for(tmp_path, capsys):
+    """A build killed hard leaves torch's `lock` file; torch's loader would wait for it forever."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    old = time.time() - kernels.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    assert kernels._wait_for_lock(lock) == ""
+    assert not lock.exists()
+    assert "left 12" in capsys.readouterr().err  # its age, in seconds
+    assert kernels._wait_for_lock(tmp_path / "none") == ""
+
+
+def test_a_live_build_is_waited_for_then_given_up(tmp_path, monkeypatch, capsys):
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    monkeypatch.setattr(kernels, "LOCK_WAIT_S", 1.0)
+    why = kernels._wait_for_lock(lock)
+    assert why.startswith("another process has been compiling it for") and str(lock) in why, why
+    assert lock.exists()  # never removed while it may belong to a live build
+    assert capsys.readouterr().err.startswith("tdutils: waiting for another process compiling")

@@ -69,15 +69,22 @@ def test_its_policies_are_every_policy_with_one_set_per_request_and_full():
 def test_plan_of_the_leaderboard(no_download, tmp_path, monkeypatch):
     monkeypatch.setattr(grids, "cpu_has_native_bf16", lambda: True)
     monkeypatch.setattr(grids.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cli_eval, "usable_cores", lambda: 2)
+    monkeypatch.setattr("tdutils.cli.args.usable_cores", lambda: 2)
     plan = plan_eval(_args(["--tasks", "leaderboard", "--json", str(tmp_path / "lb.json")]))
     assert plan.tasks == list(TASKS) and plan.model == "smollm2-135m"
     assert plan.policies == LEADERBOARD.policies()
     assert list(plan.ratios) == [0.5, 0.75, 0.9] and plan.lengths == [2048] and plan.modes == ["aware", "agnostic"]
     assert plan.n == LEADERBOARD.task_n and plan.dtype == "bfloat16"
     cells = 1 + 3 * (len(plan.policies) - 1)  # full once, every other policy at three ratios
-    dtype_line, size_line = plan_lines(plan)
+    dtype_line, workers_line, size_line = plan_lines(plan)
     assert dtype_line == "dtype bfloat16: the leaderboard's default, as this CPU computes bfloat16 natively; --dtype " \
                          "changes it"
+    assert plan.workers == 2 and workers_line == ("workers 2: the leaderboard's default on 2 or more cores (each "
+                                                  "process one thread on a core of its own); --workers 1 changes it")
+    for argv in (["--threads", "1"], ["--workers", "1"]):  # one thread, or one worker asked for: one process
+        one = plan_eval(_args(["--tasks", "leaderboard", "--json", str(tmp_path / "lb.json"), *argv]))
+        assert one.workers == 1 and one.workers_note is None
     # 3 RULER tasks x 2 modes + text fidelity agnostic; one prefill per (task, length) serves both modes
     assert size_line == (f"grid: {7 * cells} cells = {cells} policy/ratio cells x 7 (task, mode) pairs x 1 length(s) "
                          "(2048 tokens); n = 100 (ruler_niah_single_1, ruler_niah_multikey_1, "
@@ -88,7 +95,7 @@ def test_plan_of_the_leaderboard(no_download, tmp_path, monkeypatch):
                             "4096", "--dtype", "float32", "--mode", "agnostic", "--json", str(tmp_path / "lb.json")]))
     assert (plan.n, plan.policies, plan.lengths, plan.dtype, plan.modes) == (8, ["snapkv", "full"], [4096], "float32",
                                                                              ["agnostic"])
-    assert plan_lines(plan) == [("grid: 16 cells = 4 policy/ratio cells x 4 (task, mode) pairs x 1 length(s) (4096 "
+    assert plan_lines(plan)[1:] == [("grid: 16 cells = 4 policy/ratio cells x 4 (task, mode) pairs x 1 length(s) (4096 "
                                  "tokens); n = 8; 32 prompts prefilled, in 4 batches of up to 25")]
 
 

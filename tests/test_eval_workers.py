@@ -6,25 +6,26 @@ import math
 import pytest
 
 from tdutils.eval import task_eval
-from tdutils.eval.workers import _merge, _shards, worker_cores
+from tdutils.eval.runner import _merge_shards
+from tdutils.eval.workers import shards, worker_cores
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread (tiny models, shared cores)
 
 
 def test_shards_are_contiguous_and_even():
-    assert _shards(5, 2) == [(0, 2), (2, 5)]
-    assert _shards(6, 3) == [(0, 2), (2, 4), (4, 6)]
-    assert _shards(1, 4) == [(0, 1)]  # never an empty shard
+    assert shards(5, 2) == [(0, 2), (2, 5)]
+    assert shards(6, 3) == [(0, 2), (2, 4), (4, 6)]
+    assert shards(1, 4) == [(0, 1)]  # never an empty shard
 
 
 def test_merge_keeps_prompt_order_and_sums_seconds():
     a = {"aware": ({("snapkv", 0.5): ["x", "y"]}, {("snapkv", 0.5): 1.5}, {("snapkv", 0.5): 10})}
     b = {"aware": ({("snapkv", 0.5): ["z"]}, {("snapkv", 0.5): 0.5}, {("snapkv", 0.5): 4})}
-    assert _merge([a, b]) == {"aware": ({("snapkv", 0.5): ["x", "y", "z"]}, {("snapkv", 0.5): 2.0},
+    assert _merge_shards([a, b]) == {"aware": ({("snapkv", 0.5): ["x", "y", "z"]}, {("snapkv", 0.5): 2.0},
                                         {("snapkv", 0.5): 14})}
     f1 = {"agnostic": ({("full", 0.0): {"kl": [0.0], "ppl": [3.0]}}, {("full", 0.0): 0.0}, {("full", 0.0): 7})}
     f2 = {"agnostic": ({("full", 0.0): {"kl": [0.0], "ppl": [5.0]}}, {("full", 0.0): 0.0}, {("full", 0.0): 8})}
-    assert _merge([f1, f2])["agnostic"][0] == {("full", 0.0): {"kl": [0.0, 0.0], "ppl": [3.0, 5.0]}}
+    assert _merge_shards([f1, f2])["agnostic"][0] == {("full", 0.0): {"kl": [0.0, 0.0], "ppl": [3.0, 5.0]}}
 
 
 def test_worker_cores_split_the_usable_cores(monkeypatch):

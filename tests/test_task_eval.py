@@ -275,3 +275,23 @@ def test_resume_from_a_path_with_nothing_stored_says_it_starts_the_whole_grid(tm
     missing = tmp_path / "typo.json"
     assert _resume_rows(str(missing), {}) == ([], 0.0, {})
     assert f"--resume: nothing stored at {missing} yet: starting the whole grid there" in capsys.readouterr().out
+
+
+def test_a_policy_that_dropped_nothing_gets_a_note():
+    """At a length its window covers, a policy keeps every token: its row is the full cache's under its name."""
+    import pandas as pd
+
+    from tdutils.eval import undropped_notes
+
+    table = pd.DataFrame([
+        {"task": "t", "mode": "aware", "context_length": 10, "policy": "full", "drop_ratio": 0.0, "kept_tokens": 10.0},
+        {"task": "t", "mode": "aware", "context_length": 10, "policy": "snapkv", "drop_ratio": 0.5, "kept_tokens": 10.0},
+        {"task": "t", "mode": "aware", "context_length": 10, "policy": "knorm", "drop_ratio": 0.5, "kept_tokens": 5.0},
+    ])
+    notes = undropped_notes(table)
+    assert notes == ["note: snapkv at drop ratio 0.5 (t, aware, 10 tokens) kept 10 KV tokens per request, 100% of "
+                     "the full cache's: its protected tokens (window, sinks) cover this prompt, so it dropped "
+                     "(almost) nothing; use longer context lengths"]
+    no_full = table[table.policy != "full"].rename(columns={"context_length": "context_tokens"}).drop(
+        columns=["task", "mode"])
+    assert len(undropped_notes(no_full)) == 1  # the context length is the reference without a full cell

@@ -46,6 +46,7 @@ from ..eval.report import (
     plot_leaderboard,
     rank_policies,
     task_markdown,
+    undropped_notes,
     weak_task_notes,
     write_json,
 )
@@ -171,11 +172,12 @@ def add_arguments(parser) -> None:
                                    "bfloat16, else float32); the JSON records the dtype the model ran in")
     add_threads_option(parser, ". The bundled models are tiny: 1 thread per run is fastest when several runs "
                                "share a machine")
-    parser.add_argument("--workers", type=positive_int, default=1,
+    parser.add_argument("--workers", type=positive_int, default=None,
                         help="processes that share each task's prompts, each with its own engine and --threads / N "
                              "torch threads (at least 1), bound to cores of its own where there are enough; the "
                              "cells are the same as in one process. On a CPU two one-thread workers do more than one "
-                             "two-thread process (docs/real_models.md). Default: 1")
+                             f"two-thread process (docs/real_models.md). Default: 1; '--tasks {LEADERBOARD}': 2 where "
+                             "this process may use 2 or more cores and --threads, if given, is 2 or more")
     parser.add_argument("--quiet", action="store_true", help="no per-cell progress lines and no progress bar")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run stored in --json (the same model, seed, n, decode tokens and dtype): its "
@@ -255,7 +257,8 @@ class EvalPlan:
         params: policy parameters given, per policy label; chat: `--chat-template`; threads: `--threads` or None;
         n: prompts per (task, length), an int when every task has the same, else `{task: n}` (`--n` unset: each
             task's own default; the leaderboard's own for its tasks); dtype: what the engine is opened with;
-        dtype_note: why, when the leaderboard chose it (None otherwise); workers: `--workers`.
+        dtype_note: why, when the leaderboard chose it (None otherwise); workers: `--workers`, and workers_note
+            why, when the leaderboard chose it.
     """
 
     tasks: list
@@ -273,6 +276,7 @@ class EvalPlan:
     dtype: str
     dtype_note: str | None = None
     workers: int = 1
+    workers_note: str | None = None
 
     @property
     def lengths_layout(self) -> bool:
@@ -353,7 +357,12 @@ def plan_eval(args) -> EvalPlan:
     dtype = dtype or "auto"
     threads = getattr(args, "threads", None)
     check_threads(threads)
-    workers = getattr(args, "workers", 1) or 1
+    workers, workers_note = getattr(args, "workers", None), None
+    if workers is None:
+        workers = 2 if board is not None and usable_cores() >= 2 and (threads is None or threads >= 2) else 1
+        if workers > 1:
+            workers_note = (f"workers 2: the {LEADERBOARD}'s default on 2 or more cores (each process one thread "
+                            f"on a core of its own); --workers 1 changes it")
     if workers > usable_cores():
         raise ValueError(f"--workers {workers} is more than the {usable_cores()} CPU core(s) this process may use; "
                          f"give at most {usable_cores()}")
@@ -378,14 +387,15 @@ def plan_eval(args) -> EvalPlan:
     check_context_lengths(lengths, context_window(model), model=model, option="--context-lengths")
     return EvalPlan(tasks, d, model, modes, policies, ratios, lengths, max_tokens,
                     {p: values for p, values in given.items() if values},
-                    getattr(args, "chat_template", "auto") or "auto", threads, n, dtype, dtype_note, workers)
+                    getattr(args, "chat_template", "auto") or "auto", threads, n, dtype, dtype_note, workers,
+                    workers_note)
 
 
 def plan_lines(plan: EvalPlan, *, stored: int = 0) -> list[str]:
     """What `eval` prints before it starts: the leaderboard's dtype choice (when it made one) and, for a task grid,
     its size: cells, prompts prefilled and prefill batches of the whole grid (`tdutils.eval.runner.grid_size`),
     and how many cells a resumed run has stored."""
-    lines = [] if plan.dtype_note is None else [plan.dtype_note]
+    lines = [note for note in (plan.dtype_note, plan.workers_note) if note is not None]
     if plan.lengths_layout:
         return lines
     specs = [get_task(t) for t in plan.tasks]
@@ -498,6 +508,9 @@ def report_eval(args, plan: EvalPlan, table, used_chat: bool, meta: dict, t0: fl
     d = plan.defaults
     if plan.lengths_layout:
         print(format_table(table))
+        meta["notes"] = undropped_notes(table)
+        for line in meta["notes"]:
+            print(line)
         what = f"{d.label}, model={plan.model}, n={plan.n} per length"
     else:
         print(format_task_table(table))
@@ -509,7 +522,8 @@ def report_eval(args, plan: EvalPlan, table, used_chat: bool, meta: dict, t0: fl
             if get_task(task).measure != "exact":
                 print()
                 print(measure_markdown(table, task))
-        notes = weak_task_notes(exact)  # not a partial-credit task's exact match, which ranks nothing
+        # not a partial-credit task's exact match, which ranks nothing
+        notes = weak_task_notes(exact) + undropped_notes(table)
         for line in [*ranking_lines(table), *notes]:
             print(line)
         meta["notes"] = notes

@@ -320,6 +320,29 @@ def weak_task_notes(table, threshold: float = WEAK_FULL_ACCURACY) -> list[str]:
             for (task, mode, length), acc in weak_tasks(table, threshold).items()]
 
 
+def undropped_notes(table, kept_at_least: float = 0.98) -> list[str]:
+    """One line per cell whose policy, at a drop ratio above 0, kept at least `kept_at_least` of the KV tokens
+    the full cache keeps in the same (task, mode, length) (of the context length where the grid has no full
+    cell): at that length its protected tokens (window, sinks) cover the prompt, so it dropped (almost) nothing
+    and its score is the full cache's under its name. Reads `policy`, `drop_ratio`, `kept_tokens` and
+    `context_length` (or the passkey table's `context_tokens`), grouped by `task` and `mode` where present."""
+    length = "context_length" if "context_length" in table.columns else "context_tokens"
+    keys = [c for c in ("task", "mode", length) if c in table.columns]
+    notes = []
+    for group, rows in table.groupby(keys, sort=False):
+        named = dict(zip(keys, group if isinstance(group, tuple) else (group,)))
+        full = rows[rows["policy"] == FULL]["kept_tokens"]
+        ref = float(full.iloc[0]) if len(full) else float(named[length])
+        for r in rows.itertuples():
+            if r.policy != FULL and r.drop_ratio > 0 and ref > 0 and r.kept_tokens >= kept_at_least * ref:
+                where = ", ".join(f"{named[k]}" for k in ("task", "mode") if k in named)
+                notes.append(f"note: {r.policy} at drop ratio {r.drop_ratio:g} ({where + ', ' if where else ''}"
+                             f"{named[length]} tokens) kept {r.kept_tokens:.0f} KV tokens per request, "
+                             f"{100 * r.kept_tokens / ref:.0f}% of the full cache's: its protected tokens (window, "
+                             f"sinks) cover this prompt, so it dropped (almost) nothing; use longer context lengths")
+    return notes
+
+
 def write_json(table, path: str | Path, *, meta: Mapping | None = None) -> Path:
     """Write `{"meta": meta, "rows": [one dict per table row]}` to `path` (parents created); returns it.
 
@@ -480,7 +503,7 @@ def _save_figure(fig, path: str | Path | None):
     return fig
 
 
-__all__ = ["OVER_BUDGET", "UNPAIRED", "WEAK_FULL_ACCURACY", "format_table", "format_task_table", "leaderboard", "measure_markdown",
+__all__ = ["OVER_BUDGET", "UNPAIRED", "WEAK_FULL_ACCURACY", "format_table", "format_task_table", "leaderboard", "measure_markdown", "undropped_notes",
            "n_text", "plot_accuracy",
            "plot_leaderboard", "plot_paired_differences", "plot_ranking", "rank_policies", "task_markdown", "weak_task_notes", "weak_tasks",
            "write_json"]

@@ -29,6 +29,7 @@ from ..models import RULER_MODEL_NAME, TINY_MODEL_NAME, resolve_model
 from ..policies.reuse import shared_scores
 from .common import DEV_SEED, FULL, TRAIN_SEED_BASE, DropRatios, check_seed, wilson_interval
 from .tasks import MODES, PASSKEY, PASSKEY_DEFAULTS, RULER_DEFAULTS, WORD_DEFAULTS, Task, get_task, task_names
+from .workers import WorkerPool, progress, shards, worker_cores
 
 COLUMNS = ("policy", "drop_ratio", "context_tokens", "n", "correct", "accuracy", "ci_low", "ci_high", "modify_s",
            "kept_tokens", "scores", "answers")
@@ -218,7 +219,8 @@ def task_eval(
             (`tdutils.eval.workers.WorkerPool`, each with its own engine opened from `model`, which must then be a
             name, in the dtype of this process's engine); 1 runs everything here. worker_threads: torch threads per
             worker (default: this process's threads divided among the workers, at least 1); each worker is bound
-            to cores of its own where there are enough (`worker_cores`).
+            to cores of its own where there are enough (`worker_cores`). The workers are spawned processes, which
+            import the main module: from a script, call `task_eval` under `if __name__ == "__main__":`.
 
     Returns:
         pandas DataFrame, one row per cell, ordered length -> task -> mode -> policy -> ratio, with `TASK_COLUMNS`:
@@ -253,16 +255,15 @@ def task_eval(
                stop_at_eos=stop_at_eos)
     if workers == 1:
         return pd.DataFrame(run_tasks(engine, specs, modes, cells, lengths, **job), columns=list(TASK_COLUMNS))
-    from .workers import WorkerPool, worker_cores
-
     name = model if isinstance(model, str) else None
     if name is None:
         raise ValueError("workers > 1 reopens the model in each worker process by its name: give task_eval a "
                          "model name (a bundled or packaged name, hub id, folder or .gguf), not a model object")
     threads = worker_threads or max(1, torch.get_num_threads() // workers)
     dtype = str(engine.model.dtype).removeprefix("torch.")
-    with WorkerPool(workers, threads=threads, model=name, dtype=dtype, seed=seed, policies=policies, ratios=ratios,
-                    params=policy_params or {}, cores=worker_cores(workers, threads)) as pool:
+    setup = (name, dtype, threads, seed, list(policies), [float(r) for r in ratios],
+             {k: dict(v) for k, v in (policy_params or {}).items()})
+    with WorkerPool(workers, _worker_init, setup, cores=worker_cores(workers, threads)) as pool:
         rows = run_tasks(engine, specs, modes, cells, lengths, pool=pool, **job)
     return pd.DataFrame(rows, columns=list(TASK_COLUMNS))
 
@@ -486,8 +487,10 @@ def _run_task(engine, task: Task, modes: Sequence[str], cells: Sequence[tuple], 
 
     t0 = time.perf_counter()
     if pool is not None and any(todo.values()):
-        shared = pool.generate(task, data, todo, decode_tokens=decode_tokens, batch_size=batch_size,
-                               stop_at_eos=stop_at_eos, tick=tick)
+        keys = {m: [(p, float(r)) for p, r, _ in c] for m, c in todo.items() if c}
+        calls = [(task.name, list(data[a:b]), keys, decode_tokens, batch_size, stop_at_eos, (b - a) / len(data))
+                 for a, b in shards(len(data), pool.workers)]
+        shared = _merge_shards(pool.map(_worker_cells, calls, on_progress=tick))
     elif all(todo.get(m) for m in MODES) and not task.teacher_forced and _snapshot_capable(engine):
         contexts, questions = zip(*(task.split(tok, d) for d in data))
         shared = run_cells_shared(engine, contexts, questions, todo, max_tokens=decode_tokens, batch_size=batch_size,
@@ -607,6 +610,93 @@ def build_cells(engine, policies: Sequence[str], ratios: Sequence[float], params
     if hasattr(engine, "capture_for"):
         engine.capture_for(*(fn for _, _, fn in cells))
     return cells
+
+
+# ---------------------------------------------------------------------------------------- worker processes
+# `task_eval(workers=N)`: each worker process opens its own engine and cells once (`_worker_init`), then runs the
+# cells of one shard of a group's prompts per call (`_worker_cells`); the parent merges the shards (`_merge_shards`)
+# and scores them as it scores its own.
+_WORKER: dict = {}
+
+
+def _worker_init(model: str, dtype: str, threads: int, seed: int, policies: list, ratios: list, params: dict):
+    import torch
+
+    torch.set_num_threads(threads)
+    engine = _open_engine(None, model, seed, dtype=dtype)
+    _WORKER["engine"] = engine
+    _WORKER["cells"] = {(p, float(r)): (p, r, fn) for p, r, fn in build_cells(engine, policies, ratios, params)}
+
+
+def _worker_cells(task_name: str, data: list, keys: dict, decode_tokens: int, batch_size: int, stop_at_eos: bool,
+                  weight: float) -> dict[str, tuple]:
+    """One shard in a worker: `generate_cells` on its engine; its progress scaled to the whole group (`weight`: the
+    shard's share of the prompts) and sent to the parent's bar."""
+    todo = {m: [_WORKER["cells"][k] for k in ks] for m, ks in keys.items()}
+    return generate_cells(_WORKER["engine"], get_task(task_name), data, todo, decode_tokens=decode_tokens,
+                          batch_size=batch_size, stop_at_eos=stop_at_eos,
+                          tick=lambda mode, policy, r, fraction: progress(mode, policy, r, fraction * weight))
+
+
+def _merge_shards(parts: list[dict]) -> dict[str, tuple]:
+    """The shards' `{mode: (results, modify_s, kept)}` (`generate_cells`) as one, shards in prompt order: answers
+    concatenated (a teacher-forced task's per-prompt measures per measure), seconds and kept tokens summed."""
+    out = {}
+    for mode in parts[0]:
+        results, modify_s, kept = parts[0][mode]
+        for part in parts[1:]:
+            more, secs, rows = part[mode]
+            for key, value in more.items():
+                if isinstance(value, Mapping):  # teacher-forced: {measure: [per prompt]}
+                    results[key] = {m: results[key][m] + xs for m, xs in value.items()}
+                else:
+                    results[key] = results[key] + value
+                modify_s[key] += secs[key]
+                kept[key] += rows[key]
+        out[mode] = (results, modify_s, kept)
+    return out
+
+
+def generate_cells(engine, task: Task, data: Sequence[Mapping], todo: Mapping[str, Sequence[tuple]], *,
+                   decode_tokens: int, batch_size: int, stop_at_eos: bool,
+                   tick: Callable | None = None) -> dict[str, tuple]:
+    """The raw results of every cell of `todo` (`{mode: [(policy, ratio, drop_fn)]}`) on `data`, unscored: for a
+    teacher-forced task `run_forced_cells`' per-prompt measures, else `run_cells_shared` (both modes from one
+    prefill) or `run_cells` per mode. `tick(mode, policy, ratio, fraction)` after each chunk of prompts.
+
+    Returns:
+        `{mode: (results, modify_s, kept)}`: `results` as `run_cells` gives answers, or for a teacher-forced task
+        `run_forced_cells`' `{(policy, ratio): {measure: [per prompt]}}`; `modify_s` and `kept` per cell.
+    """
+    def mode_tick(mode):
+        return None if tick is None else partial(tick, mode)
+
+    tok = engine.tokenizer
+    prompts = [d.get("prompt_ids", d.get("prompt")) for d in data]
+    todo = {m: list(c) for m, c in todo.items() if c}
+    out = {}
+    if task.teacher_forced:
+        for mode, cells in todo.items():
+            modify_s, kept = {}, {}
+
+            def keep(policy, r, per, secs, rows, modify_s=modify_s, kept=kept):
+                modify_s[policy, r], kept[policy, r] = secs, rows
+
+            per = run_forced_cells(engine, prompts, [d["continuation"] for d in data], cells, batch_size=batch_size,
+                                   on_cell=keep, tick=mode_tick(mode))
+            out[mode] = (per, modify_s, kept)
+        return out
+    if all(todo.get(m) for m in MODES):
+        contexts, questions = zip(*(task.split(tok, d) for d in data))
+        return run_cells_shared(engine, contexts, questions, todo, max_tokens=decode_tokens, batch_size=batch_size,
+                                stop_at_eos=stop_at_eos, tick=tick)
+    for mode, cells in todo.items():
+        inputs, extensions = prompts, None
+        if mode == "agnostic":
+            inputs, extensions = zip(*(task.split(tok, d) for d in data))
+        out[mode] = run_cells(engine, inputs, cells, max_tokens=decode_tokens, batch_size=batch_size,
+                              extensions=extensions, stop_at_eos=stop_at_eos, tick=mode_tick(mode))
+    return out
 
 
 def run_cells(engine, prompts: Sequence, cells: Sequence[tuple], *, max_tokens: int, batch_size: int,
@@ -827,6 +917,6 @@ def _restore(engine, saved, prompts) -> None:
 
 __all__ = ["COLUMNS", "DEFAULT_CONTEXT_LENGTHS", "DEFAULT_DROP_RATIOS", "DEFAULT_N", "DEFAULT_POLICIES",
            "DEFAULT_REAL_CONTEXT_LENGTHS", "DEFAULT_REAL_DROP_RATIOS", "DEFAULT_REAL_N", "DEFAULT_TASK_CONTEXT_LENGTHS",
-           "DEFAULT_TASK_DROP_RATIOS", "DEFAULT_TASK_POLICIES", "TASKS", "TASK_BATCH_SIZE", "TASK_COLUMNS", "build_cells", "cell_key", "cell_row", "continuation_measures", "grid_size", "lengths_eval",
+           "DEFAULT_TASK_DROP_RATIOS", "DEFAULT_TASK_POLICIES", "TASKS", "TASK_BATCH_SIZE", "TASK_COLUMNS", "build_cells", "cell_key", "cell_row", "continuation_measures", "generate_cells", "grid_size", "lengths_eval",
            "passkey_eval", "run_cells", "run_cells_shared", "run_forced_cells", "run_tasks", "task_counts", "task_eval",
            "task_modes", "task_n"]

@@ -1,15 +1,14 @@
-"""Worker processes for `task_eval` (`python -m tdutils eval --workers N`): each (length, task) group's prompts are
-split into N contiguous shards, and each shard runs every cell of the group in a process of its own, with its own
-engine on its own cores.
+"""Worker processes for `task_eval(workers=N)` (`python -m tdutils eval --workers N`): a small process pool that
+runs one function per shard of a group's prompts in spawned processes, each bound to cores of its own, and relays
+their progress to the parent.
 
 Why: on a CPU the engine's many small operations scale poorly with threads (a 20-cell grid of SnapKV, KNorm and
 TOVA on 8 prompts: 118 s at one thread, 76 s at two), while two one-thread processes each keep their core busy.
-Every prompt's cells are computed as in one process (the same prefill, edits and decode per prompt; answers equal
-up to float summation order where a batch holds other prompts); the parent scores the merged results, writes the
-JSON after every group and shows one progress bar, as `run_tasks` does alone.
+What runs in the workers (an engine per process, the cells of a shard) is `tdutils.eval.runner`'s; this module
+knows only processes, cores, shards and progress.
 
-`WorkerPool` is the contract: open it with what the workers need to open their engines and build their cells,
-`generate` one group's raw results, `close` (or `terminate` on Ctrl-C). Details private.
+`WorkerPool` is the contract: open it with the function that sets up each worker, `map` a function over shards,
+`close` (or `terminate` on Ctrl-C). Details private.
 """
 
 from __future__ import annotations
@@ -18,16 +17,11 @@ import multiprocessing
 import os
 import queue
 import signal
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 
-from .tasks import MODES
-from .tasks import Task, get_task
-
-# Worker-process state, set once by `_init` (one engine and its cells per process).
-_ENGINE = None
-_CELLS: dict = {}
-_TICKS = None
+_PROGRESS = None  # in a worker: the queue `progress` puts on
 
 
 def worker_cores(workers: int, threads: int) -> list[list[int]] | None:
@@ -44,86 +38,83 @@ def worker_cores(workers: int, threads: int) -> list[list[int]] | None:
     return [usable[i * threads:(i + 1) * threads] for i in range(workers)]
 
 
+def shards(n: int, workers: int) -> list[tuple[int, int]]:
+    """`[(start, stop)]`: `n` items in at most `workers` contiguous shards of sizes differing by at most one (no
+    empty shard)."""
+    k = min(workers, n)
+    return [(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+
+def progress(*item) -> None:
+    """In a worker: pass `item` to the parent's `on_progress` (`WorkerPool.map`)."""
+    _PROGRESS.put(item)
+
+
 class WorkerPool:
-    """`workers` spawned processes, each with its own engine (the parent's model, dtype and cells), for
-    `task_eval(..., workers=N)`.
+    """`workers` spawned processes; each runs `initializer(*initargs)` once (after ignoring Ctrl-C, which is the
+    parent's to handle, and binding itself to its cores), then the functions `map` gives it.
 
     Args:
-        workers: processes, >= 2. threads: torch threads per worker (>= 1).
-        model, dtype, seed: what each worker opens (`runner._open_engine`: a model name, not an object).
-        policies, ratios, params: the cells each worker builds (`runner.build_cells`), keyed by (policy, ratio).
+        workers: processes, >= 2. initializer, initargs: a module-level function and its picklable arguments.
         cores: one list of cores per worker (`worker_cores`), or None to leave the workers unbound.
 
     Raises:
-        ValueError: fewer than 2 workers, threads below 1, or `cores` not one list per worker.
+        ValueError: fewer than 2 workers, or `cores` not one list per worker.
     """
 
-    def __init__(self, workers: int, *, threads: int, model, dtype: str, seed: int, policies: Sequence[str],
-                 ratios: Sequence[float], params: Mapping[str, Mapping], cores: list[list[int]] | None = None):
-        if int(workers) < 2 or int(threads) < 1:
-            raise ValueError(f"WorkerPool needs workers >= 2 and threads >= 1, got workers={workers}, "
-                             f"threads={threads}")
+    def __init__(self, workers: int, initializer: Callable, initargs: tuple = (),
+                 cores: list[list[int]] | None = None):
+        if int(workers) < 2:
+            raise ValueError(f"WorkerPool needs workers >= 2, got {workers}")
         if cores is not None and len(cores) != workers:
             raise ValueError(f"cores must give one list of cores per worker ({workers}), got {len(cores)}")
         self.workers = int(workers)
         ctx = multiprocessing.get_context("spawn")  # a fork of a process with torch threads running can hang
-        self._ticks = ctx.Queue()
-        self._slots = slots = ctx.Queue()
+        self._progress = ctx.Queue()
+        self._slots = ctx.Queue()
         for c in cores or [None] * workers:
-            slots.put(c)
-        self._pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
-                                         initargs=(model, dtype, int(threads), seed, list(policies),
-                                                   [float(r) for r in ratios], {k: dict(v) for k, v in params.items()},
-                                                   slots, self._ticks))
+            self._slots.put(c)
+        self._pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start,
+                                         initargs=(self._slots, self._progress, initializer, tuple(initargs)))
 
-    def generate(self, task: Task, data: Sequence[Mapping], todo: Mapping[str, Sequence[tuple]], *,
-                 decode_tokens: int, batch_size: int, stop_at_eos: bool,
-                 tick: Callable | None = None) -> dict[str, tuple]:
-        """One (length, task) group on every worker: `data` split into contiguous shards, each shard's cells of
-        `todo` (`{mode: [(policy, ratio, drop_fn)]}`) run in one worker, the results merged in prompt order.
-
-        Returns:
-            `{mode: (results, modify_s, kept)}` as `runner.run_cells` (`results`: answers per cell) or, for a
-            teacher-forced task, `runner.run_forced_cells` (`results`: per-prompt measures per cell) give them for
-            all of `data`; `modify_s` and `kept` summed over the shards.
+    def map(self, fn: Callable, calls: Sequence[tuple], on_progress: Callable | None = None) -> list:
+        """`[fn(*args) for args in calls]`, computed in the workers (one call each at a time), in `calls`' order;
+        `on_progress(*item)` here for every `progress(*item)` a worker sends, while they run.
 
         Raises:
-            whatever a worker raised; `concurrent.futures.process.BrokenProcessPool` when a worker died (e.g. out
-            of memory).
+            whatever `fn` raised in a worker; `BrokenProcessPool` when a worker died (out of memory, killed, or
+            a script that spawned workers outside `if __name__ == "__main__":`).
         """
-        keys = {m: [(p, float(r)) for p, r, _ in cells] for m, cells in todo.items() if cells}
-        bounds = _shards(len(data), self.workers)
-        futures = [self._pool.submit(_generate, task.name, list(data[a:b]), keys, decode_tokens, batch_size,
-                                     stop_at_eos, (b - a) / len(data)) for a, b in bounds]
+        futures = [self._pool.submit(fn, *args) for args in calls]
         pending = set(futures)
         while pending:
             _, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-            self._drain(tick)
-        self._drain(tick)
-        return _merge([f.result() for f in futures])
+            self._drain(on_progress)
+        self._drain(on_progress)
+        try:
+            return [f.result() for f in futures]
+        except BrokenProcessPool as exc:
+            raise BrokenProcessPool(f"{exc} A worker died: out of memory (fewer workers, or a smaller batch), "
+                                    f"killed, or, from a script, the workers were started outside "
+                                    f"`if __name__ == '__main__':` (each worker imports the main module)") from None
 
-    def _drain(self, tick: Callable | None) -> None:
+    def _drain(self, on_progress: Callable | None) -> None:
         while True:
             try:
-                item = self._ticks.get_nowait()
+                item = self._progress.get_nowait()
             except queue.Empty:
                 return
-            if tick is not None:
-                tick(*item)
+            if on_progress is not None:
+                on_progress(*item)
 
     def close(self) -> None:
         """Let the workers finish and exit."""
         self._pool.shutdown(wait=True)
         self._close_queues()
 
-    def _close_queues(self) -> None:
-        for q in (self._ticks, self._slots):  # else the resource tracker warns of leaked semaphores at exit
-            q.close()
-            q.cancel_join_thread()
-
     def terminate(self) -> None:
-        """Stop the workers now (Ctrl-C): queued shards are cancelled and running ones killed."""
-        # ProcessPoolExecutor has no public kill: shutdown(wait=False) alone waits for running shards at exit
+        """Stop the workers now (Ctrl-C): queued calls are cancelled and running ones killed."""
+        # ProcessPoolExecutor has no public kill: shutdown(wait=False) alone waits for running calls at exit
         processes = list((getattr(self._pool, "_processes", None) or {}).values())
         self._pool.shutdown(wait=False, cancel_futures=True)
         for p in processes:
@@ -132,6 +123,11 @@ class WorkerPool:
             p.join(timeout=10)
         self._pool.shutdown(wait=True)  # its manager thread sees the dead workers and closes its own queues
         self._close_queues()
+
+    def _close_queues(self) -> None:
+        for q in (self._progress, self._slots):
+            q.close()
+            q.cancel_join_thread()
 
     def __enter__(self):
         return self
@@ -143,107 +139,15 @@ class WorkerPool:
             self.terminate()
 
 
-def _shards(n: int, workers: int) -> list[tuple[int, int]]:
-    """`[(start, stop)]`: `n` prompts in at most `workers` contiguous shards of sizes differing by at most one."""
-    k = min(workers, n)
-    return [(i * n // k, (i + 1) * n // k) for i in range(k)]
-
-
-def _merge(parts: list[dict]) -> dict[str, tuple]:
-    """The shards' `{mode: (results, modify_s, kept)}` as one, shards in prompt order: answers concatenated (a
-    teacher-forced task's per-prompt measures per measure), seconds and kept tokens summed."""
-    out = {}
-    for mode in parts[0]:
-        results, modify_s, kept = parts[0][mode]
-        for part in parts[1:]:
-            more, secs, rows = part[mode]
-            for key, value in more.items():
-                if isinstance(value, Mapping):  # teacher-forced: {measure: [per prompt]}
-                    for measure, xs in value.items():
-                        results[key][measure] = results[key][measure] + xs
-                else:
-                    results[key] = results[key] + value
-                modify_s[key] += secs[key]
-                kept[key] += rows[key]
-        out[mode] = (results, modify_s, kept)
-    return out
-
-
-def _init(model, dtype, threads, seed, policies, ratios, params, slots, ticks) -> None:
-    """Worker start: Ctrl-C is the parent's to handle; bind to this worker's cores; open the engine; build the
-    cells."""
-    import torch
-
-    from .runner import _open_engine, build_cells
-
-    global _ENGINE, _CELLS, _TICKS
+def _start(slots, progress_queue, initializer: Callable, initargs: tuple) -> None:
+    """A worker's start: Ctrl-C left to the parent, bound to its cores, then `initializer(*initargs)`."""
+    global _PROGRESS
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cores = slots.get()
     if cores is not None:
         os.sched_setaffinity(0, cores)
-    torch.set_num_threads(threads)
-    _ENGINE = _open_engine(None, model, seed, dtype=dtype)
-    _CELLS = {(p, float(r)): (p, r, fn) for p, r, fn in build_cells(_ENGINE, policies, ratios, params)}
-    _TICKS = ticks
+    _PROGRESS = progress_queue
+    initializer(*initargs)
 
 
-def _generate(task_name: str, data: list, keys: dict, decode_tokens: int, batch_size: int, stop_at_eos: bool,
-              weight: float) -> dict[str, tuple]:
-    """One shard in a worker: `generate_cells` on its engine, ticks scaled to the whole group."""
-    task = get_task(task_name)
-    todo = {m: [_CELLS[k] for k in ks] for m, ks in keys.items()}
-
-    def tick(mode, policy, r, fraction):
-        _TICKS.put((mode, policy, r, fraction * weight))
-
-    return generate_cells(_ENGINE, task, data, todo, decode_tokens=decode_tokens, batch_size=batch_size,
-                          stop_at_eos=stop_at_eos, tick=tick)
-
-
-def generate_cells(engine, task: Task, data: Sequence[Mapping], todo: Mapping[str, Sequence[tuple]], *,
-                   decode_tokens: int, batch_size: int, stop_at_eos: bool,
-                   tick: Callable | None = None) -> dict[str, tuple]:
-    """The raw results of every cell of `todo` (`{mode: [(policy, ratio, drop_fn)]}`) on `data`, unscored: for a
-    teacher-forced task `run_forced_cells`' per-prompt measures, else `run_cells_shared` (both modes from one
-    prefill) or `run_cells` per mode. `tick(mode, policy, ratio, fraction)` after each chunk of prompts.
-
-    Returns:
-        `{mode: (results, modify_s, kept)}` (see `WorkerPool.generate`).
-    """
-    from functools import partial
-
-    from .runner import run_cells, run_cells_shared, run_forced_cells
-
-    def mode_tick(mode):
-        return None if tick is None else partial(tick, mode)
-
-    tok = engine.tokenizer
-    prompts = [d.get("prompt_ids", d.get("prompt")) for d in data]
-    todo = {m: list(c) for m, c in todo.items() if c}
-    if task.teacher_forced:
-        out = {}
-        for mode, cells in todo.items():
-            modify_s, kept = {}, {}
-
-            def keep(policy, r, per, secs, rows, modify_s=modify_s, kept=kept):
-                modify_s[policy, r], kept[policy, r] = secs, rows
-
-            per = run_forced_cells(engine, prompts, [d["continuation"] for d in data], cells, batch_size=batch_size,
-                                   on_cell=keep, tick=mode_tick(mode))
-            out[mode] = (per, modify_s, kept)
-        return out
-    if all(todo.get(m) for m in MODES):
-        contexts, questions = zip(*(task.split(tok, d) for d in data))
-        return run_cells_shared(engine, contexts, questions, todo, max_tokens=decode_tokens, batch_size=batch_size,
-                                stop_at_eos=stop_at_eos, tick=tick)
-    out = {}
-    for mode, cells in todo.items():
-        inputs, extensions = prompts, None
-        if mode == "agnostic":
-            inputs, extensions = zip(*(task.split(tok, d) for d in data))
-        out[mode] = run_cells(engine, inputs, cells, max_tokens=decode_tokens, batch_size=batch_size,
-                              extensions=extensions, stop_at_eos=stop_at_eos, tick=mode_tick(mode))
-    return out
-
-
-__all__ = ["WorkerPool", "generate_cells", "worker_cores"]
+__all__ = ["WorkerPool", "progress", "shards", "worker_cores"]
