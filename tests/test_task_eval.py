@@ -228,7 +228,9 @@ def test_cli_resume_keeps_the_stored_cells_and_refuses_another_grid(tmp_path, ca
     # a killed run leaves what its last checkpoint wrote; resuming it runs only the missing cell (stored by a
     # tdutils that kept no answers: such a file still resumes)
     old_rows = [{k: v for k, v in r.items() if k != "answers"} for r in first["rows"][:3]]
-    stored = {**first, "rows": old_rows, "meta": {**first["meta"], "interrupted": True, "seconds": 1000.0}}
+    assert set(first["meta"]["task_seconds"]) == {"niah_single"} and first["meta"]["task_seconds"]["niah_single"] > 0
+    stored = {**first, "rows": old_rows, "meta": {**first["meta"], "interrupted": True, "seconds": 1000.0,
+                                                  "task_seconds": {"niah_single": 900.0}}}
     out.write_text(json.dumps(stored))
     capsys.readouterr()
     from tdutils.eval import runner
@@ -242,6 +244,7 @@ def test_cli_resume_keeps_the_stored_cells_and_refuses_another_grid(tmp_path, ca
     assert [r["scores"] for r in again["rows"]] == [r["scores"] for r in first["rows"]]
     assert [r["answers"] for r in again["rows"]] == [None] * 3 + [first["rows"][3]["answers"]]
     assert again["meta"]["interrupted"] is False and again["meta"]["seconds"] >= 1000  # the total, with the stored run
+    assert 900 < again["meta"]["task_seconds"]["niah_single"] < 1000  # the stored task's seconds, plus this run's
     # the summary gives this invocation's seconds and the total
     took = re.search(r", (\d+) s \(this run; (\d+) s with the stored run it resumed\)\n", capsys.readouterr().out)
     assert took and int(took[2]) == round(again["meta"]["seconds"]) and int(took[2]) - int(took[1]) in (999, 1000, 1001)

@@ -310,6 +310,9 @@ def run(args) -> int:
     for line in plan_lines(plan, stored=len(done)):
         print(line, flush=True)
     t0 = time.perf_counter() - before  # a resumed run's seconds include those of the runs it continues
+    if not plan.lengths_layout:  # wall seconds per task, summed over lengths and resumed runs (datasets included;
+        # the first task also holds opening the model)
+        meta["task_seconds"] = dict(stored.get("task_seconds") or {})
     finished: list[dict] = list(done)  # the cells scored so far, kept when Ctrl-C stops the run
     try:
         table, used_chat = execute_eval(args, plan, meta, done, finished, t0, stored_dtype=stored.get("dtype"))
@@ -472,7 +475,13 @@ def execute_eval(args, plan: EvalPlan, meta: dict, done: list, finished: list, t
     """
     import pandas as pd
 
+    last = [time.perf_counter()]
+
     def checkpoint():  # a killed run (no Ctrl-C) still leaves its finished cells for --resume
+        now, task = time.perf_counter(), finished[-1]["task"] if finished else None
+        if task is not None and "task_seconds" in meta:
+            meta["task_seconds"][task] = meta["task_seconds"].get(task, 0.0) + now - last[0]
+        last[0] = now
         if args.json_path is not None:
             write_json(pd.DataFrame(finished, columns=list(TASK_COLUMNS)), args.json_path,
                        meta={**meta, "interrupted": True, "seconds": time.perf_counter() - t0})
