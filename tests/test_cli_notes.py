@@ -166,3 +166,21 @@ def test_a_broken_model_folder_fails_before_the_dataset_loads(tmp_path):
                        check=False, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "has no tokenizer files" in p.stderr and "unreachable" not in p.stdout, (p.stdout, p.stderr)
+
+
+@pytest.mark.parametrize("kept, says", [(0.3359, "fewer than 1 - 0.5 = 0.50"), (0.62, "not 1 - 0.5 = 0.50"),
+                                        (0.51, None)])
+def test_a_dropped_run_that_stores_another_fraction_says_so(kept, says):
+    """middle_chunk --chunk-size 3 at 0.5 drops round(1.5) = 2 of every 3 tokens: 0.34 stored, not 0.5."""
+    import argparse
+
+    import pandas as pd
+
+    from tdutils.cli.main import stored_notes
+
+    table = pd.DataFrame({"kept_fraction": [1.0, kept]}, index=["baseline", "middle_chunk@0.5"])
+    notes = stored_notes(argparse.Namespace(repeats=3, drop_ratio=0.5), table, "middle_chunk@0.5")
+    if says is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and says in notes[0] and f"stores {kept:.2f}" in notes[0], notes

@@ -89,13 +89,14 @@ def test_plan_of_the_leaderboard(no_download, tmp_path, monkeypatch):
     assert size_line == (f"grid: {7 * cells} cells = {cells} policy/ratio cells x 7 (task, mode) pairs x 1 length(s) "
                          "(2048 tokens); n = 100 (ruler_niah_single_1, ruler_niah_multikey_1, "
                          "ruler_niah_multivalue_partial), 32 (text_fidelity); 332 prompts prefilled, in 14 batches of "
-                         "up to 25")
+                         "up to 25; 2 worker processes share each task's prompts, each in batches of up to 13")
     # options given override the grid's
     plan = plan_eval(_args(["--tasks", "leaderboard", "--n", "8", "--policies", "snapkv", "full", "--context-lengths",
-                            "4096", "--dtype", "float32", "--mode", "agnostic", "--json", str(tmp_path / "lb.json")]))
+                            "4096", "--dtype", "float32", "--mode", "agnostic", "--workers", "1", "--json",
+                            str(tmp_path / "lb.json")]))
     assert (plan.n, plan.policies, plan.lengths, plan.dtype, plan.modes) == (8, ["snapkv", "full"], [4096], "float32",
                                                                              ["agnostic"])
-    assert plan_lines(plan)[1:] == [("grid: 16 cells = 4 policy/ratio cells x 4 (task, mode) pairs x 1 length(s) (4096 "
+    assert plan_lines(plan) == [("grid: 16 cells = 4 policy/ratio cells x 4 (task, mode) pairs x 1 length(s) (4096 "
                                  "tokens); n = 8; 32 prompts prefilled, in 4 batches of up to 25")]
 
 

@@ -68,7 +68,7 @@ from ..eval.tasks import GROUPS, MODES, RULER, SUITE_LABELS, SUITES, Defaults, g
 from ..models import check_context_lengths, context_window, resolve_model
 from ..policies import policy_names
 from .args import add_dtype_option, add_threads_option, check_threads, positive_int, usable_cores
-from .policy_options import policy_arguments, policy_params
+from .policy_options import policy_arguments, policy_options, policy_params
 from .startup import INTERRUPTED
 
 ALL = "all"  # --policies: every registered policy; --tasks: every word-level task
@@ -386,6 +386,13 @@ def plan_eval(args) -> EvalPlan:
                          "smaller --window")
     given = {p: policy_params(args, split_granularity(p)[0], skip=POLICY_OPTION_SKIP, strict=False)
              for p in policies if p != FULL}
+    reached = {name for values in given.values() for name in values}
+    stray = [o.flag for o in policy_options(skip=POLICY_OPTION_SKIP).values()
+             if getattr(args, o.name, None) is not None and o.name not in reached]
+    if stray:  # `run` refuses an option its one policy has no parameter for; here, one no policy of the grid has
+        named = sorted({split_granularity(p)[0] for p in policies if p != FULL})
+        raise ValueError(f"{', '.join(stray)} applies to none of the policies run here ({', '.join(named) or 'full'}); "
+                         f"drop it, or add a policy that has it (--help lists each option's policies)")
     # before the model loads and any prompt is built (`run --context-length` shares the check)
     check_context_lengths(lengths, context_window(model), model=model, option="--context-lengths")
     return EvalPlan(tasks, d, model, modes, policies, ratios, lengths, max_tokens,
@@ -407,6 +414,9 @@ def plan_lines(plan: EvalPlan, *, stored: int = 0) -> list[str]:
     pairs = sum(len(task_modes(t, plan.modes)) for t in specs)
     lengths = "/".join(map(str, plan.lengths))
     left = f"; {stored} stored, {size['cells'] - stored} to run" if stored else ""
+    if plan.workers > 1:
+        left = f"; {plan.workers} worker processes share each task's prompts, each in batches of up to " \
+               f"{-(-TASK_BATCH_SIZE // plan.workers)}{left}"
     lines.append(f"grid: {size['cells']} cells = {per} policy/ratio cells x {pairs} (task, mode) pairs x "
                  f"{len(plan.lengths)} length(s) ({lengths} tokens); n = {n_text(plan.n)}; {size['prompts']} prompts "
                  f"prefilled, in {size['batches']} batches of up to {TASK_BATCH_SIZE}{left}")

@@ -512,7 +512,8 @@ def ratio_one_notes(args, dropped) -> list[str]:
 
 def stored_notes(args, table, name: str) -> list[str]:
     """Notes on what a run's figures rest on: a single repeat (no spread to show noise), and a dropped run that
-    stores more than `1 - drop_ratio` of the prompt (protected tokens; per-head budgets padded per layer)."""
+    stores more than `1 - drop_ratio` of the prompt (protected tokens; per-head budgets padded per layer) or fewer
+    (a policy whose keep count rounds per chunk, e.g. middle_chunk's `round(chunk_size * r)` of a short chunk)."""
     notes = []
     if args.repeats == 1:
         notes.append("--repeats 1: each figure is one measurement, with no spread to show a busy machine (which can "
@@ -522,6 +523,11 @@ def stored_notes(args, table, name: str) -> list[str]:
         notes.append(f"{name} stores {kept:.2f} of the prompt's KV tokens, not 1 - {args.drop_ratio:g} = {want:.2f}: "
                      "its protected tokens (window, sinks) or, for per-head budgets (AdaKV, PyramidKV), each layer "
                      "stored at its largest head's count; the capacity limit and the speed-up follow what is stored")
+    elif args.drop_ratio < 1 and kept < want - 0.05:
+        notes.append(f"{name} stores {kept:.2f} of the prompt's KV tokens, fewer than 1 - {args.drop_ratio:g} = "
+                     f"{want:.2f}: the policy's keep count rounds per unit it drops (e.g. middle_chunk drops "
+                     f"round(chunk_size x r) tokens of each chunk: a small --chunk-size rounds far from r); its "
+                     "accuracy and speed-up are those of the ratio stored")
     return notes
 
 
