@@ -806,6 +806,40 @@ def leaderboard_plot(stored: str) -> None:
     plot_paired_differences(paired_differences(table), RESULTS / f"{stored}.png")
 
 
+def leaderboard_turnaround(timed: str, stored: str) -> str:
+    """The default grid run again with a later tdutils (`timed`, possibly stopped before its last tasks) against the
+    stored leaderboard (`stored`): wall time per task against the stored run's, and how many cells and prompts give
+    the same scores."""
+    t, ref = load(timed), load(stored)
+    m, old_meta, old = t["meta"], ref["meta"], {_cell(r): r for r in ref["rows"]}
+    same = cells = prompts = moved = 0
+    for r in t["rows"]:
+        o = old[_cell(r)]
+        cells += 1
+        mine, theirs = r["scores"][r["measure"]], o["scores"][o["measure"]]
+        same += mine == theirs
+        prompts += len(mine)
+        moved += sum(a != b for a, b in zip(mine, theirs))
+    before = old_meta.get("group_seconds", {})
+    per = ", ".join(f"`{k}` {v:.0f} s (stored run: {before[k]:.0f} s)" if k in before else f"`{k}` {v:.0f} s"
+                    for k, v in m["task_seconds"].items())
+    tasks = list(m["task_seconds"])
+    stopped = "" if not m.get("interrupted") else (
+        f" It was stopped after {len(tasks)} of its {len(m['tasks'])} tasks ({len(t['rows'])} cells), when the "
+        f"session's time ran out.")
+    return (f"The default grid run again with a later tdutils and `--workers {m['workers']}` ({m['workers']} processes "
+            f"of {max(1, m['threads'] // m['workers'])} torch thread each, {m['dtype']}) on 2 quiet cores: {per} of "
+            f"wall time (each task's datasets included, the first task's also opening the model).{stopped} Against "
+            f"the stored run: {same} of {cells} cells give every prompt the same score, {moved} of {prompts} "
+            f"per-prompt scores differ (the later run prefills without padding masks and decodes through the compiled "
+            f"attention: the same arithmetic up to bfloat16 rounding). "
+            + _source(timed, f"model `{m['model']}`", _seed(m["seed"])))
+
+
+def _cell(row: dict) -> tuple:
+    return row["context_length"], row["task"], row["mode"], row["policy"], float(row["drop_ratio"])
+
+
 def leaderboard_summary(stored: str) -> str:
     """README's view of a stored leaderboard: per measure and mode, the policies that share the best rank at each drop
     ratio (no paired test separates them from the best one), the full cache left out."""
@@ -842,6 +876,8 @@ def leaderboard_summary(stored: str) -> str:
 BLOCKS.update({f"{name}_cells": (lambda name=name: leaderboard_cells(name), (name,)) for name in LEADERBOARD_RUNS})
 BLOCKS.update({f"{name}_ranking": (lambda name=name: leaderboard_ranking(name), (name,)) for name in LEADERBOARD_RUNS})
 BLOCKS.update({f"{name}_summary": (lambda name=name: leaderboard_summary(name), (name,)) for name in LEADERBOARD_RUNS})
+BLOCKS["leaderboard_turnaround"] = (lambda: leaderboard_turnaround("leaderboard_smollm2_2048_timed", LEADERBOARD_RUNS[0]),
+                                    ("leaderboard_smollm2_2048_timed", LEADERBOARD_RUNS[0]))
 
 
 # ------------------------------------------------------------ compression while the cache grows (issue 33, item 5)
