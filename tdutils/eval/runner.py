@@ -237,12 +237,8 @@ def task_eval(
             `worker_threads` below 1; `workers` > 1 with an engine whose model has no name to reopen.
     """
     import pandas as pd
-    import torch
 
-    for name, value in (("workers", workers), ("worker_threads", 1 if worker_threads is None else worker_threads)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
+    _check_workers(workers, worker_threads)
     policies = list(policies)
     specs, modes, lengths, ratios, done = check_task_grid(tasks, modes, policies, drop_ratios, context_lengths, done,
                                                           n=n, batch_size=batch_size, max_tokens=max_tokens)
@@ -255,22 +251,38 @@ def task_eval(
                on_cell=cell, on_group=group, done={cell_key(r): dict(r) for r in done}, progress=progress,
                stop_at_eos=stop_at_eos)
     if workers == 1:
-        return pd.DataFrame(run_tasks(engine, specs, modes, cells, lengths, **job), columns=list(TASK_COLUMNS))
-    name = model if isinstance(model, str) else None
-    if name is None:
+        rows = run_tasks(engine, specs, modes, cells, lengths, **job)
+    else:
+        setup = (seed, list(policies), [float(r) for r in ratios],
+                 {k: dict(v) for k, v in (policy_params or {}).items()})
+        rows = _run_on_workers(engine, model, workers, worker_threads, setup, specs, modes, cells, lengths, job)
+    return pd.DataFrame(rows, columns=list(TASK_COLUMNS))
+
+
+def _check_workers(workers, worker_threads) -> None:
+    for name, value in (("workers", workers), ("worker_threads", 1 if worker_threads is None else worker_threads)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _run_on_workers(engine, model, workers: int, worker_threads: int | None, setup: tuple, specs, modes, cells,
+                    lengths, job: dict) -> list[dict]:
+    """`run_tasks` with a `WorkerPool` of `workers` processes, each opening `model` (a name) in `engine`'s dtype
+    with `setup` = `(seed, policies, ratios, params)`; the rows."""
+    import torch
+
+    if not isinstance(model, str):
         raise ValueError("workers > 1 reopens the model in each worker process by its name: give task_eval a "
                          "model name (a bundled or packaged name, hub id, folder or .gguf), not a model object")
     threads = worker_threads or max(1, torch.get_num_threads() // workers)
     dtype = str(engine.model.dtype).removeprefix("torch.")
-    setup = (name, dtype, threads, seed, list(policies), [float(r) for r in ratios],
-             {k: dict(v) for k, v in (policy_params or {}).items()})
     # each worker holds its own batch of caches and snapshots: batches of batch_size / workers keep the prompts in
     # flight, and so the memory, those of one process (two workers at 25 prompts each of 2048 tokens: one was
     # killed for memory at 12.8 GB on a 24 GB machine)
-    job["batch_size"] = -(-batch_size // workers)
-    with WorkerPool(workers, _worker_init, setup, cores=worker_cores(workers, threads)) as pool:
-        rows = run_tasks(engine, specs, modes, cells, lengths, pool=pool, **job)
-    return pd.DataFrame(rows, columns=list(TASK_COLUMNS))
+    job = {**job, "batch_size": -(-job["batch_size"] // workers)}
+    with WorkerPool(workers, _worker_init, (model, dtype, threads, *setup),
+                    cores=worker_cores(workers, threads)) as pool:
+        return run_tasks(engine, specs, modes, cells, lengths, pool=pool, **job)
 
 
 def check_task_grid(tasks, modes, policies, drop_ratios, context_lengths, done, *, n: int | Mapping[str, int],
