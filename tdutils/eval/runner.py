@@ -215,13 +215,8 @@ def task_eval(
         done: rows of a stored run of the same grid, not run again (`run_tasks`); rows need per-prompt `scores`.
         stop_at_eos: a request leaves the decode batch at its first EOS (the scored answers are the same).
         checkpoint: called after each (length, task, mode) group that ran.
-        workers: processes that run each (length, task)'s prompts, split into contiguous shards
-            (`tdutils.eval.workers.WorkerPool`, each with its own engine opened from `model`, which must then be a
-            name, in the dtype of this process's engine); 1 runs everything here. worker_threads: torch threads per
-            worker (default: this process's threads divided among the workers, at least 1); each worker is bound
-            to cores of its own where there are enough (`worker_cores`), in batches of `batch_size / workers`
-            (rounded up: the prompts in flight, and so the memory, of one process). The workers are spawned processes, which
-            import the main module: from a script, call `task_eval` under `if __name__ == "__main__":`.
+        workers, worker_threads: worker processes sharing each task's prompts and torch threads per worker
+            (`_run_on_workers`; `model` must then be a name); 1 worker runs everything here.
 
     Returns:
         pandas DataFrame, one row per cell, ordered length -> task -> mode -> policy -> ratio, with `TASK_COLUMNS`:
@@ -233,8 +228,7 @@ def task_eval(
 
     Raises:
         ValueError: see `check_task_grid` and `prepare_cells` (empty lists, unknown names, a mode a task cannot
-            run in, bad counts or seeds, a length too short for a task or too long for the model); `workers` or
-            `worker_threads` below 1; `workers` > 1 with an engine whose model has no name to reopen.
+            run in, bad counts or seeds, a length too short for a task or too long for the model); bad workers.
     """
     import pandas as pd
 
@@ -267,8 +261,16 @@ def _check_workers(workers, worker_threads) -> None:
 
 def _run_on_workers(engine, model, workers: int, worker_threads: int | None, setup: tuple, specs, modes, cells,
                     lengths, job: dict) -> list[dict]:
-    """`run_tasks` with a `WorkerPool` of `workers` processes, each opening `model` (a name) in `engine`'s dtype
-    with `setup` = `(seed, policies, ratios, params)`; the rows."""
+    """`run_tasks` with a `WorkerPool` (`tdutils.eval.workers`) of `workers` spawned processes: each opens `model`
+    (a name) in `engine`'s dtype with `setup` = `(seed, policies, ratios, params)`, runs `worker_threads` torch
+    threads (default: this process's divided among the workers, at least 1) on cores of its own where there are
+    enough (`worker_cores`), in batches of `batch_size / workers` rounded up (the prompts in flight, and so the
+    memory, of one process). Spawned workers import the main module: from a script, call `task_eval` under
+    `if __name__ == "__main__":`. Returns the rows.
+
+    Raises:
+        ValueError: `model` is not a name (an engine's model object cannot be reopened in a worker).
+    """
     import torch
 
     if not isinstance(model, str):
