@@ -810,11 +810,13 @@ def leaderboard_turnaround(timed: str, stored: str) -> str:
     """The default grid run again with a later tdutils (`timed`, possibly stopped before its last tasks) against the
     stored leaderboard (`stored`): wall time per task against the stored run's, and how many cells and prompts give
     the same scores."""
+    from tdutils.eval import cell_key
+
     t, ref = load(timed), load(stored)
-    m, old_meta, old = t["meta"], ref["meta"], {_cell(r): r for r in ref["rows"]}
+    m, old_meta, old = t["meta"], ref["meta"], {cell_key(r): r for r in ref["rows"]}
     same = cells = prompts = moved = 0
     for r in t["rows"]:
-        o = old[_cell(r)]
+        o = old[cell_key(r)]
         cells += 1
         mine, theirs = r["scores"][r["measure"]], o["scores"][o["measure"]]
         same += mine == theirs
@@ -834,10 +836,6 @@ def leaderboard_turnaround(timed: str, stored: str) -> str:
             f"per-prompt scores differ (the later run prefills without padding masks and decodes through the compiled "
             f"attention: the same arithmetic up to bfloat16 rounding). "
             + _source(timed, f"model `{m['model']}`", _seed(m["seed"])))
-
-
-def _cell(row: dict) -> tuple:
-    return row["context_length"], row["task"], row["mode"], row["policy"], float(row["drop_ratio"])
 
 
 def leaderboard_summary(stored: str) -> str:
