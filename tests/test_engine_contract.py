@@ -134,6 +134,24 @@ def test_snapshot_and_restore_run_several_drop_functions_on_one_prefill(tiny, sa
     assert eng.kv(0).shape[2] == len(sample_ids[0])
 
 
+def test_joined_snapshots_restore_as_one_batch_numbered_in_order(tiny, sample_ids):
+    """`restore(a + b)`: the requests of both snapshots in one batch, ids 0..N-1, each decoding as it did alone
+    (fp32; how `run_cells` decodes several cells' edited caches at once)."""
+    model, tok = tiny
+    eng = HFEngine(model, tokenizer=tok, progress=False)
+    eng.prefill(sample_ids)
+    full = eng.snapshot()
+    alone = [o.output_ids for o in eng.decode(max_tokens=6)]
+    eng.modify(make_drop_fn("knorm", drop_ratio=0.5, model_config=model.config))
+    edited = eng.snapshot()
+    alone += [o.output_ids for o in eng.decode(max_tokens=6)]
+    eng.restore(full + edited)
+    assert [r.request_id for r in eng.requests] == list(range(6))
+    assert [eng.kv(i).shape[2] for i in range(6)] == [len(x) for x in sample_ids] + [r.kv.shape[2] for r in edited]
+    assert [o.output_ids for o in eng.decode(max_tokens=6)] == alone
+    assert [r.request_id for r in edited] == [0, 1, 2]  # the snapshots themselves are not renumbered
+
+
 def test_the_clis_engine_choices_come_from_the_registry():
     import subprocess
     import sys

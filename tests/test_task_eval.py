@@ -298,3 +298,57 @@ def test_a_policy_that_dropped_nothing_gets_a_note():
     no_full = table[table.policy != "full"].rename(columns={"context_length": "context_tokens"}).drop(
         columns=["task", "mode"])
     assert len(undropped_notes(no_full)) == 1  # the context length is the reference without a full cell
+
+
+def test_cells_of_one_ratio_decode_as_one_batch_with_the_same_answers(engine):
+    """`run_cells_shared` decodes the cells of one drop ratio as one batch of their edited caches (`_cell_groups`,
+    `Engine.restore` of joined snapshots); each request's greedy answer and kept tokens are those of decoding the
+    cells one at a time (fp32 tiny model), in both modes, and the batches are fewer."""
+    from tdutils.eval.runner import build_cells, run_cells_shared
+
+    tok = engine.tokenizer
+    data = make_task_dataset("niah_multiquery", 5, 160, tokenizer=tok, seed=3)
+    parts = [split_question(tok, d) for d in data]
+    contexts, questions = [c for c, _ in parts], [q for _, q in parts]
+    cells = build_cells(engine, ["full", "snapkv", "random", "streaming_llm", "h2o"], [0.5, 0.75], {})
+    calls = []
+    decode = engine.decode
+
+    def counted(*args, **kwargs):
+        calls.append(len(engine.requests))
+        return decode(*args, **kwargs)
+
+    engine.decode = counted
+    try:
+        runs = {}
+        for tokens in (0, 1 << 30):
+            calls.clear()
+            runs[tokens] = run_cells_shared(engine, contexts, questions, {"aware": cells, "agnostic": cells},
+                                            max_tokens=12, batch_size=3, group_bytes=tokens)
+            runs[tokens, "calls"] = list(calls)
+    finally:
+        del engine.decode
+    for mode in ("aware", "agnostic"):
+        (texts, _, kept), (joint_texts, _, joint_kept) = runs[0][mode], runs[1 << 30][mode]
+        assert joint_texts == texts and joint_kept == kept
+    # requests per decode call, chunks of 3 and 2 prompts, aware then agnostic: one cell at a time (9 cells), or
+    # the full cache alone and each ratio's 4 cells together
+    assert runs[0, "calls"] == [3] * 18 + [2] * 18
+    assert runs[1 << 30, "calls"] == [3, 12, 12, 3, 12, 12, 2, 8, 8, 2, 8, 8]
+
+
+def test_cell_groups_split_each_ratio_evenly_within_the_byte_budget(engine):
+    """`_cell_groups`: one ratio's cells in even parts whose kept caches fit `group_bytes` ((1 - ratio) of the
+    longest prefilled cache per request); the full cache alone; no groups without a budget."""
+    from tdutils.eval.runner import _cell_groups
+
+    engine.prefill([[5] * 100, [6] * 98])  # longest 100 tokens
+    saved = engine.snapshot()
+    token_bytes = saved[0].kv[:, :, :1].numel() * 4  # fp32 [2, L, 1, D]
+    cells = [("full", 0.0, None)] + [(p, r, None) for r in (0.5, 0.9) for p in "abcde"]
+    budget = 2 * 50 * token_bytes * 2  # two cells of 2 requests x 50 tokens at 0.5
+    groups = _cell_groups(engine, saved, cells, 2, budget)
+    assert [[(p, r) for p, r, _ in g] for g in groups] == [
+        [("full", 0.0)], [("a", 0.5), ("b", 0.5)], [("c", 0.5), ("d", 0.5)], [("e", 0.5)],
+        [(p, 0.9) for p in "abcde"]]  # 0.9: 5 x 2 x 10 tokens fit; 0.5: 3 parts of at most 2
+    assert _cell_groups(engine, saved, cells, 2, 0) == [[c] for c in cells]

@@ -259,7 +259,9 @@ class Engine(ABC):
         return [copy.copy(r) for r in self.requests]
 
     def restore(self, state) -> None:
-        """Go back to a `snapshot()`: the requests' caches as they were when it was taken.
+        """Go back to a `snapshot()`: the requests' caches as they were when it was taken. Snapshots joined into
+        one list (`a + b`: e.g. one prefill's caches edited by two drop functions) restore as one batch of all
+        their requests, numbered 0..N-1 in that order, so one `decode` serves them all.
 
         Raises:
             TypeError: `state` is not a snapshot of this kind of engine (nothing is changed).
@@ -267,7 +269,10 @@ class Engine(ABC):
         kind = type(self.requests[0]) if getattr(self, "requests", None) else None
         if not isinstance(state, list) or not state or (kind is not None and not all(isinstance(r, kind) for r in state)):
             raise TypeError(f"restore() takes what snapshot() returned on this engine, got {type(state).__name__}")
-        self.requests = [copy.copy(r) for r in state]
+        requests = [copy.copy(r) for r in state]
+        for i, r in enumerate(requests):  # a request's id is its place in the batch (`tensors(i)`, `kv(i)`)
+            r.request_id = i
+        self.requests = requests
 
     def modify(self, drop_fn, *, positions: str | None = None, on_error: str = "raise") -> ModifyReport:
         """Apply `drop_fn(tensors, tokens) -> (new_kv, new_tokens)` to every request's cache.

@@ -49,6 +49,10 @@ DEFAULT_REAL_DROP_RATIOS = RULER_DEFAULTS.drop_ratios
 DEFAULT_REAL_CONTEXT_LENGTHS = RULER_DEFAULTS.context_lengths
 DEFAULT_REAL_N = RULER_DEFAULTS.n
 TASK_BATCH_SIZE = 25  # task_eval's prompts per prefill batch
+# Bytes of edited KV caches (summed over requests) of the cells of one drop ratio decoded as one batch
+# (`_cell_groups`): 2 GiB is ~91k tokens of SmolLM2-135M's bfloat16 cache (23 KiB per token), so 13 prompts x 10
+# policies decode in two batches at 0.5 and in one at 0.75 and 0.9
+DECODE_GROUP_BYTES = 2 << 30
 
 
 def passkey_eval(
@@ -720,13 +724,16 @@ def generate_cells(engine, task: Task, data: Sequence[Mapping], todo: Mapping[st
 
 def run_cells(engine, prompts: Sequence, cells: Sequence[tuple], *, max_tokens: int, batch_size: int,
               extensions: Sequence | None = None, stop_at_eos: bool = True,
-              tick: Callable | None = None) -> tuple[dict, dict, dict]:
+              tick: Callable | None = None, group_bytes: int = DECODE_GROUP_BYTES) -> tuple[dict, dict, dict]:
     """Greedy responses of every cell on the same prompts: each chunk of `batch_size` prompts is prefilled once,
     then per cell the prefilled caches are restored, edited with the cell's drop function (`modify`; none for
     the full cache), extended with `extensions` when given (`extend`, the query-agnostic flow: the edit never
     saw them) and decoded greedily, at most `max_tokens` tokens; with `stop_at_eos` (default) a request leaves the
     batch at its first EOS token, else it decodes all `max_tokens` (EOS ignored). Each response is its answer, the
-    text up to its first EOS token, so what follows an EOS is never scored and both give the same answers.
+    text up to its first EOS token, so what follows an EOS is never scored and both give the same answers. On an
+    `HFEngine` the cells of one drop ratio decode as one batch of their edited caches, up to `group_bytes` of KV
+    cache (0: one cell at a time); a request's greedy tokens do not depend on the rows beside it, up to the
+    float rounding of a wider matrix product.
 
     Args:
         engine: an open engine (`HFEngine` restores its prefilled state per cell; others prefill again).
@@ -748,13 +755,13 @@ def run_cells(engine, prompts: Sequence, cells: Sequence[tuple], *, max_tokens: 
         engine.prefill(chunk)
         ext = None if extensions is None else list(extensions[start:start + batch_size])
         _decode_cells(engine, _snapshot(engine), chunk, cells, ext, max_tokens, stop_at_eos, out,
-                      _chunk_tick(tick, len(chunk) / len(prompts)))
+                      _chunk_tick(tick, len(chunk) / len(prompts)), group_bytes)
     return out
 
 
 def run_cells_shared(engine, contexts: Sequence, questions: Sequence, cells: Mapping[str, Sequence[tuple]], *,
                      max_tokens: int, batch_size: int, stop_at_eos: bool = True,
-                     tick: Callable | None = None) -> dict[str, tuple]:
+                     tick: Callable | None = None, group_bytes: int = DECODE_GROUP_BYTES) -> dict[str, tuple]:
     """`run_cells` of both modes from one prefill per chunk: prefill(context) is the agnostic cells' start, and
     extending it with the question (`extend`) gives the aware cells' start, the cache of prefill(context +
     question) with the question's queries captured (`HFEngine.extend` on an unedited request), so each prompt's
@@ -764,6 +771,7 @@ def run_cells_shared(engine, contexts: Sequence, questions: Sequence, cells: Map
         contexts, questions: token ids per prompt (`Task.split`); together the aware prompt.
         cells: `{"aware": [...], "agnostic": [...]}`, `(policy, ratio, drop_fn or None)` each.
         tick: called as `tick(mode, policy, ratio, fraction)` each time a cell finishes a chunk.
+        group_bytes: as in `run_cells`.
 
     Returns:
         `{mode: (texts, modify_s, kept)}` as `run_cells` returns them.
@@ -780,7 +788,7 @@ def run_cells_shared(engine, contexts: Sequence, questions: Sequence, cells: Map
             saved, extension = (prompt, None) if mode == "aware" else (context, ext)
             mode_tick = None if tick is None else partial(tick, mode)
             _decode_cells(engine, saved, chunk, mode_cells, extension, max_tokens, stop_at_eos, out[mode],
-                          _chunk_tick(mode_tick, len(chunk) / len(contexts)))
+                          _chunk_tick(mode_tick, len(chunk) / len(contexts)), group_bytes)
     return out
 
 
@@ -795,22 +803,56 @@ def _chunk_tick(tick: Callable | None, fraction: float) -> Callable:
 
 
 def _decode_cells(engine, saved, chunk, cells, extensions, max_tokens: int, stop_at_eos: bool, out,
-                  done: Callable) -> None:
+                  done: Callable, group_bytes: int = 0) -> None:
     """Each cell of one chunk from the prefilled state `saved`: restore, edit, extend (when given), decode; the
-    answers, modify seconds and kept tokens are added to `out` (`_results`); `done(policy, ratio)` after each."""
+    answers, modify seconds and kept tokens are added to `out` (`_results`); `done(policy, ratio)` after each.
+    Cells of one drop ratio are decoded together (`_cell_groups`: their edited snapshots joined into one batch)."""
     texts, modify_s, kept = out
+    width = len(chunk)
     with shared_scores():  # a policy's scores of these caches, computed at its first ratio, serve the others
-        for policy, r, fn in cells:
-            _restore(engine, saved, chunk)
-            if fn is not None:
-                engine.modify(fn)
-                modify_s[policy, r] += engine.metrics.modify.seconds
+        for group in _cell_groups(engine, saved, cells, width, group_bytes):
+            edited = []
+            for policy, r, fn in group:
+                _restore(engine, saved, chunk)
+                if fn is not None:
+                    engine.modify(fn)
+                    modify_s[policy, r] += engine.metrics.modify.seconds
+                if len(group) > 1:
+                    edited += engine.snapshot()
+            if edited:
+                engine.restore(edited)  # [cell 0's requests, cell 1's, ...]
             if extensions is not None:
-                engine.extend(extensions)
+                engine.extend(list(extensions) * len(group))
             outs = engine.decode(max_tokens=max_tokens, temperature=0.0, ignore_eos=not stop_at_eos)
-            texts[policy, r] += [o.answer for o in outs]
-            kept[policy, r] += sum(o.cached_tokens for o in outs)
-            done(policy, r)
+            for k, (policy, r, _) in enumerate(group):
+                rows = outs[k * width:(k + 1) * width]
+                texts[policy, r] += [o.answer for o in rows]
+                kept[policy, r] += sum(o.cached_tokens for o in rows)
+                done(policy, r)
+
+
+def _cell_groups(engine, saved, cells, width: int, group_bytes: int) -> list[list[tuple]]:
+    """`cells` in groups decoded as one batch: cells of the same drop ratio, in their order, split evenly so that the
+    caches they keep (`(1 - ratio)` of the longest prefilled cache, per request) hold at most `group_bytes`; a cell
+    alone where `group_bytes` is 0 or the engine is not an `HFEngine` (whose snapshots join, `Engine.restore`).
+
+    A decode step's cost is a fixed part (every weight read once, the Python of each layer) plus a part per row
+    that shrinks with the cache, so the small caches of a high drop ratio decode several cells' worth of rows for
+    nearly the price of one."""
+    if group_bytes <= 0 or saved is None or not isinstance(engine, HFEngine):
+        return [[c] for c in cells]
+    longest = max(r.kv.shape[2] for r in saved)
+    token_bytes = saved[0].kv[:, :, :1].numel() * saved[0].kv.element_size()  # [2, L, 1, D]
+    by_ratio: dict[float, list[tuple]] = {}
+    for c in cells:
+        by_ratio.setdefault(float(c[1]), []).append(c)
+    groups = []
+    for ratio, same in by_ratio.items():
+        cell_bytes = width * max(1, math.ceil((1.0 - ratio) * longest)) * token_bytes
+        parts = math.ceil(len(same) / max(1, group_bytes // cell_bytes))
+        size = math.ceil(len(same) / parts)  # even parts: 10 cells in 5 + 5, not 9 + 1
+        groups += [same[a:a + size] for a in range(0, len(same), size)]
+    return groups
 
 
 def run_forced_cells(engine, prompts: Sequence, continuations: Sequence[Sequence[int]], cells: Sequence[tuple], *,
@@ -936,6 +978,6 @@ def _restore(engine, saved, prompts) -> None:
 
 __all__ = ["COLUMNS", "DEFAULT_CONTEXT_LENGTHS", "DEFAULT_DROP_RATIOS", "DEFAULT_N", "DEFAULT_POLICIES",
            "DEFAULT_REAL_CONTEXT_LENGTHS", "DEFAULT_REAL_DROP_RATIOS", "DEFAULT_REAL_N", "DEFAULT_TASK_CONTEXT_LENGTHS",
-           "DEFAULT_TASK_DROP_RATIOS", "DEFAULT_TASK_POLICIES", "TASKS", "TASK_BATCH_SIZE", "TASK_COLUMNS", "build_cells", "cell_key", "cell_row", "continuation_measures", "generate_cells", "grid_size", "lengths_eval",
+           "DEFAULT_TASK_DROP_RATIOS", "DEFAULT_TASK_POLICIES", "DECODE_GROUP_BYTES", "TASKS", "TASK_BATCH_SIZE", "TASK_COLUMNS", "build_cells", "cell_key", "cell_row", "continuation_measures", "generate_cells", "grid_size", "lengths_eval",
            "passkey_eval", "run_cells", "run_cells_shared", "run_forced_cells", "run_tasks", "task_counts", "task_eval",
            "task_modes", "task_n"]
