@@ -50,9 +50,9 @@ DEFAULT_REAL_CONTEXT_LENGTHS = RULER_DEFAULTS.context_lengths
 DEFAULT_REAL_N = RULER_DEFAULTS.n
 TASK_BATCH_SIZE = 25  # task_eval's prompts per prefill batch
 # Bytes of edited KV caches (summed over requests) of the cells of one drop ratio decoded as one batch
-# (`_cell_groups`): 2 GiB is ~91k tokens of SmolLM2-135M's bfloat16 cache (23 KiB per token), so 13 prompts x 10
-# policies decode in two batches at 0.5 and in one at 0.75 and 0.9
-DECODE_GROUP_BYTES = 2 << 30
+# (`_cell_groups`; the decode's slot store holds as much again): 1 GiB is ~46k tokens of SmolLM2-135M's bfloat16
+# cache (23 KiB per token), so 13 prompts x 10 policies decode in 4 batches at 0.5, 2 at 0.75 and 1 at 0.9
+DECODE_GROUP_BYTES = 1 << 30
 
 
 def passkey_eval(
