@@ -77,6 +77,10 @@ def test_a_url_that_is_not_one_is_bad_input_in_one_line(capsys):
                                        "http:// or https:// and a host, such as http://localhost:8000\n")
     assert main(["doctor", "--lmcache-http-url", "localhost:8080"]) == 2  # no scheme: "localhost" is read as one
     assert "--lmcache-http-url 'localhost:8080' is not a URL" in capsys.readouterr().err
+    # run checks the addresses the serving engine takes before it opens (no server is asked, no model loaded)
+    assert main(["run", "--engine", "lmcache", "--vllm-url", "notaurl"]) == 2
+    assert capsys.readouterr().err == ("python -m tdutils run: error: --vllm-url 'notaurl' is not a URL: it needs "
+                                       "http:// or https:// and a host, such as http://localhost:8000\n")
 
 
 def test_a_working_setup_passes(tmp_path):

@@ -81,3 +81,40 @@ class _no_sharing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_h2o_scores_a_cache_that_extends_a_scored_one_from_its_new_rows_only(tiny, sample_ids, monkeypatch):
+    """Inside `shared_scores()`, H2O's scores of prefill(context) + extend(question) (eval's query-aware prompt)
+    reuse the sums of prefill(context) scored before and compute only the question's query rows; the scores equal
+    scoring the prompt anew (fp32, up to summation order) and so does the kept set, at the request and head level."""
+    import tdutils.policies.h2o as h2o
+
+    model, tok = tiny
+    eng = HFEngine(model, tokenizer=tok, progress=False, query_window=None)
+    eng.prefill([sample_ids[0][:150]])
+    ctx, ctx_tokens = eng.tensors(0), eng.tokens(0)
+    eng.extend([sample_ids[0][150:180]])
+    prompt, tokens = eng.tensors(0), eng.tokens(0)
+    starts = []
+    accumulated = h2o._accumulated
+    monkeypatch.setattr(h2o, "_accumulated", lambda *a: starts.append(a[4]) or accumulated(*a))
+    L, d = eng.facts.num_layers, eng.facts.head_dim
+    anew = h2o.h2o_scores(prompt["kv"], prompt["query"], head_dim=d)
+    with shared_scores():
+        h2o.h2o_scores(ctx["kv"], ctx["query"], head_dim=d)
+        reused = h2o.h2o_scores(prompt["kv"], prompt["query"], head_dim=d)
+    assert starts == [0] * L + [0] * L + [150] * L  # anew; the context; the prompt from the question's rows
+    assert torch.allclose(reused, anew, rtol=1e-5, atol=1e-6)
+    fns = [make_drop_fn("h2o", drop_ratio=0.5, model_config=eng.facts, granularity=g) for g in ("request", "head")]
+    kept_anew = [fn.keep_indices(prompt, tokens) for fn in fns]
+    with shared_scores():
+        for fn in fns:
+            fn.keep_indices(ctx, ctx_tokens)
+        kept = [fn.keep_indices(prompt, tokens) for fn in fns]
+    assert all(torch.equal(a, b) for a, b in zip(kept, kept_anew))
+    starts.clear()
+    with shared_scores():  # a context that is no prefix of this prompt: both scored anew
+        eng.prefill([sample_ids[1][:60]])
+        h2o.h2o_scores(eng.tensors(0)["kv"], eng.tensors(0)["query"], head_dim=d)
+        h2o.h2o_scores(prompt["kv"], prompt["query"], head_dim=d)
+    assert starts == [0] * (2 * L)

@@ -826,15 +826,17 @@ def leaderboard_turnaround(timed: str, stored: str) -> str:
     per = ", ".join(f"`{k}` {v:.0f} s (stored run: {before[k]:.0f} s)" if k in before else f"`{k}` {v:.0f} s"
                     for k, v in m["task_seconds"].items())
     tasks = list(m["task_seconds"])
-    stopped = "" if not m.get("interrupted") else (
+    stopped = (f" The whole grid, {len(t['rows'])} cells, took {m['seconds'] / 60:.1f} min end to end "
+               f"(`meta.seconds`; the stored run: {old_meta['seconds'] / 60:.0f} min).") if not m.get("interrupted") else (
         f" It was stopped after {len(tasks)} of its {len(m['tasks'])} tasks ({len(t['rows'])} cells), when the "
         f"session's time ran out.")
     return (f"The default grid run again with a later tdutils and `--workers {m['workers']}` ({m['workers']} processes "
             f"of {max(1, m['threads'] // m['workers'])} torch thread each, {m['dtype']}) on 2 quiet cores: {per} of "
             f"wall time (each task's datasets included, the first task's also opening the model).{stopped} Against "
             f"the stored run: {same} of {cells} cells give every prompt the same score, {moved} of {prompts} "
-            f"per-prompt scores differ (the later run prefills without padding masks and decodes through the compiled "
-            f"attention: the same arithmetic up to bfloat16 rounding). "
+            f"per-prompt scores differ (the later run prefills without padding masks, decodes through the compiled "
+            f"attention and decodes several cells' requests in one batch: the same arithmetic up to bfloat16 "
+            f"rounding, which a different batch moves). "
             + _source(timed, f"model `{m['model']}`", _seed(m["seed"])))
 
 

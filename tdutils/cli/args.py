@@ -13,6 +13,7 @@ import argparse
 import math
 import sys
 import traceback
+from urllib.parse import urlsplit
 
 from ..checks import check_drop_ratio
 from ..serving.completion import CompletionError
@@ -274,3 +275,29 @@ def check_device_output(path, option: str = "--json") -> None:
     except OSError as exc:
         raise ValueError(f"{option} {str(path)!r} cannot be written ({exc.strerror or exc}); give a file path such "
                          f"as runs/run.json") from None
+
+
+def check_http_url(url: str, option: str, example: str) -> None:
+    """UsageError when `url` is not an http(s) URL with a host (bad input, not a server to start).
+
+    Raises:
+        UsageError: a scheme other than http or https, or no host; the message names `option`.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(f"{option} {url!r} is not a URL: it needs http:// or https:// and a host, such as {example}")
+
+
+HTTP_SERVER_OPTIONS = (("vllm_url", "--vllm-url", "http://localhost:8000"),
+                       ("lmcache_http_url", "--lmcache-http-url", "http://localhost:8080"))
+
+
+def check_server_urls(values: dict) -> None:
+    """`check_http_url` on each of `--vllm-url` / `--lmcache-http-url` that `values` (keyword -> URL) holds.
+
+    Raises:
+        UsageError: one of them is not an http(s) URL with a host.
+    """
+    for key, option, example in HTTP_SERVER_OPTIONS:
+        if key in values:
+            check_http_url(values[key], option, example)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-from urllib.parse import urlsplit
 
 from ..policies import get_policy, policy_names
 from ..serving.completion import CompletionError, make_post_completion
@@ -38,7 +37,7 @@ from ..serving.probes import (
     lmcache_model_name,
     registered_models,
 )
-from .args import OneLineParser, UsageError, report_error
+from .args import OneLineParser, UsageError, check_server_urls, report_error
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -337,17 +336,6 @@ def check_vllm_python(python: str) -> str:
     return python
 
 
-def check_http_url(url: str, option: str, example: str) -> None:
-    """UsageError when `url` is not an http(s) URL with a host (bad input, not a server to start).
-
-    Raises:
-        UsageError: a scheme other than http or https, or no host; the message names `option`.
-    """
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UsageError(f"{option} {url!r} is not a URL: it needs http:// or https:// and a host, such as {example}")
-
-
 def run(args, out=None) -> int:
     """Run every check; print one line each (with a fix for failures); 0 if none failed, else 1.
 
@@ -363,9 +351,7 @@ def run(args, out=None) -> int:
     if args.vllm_dir is not None and not os.path.isdir(args.vllm_dir):
         raise UsageError(f"--vllm-dir {args.vllm_dir!r} is not a folder; pass vLLM's package folder (e.g. "
                          f"/path/to/site-packages/vllm), or its interpreter with --vllm-python")
-    for option, url, example in (("--vllm-url", args.vllm_url, "http://localhost:8000"),
-                                 ("--lmcache-http-url", args.lmcache_http_url, "http://localhost:8080")):
-        check_http_url(url, option, example)
+    check_server_urls(vars(args))
     rep = Report(out)
     vllm_url = args.vllm_url.rstrip("/").removesuffix("/v1")
     lmc_url = args.lmcache_http_url.rstrip("/")

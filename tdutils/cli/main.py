@@ -54,6 +54,7 @@ from .args import (
     add_dtype_option,
     add_threads_option,
     check_device_output,
+    check_server_urls,
     check_threads,
     drop_ratio,
     positive_float,
@@ -340,6 +341,7 @@ def open_run_engine(args, plan: RunPlan):
                          f"choose its cache's dtype: on lmcache vLLM does, vllm serve --dtype); give --kv-budget-tokens")
     servers = {k: v for k, v in (("vllm_url", args.vllm_url), ("lmcache_url", args.lmcache_url),
                                  ("lmcache_http_url", args.lmcache_http_url)) if k in takes}
+    check_server_urls(servers)  # before the engine opens: a typo is not a server that does not answer
     engine = open_engine(args.engine, model=args.model, dtype=args.dtype, device=args.device,
                          positions=args.positions, progress=not args.no_progress,
                          query_window=plan.policy.rows(plan.settings), chat_template=args.chat_template, **servers)

@@ -784,11 +784,14 @@ def run_cells_shared(engine, contexts: Sequence, questions: Sequence, cells: Map
         context = engine.snapshot()
         engine.extend(ext)
         prompt = engine.snapshot()
-        for mode, mode_cells in cells.items():
-            saved, extension = (prompt, None) if mode == "aware" else (context, ext)
-            mode_tick = None if tick is None else partial(tick, mode)
-            _decode_cells(engine, saved, chunk, mode_cells, extension, max_tokens, stop_at_eos, out[mode],
-                          _chunk_tick(mode_tick, len(chunk) / len(contexts)), group_bytes)
+        # one score memory for both modes, the agnostic first: the aware prompt is its context plus the question,
+        # and H2O scores only the question's rows anew (`tdutils.policies.h2o`)
+        with shared_scores():
+            for mode in sorted(cells, key=lambda m: m != "agnostic"):
+                saved, extension = (prompt, None) if mode == "aware" else (context, ext)
+                mode_tick = None if tick is None else partial(tick, mode)
+                _decode_cells(engine, saved, chunk, cells[mode], extension, max_tokens, stop_at_eos, out[mode],
+                              _chunk_tick(mode_tick, len(chunk) / len(contexts)), group_bytes)
     return out
 
 

@@ -34,7 +34,7 @@ from ..selection import (
     repeat_keep,
 )
 from .registry import register_policy
-from .reuse import reused
+from .reuse import reused, scratch
 from .scoring import check_query, layer_attentions, model_attention, plain_attention, reduce_gqa
 
 # fp32 attention probabilities held per block of query rows (4 MiB: small blocks skip most of the causal upper
@@ -83,18 +83,43 @@ def h2o_scores(kv: torch.Tensor, q: torch.Tensor, *, head_dim: int, attention: A
 
 def _head_scores(kv: torch.Tensor, q: torch.Tensor, head_dim: int, attention: AttentionSpec | None):
     """Accumulated attention per KV head (its GQA group's query heads averaged), layer by layer: yields fp32
-    `[H, T]`."""
+    `[H, T]`. Inside `shared_scores()`, a cache that extends one scored earlier in the block (the same first `t`
+    keys and queries: an evaluation's query-aware prompt is its query-agnostic context plus the question) reuses
+    that one's sums and computes only query rows `t..T-1` (`_prefix_sums`): a causal query never sees later keys,
+    so rows `0..t-1` attend exactly as they did."""
     T = kv.shape[2] if kv.dim() == 4 else 0
-    q = check_query(kv, q, T, head_dim, "H2O", what="the prompt length (H2O reads every prompt query)")
+    q = check_query(kv, q, T, head_dim, "H2O", what="the prompt length (H2O reads every prompt query)")[:, -T:]
     L, h = kv.shape[1], kv.shape[3] // head_dim
     layers = layer_attentions(attention, L)
+    store = scratch(f"h2o {head_dim} {attention!r}")
+    start, prior = _prefix_sums(store, kv, q)
+    sums = []
     for layer in range(L):
-        yield reduce_gqa(_accumulated(kv[0, layer], q[layer, -T:], h, layers[layer]), h, "mean")  # [Hq, T] -> [H, T]
+        sums.append(_accumulated(kv[0, layer], q[layer], h, layers[layer], start, None if prior is None else prior[layer]))
+        yield reduce_gqa(sums[-1], h, "mean")  # [Hq, T] -> [H, T]
+    if store is not None:
+        store[id(kv)] = (kv, q, sums)  # held: the id stays this tensor's while the block is open
 
 
-def _accumulated(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, layer: LayerAttention | None) -> torch.Tensor:
+def _prefix_sums(store: dict | None, kv: torch.Tensor, q: torch.Tensor) -> tuple[int, list | None]:
+    """`(t, sums)`: the longest cache scored earlier in `store` whose keys and queries are the first `t` of these
+    (`kv [2, L, T, D]`, `q [L, T, Hq*d]`, compared exactly) and its per-layer `[Hq, t]` sums; `(0, None)` if none."""
+    best = (0, None)
+    for pk, pq, sums in (store or {}).values():
+        t = pk.shape[2]
+        if (best[0] < t <= kv.shape[2] and pk.shape[:2] == kv.shape[:2] and pk.shape[3] == kv.shape[3]
+                and pk.dtype == kv.dtype and pq.dtype == q.dtype and pq.shape[2] == q.shape[2]
+                and torch.equal(pk[:, :, t - 1], kv[:, :, t - 1]) and torch.equal(pk, kv[:, :, :t])
+                and torch.equal(pq, q[:, :t])):
+            best = (t, sums)
+    return best
+
+
+def _accumulated(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, layer: LayerAttention | None, start: int = 0,
+                 prior: torch.Tensor | None = None) -> torch.Tensor:
     """`Σ_i att[h, i, j]` of one layer for every query head: fp32 `[Hq, T]` from keys `k [T, H*d]` and the queries
-    of every prompt token `q [T, Hq*d]` (row `i` is token `i`).
+    of every prompt token `q [T, Hq*d]` (row `i` is token `i`); with `start`, only rows `start..T-1` are computed
+    and `prior` (`[Hq, start]`, the sums of rows `0..start-1`, which see no key past `start - 1`) is added.
 
     Blocks of query rows `a..b-1` against the keys they can see (`..b-1`; from `a - W + 1` in a sliding-window
     layer), so the causal upper triangle is skipped but for the block's own diagonal square and no block holds
@@ -116,9 +141,11 @@ def _accumulated(k: torch.Tensor, q: torch.Tensor, n_kv_heads: int, layer: Layer
     window = None if layer is None else layer.sliding_window
     rows = min(T, max(1, BLOCK_ELEMENTS // (hq * T)))  # never more query rows than the prompt has
     acc = torch.zeros(hq, T, dtype=torch.float32, device=k.device)
+    if prior is not None:
+        acc[:, :start] = prior
     pos = torch.arange(T, device=k.device)
     above = torch.ones(rows, rows, dtype=torch.bool, device=k.device).triu_(1)  # key after the query: hidden
-    for a in range(0, T, rows):
+    for a in range(start, T, rows):
         b = min(T, a + rows)
         lo = 0 if window is None else max(0, a - window + 1)
         r = b - a

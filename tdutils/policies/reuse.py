@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 
 _memo: dict | None = None  # open `shared_scores()`: key -> (arguments held alive, result)
+_scratch: dict | None = None  # open `shared_scores()`: name -> a score function's own memory (`scratch`)
 _stats = {"calls": 0, "hits": 0}
 
 
@@ -35,16 +36,23 @@ def shared_scores() -> Iterator[dict]:
         `{"calls": int, "hits": int}`: the decorated calls and those answered from memory so far in the block.
     Nested blocks share the outer one's memory.
     """
-    global _memo
+    global _memo, _scratch
     if _memo is not None:  # nested: the outer block owns the memory
         yield _stats
         return
-    _memo = {}
+    _memo, _scratch = {}, {}
     _stats.update(calls=0, hits=0)
     try:
         yield _stats
     finally:
-        _memo = None
+        _memo = _scratch = None
+
+
+def scratch(name: str) -> dict | None:
+    """A score function's own memory for the open `shared_scores()` block (a dict, the same for `name` until the
+    block closes), for what `@reused`'s exact-argument memory cannot see, e.g. a cache that extends an earlier
+    one (H2O's prefix, `tdutils.policies.h2o`); None outside a block, where nothing may be remembered."""
+    return None if _scratch is None else _scratch.setdefault(name, {})
 
 
 def _key(value):
@@ -83,4 +91,4 @@ def reused(fn: Callable) -> Callable:
     return wrapper
 
 
-__all__ = ["reused", "shared_scores"]
+__all__ = ["reused", "scratch", "shared_scores"]
