@@ -68,6 +68,8 @@ def test_main_job_prints_ratio_and_writes_json(tmp_path):
                                                    "file can be created in '/proc'")),
     (["eval", "--context-lengths", "128", "--window", "200", "--n", "2"],
      "--window 200 must be >= 0 and shorter than the shortest context length (128 tokens)"),
+    (["eval", "--policies", "snapkv", "--window", "0", "--n", "2"],
+     "--window 0: window must be a positive integer, got 0 (policy 'snapkv')"),
     (["eval", "--plot", "acc.xyz"], ("--plot 'acc.xyz' has extension '.xyz', which matplotlib cannot save; use one of "
                                     ".avif, .eps, .gif, .jpeg, .jpg, .pdf, .pgf, .png, .ps, .raw, .rgba, .svg, .svgz, "
                                     ".tif, .tiff, .webp")),

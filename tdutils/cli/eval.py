@@ -68,7 +68,7 @@ from ..eval.tasks import GROUPS, MODES, RULER, SUITE_LABELS, SUITES, Defaults, g
 from ..models import check_context_lengths, context_window, resolve_model
 from ..policies import policy_names
 from .args import add_dtype_option, add_threads_option, check_threads, positive_int, usable_cores
-from .policy_options import policy_arguments, policy_options, policy_params
+from .policy_options import checked_params, policy_arguments, policy_options, policy_params
 from .startup import INTERRUPTED
 
 ALL = "all"  # --policies: every registered policy; --tasks: every word-level task
@@ -386,6 +386,8 @@ def plan_eval(args) -> EvalPlan:
                          "smaller --window")
     given = {p: policy_params(args, split_granularity(p)[0], skip=POLICY_OPTION_SKIP, strict=False)
              for p in policies if p != FULL}
+    for p, values in given.items():  # the policies' own checks, before any model loads
+        checked_params(split_granularity(p)[0], values, name_policy=True)
     reached = {name for values in given.values() for name in values}
     stray = [o.flag for o in policy_options(skip=POLICY_OPTION_SKIP).values()
              if getattr(args, o.name, None) is not None and o.name not in reached]

@@ -61,7 +61,7 @@ from .args import (
     positive_int,
     report_error,
 )
-from .policy_options import policy_arguments, policy_params
+from .policy_options import checked_params, policy_arguments, policy_params
 from .startup import INTERRUPTED, interrupt_as_exception
 
 # Subcommands defined in the other modules of tdutils.cli: name -> (module, help). Each module provides
@@ -309,11 +309,9 @@ def _plan_policy(args):
     params = policy_params(args, args.policy)
     policy = get_policy(args.policy)
     try:
-        settings = policy.make_params(**params)
-    except ValueError as exc:  # the policy's own check ("window must be ..."): name the options given
-        named = [f"--{k.replace('_', '-')} {v}" for k, v in params.items() if k in str(exc)] or \
-            [f"--{k.replace('_', '-')} {v}" for k, v in params.items()]
-        raise UsageError(f"{', '.join(named)}: {exc}" if named else str(exc)) from None
+        settings = checked_params(args.policy, params)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     try:
         policy_granularity(policy, args.policy, args.granularity, option="--granularity ")  # make_drop_fn's check
     except ValueError as exc:

@@ -136,6 +136,22 @@ def policy_params(args, policy: str, *, skip=(), strict: bool = True) -> dict:
     return params
 
 
+def checked_params(policy: str, params: dict, *, name_policy: bool = False):
+    """`get_policy(policy).make_params(**params)`, the policy's own check failing in terms of the command line.
+
+    Raises:
+        ValueError: "--window 0: window must be a positive integer, got 0" (the options the message names, else
+            every option given; with `name_policy`, "... (policy 'snapkv')": several policies share the options).
+    """
+    try:
+        return get_policy(policy).make_params(**params)
+    except ValueError as exc:  # the policy's own check ("window must be ..."): name the options given
+        given = [(k, f"--{k.replace('_', '-')} {v}") for k, v in params.items()]
+        named = [flag for k, flag in given if k in str(exc)] or [flag for _, flag in given]
+        where = f" (policy {policy!r})" if name_policy else ""
+        raise ValueError(f"{', '.join(named)}: {exc}{where}" if named else str(exc)) from None
+
+
 def _hints(params: type) -> dict:
     """The dataclass's resolved annotations; {} when they cannot be resolved (a class in a function, whose
     annotations under `from __future__ import annotations` name local types): defaults decide then."""
@@ -192,4 +208,4 @@ def _default(f: dataclasses.Field):
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
 
 
-__all__ = ["PolicyOption", "policy_arguments", "policy_options", "policy_params"]
+__all__ = ["checked_params", "PolicyOption", "policy_arguments", "policy_options", "policy_params"]
