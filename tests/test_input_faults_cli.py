@@ -521,6 +521,7 @@ def test_ctrl_c_during_eval_keeps_the_finished_cells(tmp_path, capsys, monkeypat
          f"meta)")], captured.err
     report = json.loads(out.read_text(encoding="utf-8"))
     assert report["meta"]["interrupted"] is True and "first EOS token" in report["meta"]["scored"], report["meta"]
+    assert report["meta"]["decoded"] == "a request leaves the decode batch at its first EOS token", report["meta"]
     cells = [(r["policy"], r["drop_ratio"], r["context_tokens"], r["n"]) for r in report["rows"]]
     assert cells == [("full", 0.0, 128, 2), ("random", 0.5, 128, 2)], report["rows"]
     assert all(0 <= r["correct"] <= 2 for r in report["rows"])

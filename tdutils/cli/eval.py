@@ -75,8 +75,9 @@ ALL = "all"  # --policies: every registered policy; --tasks: every word-level ta
 RULER_SUITE = "ruler"  # --tasks: every RULER template task
 LEADERBOARD = LEADERBOARD_WORD  # --tasks: the default real-model grid (tdutils.eval.grid.LEADERBOARD)
 CHAT_TEMPLATES = ("auto", "none")
-SCORED_TEXT = ("each response up to its first EOS token (RequestOutput.answer): decoding ignores EOS so every cell "
-               "decodes the same number of tokens, and what follows an EOS is not the model's answer")
+SCORED_TEXT = "each response up to its first EOS token (RequestOutput.answer); what follows an EOS is not the model's answer"
+DECODED_TEXT = {True: "a request leaves the decode batch at its first EOS token",
+                False: "decoding ignores EOS (--ignore-eos), so every cell decodes the same number of tokens"}
 # Policy parameters that are not `eval` options: its --seed is the dataset's seed (the random policy keeps its own).
 POLICY_OPTION_SKIP = ("seed",)
 
@@ -301,7 +302,8 @@ def run(args) -> int:
             "context_lengths": plan.lengths, "n": plan.n, "seed": args.seed, "max_tokens": plan.max_tokens,
             "policy_params": plan.params, "threads": torch.get_num_threads(), "workers": plan.workers,
             "interrupted": False,
-            "scored": SCORED_TEXT, "chat_template_option": plan.chat}
+            "scored": SCORED_TEXT, "decoded": DECODED_TEXT[not getattr(args, "ignore_eos", False)],
+            "chat_template_option": plan.chat}
     if getattr(args, "resume", False) and plan.lengths_layout:
         raise ValueError("--resume continues task grids (--tasks ...); the passkey grid of context lengths reruns "
                          "whole: drop --resume, or give another --json to keep the stored run")
@@ -663,5 +665,5 @@ def _uses_chat(tokenizer, chat_template) -> bool:
     return uses_chat_template(tokenizer, chat_template)
 
 
-__all__ = ["ALL", "CHAT_TEMPLATES", "POLICY_OPTION_SKIP", "RULER_SUITE", "SCORED_TEXT",
+__all__ = ["ALL", "CHAT_TEMPLATES", "POLICY_OPTION_SKIP", "DECODED_TEXT", "RULER_SUITE", "SCORED_TEXT",
            "add_arguments", "default_tasks", "parse_tasks", "ranking_lines", "run"]
