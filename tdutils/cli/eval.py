@@ -175,7 +175,8 @@ def add_arguments(parser) -> None:
                                "share a machine")
     parser.add_argument("--workers", type=positive_int, default=None,
                         help="processes that share each task's prompts, each with its own engine and --threads / N "
-                             "torch threads (at least 1), bound to cores of its own where there are enough; the "
+                             "torch threads (--threads, if given, at least N; unset: one each), bound to cores of its "
+                             "own where there are enough; the "
                              "cells are the same as in one process. On a CPU two one-thread workers do more than one "
                              f"two-thread process (docs/real_models.md). Default: 1; '--tasks {LEADERBOARD}': 2 where "
                              "this process may use 2 or more cores and --threads, if given, is 2 or more")
@@ -380,10 +381,13 @@ def plan_eval(args) -> EvalPlan:
     if args.plot is not None:
         check_plot_path(args.plot, "--plot")
     window = getattr(args, "window", None)
-    if window is not None and (window < 0 or window >= min(lengths)):
+    if window is not None and window < 0:
+        raise ValueError(f"--window {window} is negative: it counts the most recent prompt tokens a policy always "
+                         f"keeps; give 0 or more")
+    if window is not None and window >= min(lengths):
         # the window is always kept: at or past the prompt length nothing would be dropped, and the table
         # would show full-cache accuracy under a policy's name (as `run` refuses it)
-        raise ValueError(f"--window {window} must be >= 0 and shorter than the shortest context length "
+        raise ValueError(f"--window {window} must be shorter than the shortest context length "
                          f"({min(lengths)} tokens): the window is always kept, so nothing would be dropped; give a "
                          "smaller --window")
     given = {p: policy_params(args, split_granularity(p)[0], skip=POLICY_OPTION_SKIP, strict=False)
