@@ -357,6 +357,29 @@ def _decode_fits(query, key, mask, kwargs) -> bool:
             and not any(kwargs.get(k) is not None for k in SINK_KWARGS))
 
 
+def _masked_gqa_fits(module, query, key, mask, kwargs) -> bool:
+    """A masked multi-token forward of a GQA layer on the CPU that `sdpa` can take with `enable_gqa` (no
+    soft-capping, sinks, position bias, dropout or attention weights asked for)."""
+    return (query.device.type == "cpu" and mask is not None and mask.dim() == 4 and query.shape[2] > 1
+            and query.shape[1] != key.shape[1] and query.shape[1] % key.shape[1] == 0
+            and not (kwargs.get("dropout") and module.training) and kwargs.get("softcap") is None
+            and kwargs.get("position_bias") is None and not kwargs.get("output_attentions")
+            and not any(kwargs.get(k) is not None for k in SINK_KWARGS))
+
+
+def _masked_gqa_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     scaling: float | None) -> torch.Tensor:
+    """transformers' `sdpa` attention of a masked GQA forward without `repeat_kv`: torch's CPU kernel reads KV head
+    `h // g` for query head `h` (`enable_gqa`), where transformers copies every key and value `g` times whenever a
+    mask is given (the engine's prefill of unequal prompts, `extend`, teacher forcing). Same kernel, same sums.
+
+    query `[B, Hq, M, d]`, key / value `[B, H_kv, T, d]`, mask `[B, 1 or Hq, M, T]` (boolean or additive) ->
+    `[B, M, Hq, d]` (transformers' attention output layout)."""
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask[..., :key.shape[2]],
+                                                           scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
+
+
 class recording:
     """Context manager: capture queries into `recorder` for the forward passes run inside it."""
 
@@ -380,6 +403,8 @@ def _wrap(base: str):
             _active.record(module.layer_idx, query, key, kwargs)
         if _slot_decode and base == "sdpa" and _decode_fits(query, key, attention_mask, kwargs):
             return decode_attention(query, key, value, attention_mask, kwargs.get("scaling")), None
+        if base == "sdpa" and _masked_gqa_fits(module, query, key, attention_mask, kwargs):
+            return _masked_gqa_sdpa(query, key, value, attention_mask, kwargs.get("scaling")), None
         if base == "eager":
             # each modeling file defines its own eager attention (GQA repeat, softcapping, ...)
             fn = sys.modules[type(module).__module__].eager_attention_forward

@@ -68,3 +68,46 @@ def test_the_engine_runs_decode_steps_and_only_them_through_it(monkeypatch):
     with slot_decode():
         assert attention._slot_decode
     assert not attention._slot_decode
+
+
+class _Layer(torch.nn.Module):
+    num_key_value_groups = 3
+    is_causal = True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_masked_gqa_forward_is_transformers_sdpa_without_repeat_kv(dtype, kind):
+    """A masked multi-token GQA forward (prefill of unequal prompts, extend) runs sdpa with `enable_gqa`: the same
+    numbers transformers' sdpa gives after copying each key and value `g` times."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    gen = torch.Generator().manual_seed(3)
+    B, H, g, M, T, d = 2, 2, 3, 5, 12, 16
+    q = torch.randn(B, H * g, M, d, generator=gen).to(dtype)
+    k, v = (torch.randn(B, H, T, d, generator=gen).to(dtype) for _ in range(2))
+    keep = torch.rand(B, 1, M, T, generator=gen) > 0.3
+    keep[..., -1] = True
+    mask = keep if kind == "bool" else torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, torch.finfo(dtype).min)
+    layer = _Layer().eval()
+    assert attention._masked_gqa_fits(layer, q, k, mask, {"scaling": 0.25})
+    assert not attention._masked_gqa_fits(layer, q, k, None, {})  # no mask: transformers uses enable_gqa itself
+    assert not attention._masked_gqa_fits(layer, q, k, mask, {"softcap": 30.0})
+    ref, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.25)  # [B, M, Hq, d]
+    out = attention._masked_gqa_sdpa(q, k, v, mask, 0.25)
+    assert out.shape == ref.shape and out.is_contiguous()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_the_wide_cache_writes_in_place_and_refuses_overflow():
+    from tdutils.engines.kvstore import wide_cache
+
+    keys, values = torch.zeros(2, 1, 1, 5, 4), torch.zeros(2, 1, 1, 5, 4)  # [L, B, H_kv, C + M, d], C = 3
+    cache = wide_cache(keys, values, 3)
+    new = torch.ones(1, 1, 2, 4)
+    k, v = cache.update(new, 2 * new, 0)
+    assert k.shape == (1, 1, 5, 4) and k.data_ptr() == keys[0].data_ptr()  # a view: nothing cached was copied
+    assert torch.equal(keys[0, 0, 0, 3:], torch.ones(2, 4)) and torch.equal(values[0, 0, 0, 3:], 2 * torch.ones(2, 4))
+    assert cache.get_seq_length(1) == 3 and cache.layers[0].get_seq_length() == 5
+    with pytest.raises(ValueError, match="holds 5 columns; 5 are filled and 2 more"):
+        cache.update(new, new, 0)

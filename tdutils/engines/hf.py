@@ -49,7 +49,7 @@ from ..outputs import RequestOutput, answer_text
 from ..policies.scoring import window_attention
 from .base import Engine, register_engine, tokenize_extensions
 from .decode_compression import SlotCompressor
-from .kvstore import PaddingMasks, SlotKVStore, install_head_masks, plan_slots
+from .kvstore import PaddingMasks, SlotKVStore, install_head_masks, plan_slots, wide_cache
 from .packed import PackedLinears, default_min_elements, packing_available, packing_pays
 from .sampling import check_forced_ids, choose_tokens, request_generators
 from .scheduler import (
@@ -734,9 +734,11 @@ class HFEngine(Engine):
         lens, ms = [r.kv.shape[2] for r in reqs], [len(x) for x in ext]
         C, M = max(lens), max(ms)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        keys = torch.zeros((L, B, self.facts.num_kv_heads, C, self.facts.head_dim), dtype=self.model.dtype,
+        # [L, B, H_kv, C + M, d] at its final width: the forward writes the extension after the cache in place;
+        # only the left padding is zeroed (masked, but read: it must be finite)
+        keys = torch.empty((L, B, self.facts.num_kv_heads, C + M, self.facts.head_dim), dtype=self.model.dtype,
                            device=self.device)
-        values = torch.zeros_like(keys)
+        values = torch.empty_like(keys)
         key_pos = torch.zeros((B, C + M), dtype=torch.long)  # position of every key column
         key_ok = torch.zeros((B, C + M), dtype=torch.bool)  # False on padding
         input_ids = torch.full((B, M), pad_id, dtype=torch.long)
@@ -744,7 +746,8 @@ class HFEngine(Engine):
         for b, (r, x) in enumerate(zip(reqs, ext)):
             T, m, first = lens[b], ms[b], r.refeed_pos + 1 if starts is None else starts[b]
             k, v = self._row_kv(r.kv)  # [L, H_kv, T, d]
-            keys[:, b, :, C - T:], values[:, b, :, C - T:] = k, v
+            keys[:, b, :, C - T:C], values[:, b, :, C - T:C] = k, v
+            keys[:, b, :, :C - T], values[:, b, :, :C - T] = 0, 0
             pos = r.positions if r.positions is None or r.positions.dim() == 1 else r.positions.flatten(0, -2).amax(0)
             key_pos[b, C - T:C] = pos if pos is not None else torch.arange(T)
             key_ok[b, C - T:C] = True
@@ -753,9 +756,7 @@ class HFEngine(Engine):
             query_pos[b] = first  # padding rows: any position (their outputs are discarded)
             query_pos[b, M - m:] = new_pos
             key_pos[b, C + M - m:], key_ok[b, C + M - m:] = new_pos, True
-        cache = self._new_cache()
-        for layer in range(L):
-            cache.update(keys[layer], values[layer], layer)
+        cache = wide_cache(keys, values, C)
         del keys, values
         self._hide_padding(reqs, cache, lens, C + M)
         masks = self._extend_masks(key_ok, key_pos, query_pos, ms, C)

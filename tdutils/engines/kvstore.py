@@ -375,9 +375,56 @@ def _cache_classes():
                 super().__init__(layers=[SlotLayer(store, i) for i in range(len(store.keys))])
                 self.slot_store = store  # read by `install_head_masks`' hooks
 
-        _CACHE_CLASSES = (SlotCache, SlotLayer)
+        class WideLayer(CacheLayerMixin):
+            """One layer of a batch cache allocated at its final width `[B, H_kv, C + M, d]`, its first `C` columns
+            filled: `update` writes the fed tokens' keys and values into the next columns and returns the filled
+            views, so a forward of `M` tokens copies nothing that was cached (a `DynamicLayer` concatenates)."""
+
+            is_sliding = False
+
+            def __init__(self, keys: torch.Tensor, values: torch.Tensor, cached: int):
+                super().__init__()
+                self.keys, self.values, self.cached = keys, values, cached
+                self.is_initialized = True
+
+            def lazy_initialization(self, key_states, value_states):  # storage is allocated up front
+                return None
+
+            def update(self, key_states, value_states, *args, **kwargs):
+                end = self.cached + key_states.shape[2]
+                if end > self.keys.shape[2]:
+                    raise ValueError(f"the wide cache holds {self.keys.shape[2]} columns; {self.cached} are filled "
+                                     f"and {key_states.shape[2]} more were fed")
+                self.keys[:, :, self.cached:end] = key_states
+                self.values[:, :, self.cached:end] = value_states
+                self.cached = end
+                return self.keys[:, :, :end], self.values[:, :, :end]
+
+            def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+                return self.cached + query_length, 0
+
+            def get_seq_length(self) -> int:
+                return self.cached
+
+            def get_max_length(self) -> int:
+                return self.keys.shape[2]
+
+        class WideCache(Cache):
+            """A transformers `Cache` of `WideLayer`s over `keys`, `values` `[L, B, H_kv, C + M, d]`."""
+
+            def __init__(self, keys: torch.Tensor, values: torch.Tensor, cached: int):
+                super().__init__(layers=[WideLayer(k, v, cached) for k, v in zip(keys, values)])
+
+        _CACHE_CLASSES = (SlotCache, SlotLayer, WideCache)
     return _CACHE_CLASSES
 
 
 def _slot_cache(store: SlotKVStore):
     return _cache_classes()[0](store)
+
+
+def wide_cache(keys: torch.Tensor, values: torch.Tensor, cached: int):
+    """A transformers `Cache` over preallocated `keys`, `values` `[L, B, H_kv, C + M, d]` whose first `cached`
+    columns hold the cache: a forward writes its tokens' keys and values in place after them (`WideLayer`), so
+    extending a long cache by a few tokens does not copy it again per layer."""
+    return _cache_classes()[2](keys, values, cached)
