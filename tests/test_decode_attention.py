@@ -105,7 +105,7 @@ def test_the_wide_cache_writes_in_place_and_refuses_overflow():
     keys, values = torch.zeros(2, 1, 1, 5, 4), torch.zeros(2, 1, 1, 5, 4)  # [L, B, H_kv, C + M, d], C = 3
     cache = wide_cache(keys, values, 3)
     new = torch.ones(1, 1, 2, 4)
-    k, v = cache.update(new, 2 * new, 0)
+    k, _ = cache.update(new, 2 * new, 0)
     assert k.shape == (1, 1, 5, 4) and k.data_ptr() == keys[0].data_ptr()  # a view: nothing cached was copied
     assert torch.equal(keys[0, 0, 0, 3:], torch.ones(2, 4)) and torch.equal(values[0, 0, 0, 3:], 2 * torch.ones(2, 4))
     assert cache.get_seq_length(1) == 3 and cache.layers[0].get_seq_length() == 5

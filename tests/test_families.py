@@ -107,7 +107,7 @@ def test_original_positions_equal_the_masked_full_cache(family):
                 # 1e-5 absolute and relative: the decode kernel's fp32 sums run in another order than the model's
                 # sdpa; 20 float32 ulps of a logit of 4.5 after two layers is 1.1e-5 on an AVX-512 CPU
                 torch.testing.assert_close(out.logits[step], logits, atol=1e-5, rtol=1e-5,
-                                           msg=lambda m: f"{family} T={T} step={step}: {m}")
+                                           msg=lambda m, T=T, step=step: f"{family} T={T} step={step}: {m}")
                 tok, pos = int(logits.argmax()), pos + 1
                 assert tok == out.output_ids[step], (family, T, step)
 

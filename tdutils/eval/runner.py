@@ -731,9 +731,9 @@ def run_cells(engine, prompts: Sequence, cells: Sequence[tuple], *, max_tokens: 
     saw them) and decoded greedily, at most `max_tokens` tokens; with `stop_at_eos` (default) a request leaves the
     batch at its first EOS token, else it decodes all `max_tokens` (EOS ignored). Each response is its answer, the
     text up to its first EOS token, so what follows an EOS is never scored and both give the same answers. On an
-    `HFEngine` the cells of one drop ratio decode as one batch of their edited caches, up to `group_bytes` of KV
-    cache (0: one cell at a time); a request's greedy tokens do not depend on the rows beside it, up to the
-    float rounding of a wider matrix product.
+    engine that holds its caches (`restores_prefill`: `HFEngine`) the cells of one drop ratio decode as one batch of
+    their edited caches, up to `group_bytes` of KV cache (0: one cell at a time); a request's greedy tokens do not
+    depend on the rows beside it, up to the float rounding of a wider matrix product.
 
     Args:
         engine: an open engine (`HFEngine` restores its prefilled state per cell; others prefill again).
@@ -837,12 +837,13 @@ def _decode_cells(engine, saved, chunk, cells, extensions, max_tokens: int, stop
 def _cell_groups(engine, saved, cells, width: int, group_bytes: int) -> list[list[tuple]]:
     """`cells` in groups decoded as one batch: cells of the same drop ratio, in their order, split evenly so that the
     caches they keep (`(1 - ratio)` of the longest prefilled cache, per request) hold at most `group_bytes`; a cell
-    alone where `group_bytes` is 0 or the engine is not an `HFEngine` (whose snapshots join, `Engine.restore`).
+    alone where `group_bytes` is 0 or the engine does not hold its caches (`Engine.restores_prefill`: edited snapshots
+    then join into one batch, `Engine.restore`; an LMCache engine's caches live in its server's store)
 
     A decode step's cost is a fixed part (every weight read once, the Python of each layer) plus a part per row
     that shrinks with the cache, so the small caches of a high drop ratio decode several cells' worth of rows for
     nearly the price of one."""
-    if group_bytes <= 0 or saved is None or not isinstance(engine, HFEngine):
+    if group_bytes <= 0 or saved is None or not getattr(engine, "restores_prefill", False):
         return [[c] for c in cells]
     longest = max(r.kv.shape[2] for r in saved)
     token_bytes = saved[0].kv[:, :, :1].numel() * saved[0].kv.element_size()  # [2, L, 1, D]
