@@ -85,6 +85,9 @@ def test_plan_of_the_leaderboard(no_download, tmp_path, monkeypatch):
     for argv in (["--threads", "1"], ["--workers", "1"]):  # one thread, or one worker asked for: one process
         one = plan_eval(_args(["--tasks", "leaderboard", "--json", str(tmp_path / "lb.json"), *argv]))
         assert one.workers == 1 and one.workers_note is None
+    one = plan_eval(_args(["--tasks", "leaderboard", "--n", "1", "--workers", "2", "--json", str(tmp_path / "lb.json")]))
+    assert one.workers == 1 and one.workers_note == ("workers 1: --n 1 gives each task at most 1 prompt(s) to share, "
+                                                     "so 2 workers would leave 1 idle")
     # 3 RULER tasks x 2 modes + text fidelity agnostic; one prefill per (task, length) serves both modes
     assert size_line == (f"grid: {7 * cells} cells = {cells} policy/ratio cells x 7 (task, mode) pairs x 1 length(s) "
                          "(2048 tokens); n = 100 (ruler_niah_single_1, ruler_niah_multikey_1, "

@@ -302,6 +302,8 @@ def run(args) -> int:
             "drop_ratios": list(plan.ratios) if any(p != FULL for p in plan.policies) else [],
             "context_lengths": plan.lengths, "n": plan.n, "seed": args.seed, "max_tokens": plan.max_tokens,
             "policy_params": plan.params, "threads": torch.get_num_threads(), "workers": plan.workers,
+            # each worker process's torch threads (`threads` is this process's, which the workers divide)
+            "threads_per_worker": max(1, torch.get_num_threads() // plan.workers) if plan.workers > 1 else None,
             "interrupted": False,
             "scored": SCORED_TEXT, "decoded": DECODED_TEXT[not getattr(args, "ignore_eos", False)],
             "chat_template_option": plan.chat}
@@ -363,50 +365,80 @@ def plan_eval(args) -> EvalPlan:
     dtype = dtype or "auto"
     threads = getattr(args, "threads", None)
     check_threads(threads)
-    workers, workers_note = getattr(args, "workers", None), None
-    if workers is None:
-        workers = 2 if board is not None and usable_cores() >= 2 and (threads is None or threads >= 2) else 1
-        if workers > 1:
-            workers_note = (f"workers 2: the {LEADERBOARD}'s default on 2 or more cores (each process one thread "
-                            f"on a core of its own); --workers 1 changes it")
-    if workers > usable_cores():
-        raise ValueError(f"--workers {workers} is more than the {usable_cores()} CPU core(s) this process may use; "
-                         f"give at most {usable_cores()}")
-    if threads is not None and threads < workers:
-        raise ValueError(f"--threads {threads} is shared among --workers {workers}: each needs at least one thread; "
-                         f"give --threads {workers} or more, or fewer workers")
+    workers, workers_note = _workers(getattr(args, "workers", None), threads, board)
+    most = max(n.values()) if isinstance(n, dict) else n
+    if workers > most:  # a worker shares a task's prompts: one without a prompt would only load the model
+        workers_note = (f"workers {most}: --n {most} gives each task at most {most} prompt(s) to share, so "
+                        f"{workers} workers would leave {workers - most} idle")
+        workers = most
     # "" is checked too (and refused, as `run --json ""`), never read as "no file"
     if args.json_path is not None:
         check_output_path(args.json_path, "--json", example="runs/eval.json")
     if args.plot is not None:
         check_plot_path(args.plot, "--plot")
-    window = getattr(args, "window", None)
-    if window is not None and window < 0:
-        raise ValueError(f"--window {window} is negative: it counts the most recent prompt tokens a policy always "
-                         f"keeps; give 0 or more")
-    if window is not None and window >= min(lengths):
-        # the window is always kept: at or past the prompt length nothing would be dropped, and the table
-        # would show full-cache accuracy under a policy's name (as `run` refuses it)
-        raise ValueError(f"--window {window} must be shorter than the shortest context length "
-                         f"({min(lengths)} tokens): the window is always kept, so nothing would be dropped; give a "
-                         "smaller --window")
-    given = {p: policy_params(args, split_granularity(p)[0], skip=POLICY_OPTION_SKIP, strict=False)
-             for p in policies if p != FULL}
-    for p, values in given.items():  # the policies' own checks, before any model loads
-        checked_params(split_granularity(p)[0], values, name_policy=True)
-    reached = {name for values in given.values() for name in values}
-    stray = [o.flag for o in policy_options(skip=POLICY_OPTION_SKIP).values()
-             if getattr(args, o.name, None) is not None and o.name not in reached]
-    if stray:  # `run` refuses an option its one policy has no parameter for; here, one no policy of the grid has
-        named = sorted({split_granularity(p)[0] for p in policies if p != FULL})
-        raise ValueError(f"{', '.join(stray)} applies to none of the policies run here ({', '.join(named) or 'full'}); "
-                         f"drop it, or add a policy that has it (--help lists each option's policies)")
+    _check_window(getattr(args, "window", None), lengths)
+    given = _policy_options(args, policies)
     # before the model loads and any prompt is built (`run --context-length` shares the check)
     check_context_lengths(lengths, context_window(model), model=model, option="--context-lengths")
     return EvalPlan(tasks, d, model, modes, policies, ratios, lengths, max_tokens,
                     {p: values for p, values in given.items() if values},
                     getattr(args, "chat_template", "auto") or "auto", threads, n, dtype, dtype_note, workers,
                     workers_note)
+
+
+def _workers(workers: int | None, threads: int | None, board) -> tuple[int, str | None]:
+    """`(workers, note)`: `--workers`, or the default (2 on the leaderboard with 2 usable cores and threads to
+    spare, else 1) and the line that says it was chosen.
+
+    Raises:
+        ValueError: more workers than usable cores, or `--threads` fewer than the workers."""
+    note = None
+    if workers is None:
+        workers = 2 if board is not None and usable_cores() >= 2 and (threads is None or threads >= 2) else 1
+        if workers > 1:
+            note = (f"workers 2: the {LEADERBOARD}'s default on 2 or more cores (each process one thread on a core "
+                    f"of its own); --workers 1 changes it")
+    if workers > usable_cores():
+        raise ValueError(f"--workers {workers} is more than the {usable_cores()} CPU core(s) this process may use; "
+                         f"give at most {usable_cores()}")
+    if threads is not None and threads < workers:
+        raise ValueError(f"--threads {threads} is shared among --workers {workers}: each needs at least one thread; "
+                         f"give --threads {workers} or more, or fewer workers")
+    return workers, note
+
+
+def _check_window(window: int | None, lengths) -> None:
+    """`--window`: 0 or more, and shorter than the shortest context length (the window is always kept: at or past
+    the prompt length nothing would be dropped, and the table would show full-cache accuracy under a policy's
+    name, as `run` refuses it). Raises ValueError naming the option."""
+    if window is not None and window < 0:
+        raise ValueError(f"--window {window} is negative: it counts the most recent prompt tokens a policy always "
+                         f"keeps; give 0 or more")
+    if window is not None and window >= min(lengths):
+        raise ValueError(f"--window {window} must be shorter than the shortest context length "
+                         f"({min(lengths)} tokens): the window is always kept, so nothing would be dropped; give a "
+                         "smaller --window")
+
+
+def _policy_options(args, policies) -> dict[str, dict]:
+    """Each policy's parameters given on the command line (`{policy: {name: value}}`), checked by the policy itself
+    before any model loads.
+
+    Raises:
+        ValueError: a value the policy refuses (naming option and policy), or an option no policy of the grid has
+            (`run` refuses one its single policy has no parameter for)."""
+    given = {p: policy_params(args, split_granularity(p)[0], skip=POLICY_OPTION_SKIP, strict=False)
+             for p in policies if p != FULL}
+    for p, values in given.items():
+        checked_params(split_granularity(p)[0], values, name_policy=True)
+    reached = {name for values in given.values() for name in values}
+    stray = [o.flag for o in policy_options(skip=POLICY_OPTION_SKIP).values()
+             if getattr(args, o.name, None) is not None and o.name not in reached]
+    if stray:
+        named = sorted({split_granularity(p)[0] for p in policies if p != FULL})
+        raise ValueError(f"{', '.join(stray)} applies to none of the policies run here ({', '.join(named) or 'full'}); "
+                         f"drop it, or add a policy that has it (--help lists each option's policies)")
+    return given
 
 
 def plan_lines(plan: EvalPlan, *, stored: int = 0) -> list[str]:

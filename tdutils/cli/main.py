@@ -62,7 +62,7 @@ from .args import (
     report_error,
 )
 from .policy_options import checked_params, policy_arguments, policy_params
-from .startup import INTERRUPTED, interrupt_as_exception
+from .startup import INTERRUPTED, interrupt_as_exception, interrupted_status
 
 # Subcommands defined in the other modules of tdutils.cli: name -> (module, help). Each module provides
 # `add_arguments(parser)` and `run(args) -> int` (exit status).
@@ -594,15 +594,17 @@ def _preload(command: str) -> None:
 def main(argv=None) -> int:
     """Parse `argv`, run the subcommand and return its exit status: bad input in one line with status 2,
     anything else (a bug) with its traceback and a line asking for a report, status 1 (`args.report_error`);
-    Ctrl-C in one line with status 130 (`INTERRUPTED`; `run` and `eval` first write what they finished)."""
+    Ctrl-C in one line with status 130 (`INTERRUPTED`; `run` and `eval` first write what they finished), SIGTERM
+    likewise with status 143."""
     args = build_parser().parse_args(argv)
     try:
         _preload(args.command)  # while Ctrl-C still ends the process at once (tdutils.cli.startup, tdutils/__init__.py)
         interrupt_as_exception()  # from here the commands catch KeyboardInterrupt and keep what they finished
-        return args.func(args)
+        status = args.func(args)
+        return interrupted_status() if status == INTERRUPTED else status  # SIGTERM: 143, as a shell reports it
     except KeyboardInterrupt:  # Ctrl-C before a subcommand had results to keep (run and eval keep theirs)
         print(f"python -m tdutils {args.command}: interrupted; nothing was written", file=sys.stderr)
-        return INTERRUPTED
+        return interrupted_status()
     except Exception as exc:  # noqa: BLE001 - every error is reported, bugs with their traceback
         # name the subcommand, as argparse does for a bad option: "python -m tdutils eval: error: ..."
         return report_error(exc, prog=f"python -m tdutils {args.command}")

@@ -9,9 +9,10 @@ from __future__ import annotations
 import sys
 
 INTERRUPTED = 130  # exit status of a command stopped with Ctrl-C: 128 + SIGINT, what a shell reports for it
+TERMINATED = 143  # ... stopped with SIGTERM (`kill PID`): 128 + SIGTERM
 
 # `python -m tdutils`: Ctrl-C before the command has anything to keep ends the process at once, in one line.
-_STARTING = {"installed": False}
+_STARTING = {"installed": False, "terminated": False}
 
 
 def _exit_interrupted(signum, frame) -> None:
@@ -55,7 +56,14 @@ def _terminate_as_interrupt(signum, frame) -> None:
     import signal
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM, while the finished work is written, ends it
+    _STARTING["terminated"] = True
     raise KeyboardInterrupt
+
+
+def interrupted_status() -> int:
+    """The exit status of a command stopped before it finished: 143 (128 + SIGTERM) when SIGTERM stopped it, else
+    130 (Ctrl-C), what a shell reports for a process those signals end."""
+    return TERMINATED if _STARTING["terminated"] else INTERRUPTED
 
 
 def interrupt_as_exception() -> None:
