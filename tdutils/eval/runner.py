@@ -824,6 +824,9 @@ def _decode_cells(engine, saved, chunk, cells, extensions, max_tokens: int, stop
                     edited += engine.snapshot()
             if edited:
                 engine.restore(edited)  # [cell 0's requests, cell 1's, ...]
+                # the engine's requests hold these caches now: once `extend` replaces them, nothing else should
+                # (a group's edited caches, its extended ones and the decode's slot store would all be alive)
+                edited = None
             if extensions is not None:
                 engine.extend(list(extensions) * len(group))
             outs = engine.decode(max_tokens=max_tokens, temperature=0.0, ignore_eos=not stop_at_eos)
