@@ -830,8 +830,9 @@ def leaderboard_turnaround(timed: str, stored: str) -> str:
                f"(`meta.seconds`; the stored run: {old_meta['seconds'] / 60:.0f} min).") if not m.get("interrupted") else (
         f" It was stopped after {len(tasks)} of its {len(m['tasks'])} tasks ({len(t['rows'])} cells), when the "
         f"session's time ran out.")
+    where = f"on 2 cores ({m['conditions']})" if m.get("conditions") else "on 2 quiet cores"
     return (f"The default grid run again with a later tdutils and `--workers {m['workers']}` ({m['workers']} processes "
-            f"of {max(1, m['threads'] // m['workers'])} torch thread each, {m['dtype']}) on 2 quiet cores: {per} of "
+            f"of {max(1, m['threads'] // m['workers'])} torch thread each, {m['dtype']}) {where}: {per} of "
             f"wall time (each task's datasets included, the first task's also opening the model).{stopped} Against "
             f"the stored run: {same} of {cells} cells give every prompt the same score, {moved} of {prompts} "
             f"per-prompt scores differ (the later run prefills without padding masks, decodes through the compiled "
@@ -878,6 +879,9 @@ BLOCKS.update({f"{name}_ranking": (lambda name=name: leaderboard_ranking(name), 
 BLOCKS.update({f"{name}_summary": (lambda name=name: leaderboard_summary(name), (name,)) for name in LEADERBOARD_RUNS})
 BLOCKS["leaderboard_turnaround"] = (lambda: leaderboard_turnaround("leaderboard_smollm2_2048_timed", LEADERBOARD_RUNS[0]),
                                     ("leaderboard_smollm2_2048_timed", LEADERBOARD_RUNS[0]))
+BLOCKS["leaderboard_turnaround_b"] = (
+    lambda: leaderboard_turnaround("leaderboard_smollm2_2048_timed_b", LEADERBOARD_RUNS[0]),
+    ("leaderboard_smollm2_2048_timed_b", LEADERBOARD_RUNS[0]))
 
 
 # ------------------------------------------------------------ compression while the cache grows (issue 33, item 5)
