@@ -350,11 +350,15 @@ class slot_decode:
         return False
 
 
+def _plain_softmax(kwargs) -> bool:
+    """No soft-capping, sinks or dropout asked of the attention call: a plain masked softmax."""
+    return (not kwargs.get("dropout") and kwargs.get("softcap") is None
+            and not any(kwargs.get(k) is not None for k in SINK_KWARGS))
+
+
 def _decode_fits(query, key, mask, kwargs) -> bool:
     return (query.shape[2] == 1 and query.device.type == "cpu" and query.shape[1] % key.shape[1] == 0
-            and (mask is None or (mask.dim() == 4 and mask.shape[2] == 1))
-            and not kwargs.get("dropout") and kwargs.get("softcap") is None
-            and not any(kwargs.get(k) is not None for k in SINK_KWARGS))
+            and (mask is None or (mask.dim() == 4 and mask.shape[2] == 1)) and _plain_softmax(kwargs))
 
 
 def _masked_gqa_fits(module, query, key, mask, kwargs) -> bool:
@@ -362,9 +366,8 @@ def _masked_gqa_fits(module, query, key, mask, kwargs) -> bool:
     soft-capping, sinks, position bias, dropout or attention weights asked for)."""
     return (query.device.type == "cpu" and mask is not None and mask.dim() == 4 and query.shape[2] > 1
             and query.shape[1] != key.shape[1] and query.shape[1] % key.shape[1] == 0
-            and not (kwargs.get("dropout") and module.training) and kwargs.get("softcap") is None
-            and kwargs.get("position_bias") is None and not kwargs.get("output_attentions")
-            and not any(kwargs.get(k) is not None for k in SINK_KWARGS))
+            and _plain_softmax({**kwargs, "dropout": 0}) and not (kwargs.get("dropout") and module.training)
+            and kwargs.get("position_bias") is None and not kwargs.get("output_attentions"))
 
 
 def _masked_gqa_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,

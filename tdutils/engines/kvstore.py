@@ -333,6 +333,7 @@ def install_head_masks(layers, group: int) -> bool:
 
 
 _CACHE_CLASSES: tuple | None = None
+_WIDE_CACHE: type | None = None
 
 
 def _cache_classes():
@@ -375,6 +376,20 @@ def _cache_classes():
                 super().__init__(layers=[SlotLayer(store, i) for i in range(len(store.keys))])
                 self.slot_store = store  # read by `install_head_masks`' hooks
 
+        _CACHE_CLASSES = (SlotCache, SlotLayer)
+    return _CACHE_CLASSES
+
+
+def _slot_cache(store: SlotKVStore):
+    return _cache_classes()[0](store)
+
+
+def _wide_cache_class():
+    """`WideCache`, defined on first use (transformers is imported lazily)."""
+    global _WIDE_CACHE
+    if _WIDE_CACHE is None:
+        from transformers.cache_utils import Cache, CacheLayerMixin
+
         class WideLayer(CacheLayerMixin):
             """One layer of a batch cache allocated at its final width `[B, H_kv, C + M, d]`, its first `C` columns
             filled: `update` writes the fed tokens' keys and values into the next columns and returns the filled
@@ -415,16 +430,12 @@ def _cache_classes():
             def __init__(self, keys: torch.Tensor, values: torch.Tensor, cached: int):
                 super().__init__(layers=[WideLayer(k, v, cached) for k, v in zip(keys, values)])
 
-        _CACHE_CLASSES = (SlotCache, SlotLayer, WideCache)
-    return _CACHE_CLASSES
-
-
-def _slot_cache(store: SlotKVStore):
-    return _cache_classes()[0](store)
+        _WIDE_CACHE = WideCache
+    return _WIDE_CACHE
 
 
 def wide_cache(keys: torch.Tensor, values: torch.Tensor, cached: int):
     """A transformers `Cache` over preallocated `keys`, `values` `[L, B, H_kv, C + M, d]` whose first `cached`
     columns hold the cache: a forward writes its tokens' keys and values in place after them (`WideLayer`), so
     extending a long cache by a few tokens does not copy it again per layer."""
-    return _cache_classes()[2](keys, values, cached)
+    return _wide_cache_class()(keys, values, cached)
