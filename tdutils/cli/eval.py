@@ -164,7 +164,7 @@ def add_arguments(parser) -> None:
                              "of each task plus 2, RULER templates their own)")
     parser.add_argument("--json", dest="json_path", default="runs/eval.json",
                         help="where to write the table as JSON (default: runs/eval.json); a run stopped with Ctrl-C "
-                             "writes the cells it finished there, marked \"interrupted\": true")
+                             "or kill (SIGTERM) writes the cells it finished there, marked \"interrupted\": true")
     parser.add_argument("--plot", default=None,
                         help="also save a plot to this path (PNG, SVG, ...): passkey accuracy per length, or the RULER "
                              "leaderboard (mean exact match over tasks vs drop ratio, one panel per mode)")
