@@ -17,6 +17,18 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 
+def duration_text(seconds: float) -> str:
+    """A wall time as people read it: `"45 s"` under a minute (`"under 1 s"` below one second), else `"3.2 min"`."""
+    if seconds < 1:
+        return "under 1 s"
+    return f"{seconds:.0f} s" if seconds < 59.5 else f"{seconds / 60:.1f} min"
+
+
+def plural(count: int, noun: str, many: str | None = None) -> str:
+    """`"1 prompt"`, `"2 prompts"`: a count with its noun; `many` is the plural form (default: `noun + "s"`)."""
+    return f"{count} {noun if count == 1 else many or noun + 's'}"
+
+
 def _quantile(xs: list[float], q: float) -> float:
     """Linear-interpolated quantile (numpy's default); NaN for an empty list."""
     if not xs:

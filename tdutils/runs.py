@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from .checks import admits, check_max_tokens
 from .compression import Compression
 from .edit import as_drop_fn
-from .metrics import DecodeMetrics, ModifyMetrics, RunMetrics, phase_table
+from .metrics import DecodeMetrics, ModifyMetrics, RunMetrics, duration_text, phase_table, plural
 from .outputs import RequestOutput
 
 
@@ -250,7 +250,7 @@ class RunTiming:
 
 def _estimate_line(timing: RunTiming) -> str:
     e = timing.estimate
-    return (f"estimate: the runs will take about {timing.estimate_s / 60:.1f} min (prefill {e['prefill_s']:.0f} s, "
+    return (f"estimate: the runs will take about {duration_text(timing.estimate_s)} (prefill {e['prefill_s']:.0f} s, "
             f"modify {e['modify_s']:.0f} s, decode {e['decode_s']:.0f} s), {timing.basis}")
 
 
@@ -396,8 +396,8 @@ def estimate_runs(warm: dict, ids, *, max_tokens, repeats: int, prefills: int, b
         decode_s += repeats * (steps * own if a is None else steps * w + a * attended)
         modify_s += repeats * r.metrics.modify.seconds * len(ids) / max(len(r.outputs), 1)
     n_steps = len(first.outputs[0].output_ids) if first.outputs else 0
-    basis = (f"from the warm-up on this machine as loaded now ({len(first.outputs)} prompts prefilled, {n_steps} "
-             f"decode steps per configuration; a decode step modelled as "
+    basis = (f"from the warm-up on this machine as loaded now ({plural(len(first.outputs), 'prompt')} prefilled, "
+             f"{plural(n_steps, 'decode step')} per configuration; a decode step modelled as "
              f"{'its own seconds' if a is None else 'weights + attended KV tokens'})")
     total = prefill_s + modify_s + decode_s
     return {"seconds": total, "prefill_s": prefill_s, "modify_s": modify_s, "decode_s": decode_s, "basis": basis}
@@ -502,8 +502,8 @@ def timing_line(timing: dict) -> str:
     """One line: what the runs took against the estimate printed before them (`RunTiming.to_dict()`), with the
     split by phase."""
     s = timing.get("split") or {}
-    took = (f"the runs took {timing['elapsed_s'] / 60:.1f} min (prefill {s.get('prefill_s', 0):.0f} s, modify "
+    took = (f"the runs took {duration_text(timing['elapsed_s'])} (prefill {s.get('prefill_s', 0):.0f} s, modify "
             f"{s.get('modify_s', 0):.0f} s, decode {s.get('decode_s', 0):.0f} s)")
     if timing.get("estimate_s") is None:
         return took
-    return f"{took}; estimated {timing['estimate_s'] / 60:.1f} min"
+    return f"{took}; estimated {duration_text(timing['estimate_s'])}"

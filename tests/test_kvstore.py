@@ -120,3 +120,25 @@ def test_random_model_has_the_real_shapes_and_a_clear_name_syntax():
         parse_random_name("random:qwen3-0.6b:four")
     with pytest.raises(ValueError, match="unknown random architecture 'llama-9b'.*known: qwen3-0.6b"):
         resolve_model("random:llama-9b")
+
+
+def test_release_free_heap_trims_glibc_before_each_cpu_decode(tiny, sample_ids, monkeypatch):
+    """On glibc `release_free_heap` returns the heap's freed pages (True), and `HFEngine.decode` calls it once per
+    call on a CPU engine, before the store is allocated; the greedy tokens do not change."""
+    import platform
+
+    from tdutils.engines import hf as hf_module
+    from tdutils.engines import kvstore
+    from tdutils.engines.hf import HFEngine
+
+    assert kvstore.release_free_heap() == (platform.libc_ver()[0] == "glibc")
+    model, tok = tiny
+    eng = HFEngine(model, tokenizer=tok, progress=False)
+    eng.prefill([sample_ids[0][:40], sample_ids[1][:30]])
+    before = [o.output_ids for o in eng.decode(max_tokens=6)]
+    calls = []
+    monkeypatch.setattr(hf_module, "release_free_heap", lambda: calls.append(len(eng.requests)) or True)
+    eng.prefill([sample_ids[0][:40], sample_ids[1][:30]])
+    assert [o.output_ids for o in eng.decode(max_tokens=6)] == before
+    eng.decode(max_tokens=2)
+    assert calls == [2, 2]

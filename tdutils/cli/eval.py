@@ -65,6 +65,7 @@ from ..eval.runner import (
 )
 from ..eval.statistics import has_scores
 from ..eval.tasks import GROUPS, MODES, RULER, SUITE_LABELS, SUITES, Defaults, get_task, task_names
+from ..metrics import plural
 from ..models import check_context_lengths, context_window, resolve_model
 from ..policies import policy_names
 from .args import add_dtype_option, add_threads_option, check_threads, positive_int, usable_cores
@@ -376,8 +377,8 @@ def plan_eval(args) -> EvalPlan:
         check_output_path(args.json_path, "--json", example="runs/eval.json")
     if args.plot is not None:
         check_plot_path(args.plot, "--plot")
+    given = _policy_options(args, policies)  # each policy checks its own --window minimum (snapkv: 1, others: 0)
     _check_window(getattr(args, "window", None), lengths)
-    given = _policy_options(args, policies)
     # before the model loads and any prompt is built (`run --context-length` shares the check)
     check_context_lengths(lengths, context_window(model), model=model, option="--context-lengths")
     return EvalPlan(tasks, d, model, modes, policies, ratios, lengths, max_tokens,
@@ -408,12 +409,9 @@ def _workers(workers: int | None, threads: int | None, board) -> tuple[int, str 
 
 
 def _check_window(window: int | None, lengths) -> None:
-    """`--window`: 0 or more, and shorter than the shortest context length (the window is always kept: at or past
-    the prompt length nothing would be dropped, and the table would show full-cache accuracy under a policy's
-    name, as `run` refuses it). Raises ValueError naming the option."""
-    if window is not None and window < 0:
-        raise ValueError(f"--window {window} is negative: it counts the most recent prompt tokens a policy always "
-                         f"keeps; give 0 or more")
+    """`--window` (its minimum checked by each policy, `_policy_options`): shorter than the shortest context length
+    (the window is always kept: at or past the prompt length nothing would be dropped, and the table would show
+    full-cache accuracy under a policy's name, as `run` refuses it). Raises ValueError naming the option."""
     if window is not None and window >= min(lengths):
         raise ValueError(f"--window {window} must be shorter than the shortest context length "
                          f"({min(lengths)} tokens): the window is always kept, so nothing would be dropped; give a "
@@ -458,8 +456,8 @@ def plan_lines(plan: EvalPlan, *, stored: int = 0) -> list[str]:
         left = f"; {plan.workers} worker processes share each task's prompts, each in batches of up to " \
                f"{-(-TASK_BATCH_SIZE // plan.workers)}{left}"
     lines.append(f"grid: {size['cells']} cells = {per} policy/ratio cells x {pairs} (task, mode) pairs x "
-                 f"{len(plan.lengths)} length(s) ({lengths} tokens); n = {n_text(plan.n)}; {size['prompts']} prompts "
-                 f"prefilled, in {size['batches']} batches of up to {TASK_BATCH_SIZE}{left}")
+                 f"{len(plan.lengths)} length(s) ({lengths} tokens); n = {n_text(plan.n)}; {plural(size['prompts'], 'prompt')} "
+                 f"prefilled, in {plural(size['batches'], 'batch', 'batches')} of up to {TASK_BATCH_SIZE}{left}")
     return lines
 
 

@@ -37,6 +37,7 @@ from ..edit import policy_granularity
 from ..engines import engine_class, engine_kinds
 from ..eval.common import check_output_path
 from ..eval.tasks import SAMPLES, dataset_task, get_task, load_rows, score_rows, task_names
+from ..metrics import duration_text
 from ..models import check_context_lengths, context_window, resolve_model
 from ..policies import get_policy, policy_names
 from ..ruler import ContextTooShort
@@ -438,7 +439,7 @@ def cmd_run(args) -> int:
     except Interrupted as stop:
         return _write_interrupted(args, plan, out, stop)
     status = report_run(args, plan, out, results, table, started=started)
-    print(f"{(time.perf_counter() - started) / 60:.1f} min since the command started (model, dataset and warm-up "
+    print(f"{duration_text(time.perf_counter() - started)} since the command started (model, dataset and warm-up "
           f"included)")
     return status
 

@@ -49,7 +49,7 @@ from ..outputs import RequestOutput, answer_text
 from ..policies.scoring import window_attention
 from .base import Engine, register_engine, tokenize_extensions
 from .decode_compression import SlotCompressor
-from .kvstore import PaddingMasks, SlotKVStore, install_head_masks, plan_slots, wide_cache
+from .kvstore import PaddingMasks, SlotKVStore, install_head_masks, plan_slots, release_free_heap, wide_cache
 from .packed import PackedLinears, default_min_elements, packing_available, packing_pays
 from .sampling import check_forced_ids, choose_tokens, request_generators
 from .scheduler import (
@@ -921,6 +921,8 @@ class HFEngine(Engine):
         """
         if not self.requests:
             raise RuntimeError("decode() needs prefilled requests; call prefill(prompts) first")
+        if self.device.type == "cpu":  # the freed memory of the edits and extends, back to the OS before the store
+            release_free_heap()
         run = self._plan_decode(max_tokens, temperature, ignore_eos, seed, keep_logits, compression, forced_ids)
         bar = self._bar(sum(run.sched.limits.values()), "decode")
         t0 = time.perf_counter()
