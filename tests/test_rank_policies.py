@@ -138,3 +138,18 @@ def test_a_policy_keeping_more_than_the_budget_is_flagged():
     assert rank["kept_tokens"].to_dict() == {"full": 1024, "snapkv": 256, "random": 260, "middle_chunk": 512}
     # the dropped policies' median is 260; 512 > 1.05 * 260 >= 260; the full cache is never flagged
     assert rank["over_budget"].to_dict() == {"full": False, "snapkv": False, "random": False, "middle_chunk": True}
+
+
+def test_ranking_lines_say_when_n_is_too_small_to_separate_anything():
+    """At n = 5 even five prompts that all favour the full cache give McNemar p = 2 * 0.5**5 = 0.0625: every policy
+    ties, and `eval` says why; at n = 6 the same pattern separates (p = 0.03125) and no note is printed."""
+    from tdutils.cli.eval import MIN_SEPARABLE_N, ranking_lines
+
+    small = ranking_lines(_paired_table([1] * 5, {"random": [0] * 5}))
+    assert small[0] == ("ranked, exact @ 0.5, aware: 1. full 1, 1. random 0 (exact McNemar, Holm-corrected, "
+                        "alpha 0.05)"), small
+    assert small[1].startswith(f"note: at n = 5 prompts no paired test can separate two policies (both tests need at "
+                               f"least {MIN_SEPARABLE_N} prompts where they differ"), small
+    enough = ranking_lines(_paired_table([1] * 6, {"random": [0] * 6}))
+    assert enough == ["ranked, exact @ 0.5, aware: 1. full 1, 2. random 0 (exact McNemar, Holm-corrected, "
+                      "alpha 0.05)"], enough

@@ -632,6 +632,11 @@ def _interrupted(finished: list[dict], columns, json_path, meta: dict, t0: float
     return INTERRUPTED
 
 
+# an exact McNemar test and the sign-flip permutation test give p = 2 / 2^k at best over k prompts that differ: below
+# 0.05 from k = 6 (0.031; 5: 0.0625)
+MIN_SEPARABLE_N = 6
+
+
 def ranking_lines(table) -> list[str]:
     """One line per (measure, drop ratio, mode) of a `task_eval` table: its policies in `rank_policies` order (paired
     tests on the same prompts, Holm-corrected; a shared rank: not separated), and the test that decided."""
@@ -648,6 +653,11 @@ def ranking_lines(table) -> list[str]:
                 lines += [f"note: {r.policy} keeps {r.kept_tokens:.0f} KV tokens per request at {ratio:g}, more than "
                           f"{OVER_BUDGET:g}x the median policy's: its rank is not at equal memory"
                           for r in g.itertuples() if r.over_budget]
+                n = int(g["n"].min())
+                if n < MIN_SEPARABLE_N and g["rank"].nunique() == 1:
+                    lines.append(f"note: at n = {plural(n, 'prompt')} no paired test can separate two policies (both "
+                                 f"tests need at least {MIN_SEPARABLE_N} prompts where they differ to reach p < 0.05), "
+                                 f"so every policy shares rank 1 whatever its score; give --n 20 or more to rank them")
     return lines
 
 
