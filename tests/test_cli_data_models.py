@@ -70,6 +70,8 @@ def test_main_job_prints_ratio_and_writes_json(tmp_path):
      "--window 200 must be shorter than the shortest context length (128 tokens)"),
     (["eval", "--policies", "knorm", "--window", "-3", "--n", "2"],
      "--window -3: window must be an integer >= 0, got -3 (policy 'knorm')"),
+    (["eval", "--policies", "snapkv", "--kernel-size", "100001", "--n", "2"],
+     "--kernel-size 100001 must be shorter than the shortest context length (512 tokens)"),
     (["eval", "--policies", "snapkv", "--window", "0", "--n", "2"],
      "--window 0: window must be a positive integer, got 0 (policy 'snapkv')"),
     (["eval", "--plot", "acc.xyz"], ("--plot 'acc.xyz' has extension '.xyz', which matplotlib cannot save; use one of "

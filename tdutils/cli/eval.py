@@ -379,6 +379,7 @@ def plan_eval(args) -> EvalPlan:
         check_plot_path(args.plot, "--plot")
     given = _policy_options(args, policies)  # each policy checks its own --window minimum (snapkv: 1, others: 0)
     _check_window(getattr(args, "window", None), lengths)
+    _check_kernel(getattr(args, "kernel_size", None), lengths)
     # before the model loads and any prompt is built (`run --context-length` shares the check)
     check_context_lengths(lengths, context_window(model), model=model, option="--context-lengths")
     return EvalPlan(tasks, d, model, modes, policies, ratios, lengths, max_tokens,
@@ -416,6 +417,15 @@ def _check_window(window: int | None, lengths) -> None:
         raise ValueError(f"--window {window} must be shorter than the shortest context length "
                          f"({min(lengths)} tokens): the window is always kept, so nothing would be dropped; give a "
                          "smaller --window")
+
+
+def _check_kernel(kernel_size: int | None, lengths) -> None:
+    """`--kernel-size` (odd and >= 1, checked by each policy): shorter than the shortest context length, else the
+    pooling spreads one score over the whole prompt and the policy keeps tokens by ties. Raises ValueError."""
+    if kernel_size is not None and kernel_size >= min(lengths):
+        raise ValueError(f"--kernel-size {kernel_size} must be shorter than the shortest context length "
+                         f"({min(lengths)} tokens): a pooling kernel that long gives every token the same score; "
+                         f"give a small odd kernel (SnapKV's default is 5, R-KV's 7)")
 
 
 def _policy_options(args, policies) -> dict[str, dict]:
