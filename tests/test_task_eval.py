@@ -352,3 +352,16 @@ def test_cell_groups_split_each_ratio_evenly_within_the_byte_budget(engine):
         [("full", 0.0)], [("a", 0.5), ("b", 0.5)], [("c", 0.5), ("d", 0.5)], [("e", 0.5)],
         [(p, 0.9) for p in "abcde"]]  # 0.9: 5 x 2 x 10 tokens fit; 0.5: 3 parts of at most 2
     assert _cell_groups(engine, saved, cells, 2, 0) == [[c] for c in cells]
+
+
+def test_group_lines_of_modes_computed_in_one_pass(engine):
+    """Both modes from one prefill per chunk (`run_cells_shared`): the first group's line carries the pass's seconds
+    and says so, the second points to it instead of printing 0.0 s."""
+    import re
+
+    logged = []
+    task_eval(tasks=("niah_single",), policies=("full", "snapkv"), drop_ratios=(0.5,), context_lengths=(160,), n=2,
+              seed=2, engine=engine, batch_size=2, log=logged.append)
+    assert len(logged) == 2, logged
+    assert re.search(r" aware: .*\(\d+\.\d s, the aware and agnostic cells together\)$", logged[0]), logged
+    assert logged[1].endswith("(computed with the aware cells above)"), logged

@@ -410,11 +410,15 @@ def _task_callbacks(partial, responses, log, checkpoint):
         if responses is not None:
             responses[row["task"], row["mode"], row["policy"], row["drop_ratio"], row["context_length"]] = list(texts)
 
-    def group(rows, seconds):
+    def group(rows, seconds, together=()):
         if log is not None:
             summary = ", ".join(f"{r['policy']}@{r['drop_ratio']:g} {_score_text(r)}" for r in rows)
+            if seconds is None:  # computed in the pass of an earlier group (`run_cells_shared`)
+                took = f"computed with the {together[0]} cells above"
+            else:
+                took = f"{seconds:.1f} s" + (f", the {' and '.join(together)} cells together" if together else "")
             log(f"{rows[0]['context_length']:>6} tokens {rows[0]['task']:>17} {rows[0]['mode']:>8}: {summary} "
-                f"({seconds:.1f} s)")
+                f"({took})")
         if checkpoint is not None:
             checkpoint()
 
@@ -519,6 +523,7 @@ def _run_task(engine, task: Task, modes: Sequence[str], cells: Sequence[tuple], 
         shared = run_cells_shared(engine, contexts, questions, todo, max_tokens=decode_tokens, batch_size=batch_size,
                                   stop_at_eos=stop_at_eos, tick=tick)
     rows = []
+    together = [m for m in modes if todo[m] and m in shared] if len(shared) > 1 else []  # computed in one pass
     for mode in modes:
         bar.update(len(cells) - len(todo[mode]))
         new: dict = {}
@@ -537,7 +542,9 @@ def _run_task(engine, task: Task, modes: Sequence[str], cells: Sequence[tuple], 
         group = [{c: row.get(c) for c in TASK_COLUMNS} for row in group]
         rows += group
         if on_group is not None and new:
-            on_group(group, time.perf_counter() - t0)
+            # modes computed together: the first group's seconds are the pass's, the others' are in them
+            first = not together or mode == together[0]
+            on_group(group, time.perf_counter() - t0 if first else None, together)
         t0 = time.perf_counter()
     return rows
 
