@@ -879,9 +879,9 @@ BLOCKS.update({f"{name}_ranking": (lambda name=name: leaderboard_ranking(name), 
 BLOCKS.update({f"{name}_summary": (lambda name=name: leaderboard_summary(name), (name,)) for name in LEADERBOARD_RUNS})
 BLOCKS["leaderboard_turnaround"] = (lambda: leaderboard_turnaround("leaderboard_smollm2_2048_timed", LEADERBOARD_RUNS[0]),
                                     ("leaderboard_smollm2_2048_timed", LEADERBOARD_RUNS[0]))
-BLOCKS["leaderboard_turnaround_b"] = (
-    lambda: leaderboard_turnaround("leaderboard_smollm2_2048_timed_b", LEADERBOARD_RUNS[0]),
-    ("leaderboard_smollm2_2048_timed_b", LEADERBOARD_RUNS[0]))
+BLOCKS.update({f"leaderboard_turnaround_{k}": (
+    lambda k=k: leaderboard_turnaround(f"leaderboard_smollm2_2048_timed_{k}", LEADERBOARD_RUNS[0]),
+    (f"leaderboard_smollm2_2048_timed_{k}", LEADERBOARD_RUNS[0])) for k in ("b", "c")})
 
 
 # ------------------------------------------------------------ compression while the cache grows (issue 33, item 5)

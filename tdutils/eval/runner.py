@@ -156,7 +156,7 @@ def lengths_eval(task: str, model, policies: Sequence[str], drop_ratios: Sequenc
             log(f"{row['context_length']:>6} tokens  {row['policy']:>12} @ {row['drop_ratio']:<4g}  {c:>4}/{n}  "
                 f"({100 * c / n:5.1f}%, 95% CI {100 * low:.1f}-{100 * high:.1f})")
 
-    def group(cells_rows, seconds):
+    def group(cells_rows, seconds, together=()):  # one mode: seconds never None
         if log is not None:
             log(f"{cells_rows[0]['context_length']:>6} tokens done in {seconds:.1f} s")
 
@@ -447,7 +447,7 @@ def run_tasks(engine, tasks: Sequence[Task], modes: Sequence[str], cells: Sequen
               n: int | Mapping[str, int], seed: int, max_tokens: int | None, batch_size: int,
               chat_template: str | bool = "auto",
               on_cell: Callable[[dict, list], None] | None = None,
-              on_group: Callable[[list[dict], float], None] | None = None, done: Mapping[tuple, dict] | None = None,
+              on_group: Callable[[list[dict], float | None, list[str]], None] | None = None, done: Mapping[tuple, dict] | None = None,
               progress: bool = False, stop_at_eos: bool = True, pool=None) -> list[dict]:
     """The benchmark loop: every (length, task, mode, cell) on `engine`, scored, in that order; nothing is checked
     here but that each length leaves room for the decode (the entry points check the rest first). With `pool` (a
@@ -461,7 +461,9 @@ def run_tasks(engine, tasks: Sequence[Task], modes: Sequence[str], cells: Sequen
         n, seed, chat_template: for each task's `make_dataset` (`n`: one count, or `{task: count}`); max_tokens:
             decode tokens (None: `Task.max_tokens`).
         on_cell: called with each new cell's row and its answers (a teacher-forced task: no answers) once scored.
-        on_group: called with the rows of each (length, task, mode) and the seconds they took (datasets excluded).
+        on_group: called as `on_group(rows, seconds, together)` for each (length, task, mode): its rows, the seconds
+            they took (datasets excluded), and the modes computed in one pass with it (`run_cells_shared`; empty
+            when none): the first of those carries the pass's seconds, the others None.
         done: rows already scored, by `cell_key` (a resumed run): those cells are not run again and their rows
             are returned in their place; a group whose cells are all done is skipped whole.
         progress: show a progress bar over the cells with an ETA (tqdm, on stderr).
