@@ -125,7 +125,7 @@ def test_the_reported_bench_commands_fail_in_one_line(script, args, want):
     ("peer_kvpress", ["--granularity", "token"], "argument --granularity: invalid choice: 'token'"),
     ("peer_kvpress", ["--positions", "shifted"], "argument --positions: invalid choice: 'shifted'"),
     ("accuracy", ["--seed", "-5"], "argument --seed: seed must be >= 0, got -5"),
-    ("accuracy", ["--window", "-1"], "--window -1 is negative"),
+    ("accuracy", ["--window", "-1"], "--window -1: window must be an integer >= 0, got -1 (policy 'random')"),
     ("accuracy", ["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
     ("accuracy", ["--context-lengths", "0"], "--context-lengths must be >= 1 tokens, got [0]"),
     ("accuracy", ["--drop-ratios", "nan"], "--drop-ratios: drop_ratio must lie in [0, 1]"),
