@@ -13,7 +13,6 @@ bounds what no request can use.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ import torch
 def _glibc_trim():
     """glibc's `malloc_trim`, or None (another C library, or not Linux)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL("libc.so.6")  # glibc's soname; find_library would run ldconfig in a subprocess
         return libc.malloc_trim
     except (OSError, AttributeError):
         return None
