@@ -173,33 +173,20 @@ def task_eval(
     drop_ratios: Sequence[float] = DEFAULT_TASK_DROP_RATIOS,
     context_lengths: Sequence[int] = DEFAULT_TASK_CONTEXT_LENGTHS,
     *,
-    n: int | Mapping[str, int] = 200,
-    seed: int = DEV_SEED,
-    max_tokens: int | None = None,
-    policy_params: Mapping[str, Mapping] | None = None,
-    engine=None,
-    batch_size: int = TASK_BATCH_SIZE,
-    device=None,
-    dtype="auto",
-    log: Callable[[str], None] | None = None,
-    responses: dict | None = None,
-    chat_template: str | bool = "auto",
-    partial: list | None = None,
-    done: Sequence[Mapping] | None = None,
-    progress: bool = False,
-    stop_at_eos: bool = True,
-    checkpoint: Callable[[], None] | None = None,
-    workers: int = 1,
-    worker_threads: int | None = None,
+    n: int | Mapping[str, int] = 200, seed: int = DEV_SEED, max_tokens: int | None = None,
+    policy_params: Mapping[str, Mapping] | None = None, chat_template: str | bool = "auto",
+    engine=None, batch_size: int = TASK_BATCH_SIZE, device=None, dtype="auto",
+    log: Callable[[str], None] | None = None, responses: dict | None = None, partial: list | None = None,
+    done: Sequence[Mapping] | None = None, progress: bool = False, stop_at_eos: bool = True,
+    checkpoint: Callable[[], None] | None = None, workers: int = 1, worker_threads: int | None = None,
 ):
     """Exact match on registered tasks (Hsieh et al., "RULER", arXiv:2404.06654; `tdutils.eval.tasks`) for every
     (task, mode, context length, policy, drop ratio) cell — the query-aware and query-agnostic leaderboard.
 
     Per context length and task, `make_dataset(n, length, ...)` gives `n` examples, the same for every mode and cell.
-    `"aware"`: prefill(prompt) -> modify -> decode (the question is in the observation window when the cache is
-    edited); `"agnostic"`: prefill(context) -> modify -> extend(question) -> decode (kvpress' query-agnostic
-    setting; both modes read the same token sequence). Answers are decoded greedily and scored with the task's
-    scorer (`Task.score`, the one `python -m tdutils run --dataset NAME` uses).
+    `"aware"`: prefill(prompt) -> modify -> decode (the question is in the observation window at the edit);
+    `"agnostic"`: prefill(context) -> modify -> extend(question) -> decode (kvpress' query-agnostic setting; the same
+    token sequence). Greedy answers are scored by `Task.score` (as `python -m tdutils run --dataset NAME`).
 
     Args:
         model: a bundled name (default `"tiny-qwen3-ruler"`), packaged real model, `.gguf`, hub id or folder;
@@ -223,12 +210,11 @@ def task_eval(
             (`_run_on_workers`; `model` must then be a name); 1 worker runs everything here.
 
     Returns:
-        pandas DataFrame, one row per cell, ordered length -> task -> mode -> policy -> ratio, with `TASK_COLUMNS`:
-        `correct`, `accuracy`, `ci_low`, `ci_high` (95% Wilson), `partial`, `kept_tokens` (mean KV tokens per
-        request at decode), `modify_s`, `max_tokens`, `measure`, `score` and `scores` (`{measure: [per example]}`,
-        what `tdutils.eval.statistics` pairs), `answers` (the scored answer per example, the text up to its first
-        EOS; None for a teacher-forced task, which generates none). A teacher-forced task's exact-match columns are
-        NaN.
+        pandas DataFrame, one row per cell (length -> task -> mode -> policy -> ratio), `TASK_COLUMNS`: `correct`,
+        `accuracy`, `ci_low`, `ci_high` (95% Wilson; NaN for a teacher-forced task), `partial`, `kept_tokens` (mean
+        KV tokens per request at decode), `modify_s`, `max_tokens`, `measure`, `score`, `scores` (`{measure: [per
+        example]}`, what `tdutils.eval.statistics` pairs), `answers` (per example, up to its first EOS; None when
+        teacher-forced).
 
     Raises:
         ValueError: see `check_task_grid` and `prepare_cells` (empty lists, unknown names, a mode a task cannot
@@ -251,9 +237,8 @@ def task_eval(
     if workers == 1:
         rows = run_tasks(engine, specs, modes, cells, lengths, **job)
     else:
-        setup = (seed, list(policies), [float(r) for r in ratios],
-                 {k: dict(v) for k, v in (policy_params or {}).items()})
-        rows = _run_on_workers(engine, model, workers, worker_threads, setup, specs, modes, cells, lengths, job)
+        rows = _run_on_workers(engine, model, workers, worker_threads, (seed, policies, ratios, policy_params),
+                               specs, modes, cells, lengths, job)
     return pd.DataFrame(rows, columns=list(TASK_COLUMNS))
 
 
@@ -266,7 +251,7 @@ def _check_workers(workers, worker_threads) -> None:
 def _run_on_workers(engine, model, workers: int, worker_threads: int | None, setup: tuple, specs, modes, cells,
                     lengths, job: dict) -> list[dict]:
     """`run_tasks` with a `WorkerPool` (`tdutils.eval.workers`) of `workers` spawned processes: each opens `model`
-    (a name) in `engine`'s dtype with `setup` = `(seed, policies, ratios, params)`, runs `worker_threads` torch
+    (a name) in `engine`'s dtype with `setup` = `(seed, policies, ratios, policy_params)`, runs `worker_threads` torch
     threads (default: this process's divided among the workers, at least 1) on cores of its own where there are
     enough (`worker_cores`), in batches of `batch_size / workers` rounded up (the prompts in flight, and so the
     memory, of one process). Spawned workers import the main module: from a script, call `task_eval` under
@@ -281,6 +266,8 @@ def _run_on_workers(engine, model, workers: int, worker_threads: int | None, set
         raise ValueError("workers > 1 reopens the model in each worker process by its name: give task_eval a "
                          "model name (a bundled or packaged name, hub id, folder or .gguf), not a model object")
     threads = worker_threads or max(1, torch.get_num_threads() // workers)
+    seed, policies, ratios, params = setup  # plain types: they are pickled to the spawned workers
+    setup = (seed, list(policies), [float(r) for r in ratios], {k: dict(v) for k, v in (params or {}).items()})
     dtype = str(engine.model.dtype).removeprefix("torch.")
     # each worker holds its own batch of caches and snapshots: batches of batch_size / workers keep the prompts in
     # flight, and so the memory, those of one process (two workers at 25 prompts each of 2048 tokens: one was
