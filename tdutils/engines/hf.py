@@ -49,6 +49,7 @@ from ..outputs import RequestOutput, answer_text
 from ..policies.scoring import window_attention
 from .base import Engine, register_engine, tokenize_extensions
 from .decode_compression import SlotCompressor
+from .lean_step import LeanDecodeStep, lean_step_refusal
 from .kvstore import PaddingMasks, SlotKVStore, install_head_masks, plan_slots, release_free_heap, wide_cache
 from .packed import PackedLinears, default_min_elements, packing_available, packing_pays
 from .sampling import check_forced_ids, choose_tokens, request_generators
@@ -118,6 +119,7 @@ class _DecodeRun:
     ignore_eos: bool
     next_ids: torch.Tensor  # [S] per slot: the token fed next step
     next_pos: torch.Tensor  # [S] and its position
+    lean: bool = False  # steps run `LeanDecodeStep` (while the store holds no padding)
 
 
 @register_engine("hf")
@@ -166,6 +168,12 @@ class HFEngine(Engine):
             packed, or ValueError where unavailable. Each decode starts by packing again the weights edited since
             the last (a fingerprint per weight: one read of them, less than a decode step; `refresh()` forces it);
             a linear whose `forward` the user replaced keeps it.
+        lean_decode: decode steps run `tdutils.engines.lean_step.LeanDecodeStep` (the model's own modules in a
+            plain loop over the layers, without transformers' forward around them: logits equal up to float
+            summation order in the norms) instead of `model(...)`; None (default) = where it can (`LEAN_FAMILIES`:
+            Llama, Mistral, Qwen2, Qwen3 with full attention, on the CPU, and per decode: eval mode, `sdpa`, no
+            decode-time compression, no padded per-head caches, no module hooks or replaced forwards besides
+            linears'), False = never, True = ValueError where the model is not one it can run.
 
     Query capture switches the model to a registered attention function that wraps its `sdpa` or
     `eager` attention (`tdutils.attention.capture_implementation`); outputs are unchanged. A backend switched
@@ -181,11 +189,12 @@ class HFEngine(Engine):
                  attn_implementation: str | None = None, kv_budget_tokens: int | None = None,
                  kv_budget_bytes: int | None = None, max_batch_size: int | None = None, prefill_batch_size: int = 4, positions: str = "compact",
                  query_window: int | None = 64, chat_template: str = "none", progress: bool = True,
-                 packed_linears: bool | None = None):
+                 packed_linears: bool | None = None, lean_decode: bool | None = None):
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
-        if packed_linears is not None and not isinstance(packed_linears, bool):  # before the model loads
-            raise TypeError(f"packed_linears must be None, True or False, got {packed_linears!r}")
+        for name, value in (("packed_linears", packed_linears), ("lean_decode", lean_decode)):
+            if value is not None and not isinstance(value, bool):  # before the model loads
+                raise TypeError(f"{name} must be None, True or False, got {value!r}")
         check_engine_settings(kv_budget_tokens, max_batch_size, query_window)
         check_count(kv_budget_bytes, "kv_budget_bytes", 1, none="unlimited")
         if kv_budget_tokens is not None and kv_budget_bytes is not None:
@@ -239,6 +248,16 @@ class HFEngine(Engine):
         # True packs every nn.Linear; the default only those large enough that packing pays (default_min_elements)
         least = default_min_elements(self.model.dtype) if packed_linears is None else 1
         self._packed = PackedLinears(self.model, min_elements=least) if use else None
+        self._lean = self._lean_step(lean_decode)
+
+    def _lean_step(self, lean_decode: bool | None) -> LeanDecodeStep | None:
+        """The lean decode step (`engines.lean_step`) where asked for (None: where it can run the model, on a CPU)."""
+        why = lean_step_refusal(self.model, self.attention)
+        if why is None and self.device.type != "cpu":
+            why = f"the model is on {self.device}, and the lean step is for CPU decoding"
+        if lean_decode and why is not None:
+            raise ValueError(f"lean_decode=True: {why}; pass lean_decode=None or False")
+        return LeanDecodeStep(self.model, self.attention) if why is None and lean_decode is not False else None
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -976,7 +995,8 @@ class HFEngine(Engine):
         sched.waiting.extend(self.requests)
         return _DecodeRun(sched, store, comp, dm, temperature, request_generators(seed, rids), forced, keep_logits,
                           ignore_eos, torch.zeros(store.slots, dtype=torch.long, device=self.device),
-                          torch.zeros(store.slots, dtype=torch.long, device=self.device))
+                          torch.zeros(store.slots, dtype=torch.long, device=self.device),
+                          lean=self._lean is not None and comp is None and self._lean.usable())
 
     def _admit_waiting(self, run: _DecodeRun) -> None:
         """Admit waiting requests while a slot is free and their reservations fit (`DecodeScheduler`)."""
@@ -1005,11 +1025,14 @@ class HFEngine(Engine):
         rows = store.rows
         store.begin_step(run.next_pos[:rows])
         fed = run.next_ids[:rows].tolist() if comp is not None else None
-        with comp.capture(rows) if comp is not None else nullcontext(), slot_decode():
-            out = self._forward(run.next_ids[:rows, None], self._decode_masks(store, run.next_pos[:rows]),
-                                run.next_pos[:rows, None], store.cache())
+        ids, mask, pos = run.next_ids[:rows, None], self._decode_masks(store, run.next_pos[:rows]), run.next_pos[:rows, None]
+        if run.lean and store.hidden is None:
+            logits = self._lean(ids, mask, pos, store)[:, -1, :]
+        else:
+            with comp.capture(rows) if comp is not None else nullcontext(), slot_decode():
+                logits = self._forward(ids, mask, pos, store.cache()).logits[:, -1, :]
         store.end_step()
-        logits = out.logits[:, -1, :]  # [rows, vocab]; idle rows (free slots) are ignored
+        # logits: [rows, vocab]; idle rows (free slots) are ignored
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()  # sampling and keep_logits in at least fp32
         new_ids = choose_tokens(logits, sched.running, run.temperature, run.generators, run.forced)  # [rows]

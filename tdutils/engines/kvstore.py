@@ -332,6 +332,9 @@ class PaddingMasks:
 CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")  # by transformers version and family
 
 
+HEAD_MASK_HOOK_ATTR = "_tdutils_head_mask_hook"  # on an attention module: the id of its padding-mask pre-hook
+
+
 def install_head_masks(layers, group: int) -> bool:
     """Forward pre-hooks on the attention modules of `layers` (a model's decoder layers, in order) that hand each
     layer its own per-head mask (`SlotKVStore.head_mask`) when the cache it is given is a slot store holding padding
@@ -353,10 +356,11 @@ def install_head_masks(layers, group: int) -> bool:
         if attn is None or not set(CACHE_KWARGS) & set(inspect.signature(attn.forward).parameters):
             known = False
             continue
-        if getattr(attn, "_tdutils_head_masks", False):  # one hook per module, however many engines share the model
+        if getattr(attn, HEAD_MASK_HOOK_ATTR, None) is not None:  # one hook per module, however many engines share it
             continue
-        attn._tdutils_head_masks = True
-        attn.register_forward_pre_hook(lambda mod, args, kwargs, i=i: hook(mod, args, kwargs, i), with_kwargs=True)
+        handle = attn.register_forward_pre_hook(lambda mod, args, kwargs, i=i: hook(mod, args, kwargs, i),
+                                                with_kwargs=True)
+        setattr(attn, HEAD_MASK_HOOK_ATTR, handle.id)  # the lean decode step tells this hook from a user's
     return known
 
 
