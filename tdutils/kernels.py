@@ -3,7 +3,9 @@
 `decode_attention_kernel()` returns the compiled decode attention (`tdutils/csrc/decode_attention.cpp`: one query
 token per row over a KV cache read in place, GQA without copies, each key and value row streamed once, AVX-512
 where the CPU has it) or None where it cannot be built: then `tdutils.attention.decode_attention` computes the same
-attention with batched matmuls, and one line says why. The first call on a machine compiles it (about 15 s on 2
+attention with batched matmuls, and one line says why. `step_kernels()` returns the same build's fused elementwise
+ops of the lean decode step (`tdutils/csrc/decode_step.cpp`: RMSNorm; rotary embedding with the slot store write),
+or None where it cannot be built (then `tdutils.engines.lean_step` runs them as torch ops). The first call on a machine compiles it (about 15 s on 2
 cores; torch caches the build under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`); later
 processes load the cached build in well under a second.
 
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_attention.cpp"
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("decode_attention.cpp", "decode_step.cpp")]
 NAME = "tdutils_kernels"
 # -fopenmp: at::parallel_for's OpenMP regions (the work items spread over torch's threads); the module then needs
 # libgomp.so.1, which the loader finds already loaded with torch (one OpenMP runtime, torch.set_num_threads applies)
@@ -35,7 +37,7 @@ STALE_LOCK_S = 120.0
 LOCK_WAIT_S = 150.0
 
 _lock = threading.Lock()
-_state: dict = {}  # "op": the loaded op or None, "why": why not
+_state: dict = {}  # "ops": the loaded ops namespace or None, "why": why not
 
 
 def decode_attention_kernel():
@@ -45,15 +47,27 @@ def decode_attention_kernel():
 
     The op's contract (shapes, dtypes): `tdutils/csrc/decode_attention.cpp`'s header; `decode_attention` calls it.
     """
-    if "op" in _state:
-        return _state["op"]
+    ops = _ops()
+    return None if ops is None else ops.decode_attention_out
+
+
+def step_kernels():
+    """The namespace of the compiled lean-step ops, `rms_norm_out(x, w, eps, out)` and `rope_write_out(q, k, v,
+    cos, sin, key_store, value_store, lengths, q_out)` (contracts: `tdutils/csrc/decode_step.cpp`'s header), or
+    None where the kernels cannot be built (as `decode_attention_kernel`). Never raises."""
+    return _ops()
+
+
+def _ops():
+    if "ops" in _state:
+        return _state["ops"]
     with _lock:
-        if "op" not in _state:
-            _state["op"], _state["why"] = _build()
-            if _state["op"] is None and _state["why"]:
+        if "ops" not in _state:
+            _state["ops"], _state["why"] = _build()
+            if _state["ops"] is None and _state["why"]:
                 print(f"tdutils: decode attention falls back to batched matmuls: {_state['why']}", file=sys.stderr,
                       flush=True)
-    return _state["op"]
+    return _state["ops"]
 
 
 def kernel_status() -> str:
@@ -66,8 +80,8 @@ def kernel_status() -> str:
 def _build():
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None, ""  # asked for: no line
-    if hasattr(torch.ops, NAME) and hasattr(getattr(torch.ops, NAME), "decode_attention_out"):
-        return getattr(torch.ops, NAME).decode_attention_out, ""  # loaded by another copy of this module
+    if hasattr(torch.ops, NAME) and hasattr(getattr(torch.ops, NAME), "rope_write_out"):
+        return getattr(torch.ops, NAME), ""  # loaded by another copy of this module
     import shutil
 
     bin_dir = str(Path(sys.executable).parent)  # pip's ninja lives beside the interpreter of an unactivated venv
@@ -93,9 +107,9 @@ def _build():
         if not (build_dir / f"{NAME}.so").exists():
             print("tdutils: compiling the CPU decode attention kernel (once per machine, ~15 s)", file=sys.stderr,
                   flush=True)
-        cpp_extension.load(NAME, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
+        cpp_extension.load(NAME, sources=[str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
                            build_directory=str(build_dir), is_python_module=False, verbose=False)
-        return getattr(torch.ops, NAME).decode_attention_out, ""
+        return getattr(torch.ops, NAME), ""
     except Exception as exc:  # noqa: BLE001 - a failed build falls back, with the reason
         msg = str(exc).strip().splitlines()
         return None, f"the build failed ({msg[-1] if msg else type(exc).__name__})"

@@ -117,3 +117,62 @@ def test_a_hook_or_replaced_forward_sends_the_decode_through_transformers():
 def test_lean_decode_must_be_a_bool_or_none():
     with pytest.raises(TypeError, match="lean_decode must be None, True or False"):
         open_engine("hf", model="tiny-qwen3", progress=False, lean_decode="yes")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_rope_write_equals_transformers_rotary_and_the_store_write(dtype):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from tdutils.kernels import step_kernels
+
+    ops = step_kernels()
+    if ops is None:
+        pytest.skip("the compiled kernels cannot be built here (tdutils.kernels says why)")
+    g = torch.Generator().manual_seed(3)
+    B, Hq, H, d, S, W = 3, 6, 2, 64, 4, 9
+    q, k, v = (torch.randn(B, n, d, generator=g).to(dtype) for n in (Hq, H, H))
+    angle = torch.rand(B, d // 2, generator=g) * 50
+    cos, sin = torch.cat([angle.cos()] * 2, -1).to(dtype), torch.cat([angle.sin()] * 2, -1).to(dtype)  # [B, d]
+    ks, vs = torch.zeros(S, H, W, d, dtype=dtype), torch.zeros(S, H, W, d, dtype=dtype)
+    lengths = torch.tensor([4, 0, 8, 5])
+    q_out = torch.empty(B, Hq, d)
+    ops.rope_write_out(q, k, v, cos, sin, ks, vs, lengths, q_out)
+    q_ref, k_ref = apply_rotary_pos_emb(q[:, :, None], k[:, :, None], cos[:, None], sin[:, None])  # [B, H, 1, d]
+    assert torch.equal(q_out, q_ref[:, :, 0].float())  # the same roundings: bit for bit
+    for b in range(B):
+        assert torch.equal(ks[b, :, lengths[b]], k_ref[b, :, 0]) and torch.equal(vs[b, :, lengths[b]], v[b])
+    assert int((ks != 0).any(-1).sum()) == B * H and not ks[3].any()  # one column per row, nothing else
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_rms_norm_equals_the_models_norm(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from tdutils.kernels import step_kernels
+
+    ops = step_kernels()
+    if ops is None:
+        pytest.skip("the compiled kernels cannot be built here (tdutils.kernels says why)")
+    g = torch.Generator().manual_seed(4)
+    norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    norm.weight.data = (1 + 0.3 * torch.randn(576, generator=g)).to(dtype)
+    x = (3 * torch.randn(5, 1, 576, generator=g)).to(dtype)
+    out = torch.empty_like(x)
+    ops.rms_norm_out(x, norm.weight.detach(), norm.variance_epsilon, out)
+    ref = norm(x)
+    if dtype == torch.float32:  # the mean's summation order differs: a few ulps
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    else:  # rounding x * r to bf16 can flip where the fp32 value lies within an ulp of a tie: rarely
+        assert float((out != ref).float().mean()) < 0.01 and torch.allclose(out, ref, rtol=2 ** -7, atol=0)
+
+
+def test_lean_step_with_and_without_the_compiled_kernels_agree(monkeypatch):
+    from tdutils import kernels
+
+    model = family_model("qwen3")
+    ids, logits, calls = _decode(model, True)
+    monkeypatch.setitem(kernels._state, "ops", None)  # a machine without a compiler: torch ops
+    ids2, logits2, calls2 = _decode(model, True)
+    assert calls == calls2 == 6 and ids == ids2
+    err = max(float((a - b).abs().max()) for a, b in zip(logits, logits2))
+    assert err <= 1e-5, err

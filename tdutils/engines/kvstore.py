@@ -265,7 +265,12 @@ class SlotKVStore:
         k, v = self.keys[layer], self.values[layer]
         k[self._row_index, :, cols] = key_states[:, :, 0, :]
         v[self._row_index, :, cols] = value_states[:, :, 0, :]
-        return k[:self._rows, :, :self._cols], v[:self._rows, :, :self._cols]
+        return self.step_views(layer)
+
+    def step_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s keys and values this step attends over, `[rows, H_kv, cols, d]` views (between
+        `begin_step` and `end_step`; row `r` writes its new entry at column `lengths[r]`)."""
+        return self.keys[layer][:self._rows, :, :self._cols], self.values[layer][:self._rows, :, :self._cols]
 
     def attention_mask(self, *, window: int | None = None, query_positions: torch.Tensor | None = None,
                        additive_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -64,9 +64,14 @@ def lean_step_refusal(model: nn.Module, spec: AttentionSpec) -> str | None:
     return None
 
 
-def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`norm(x)` for the families' RMSNorm (`_NORMS`) in one fused op: fp32 statistics, the weight in `x`'s dtype."""
+def _rms_norm(norm: nn.Module, x: torch.Tensor, ops=None) -> torch.Tensor:
+    """`norm(x)` for the families' RMSNorm (`_NORMS`) in one op (`ops`: the compiled kernels, else torch's fused
+    `rms_norm`): fp32 statistics, the product with the weight in `x`'s dtype."""
     w, eps = norm.weight, norm.variance_epsilon
+    if ops is not None and w.dtype == x.dtype and x.is_contiguous():
+        out = torch.empty_like(x)
+        ops.rms_norm_out(x, w, eps, out)
+        return out
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), w, eps)
     return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
@@ -125,23 +130,48 @@ class LeanDecodeStep:
         h = body.embed_tokens(input_ids)  # [B, 1, D]
         B = h.shape[0]
         cos, sin = body.rotary_emb(h, position_ids)  # [B, 1, d] each, in h's dtype
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, d]: broadcast over heads
+        ops = self._ops(h, mask, store)
+        if ops is not None:
+            kernel_mask = None if mask is None else mask[:, :, 0, :]  # [B, 1, cols]
+            cos, sin = cos.contiguous(), sin.contiguous()
+        else:
+            cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, d]: broadcast over heads
         for i, layer in enumerate(self.layers):
             a, mlp = layer.self_attn, layer.mlp
-            x = _rms_norm(layer.input_layernorm, h)
-            q = a.q_proj(x).view(B, 1, -1, a.head_dim)  # [B, 1, Hq, d]
-            k = a.k_proj(x).view(B, 1, -1, a.head_dim)  # [B, 1, H_kv, d]
-            v = a.v_proj(x).view(B, 1, -1, a.head_dim)
+            x = _rms_norm(layer.input_layernorm, h, ops)
+            q = a.q_proj(x).view(B, -1, a.head_dim)  # [B, Hq, d] (one token per row)
+            k = a.k_proj(x).view(B, -1, a.head_dim)  # [B, H_kv, d]
+            v = a.v_proj(x).view(B, -1, a.head_dim)
             if getattr(a, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head's d values, before RoPE
-                q, k = _rms_norm(a.q_norm, q), _rms_norm(a.k_norm, k)
-            q = _rotate(q.transpose(1, 2), cos, sin)  # [B, Hq, 1, d]
-            k = _rotate(k.transpose(1, 2), cos, sin)  # [B, H_kv, 1, d]
-            keys, values = store.write(i, k, v.transpose(1, 2))  # [B, H_kv, cols, d] views of the store
-            o = attention.decode_attention(q, keys, values, mask, a.scaling)  # [B, 1, Hq, d]
+                q, k = _rms_norm(a.q_norm, q, ops), _rms_norm(a.k_norm, k, ops)
+            if ops is not None:  # rotary and the store write in one call, then the attention kernel
+                qf = torch.empty(q.shape, dtype=torch.float32)
+                ops.rope_write_out(q, k, v.contiguous(), cos, sin, store.keys[i], store.values[i], store.lengths,
+                                   qf)
+                keys, values = store.step_views(i)  # [B, H_kv, cols, d]
+                out = torch.empty(q.shape, dtype=torch.float32)
+                ops.decode_attention_out(qf, keys, values, kernel_mask, a.scaling, out)
+                o = out.to(h.dtype)  # [B, Hq, d]
+            else:
+                q = _rotate(q[:, :, None], cos, sin)  # [B, Hq, 1, d]
+                k = _rotate(k[:, :, None], cos, sin)  # [B, H_kv, 1, d]
+                keys, values = store.write(i, k, v[:, :, None])  # [B, H_kv, cols, d] views of the store
+                o = attention.decode_attention(q, keys, values, mask, a.scaling)  # [B, 1, Hq, d]
             h = h + a.o_proj(o.reshape(B, 1, -1))
-            x = _rms_norm(layer.post_attention_layernorm, h)
+            x = _rms_norm(layer.post_attention_layernorm, h, ops)
             h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
-        return self.model.lm_head(_rms_norm(body.norm, h))  # [B, 1, vocab]
+        return self.model.lm_head(_rms_norm(body.norm, h, ops))  # [B, 1, vocab]
+
+    def _ops(self, h: torch.Tensor, mask: torch.Tensor | None, store):
+        """The compiled kernels (`tdutils.kernels.step_kernels`) where they take this step: fp32 or bf16 on the
+        CPU, the store in the model's dtype, a boolean or fp32 mask; else None (torch ops)."""
+        if h.dtype not in (torch.float32, torch.bfloat16) or h.device.type != "cpu" or store.keys[0].dtype != h.dtype:
+            return None
+        if mask is not None and mask.dtype not in (torch.bool, torch.float32):
+            return None
+        from ..kernels import step_kernels
+
+        return step_kernels()
 
 
 __all__ = ["LEAN_FAMILIES", "LeanDecodeStep", "lean_step_refusal"]
