@@ -314,6 +314,7 @@ def run(args) -> int:
     from tdutils import make_drop_fn
     from tdutils.cli.args import usable_cores
     from tdutils.engines.hf import HFEngine
+    from tdutils.kernels import kernel_status
     from tdutils.eval import check_output_path
     from tdutils.models import resolve_model
     from tdutils.selection import keep_count
@@ -355,6 +356,7 @@ def run(args) -> int:
     meta = H.peer_meta(args, folder=str(folder), ir=str(ir), drop_ratio=args.drop_ratio, keep=keep, configs=configs,
                        threads=threads, cores=cores, dtype=args.dtype, cache_gb=args.cache_gb, tdutils_seconds=round(td_s, 1),
                        openvino_seconds=round(ov_s, 1), peer=peer["info"], venv=venv_info(),
+                       decode_path=engine.decode_path, kernels=kernel_status(),
                        date=time.strftime("%Y-%m-%d %H:%M:%S"))
     details = [{"values": ex["values"], **{f"{e}|{c}": t[i] for (e, c), t in texts.items()}}
                for i, ex in enumerate(data)]

@@ -52,7 +52,7 @@ def decode_attention_kernel():
 
 
 def step_kernels():
-    """The namespace of the compiled lean-step ops, `rms_norm_out(x, w, eps, out)` and `rope_write_out(q, k, v,
+    """The namespace of the compiled lean-step ops, `rms_norm_out(x, w, eps, mode, out)` and `rope_write_out(q, k, v,
     cos, sin, key_store, value_store, lengths, q_out)` (contracts: `tdutils/csrc/decode_step.cpp`'s header), or
     None where the kernels cannot be built (as `decode_attention_kernel`). Never raises."""
     return _ops()

@@ -2,8 +2,9 @@
 // of transformers' modules: every product and sum rounded to the model's dtype T where the module rounds it (this
 // file is compiled with fp-contract off, so no multiply-add is fused into one rounding).
 //
-// rms_norm_out(x, w, eps, out): the Llama-family RMSNorm of each row of x [N, D] (contiguous, T = float32 or
-//   bfloat16; w [D] in T):  out = w * T(x * rsqrt(mean(x^2) + eps)), x, the mean and the rsqrt in fp32.
+// rms_norm_out(x, w, eps, mode, out): the RMSNorm of each row of x [N, D] (contiguous, T = float32 or bfloat16;
+//   w [D] in T), r = rsqrt(mean(x^2) + eps) with x, the mean and the rsqrt in fp32:
+//   mode 0 (Llama, Mistral, Qwen):  out = w * T(x * r);   mode 1 (Gemma):  out = T(x * r * (1 + float(w))).
 // rope_write_out(q, k, v, cos, sin, key_store, value_store, lengths, q_out): rotary embedding (rotate_half layout)
 //   of one decode token per row, its key and value written into a slot store layer:
 //   q [B, Hq, d], k and v [B, H, d] (contiguous, T), cos and sin [B, d] (contiguous, T);
@@ -27,7 +28,7 @@ template <typename T>
 inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }  // float: x; BFloat16: nearest-even
 
 template <typename T>
-void rms_norm_rows(const T* x, const T* w, T* out, int64_t N, int64_t D, float eps) {
+void rms_norm_rows(const T* x, const T* w, T* out, int64_t N, int64_t D, float eps, int64_t mode) {
   for (int64_t n = 0; n < N; ++n) {
     const T* xr = x + n * D;
     T* o = out + n * D;
@@ -37,8 +38,13 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t N, int64_t D, float e
       ss += v * v;
     }
     const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
-    for (int64_t i = 0; i < D; ++i)
-      o[i] = static_cast<T>(static_cast<float>(w[i]) * rnd<T>(static_cast<float>(xr[i]) * r));
+    if (mode == 0) {
+      for (int64_t i = 0; i < D; ++i)
+        o[i] = static_cast<T>(static_cast<float>(w[i]) * rnd<T>(static_cast<float>(xr[i]) * r));
+    } else {
+      for (int64_t i = 0; i < D; ++i)
+        o[i] = static_cast<T>((static_cast<float>(xr[i]) * r) * (1.0f + static_cast<float>(w[i])));
+    }
   }
 }
 
@@ -81,7 +87,8 @@ void rope_write_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 bool supported(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16; }
 
-void rms_norm_out(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
+void rms_norm_out(const at::Tensor& x, const at::Tensor& w, double eps, int64_t mode, at::Tensor& out) {
+  TORCH_CHECK(mode == 0 || mode == 1, "mode must be 0 (Llama: w * T(x r)) or 1 (Gemma: T(x r (1 + w)))");
   TORCH_CHECK(supported(x) && x.is_contiguous() && x.dim() >= 1, "x must be contiguous float32 or bfloat16");
   const int64_t D = x.size(-1);
   TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.dim() == 1 && w.size(0) == D,
@@ -90,11 +97,11 @@ void rms_norm_out(const at::Tensor& x, const at::Tensor& w, double eps, at::Tens
               "out must be contiguous, shaped and typed like x");
   const int64_t N = D ? x.numel() / D : 0;
   if (x.scalar_type() == at::kFloat)
-    rms_norm_rows<float>(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), N, D, (float)eps);
+    rms_norm_rows<float>(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), N, D, (float)eps, mode);
   else
     rms_norm_rows<c10::BFloat16>(static_cast<const c10::BFloat16*>(x.data_ptr()),
                                  static_cast<const c10::BFloat16*>(w.data_ptr()),
-                                 static_cast<c10::BFloat16*>(out.data_ptr()), N, D, (float)eps);
+                                 static_cast<c10::BFloat16*>(out.data_ptr()), N, D, (float)eps, mode);
 }
 
 void rope_write_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
@@ -128,7 +135,7 @@ void rope_write_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tdutils_kernels, m) {
-  m.def("rms_norm_out(Tensor x, Tensor w, float eps, Tensor(a!) out) -> ()");
+  m.def("rms_norm_out(Tensor x, Tensor w, float eps, int mode, Tensor(a!) out) -> ()");
   m.def("rope_write_out(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) key_store, "
         "Tensor(b!) value_store, Tensor lengths, Tensor(c!) q_out) -> ()");
 }

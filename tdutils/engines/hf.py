@@ -259,6 +259,12 @@ class HFEngine(Engine):
             raise ValueError(f"lean_decode=True: {why}; pass lean_decode=None or False")
         return LeanDecodeStep(self.model, self.attention) if why is None and lean_decode is not False else None
 
+    @property
+    def decode_path(self) -> str:
+        """What a decode started now runs per step: `"lean"` (`engines.lean_step`) or `"transformers"` (the model's
+        forward; also every step of a decode with compression or padded per-head caches)."""
+        return "lean" if self._lean is not None and self._lean.usable() else "transformers"
+
     # ------------------------------------------------------------------ helpers
     @property
     def config(self):
