@@ -97,9 +97,11 @@ def _build():
     if shutil.which(cxx) is None and shutil.which("g++") is None:
         return None, f"no C++ compiler ({cxx}, g++) on PATH"
     try:
-        # one build per CPU type: -march=native code from a newer CPU would crash an older one sharing the home
-        # directory (a cluster's nodes)
-        build_dir = Path(cpp_extension._get_build_directory(NAME, verbose=False)).with_name(f"{NAME}-{_cpu_tag()}")
+        # one build per CPU type (-march=native code from a newer CPU would crash an older one sharing the home
+        # directory: a cluster's nodes) and per source version (two checkouts of tdutils on one machine would
+        # otherwise rebuild over each other's build, each waiting on the other's lock)
+        build_dir = Path(cpp_extension._get_build_directory(NAME, verbose=False)).with_name(
+            f"{NAME}-{_cpu_tag()}-{_source_tag()}")
         build_dir.mkdir(parents=True, exist_ok=True)
         busy = _wait_for_lock(build_dir / "lock")
         if busy:
@@ -138,6 +140,16 @@ def _wait_for_lock(lock: Path) -> str:
                   file=sys.stderr, flush=True)
             said = True
         time.sleep(0.5)
+
+
+def _source_tag() -> str:
+    """A short hash of the kernel sources and compiler flags."""
+    import hashlib
+
+    digest = hashlib.sha1(" ".join(FLAGS + LDFLAGS).encode())
+    for path in SOURCES:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 def _cpu_tag() -> str:

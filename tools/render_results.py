@@ -409,7 +409,9 @@ def engine_changes() -> str:
     return T.md_table(head, rows) + "\n\n" + _source("engine_smollm2", "docs/results/engine.json")
 
 
-OPENVINO_LATEST = "hi"  # the stored peer_openvino runs with the engine's current decode attention (1 and 2 threads)
+# per precision: the latest stored peer_openvino runs (1 and 2 threads each) and the engine's decode step in them.
+# bf16: OpenVINO 2026.4.1 cannot run bf16 on the AMX machine of the lean step's runs (docs/peer_openvino.md)
+OPENVINO_LATEST = {"float32": ("jk", "lean decode step"), "bfloat16": ("hi", "compiled decode attention")}
 
 
 def _openvino_ratio(name: str) -> float:
@@ -422,7 +424,8 @@ def _openvino_ratio(name: str) -> float:
 
 
 def _openvino_latest(dtype: str, threads: int) -> str:
-    return " / ".join(f"{_openvino_ratio(f'peer_openvino_smollm2_{dtype}_{threads}t_{r}'):.2f}" for r in OPENVINO_LATEST)
+    return " / ".join(f"{_openvino_ratio(f'peer_openvino_smollm2_{dtype}_{threads}t_{r}'):.2f}"
+                      for r in OPENVINO_LATEST[dtype][0])
 
 
 def speed_summary() -> str:
@@ -471,7 +474,7 @@ def speed_summary() -> str:
         [f"SnapKV@0.75 ÷ its capacity limit 4, {s0['requests']} requests (batch stays full)", "≥ 0.9",
          f"{srow['snapkv@0.75']['of_limit']:.2f}", "engine_throughput_smollm2_steady"],
         *[[(f"full-cache decode tok/s ÷ OpenVINO GenAI, SmolLM2 4×2048, {T.threads(n)} each on the same cores, "
-            f"{dtype} (compiled decode attention; after each request's first token; each of 2 runs' own ratio)"),
+            f"{dtype} ({OPENVINO_LATEST[dtype][1]}; after each request's first token; each of 2 runs' own ratio)"),
            "≥ 1.0", _openvino_latest(dtype, n), "[peer_openvino](docs/peer_openvino.md)"]
           for n in (1, 2) for dtype in ("float32", "bfloat16")],
     ]
@@ -662,8 +665,9 @@ BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
     "engine_changes": (engine_changes, ("engine_smollm2", "engine")),
     "speed_summary": (speed_summary, ("engine_smollm2", "engine", "policy_cost", "engine_throughput_smollm2",
                                       "engine_throughput_smollm2_steady", "engine_smollm2_1thread",
-                                      "engine_1thread", *(f"peer_openvino_smollm2_{d}_{n}t_{r}" for r in OPENVINO_LATEST
-                                                          for d in ("float32", "bfloat16") for n in (1, 2)))),
+                                      "engine_1thread", *(f"peer_openvino_smollm2_{d}_{n}t_{r}"
+                                                          for d, (runs, _) in OPENVINO_LATEST.items()
+                                                          for r in runs for n in (1, 2)))),
     "policy_cost": (lambda: T.policy_cost(load("policy_cost")) + " " + _source("policy_cost"),
                     ("policy_cost",)),
     "engine_profile": (engine_profile, ("engine_profile",)),
@@ -942,12 +946,17 @@ def peer_openvino_runs(runs: dict[str, str]) -> str:
 
 
 BLOCKS["peer_openvino_runs"] = (lambda: peer_openvino_runs(PEER_OPENVINO_RUNS), tuple(PEER_OPENVINO_RUNS))
-_KERNEL = "compiled kernel (tdutils.kernels)"
-PEER_OPENVINO_KERNEL_RUNS = {f"peer_openvino_smollm2_{run}": _KERNEL for run in (  # in the order run
-    "bfloat16_1t_h", "float32_1t_h", "bfloat16_2t_h", "float32_2t_h",
-    "float32_2t_i", "bfloat16_2t_i", "float32_1t_i", "bfloat16_1t_i")}
-BLOCKS["peer_openvino_kernel_runs"] = (lambda: peer_openvino_runs(PEER_OPENVINO_KERNEL_RUNS),
-                                       tuple(PEER_OPENVINO_KERNEL_RUNS))
+# block -> (the engine's decode step in its runs, the runs in the order run)
+PEER_OPENVINO_SERIES = {
+    "peer_openvino_kernel_runs": ("compiled kernel (tdutils.kernels)", (
+        "bfloat16_1t_h", "float32_1t_h", "bfloat16_2t_h", "float32_2t_h",
+        "float32_2t_i", "bfloat16_2t_i", "float32_1t_i", "bfloat16_1t_i")),
+    "peer_openvino_lean_runs": ("lean step + compiled kernels (tdutils.engines.lean_step)", (
+        "float32_1t_j", "float32_2t_j", "float32_2t_k", "float32_1t_k")),
+}
+for _block, (_label, _runs) in PEER_OPENVINO_SERIES.items():
+    _named = {f"peer_openvino_smollm2_{run}": _label for run in _runs}
+    BLOCKS[_block] = (lambda named=_named: peer_openvino_runs(named), tuple(_named))
 
 
 def blocks_in(text: str) -> list[str]:

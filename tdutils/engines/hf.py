@@ -49,6 +49,7 @@ from ..outputs import RequestOutput, answer_text
 from ..policies.scoring import window_attention
 from .base import Engine, register_engine, tokenize_extensions
 from .decode_compression import SlotCompressor
+from ..kernels import decode_attention_kernel
 from .lean_step import LeanDecodeStep, lean_step_refusal
 from .kvstore import PaddingMasks, SlotKVStore, install_head_masks, plan_slots, release_free_heap, wide_cache
 from .packed import PackedLinears, default_min_elements, packing_available, packing_pays
@@ -249,6 +250,8 @@ class HFEngine(Engine):
         least = default_min_elements(self.model.dtype) if packed_linears is None else 1
         self._packed = PackedLinears(self.model, min_elements=least) if use else None
         self._lean = self._lean_step(lean_decode)
+        if self.device.type == "cpu":  # build (once per machine) or load the decode kernels now, not in a decode
+            decode_attention_kernel()
 
     def _lean_step(self, lean_decode: bool | None) -> LeanDecodeStep | None:
         """The lean decode step (`engines.lean_step`) where asked for (None: where it can run the model, on a CPU)."""

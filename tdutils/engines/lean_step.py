@@ -30,6 +30,7 @@ from torch import nn
 
 from .. import attention
 from ..attention import AttentionSpec
+from ..kernels import step_kernels
 from .kvstore import HEAD_MASK_HOOK_ATTR
 
 # Decoder layers: h + attn(norm(h)), then h + mlp(norm(h)) (Gemma 3: each sublayer's output normed too);
@@ -201,8 +202,6 @@ class LeanDecodeStep:
         CPU with the store in the model's dtype; else None (the modules and torch ops)."""
         if h.dtype not in (torch.float32, torch.bfloat16) or h.device.type != "cpu" or store.keys[0].dtype != h.dtype:
             return None
-        from ..kernels import step_kernels
-
         return step_kernels()
 
 
