@@ -252,6 +252,44 @@ def test_cli_resume_keeps_the_stored_cells_and_refuses_another_grid(tmp_path, ca
         run(_args([*argv[:-6], "--n", "4", "--seed", "2", "--json", str(out), "--quiet", "--resume"]))
 
 
+def test_resume_refuses_a_grid_that_would_drop_stored_cells_and_extends_a_larger_one(tmp_path):
+    out = tmp_path / "eval.json"
+    base = ["--tasks", "niah_single", "--model", "tiny-qwen3-ruler", "--n", "2", "--seed", "2", "--json", str(out),
+            "--quiet"]
+    assert run(_args([*base, "--policies", "full", "random", "--drop-ratios", "0.5", "0.75", "--context-lengths",
+                      "128"])) == 0
+    stored = out.read_text()
+    with pytest.raises(ValueError, match=r"--resume: .* holds cells this grid leaves out \(drop ratios 0.75\), "
+                                         r"which resuming would drop from the file"):
+        run(_args([*base, "--policies", "full", "random", "--drop-ratios", "0.5", "--context-lengths", "128",
+                   "--resume"]))
+    with pytest.raises(ValueError, match=r"leaves out \(policies random\)"):
+        run(_args([*base, "--policies", "full", "--drop-ratios", "0.5", "--context-lengths", "128", "--resume"]))
+    with pytest.raises(ValueError, match=r"leaves out \(context lengths 128\)"):
+        run(_args([*base, "--policies", "full", "random", "--drop-ratios", "0.5", "0.75", "--context-lengths", "160",
+                   "--resume"]))
+    assert out.read_text() == stored  # refused before anything ran: the file as it was
+    # a larger grid keeps every stored cell and runs only the new ones
+    assert run(_args([*base, "--policies", "full", "random", "--drop-ratios", "0.5", "0.75", "--context-lengths",
+                      "128", "160", "--resume"])) == 0
+    rows = json.loads(out.read_text())["rows"]
+    old = {(r["mode"], r["policy"], r["drop_ratio"], r["context_length"]): r["scores"]
+           for r in json.loads(stored)["rows"]}
+    new = {(r["mode"], r["policy"], r["drop_ratio"], r["context_length"]): r["scores"] for r in rows}
+    assert {k: new[k] for k in old} == old and len(new) == 2 * len(old)
+
+
+@pytest.mark.parametrize("option, values", [("--drop-ratios", ["0.5", "0.5"]), ("--policies", ["full", "full"]),
+                                            ("--context-lengths", ["128", "128"])])
+def test_a_value_given_twice_is_refused(option, values):
+    argv = ["--tasks", "niah_single", "--model", "tiny-qwen3-ruler", "--n", "2", "--quiet", "--policies", "full",
+            "random", "--drop-ratios", "0.5", "--context-lengths", "128"]
+    i = argv.index(option)
+    argv[i + 1:i + (3 if option == "--policies" else 2)] = values
+    with pytest.raises(ValueError, match="more than once; give each once"):
+        run(_args(argv))
+
+
 def test_task_table_leaves_out_the_columns_no_row_has():
     import pandas as pd
 

@@ -701,7 +701,29 @@ def _resume_rows(json_path, meta: dict) -> tuple[list[dict], float, dict]:
         what = ", ".join(f"{k} {old.get(k)!r} there, {meta.get(k)!r} here" for k in differ)
         raise ValueError(f"--resume: {json_path} is a run of another grid ({what}); rerun with its options or another "
                          "--json")
+    # a resumed run rewrites the file with its own grid's cells: one that leaves stored cells out would drop them
+    left = _cells_left_out(rows, meta)
+    if left:
+        what = "; ".join(f"{k.replace('_', ' ')} {', '.join(map(str, v))}" for k, v in left.items())
+        raise ValueError(f"--resume: {json_path} holds cells this grid leaves out ({what}), which resuming would drop "
+                         f"from the file; give those too (a larger grid resumes), or another --json")
     return rows, float(old.get("seconds") or 0.0), old
+
+
+def _cells_left_out(rows: list, meta: Mapping) -> dict[str, list]:
+    """Per grid key (`meta`'s tasks, modes, policies, drop_ratios, context_lengths), the values of stored `rows`
+    this run's grid does not have."""
+    new = json.loads(json.dumps(meta, default=str))
+    left: dict[str, list] = {}
+    for r in rows:
+        for key, col in (("tasks", "task"), ("modes", "mode"), ("policies", "policy"), ("drop_ratios", "drop_ratio"),
+                         ("context_lengths", "context_length")):
+            v = r.get(col)
+            if col == "drop_ratio" and (r.get("policy") == FULL or r.get("policy") not in new.get("policies")):
+                continue  # the full cache runs once; a policy left out is named as one
+            if v not in (new.get(key) or []) and v not in left.setdefault(key, []):
+                left[key].append(v)
+    return {k: v for k, v in left.items() if v}
 
 
 def _same(key: str, old: Mapping, meta: Mapping) -> bool:

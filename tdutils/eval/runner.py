@@ -283,7 +283,7 @@ def check_task_grid(tasks, modes, policies, drop_ratios, context_lengths, done, 
     """`task_eval`'s checks that need no model: `(specs, modes, lengths, DropRatios, done rows)`.
 
     Raises:
-        ValueError: no tasks / modes / policies / ratios / lengths, an unknown task or mode, the agnostic mode for a
+        ValueError: no tasks / modes / policies / ratios / lengths, one listed twice, an unknown task or mode, the agnostic mode for a
             task without a context/question split, a teacher-forced task with the aware mode alone, `done` rows
             without per-prompt scores, a ratio outside [0, 1], or `n` (each task's), `batch_size`, `max_tokens`
             below 1, or an `n` mapping that lacks a task.
@@ -293,6 +293,11 @@ def check_task_grid(tasks, modes, policies, drop_ratios, context_lengths, done, 
     ratios = DropRatios(drop_ratios)
     if not (tasks and modes and policies and ratios and lengths):
         raise ValueError("task_eval needs at least one task, mode, policy, drop ratio and context length")
+    for what, values in (("tasks", tasks), ("modes", modes), ("policies", list(policies)),
+                         ("drop ratios", [float(r) for r in ratios]), ("context lengths", lengths)):
+        twice = sorted({str(v) for v in values if values.count(v) > 1})
+        if twice:  # a cell run twice would be stored twice and counted twice
+            raise ValueError(f"the {what} list {', '.join(twice)} more than once; give each once")
     bad = [t for t in tasks if t not in task_names()]
     if bad:
         raise ValueError(f"unknown task(s) {bad}; choose from {', '.join(task_names())}")
