@@ -462,3 +462,20 @@ def peer_openvino(rows: list[dict]) -> str:
          _f(r.get("steady_tok_s", r["tok_s"] if r["engine"] == "openvino" else None), ".1f"), _f(r["ratio"], ".2f"),
          _f(r["prefill_s"], ".1f"), _f(r["em"], ".2f"), _f(r["partial"], ".2f"),
          "" if r.get("same") is None else f"{r['same']}/{r['n']}") for r in rows])
+
+
+def lean_step(runs) -> str:
+    """bench/lean_step.py's runs (one, or a list): per run its setting, each arm's median and best decode tok/s,
+    the ratio of medians and the share of equal tokens per request."""
+    import statistics
+
+    head = ["model", "dtype", "threads", "batch x tokens", "lean tok/s (median, best)",
+            "transformers' forward tok/s (median, best)", "lean / transformers", "tokens equal per request"]
+    rows = []
+    for run in runs if isinstance(runs, list) else [runs]:
+        m, v = run["meta"], run["tok_s"]
+        rows.append([m["model"], m["dtype"], str(m["torch_threads"]), f"{m['batch_size']} x {m['context_length']}",
+                     f"{statistics.median(v['lean']):.1f}, {max(v['lean']):.1f}",
+                     f"{statistics.median(v['transformers']):.1f}, {max(v['transformers']):.1f}",
+                     f"{run['ratio']:.2f}", ", ".join(f"{a:.0%}" for a in run["token_agreement"])])
+    return md_table(head, rows)

@@ -3,7 +3,8 @@
 // file is compiled with fp-contract off, so no multiply-add is fused into one rounding).
 //
 // rms_norm_out(x, w, eps, mode, out): the RMSNorm of each row of x [N, D] (contiguous, T = float32 or bfloat16;
-//   w [D] in T), r = rsqrt(mean(x^2) + eps) with x, the mean and the rsqrt in fp32:
+//   w [D] in T), r = rsqrt(mean(x^2) + eps) with x, the mean and the rsqrt in fp32 (mean(x^2) by torch's own
+//   pow and mean, the modules' ops, so the statistics are theirs bit for bit):
 //   mode 0 (Llama, Mistral, Qwen):  out = w * T(x * r);   mode 1 (Gemma):  out = T(x * r * (1 + float(w))).
 // rope_write_out(q, k, v, cos, sin, key_store, value_store, lengths, q_out): rotary embedding (rotate_half layout)
 //   of one decode token per row, its key and value written into a slot store layer:
@@ -13,7 +14,7 @@
 //   q_out [B, Hq, d] float32 = rot(q) (rounded to T first, as transformers' q_embed), what the attention reads.
 //   rot(x)[i] = T(T(x[i] * cos[i]) + T(r[i] * sin[i])), r = (-x[d/2:], x[:d/2]).
 #include <torch/library.h>
-#include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 
 #include <cmath>
@@ -28,16 +29,11 @@ template <typename T>
 inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }  // float: x; BFloat16: nearest-even
 
 template <typename T>
-void rms_norm_rows(const T* x, const T* w, T* out, int64_t N, int64_t D, float eps, int64_t mode) {
+void rms_norm_rows(const T* x, const T* w, const float* var, T* out, int64_t N, int64_t D, float eps, int64_t mode) {
   for (int64_t n = 0; n < N; ++n) {
     const T* xr = x + n * D;
     T* o = out + n * D;
-    float ss = 0.0f;
-    for (int64_t i = 0; i < D; ++i) {
-      const float v = static_cast<float>(xr[i]);
-      ss += v * v;
-    }
-    const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+    const float r = 1.0f / std::sqrt(var[n] + eps);  // torch.rsqrt: 1 / sqrt, each correctly rounded
     if (mode == 0) {
       for (int64_t i = 0; i < D; ++i)
         o[i] = static_cast<T>(static_cast<float>(w[i]) * rnd<T>(static_cast<float>(xr[i]) * r));
@@ -96,11 +92,14 @@ void rms_norm_out(const at::Tensor& x, const at::Tensor& w, double eps, int64_t 
   TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.is_contiguous() && out.sizes() == x.sizes(),
               "out must be contiguous, shaped and typed like x");
   const int64_t N = D ? x.numel() / D : 0;
+  const at::Tensor var = x.to(at::kFloat).pow(2).mean(-1).contiguous();  // [N]: the modules' own reduction
+  const float* vp = var.data_ptr<float>();
   if (x.scalar_type() == at::kFloat)
-    rms_norm_rows<float>(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), N, D, (float)eps, mode);
+    rms_norm_rows<float>(x.data_ptr<float>(), w.data_ptr<float>(), vp, out.data_ptr<float>(), N, D, (float)eps,
+                         mode);
   else
     rms_norm_rows<c10::BFloat16>(static_cast<const c10::BFloat16*>(x.data_ptr()),
-                                 static_cast<const c10::BFloat16*>(w.data_ptr()),
+                                 static_cast<const c10::BFloat16*>(w.data_ptr()), vp,
                                  static_cast<c10::BFloat16*>(out.data_ptr()), N, D, (float)eps, mode);
 }
 

@@ -170,9 +170,9 @@ class HFEngine(Engine):
             the last (a fingerprint per weight: one read of them, less than a decode step; `refresh()` forces it);
             a linear whose `forward` the user replaced keeps it.
         lean_decode: decode steps run `tdutils.engines.lean_step.LeanDecodeStep` (the model's own modules in a
-            plain loop over the layers, without transformers' forward around them: logits equal up to float
-            summation order in the norms) instead of `model(...)`; None (default) = where it can (`LEAN_FAMILIES`:
-            Llama, Mistral, Qwen2, Qwen3 with full attention, on the CPU, and per decode: eval mode, `sdpa`, no
+            plain loop over the layers, without transformers' forward around them: the same logits bit for bit)
+            instead of `model(...)`; None (default) = where it can (`LEAN_FAMILIES`:
+            Llama, Mistral, Qwen2, Qwen3, Gemma 3, on the CPU, and per decode: eval mode, `sdpa`, no
             decode-time compression, no padded per-head caches, no module hooks or replaced forwards besides
             linears'), False = never, True = ValueError where the model is not one it can run.
 

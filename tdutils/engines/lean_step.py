@@ -7,11 +7,11 @@ spends about a quarter of such a step outside the linears and the attention (Smo
 `LeanDecodeStep` walks the same decoder in a plain loop: the model's own `nn.Linear` modules (so prepacked weights,
 `engines.packed`, and a forward the user set on a linear both still apply), embedding, rotary module and MLP
 activation; RMSNorm, and rotary embedding with the slot store write, each as one compiled op
-(`tdutils/csrc/decode_step.cpp`: the norms' and the rotary's roundings where the model's modules round, the
-rotary bit for bit); the attention kernel that the engine's capturing `sdpa` runs for a decode step
+(`tdutils/csrc/decode_step.cpp`: the norms' statistics by torch's own reduction, every rounding where the model's
+modules round); the attention kernel that the engine's capturing `sdpa` runs for a decode step
 (`tdutils.attention.decode_attention`). Without the compiled ops (no compiler), the norms run as the model's
-modules and the rotary as torch ops. Logits equal the model's forward up to float summation order in the norms'
-means (tests/test_lean_step.py).
+modules and the rotary as torch ops. Logits equal the engine's transformers-forward step bit for bit, in fp32 and
+bf16, on every family it takes (tests/test_lean_step.py).
 
 Where the step applies (`lean_step_refusal` says why not, once, at engine opening; `LeanDecodeStep.usable` per
 decode): the families in `LEAN_FAMILIES` with plain softmax attention (sliding windows included: the engine's

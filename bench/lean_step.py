@@ -1,0 +1,87 @@
+"""The hf engine's lean decode step beside transformers' forward, on the same prefill, arms alternated.
+
+    python bench/lean_step.py --model smollm2-135m --dtype bfloat16 --threads 1 --json runs/lean.json
+    python bench/lean_step.py --summary docs/results/lean_step_smollm2_bfloat16_1t.json
+
+One engine prefills `--batch-size` RULER prompts of `--context-length` tokens once; each repeat restores that
+prefill and decodes `--max-tokens` greedy tokens (EOS ignored) twice, with `lean_decode` on (the engine's default
+where the model allows it) and off (transformers' forward every step), in alternating order. Decode tok/s counts
+the tokens after each request's first over the seconds after the batch's first step (`phase_split`), as
+bench/peer_openvino.py counts both of its engines. Printed: per arm the median and best tok/s, the ratio of
+medians, and whether the two arms' tokens agree (fp32: they must; bf16: rounding may part them late).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/harness.py, also when loaded by path
+import harness as H
+
+ARMS = ("lean", "transformers")
+
+
+def measure(args) -> dict:
+    import torch
+
+    from tdutils.engines.hf import HFEngine
+    from tdutils.kernels import kernel_status
+
+    H.check_ruler_task(args.task)
+    cores = H.bind_cores(args.threads or 1)
+    engine = HFEngine(args.model, dtype=args.dtype, kv_budget_tokens=None, prefill_batch_size=args.batch_size,
+                      progress=False)
+    if engine.decode_path != "lean":
+        raise ValueError(f"{args.model}: the engine runs transformers' forward for it (no lean step to compare)")
+    _, prompts, _ = H.ruler_prompts(args.task, args.batch_size, args.context_length, engine.tokenizer, args.seed, 8)
+    engine.prefill(prompts)
+    saved, step = engine.snapshot(), engine._lean
+    speeds, tokens = {a: [] for a in ARMS}, {}
+    for rep in range(args.repeats):
+        for arm in ARMS if rep % 2 == 0 else ARMS[::-1]:
+            engine.restore(saved)
+            engine._lean = step if arm == "lean" else None
+            outs = engine.decode(args.max_tokens, ignore_eos=True)
+            speeds[arm].append(_steady_tok_s(engine))
+            tokens[arm] = [o.output_ids for o in outs]
+    engine._lean = step
+    agree = [sum(a == b for a, b in zip(x, y)) / len(x) for x, y in zip(tokens["lean"], tokens["transformers"])]
+    med = {a: statistics.median(v) for a, v in speeds.items()}
+    return {"meta": {**H.run_record("bench/lean_step.py"), "model": args.model, "dtype": args.dtype,
+                     "batch_size": args.batch_size, "context_length": args.context_length, "task": args.task,
+                     "max_tokens": args.max_tokens, "repeats": args.repeats, "cores": cores, "seed": args.seed,
+                     "kernels": kernel_status(), "torch_threads": torch.get_num_threads()},
+            "tok_s": speeds, "median_tok_s": med, "ratio": med["lean"] / med["transformers"],
+            "token_agreement": agree}
+
+
+def _steady_tok_s(engine) -> float:
+    """Tokens after each request's first over the seconds after the batch's last first token (as
+    `harness.decode_cells`' `steady_tok_s`)."""
+    times = [r.token_times for r in engine.requests]  # seconds from the decode call's start, per token
+    return sum(len(t) - 1 for t in times) / max(max(t[-1] for t in times) - max(t[0] for t in times), 1e-9)
+
+
+def main(argv=None) -> int:
+    ap = H.parser("bench/lean_step.py", __doc__)
+    H.add_standard(ap, threads=1, repeats=6, model="smollm2-135m")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--context-length", type=int, default=2048)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--task", default="niah_single_1", help="RULER template task of the prompts")
+    ap.add_argument("--seed", type=int, default=5_000_000)
+    args = H.start(ap, argv, "lean_step", "runs/lean.json", keys=("meta", "tok_s", "ratio"))
+    if args is None:
+        return 0
+    run = H.one_line_errors(ap, measure, args)
+    print(H.render("lean_step", run))
+    if args.json:
+        H.write_json(run, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
