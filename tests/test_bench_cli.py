@@ -126,3 +126,12 @@ def test_engine_bench_smoke_run_writes_every_figure(tmp_path):
         assert want in p.stdout, p.stdout
     again = _bench("engine_bench.py", "--summary", str(out))  # the stored run's tables, as the docs show them
     assert again.returncode == 0 and again.stdout.strip() in p.stdout, again.stdout + again.stderr
+
+
+def test_lean_step_bench_prints_a_stored_run_and_refuses_bad_input_in_one_line():
+    p = _bench("lean_step.py", "--summary", str(ROOT / "docs/results/lean_step_smollm2_bfloat16_1t.json"))
+    assert p.returncode == 0 and "| smollm2-135m | bfloat16 | 1 | 4 x 2048 |" in p.stdout, p.stdout + p.stderr
+    p = _bench("lean_step.py", "--task", "needle")
+    assert p.returncode == 2 and p.stderr.startswith("bench/lean_step.py: error: --task 'needle' is not a RULER task"), p.stderr
+    p = _bench("lean_step.py", "--batch-size", "0")
+    assert p.returncode == 2 and "argument --batch-size: expected a positive integer, got 0" in p.stderr, p.stderr

@@ -957,6 +957,18 @@ PEER_OPENVINO_SERIES = {
 for _block, (_label, _runs) in PEER_OPENVINO_SERIES.items():
     _named = {f"peer_openvino_smollm2_{run}": _label for run in _runs}
     BLOCKS[_block] = (lambda named=_named: peer_openvino_runs(named), tuple(_named))
+LEAN_STEP_RUNS = ("lean_step_smollm2_bfloat16_1t", "lean_step_smollm2_float32_1t", "lean_step_gemma3_bfloat16_1t")
+
+
+def lean_step_runs() -> str:
+    """bench/lean_step.py's stored runs: the lean decode step beside transformers' forward, per model and dtype."""
+    m = load(LEAN_STEP_RUNS[0])["meta"]
+    return "\n".join([T.lean_step([load(n) for n in LEAN_STEP_RUNS]), "", _source(
+        LEAN_STEP_RUNS[0], "and the other runs named", f"`{m['task']}` prompts, {m['max_tokens']} greedy tokens, "
+        f"{m['repeats']} repeats per arm alternated; {m['machine']}; {m['kernels']}; {m['date']}")])
+
+
+BLOCKS["lean_step_runs"] = (lean_step_runs, LEAN_STEP_RUNS)
 
 
 def blocks_in(text: str) -> list[str]:
