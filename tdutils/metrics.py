@@ -283,7 +283,7 @@ def _caveats(base_batch, dropped_batch, ratio, limit, ratio_min, ratio_max, repe
                                 f"of {width:.0%} of the median {ratio:.2f}x (more than {SPREAD_THRESHOLD:.0%}): the "
                                 "machine was busy; rerun or raise repeats"))
     if dropped_batch <= base_batch:
-        notes.append((NO_LARGER_BATCH, f"both runs decoded at most {base_batch} requests at a time, so dropping bought "
+        notes.append((NO_LARGER_BATCH, f"both runs decoded at most {plural(base_batch, 'request')} at a time, so dropping bought "
                                        "no larger batch and the ratio only reflects cheaper steps and machine noise; use "
                                        "more requests or a smaller KV budget"))
     elif ratio < 1:

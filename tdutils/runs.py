@@ -120,7 +120,7 @@ class Interrupted(KeyboardInterrupt):
     A `KeyboardInterrupt`, so code that catches Ctrl-C still does."""
 
     def __init__(self, results: dict, runs: list):
-        super().__init__(f"interrupted after {len(runs)} finished run(s)")
+        super().__init__(f"interrupted after {plural(len(runs), 'finished run')}")
         self.results, self.runs = results, runs
 
 
@@ -250,8 +250,10 @@ class RunTiming:
 
 def _estimate_line(timing: RunTiming) -> str:
     e = timing.estimate
-    return (f"estimate: the runs will take about {duration_text(timing.estimate_s)} (prefill {e['prefill_s']:.0f} s, "
-            f"modify {e['modify_s']:.0f} s, decode {e['decode_s']:.0f} s), {timing.basis}")
+    total = duration_text(timing.estimate_s)
+    parts = ", ".join(f"{k} {duration_text(e[f'{k}_s'])}" for k in ("prefill", "modify", "decode"))
+    return (f"estimate: the runs will take {'' if total.startswith('under') else 'about '}{total} ({parts}), "
+            f"{timing.basis}")
 
 
 def alternate_runs(engine, prompts, configs: dict, *, max_tokens=64, repeats: int = 3, warmup: bool = True,
@@ -337,7 +339,7 @@ def _prefill_shared(engine, ids, progress):
     engine.prefill(ids)
     saved, shared = engine.snapshot(), engine.metrics.prefill
     if progress:
-        progress(f"prefill: {shared.requests} prompts, {shared.tokens} tokens in {shared.seconds:.1f} s, once: every "
+        progress(f"prefill: {plural(shared.requests, 'prompt')}, {shared.tokens} tokens in {shared.seconds:.1f} s, once: every "
                  f"run restores these caches")
     return saved, shared
 

@@ -21,7 +21,7 @@ def test_equal_batches_and_impossible_ratios_are_flagged():
     assert note.startswith("no larger batch: both runs decoded at most 4 requests at a time, so dropping bought no "
                            "larger batch"), note
     notes = ratio_caveats(1, 1, 1.92, 0.5)
-    assert len(notes) == 1 and "at most 1 requests" in notes[0], notes
+    assert len(notes) == 1 and "at most 1 request at a time" in notes[0], notes
     (note,) = ratio_caveats(4, 8, 6.5, 0.5)
     assert note.startswith("above the capacity limit: 6.50x exceeds the capacity limit 1/(1-r) = 2.00x:"), note
 

@@ -89,7 +89,7 @@ def test_plan_of_the_leaderboard(no_download, tmp_path, monkeypatch):
     assert one.workers == 1 and one.workers_note == ("workers 1: --n 1 gives each task at most 1 prompt(s) to share, "
                                                      "so 2 workers would leave 1 idle")
     # 3 RULER tasks x 2 modes + text fidelity agnostic; one prefill per (task, length) serves both modes
-    assert size_line == (f"grid: {7 * cells} cells = {cells} policy/ratio cells x 7 (task, mode) pairs x 1 length(s) "
+    assert size_line == (f"grid: {7 * cells} cells = {cells} policy/ratio cells x 7 (task, mode) pairs x 1 length "
                          "(2048 tokens); n = 100 (ruler_niah_single_1, ruler_niah_multikey_1, "
                          "ruler_niah_multivalue_partial), 32 (text_fidelity); 332 prompts prefilled, in 14 batches of "
                          "up to 25; 2 worker processes share each task's prompts, each in batches of up to 13")
@@ -99,7 +99,7 @@ def test_plan_of_the_leaderboard(no_download, tmp_path, monkeypatch):
                             str(tmp_path / "lb.json")]))
     assert (plan.n, plan.policies, plan.lengths, plan.dtype, plan.modes) == (8, ["snapkv", "full"], [4096], "float32",
                                                                              ["agnostic"])
-    assert plan_lines(plan) == [("grid: 16 cells = 4 policy/ratio cells x 4 (task, mode) pairs x 1 length(s) (4096 "
+    assert plan_lines(plan) == [("grid: 16 cells = 4 policy/ratio cells x 4 (task, mode) pairs x 1 length (4096 "
                                  "tokens); n = 8; 32 prompts prefilled, in 4 batches of up to 25")]
 
 
@@ -159,7 +159,7 @@ def test_leaderboard_run_stores_per_task_n_and_dtype_and_resumes(small_board, tm
     printed = capsys.readouterr().out
     assert printed.startswith("dtype float32: the leaderboard's default, as this CPU has no native bfloat16 (torch "
                               "would emulate it, slower than float32); --dtype changes it\n"
-                              "grid: 4 cells = 2 policy/ratio cells x 2 (task, mode) pairs x 1 length(s) (128 "
+                              "grid: 4 cells = 2 policy/ratio cells x 2 (task, mode) pairs x 1 length (128 "
                               "tokens); n = 2 (niah_single), 3 (niah_multikey); 5 prompts prefilled, in 2 batches of "
                               "up to 25\n"), printed
     assert "n=2 (niah_single), 3 (niah_multikey) per task and length" in printed

@@ -478,7 +478,7 @@ def test_ctrl_c_during_run_keeps_the_finished_runs(tmp_path, capsys, monkeypatch
     captured = capsys.readouterr()
     assert rc == 130 and calls == ["warm-up", "warm-up", "baseline", "streaming_llm@0.5"], captured
     assert "Traceback" not in captured.err and captured.err.strip().splitlines() == [
-        f"python -m tdutils run: interrupted; the 1 finished run(s) are in {out} (\"interrupted\": true)"], captured.err
+        f"python -m tdutils run: interrupted; what finished (1 run) is in {out} (\"interrupted\": true)"], captured.err
     report = json.loads(out.read_text(encoding="utf-8"))
     assert report["interrupted"] is True
     assert [(r["name"], r["summary"]["decode_tokens"]) for r in report["runs"]] == [("baseline", 12)], report["runs"]
@@ -517,7 +517,7 @@ def test_ctrl_c_during_eval_keeps_the_finished_cells(tmp_path, capsys, monkeypat
     captured = capsys.readouterr()
     assert rc == 130, captured
     assert "Traceback" not in captured.err and captured.err.strip().splitlines() == [
-        (f"python -m tdutils eval: interrupted; the 2 finished cell(s) are in {out} (\"interrupted\": true in its "
+        (f"python -m tdutils eval: interrupted; what finished (2 cells) is in {out} (\"interrupted\": true in its "
          f"meta)")], captured.err
     report = json.loads(out.read_text(encoding="utf-8"))
     assert report["meta"]["interrupted"] is True and "first EOS token" in report["meta"]["scored"], report["meta"]
@@ -559,7 +559,8 @@ def test_a_signal_stops_a_real_run_cleanly(tmp_path, signame):
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "interrupted" in err, err
     report = json.loads(out.read_text(encoding="utf-8"))
     assert report["interrupted"] is True and report["runs"][0]["name"] == "baseline", report.get("runs")
-    assert f"interrupted; the {len(report['runs'])} finished run(s) are in {out}" in err, err
+    n = len(report["runs"])
+    assert f"interrupted; what finished ({n} run{'s' if n != 1 else ''}) is in {out}" in err, err
 
 
 def test_argparse_types_shared_with_the_benches():

@@ -65,7 +65,7 @@ from ..eval.runner import (
 )
 from ..eval.statistics import has_scores
 from ..eval.tasks import GROUPS, MODES, RULER, SUITE_LABELS, SUITES, Defaults, get_task, task_names
-from ..metrics import plural
+from ..metrics import duration_text, plural
 from ..models import check_context_lengths, context_window, resolve_model
 from ..policies import policy_names
 from .args import add_dtype_option, add_threads_option, check_threads, positive_int, usable_cores
@@ -465,8 +465,8 @@ def plan_lines(plan: EvalPlan, *, stored: int = 0) -> list[str]:
     if plan.workers > 1:
         left = f"; {plan.workers} worker processes share each task's prompts, each in batches of up to " \
                f"{-(-TASK_BATCH_SIZE // plan.workers)}{left}"
-    lines.append(f"grid: {size['cells']} cells = {per} policy/ratio cells x {pairs} (task, mode) pairs x "
-                 f"{len(plan.lengths)} length(s) ({lengths} tokens); n = {n_text(plan.n)}; {plural(size['prompts'], 'prompt')} "
+    lines.append(f"grid: {plural(size['cells'], 'cell')} = {plural(per, 'policy/ratio cell')} x {plural(pairs, '(task, mode) pair')} x "
+                 f"{plural(len(plan.lengths), 'length')} ({lengths} tokens); n = {n_text(plan.n)}; {plural(size['prompts'], 'prompt')} "
                  f"prefilled, in {plural(size['batches'], 'batch', 'batches')} of up to {TASK_BATCH_SIZE}{left}")
     return lines
 
@@ -600,8 +600,8 @@ def report_eval(args, plan: EvalPlan, table, used_chat: bool, meta: dict, t0: fl
         what = f"{d.label}, model={plan.model}{chat_part}, n={n_text(plan.n)} per task and length"
     meta["metric"] = d.metric
     meta["seconds"] = seconds = time.perf_counter() - t0
-    took = f"{seconds:.0f} s" if not resumed_s else \
-        f"{seconds - resumed_s:.0f} s (this run; {seconds:.0f} s with the stored run it resumed)"
+    took = duration_text(seconds) if not resumed_s else \
+        f"{duration_text(seconds - resumed_s)} (this run; {duration_text(seconds)} with the stored run it resumed)"
     print(f"\n{what}, seed={args.seed}, {took}")
     if args.json_path is not None:
         print(f"wrote {write_json(table, args.json_path, meta=meta)}")
@@ -632,11 +632,11 @@ def _interrupted(finished: list[dict], columns, json_path, meta: dict, t0: float
     if not finished:
         where = " before any cell finished; nothing was written"
     elif json_path is None:
-        where = f"; {len(finished)} cell(s) had finished (no --json to write them to)"
+        where = f"; {plural(len(finished), 'cell')} had finished (no --json to write them to)"
     else:
         meta = {**meta, "interrupted": True, "seconds": time.perf_counter() - t0}
         path = write_json(pd.DataFrame(finished, columns=list(columns)), json_path, meta=meta)
-        where = f"; the {len(finished)} finished cell(s) are in {path} (\"interrupted\": true in its meta)"
+        where = f"; what finished ({plural(len(finished), 'cell')}) is in {path} (\"interrupted\": true in its meta)"
     # the form of `run`'s and of every other command's interrupt line (tdutils.cli.main)
     print(f"python -m tdutils eval: interrupted{where}", file=sys.stderr, flush=True)
     return INTERRUPTED

@@ -37,7 +37,7 @@ from ..edit import policy_granularity
 from ..engines import engine_class, engine_kinds
 from ..eval.common import check_output_path
 from ..eval.tasks import SAMPLES, dataset_task, get_task, load_rows, score_rows, task_names
-from ..metrics import duration_text
+from ..metrics import duration_text, plural
 from ..models import check_context_lengths, context_window, resolve_model
 from ..policies import get_policy, policy_names
 from ..ruler import ContextTooShort
@@ -290,7 +290,7 @@ def plan_run(args) -> RunPlan:
                          f"task's template and needles; this tokenizer needs at least {exc.need} tokens: give a "
                          "larger --context-length") from None
     if generated:
-        print(f"dataset {args.dataset}: {len(rows)} prompts of {args.context_length} tokens, chat template "
+        print(f"dataset {args.dataset}: {plural(len(rows), 'prompt')} of {args.context_length} tokens, chat template "
               f"{'applied' if rows[0].meta.get('chat_template') else 'not applied'}", flush=True)
     scored = [] if random_weights else [r for r in rows if r.answer is not None]
     task = None
@@ -346,7 +346,7 @@ def open_run_engine(args, plan: RunPlan):
                          query_window=plan.policy.rows(plan.settings), chat_template=args.chat_template, **servers)
     prompt_ids = engine.tokenize(plan.rows)  # text rows wrapped in the chat template here; generated rows are ids
     if not plan.generated:
-        print(f"dataset {args.dataset}: {len(plan.rows)} prompts, chat template "
+        print(f"dataset {args.dataset}: {plural(len(plan.rows), 'prompt')}, chat template "
               f"{'applied' if uses_chat_template(engine.tokenizer, args.chat_template) else 'not applied'}", flush=True)
     plan.kv_budget = set_kv_budget(args, engine, prompt_ids)
     longest, shortest = max(map(len, prompt_ids)), min(map(len, prompt_ids))
@@ -494,7 +494,7 @@ def _write_interrupted(args, plan: RunPlan, out, stop: Interrupted) -> int:
               "gold": [r.answer for r in plan.rows], "runs": [m.to_dict() for m in stop.runs]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
-    print(f"python -m tdutils run: interrupted; the {len(stop.runs)} finished run(s) are in {out} "
+    print(f"python -m tdutils run: interrupted; what finished ({plural(len(stop.runs), 'run')}) is in {out} "
           f"(\"interrupted\": true)", file=sys.stderr)
     return INTERRUPTED
 
