@@ -434,3 +434,16 @@ def test_run_says_when_a_policy_stores_more_than_its_ratio_asks(tmp_path, capsys
     note = f"adakv_snapkv@0.5 stores {kept:.2f} of the prompt's KV tokens, not 1 - 0.5 = 0.50"
     assert note in got.out and any(n.startswith(note) for n in report["notes"]), got.out
     assert "--repeats 1" not in got.out
+
+
+@pytest.mark.parametrize("device, msg", [
+    ("meta", "device 'meta' holds tensor shapes, not data, so nothing can run on it; give --device cpu, a GPU, or "
+             "omit it"),
+    ("cpu:7", "device 'cpu:7': torch has one CPU device, 'cpu', whose threads spread over the cores (--threads N "
+              "sets how many); give --device cpu"),
+])
+def test_run_refuses_a_device_nothing_runs_on_in_one_line(device, msg):
+    p = subprocess.run([sys.executable, "-m", "tdutils", "run", "--device", device], capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert p.returncode == 2 and p.stderr.strip() == f"python -m tdutils run: error: argument --device: {msg} (see " \
+                                                     f"--help)", p.stderr

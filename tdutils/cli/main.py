@@ -60,6 +60,7 @@ from .args import (
     drop_ratio,
     positive_float,
     positive_int,
+    run_device,
     report_error,
 )
 from .policy_options import checked_params, policy_arguments, policy_params
@@ -178,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "note says when the repeats disagree (a busy machine); 1 for a quick look (default: 3)")
     policy_arguments(run)  # --window, --n-sink, --kernel-size, ...: one per policy parameter
     add_dtype_option(run, "auto", " (default: auto)")
-    run.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    run.add_argument("--device", type=run_device, default=None,
+                     help="torch device (default: cuda when available, else cpu)")
     add_threads_option(run, "; the JSON records the threads used")
     run.add_argument("--json", dest="json_path", default="runs/run.json",
                      help="where to write the metrics as JSON (default: runs/run.json); a run stopped with Ctrl-C "
