@@ -59,7 +59,8 @@ def test_the_engine_runs_decode_steps_and_only_them_through_it(monkeypatch):
     calls = []
     real = attention.decode_attention
     monkeypatch.setattr(attention, "decode_attention", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    eng = HFEngine("tiny-qwen3", dtype="float32", progress=False)
+    # transformers' forward (the lean step calls the kernel itself: tests/test_lean_step.py)
+    eng = HFEngine("tiny-qwen3", dtype="float32", progress=False, lean_decode=False)
     eng.prefill([[5, 6, 7, 8, 9], [10, 11, 12]])
     assert calls == []  # prefill: sdpa
     eng.decode(max_tokens=3)

@@ -88,6 +88,9 @@ inline void logits16(const float* qs, const KV* kb, int64_t kst, int64_t t0, int
                      float* buf) {
   for (int r = 0; r < 16; ++r) {
     const KV* row = kb + (t0 + r) * kst;
+    // the row 32 ahead, into L1: one core's sequential stream alone kept fp32 keys at ~7 GB/s on an AMX Xeon
+    // (1.74 -> 1.54-1.64 ms per SmolLM2 layer at 4 x 2048 with this; bf16 unchanged)
+    for (int c = 0; c < D * (int)sizeof(KV); c += 64) _mm_prefetch((const char*)(row + 32 * kst) + c, _MM_HINT_T0);
     for (int c = 0; c < D; c += 16) _mm512_storeu_ps(buf + r * D + c, load16(row + c));
   }
   for (int64_t j = 0; j < g; ++j) {
@@ -140,6 +143,8 @@ inline void weighted_values(const float* p, const KV* vb, int64_t vst, const uin
       for (int64_t t = 0; t < T; ++t) {
         if (!live[t]) continue;
         const KV* row = vb + t * vst + c0 * 16;
+        for (int c = 0; c < CB * 16 * (int)sizeof(KV); c += 64)
+          _mm_prefetch((const char*)(row + 32 * vst) + c, _MM_HINT_T0);
         __m512 x[CB];
         for (int c = 0; c < CB; ++c) x[c] = load16(row + c * 16);
         for (int jj = 0; jj < 4; ++jj) {
