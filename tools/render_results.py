@@ -411,7 +411,7 @@ def engine_changes() -> str:
 
 # per precision: the latest stored peer_openvino runs (1 and 2 threads each) and the engine's decode step in them.
 # bf16: OpenVINO 2026.4.1 cannot run bf16 on the AMX machine of the lean step's runs (docs/peer_openvino.md)
-OPENVINO_LATEST = {"float32": ("jk", "lean decode step"), "bfloat16": ("hi", "compiled decode attention")}
+OPENVINO_LATEST = {"float32": ("lm", "lean decode step"), "bfloat16": ("hi", "compiled decode attention")}
 
 
 def _openvino_ratio(name: str) -> float:
@@ -953,6 +953,8 @@ PEER_OPENVINO_SERIES = {
         "float32_2t_i", "bfloat16_2t_i", "float32_1t_i", "bfloat16_1t_i")),
     "peer_openvino_lean_runs": ("lean step + compiled kernels (tdutils.engines.lean_step)", (
         "float32_1t_j", "float32_2t_j", "float32_2t_k", "float32_1t_k")),
+    "peer_openvino_prefetch_runs": ("lean step, attention kernel with prefetch (3850901)", (
+        "float32_1t_l", "float32_2t_l", "float32_2t_m", "float32_1t_m")),
 }
 for _block, (_label, _runs) in PEER_OPENVINO_SERIES.items():
     _named = {f"peer_openvino_smollm2_{run}": _label for run in _runs}
