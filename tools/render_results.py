@@ -700,6 +700,7 @@ BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
 
 # ------------------------------------------------------------------- the paired real-model leaderboard (issue 43)
 LEADERBOARD_RUNS = ("leaderboard_smollm2_2048",)
+LEADERBOARD_IN_PROGRESS = ("leaderboard_smollm2_4096",)  # runs resumed session by session: their cells so far
 
 
 def _measure_value(measure: str, value: float) -> str:
@@ -752,9 +753,12 @@ def _leaderboard_source(stored: str, m: dict) -> str:
     threads = T.threads(threads) if isinstance(threads, int) else "; ".join(
         f"{T.threads(n)} ({', '.join(f'`{t}`' for t, k in threads.items() if k == n)})"
         for n in sorted(set(threads.values()), reverse=True))
+    # a run still in progress (stored by its last checkpoint) was paused for other work: its seconds measure nothing
+    took = "in progress, resumed with `--resume`" if m.get("interrupted") else \
+        f"{_minutes(m['seconds'])} of wall time on the shared 2 cores"
     return _source(stored, f"model `{m['model']}`", f"{dtype} weights, activations and KV cache",
-                   f"chat template {m['chat_template']}", _seed(m["seed"]), threads,
-                   f"{_minutes(m['seconds'])} of wall time on the shared 2 cores")
+                   f"chat template {m.get('chat_template', m.get('chat_template_option'))}", _seed(m["seed"]),
+                   threads, took)
 
 
 def _separated(rank) -> set:
@@ -878,7 +882,8 @@ def leaderboard_summary(stored: str) -> str:
                       + _source(stored)])
 
 
-BLOCKS.update({f"{name}_cells": (lambda name=name: leaderboard_cells(name), (name,)) for name in LEADERBOARD_RUNS})
+BLOCKS.update({f"{name}_cells": (lambda name=name: leaderboard_cells(name), (name,))
+               for name in LEADERBOARD_RUNS + LEADERBOARD_IN_PROGRESS})
 BLOCKS.update({f"{name}_ranking": (lambda name=name: leaderboard_ranking(name), (name,)) for name in LEADERBOARD_RUNS})
 BLOCKS.update({f"{name}_summary": (lambda name=name: leaderboard_summary(name), (name,)) for name in LEADERBOARD_RUNS})
 BLOCKS["leaderboard_turnaround"] = (lambda: leaderboard_turnaround("leaderboard_smollm2_2048_timed", LEADERBOARD_RUNS[0]),
