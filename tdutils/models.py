@@ -367,6 +367,27 @@ def check_device(device: str | torch.device | None) -> torch.device | None:
     return dev
 
 
+def check_compute_device(device: str | torch.device | None, *, option: str = "device") -> torch.device | None:
+    """`check_device`, and a device a model can compute on: not `meta` (shapes only) nor a CPU index (`cpu:7`; torch
+    has one CPU device, whose threads `torch.set_num_threads` sets). `option` names the setting in the message
+    (`"--device"` for the CLI).
+
+    Raises:
+        ValueError: what `check_device` raises; `meta`; `cpu:N` with N > 0. The message says what to give instead.
+    """
+    dev = check_device(device)
+    if dev is None:
+        return None
+    cpu = f"{option} cpu" if option.startswith("--") else f'{option}="cpu"'
+    threads = "--threads N" if option.startswith("--") else "torch.set_num_threads(N)"
+    if dev.type == "meta":
+        raise ValueError(f"device 'meta' holds tensor shapes, not data, so nothing can run on it; give {cpu}, a GPU, "
+                         f"or omit it")
+    if dev.type == "cpu" and (dev.index or 0) > 0:
+        raise ValueError(f"device {str(device)!r}: torch has one CPU device, 'cpu', whose threads spread over the "
+                         f"cores ({threads} sets how many); give {cpu}")
+    return dev
+
 def load_tokenizer(name_or_path: str | ModelRef, *, progress: bool = True):
     """Load the tokenizer of a model (any name `resolve_model` takes, or its `ModelRef`): the checkpoint's own,
     the bundled word-level one, or the id tokenizer of a `random:` model (`ModelRef.tokenizer`).

@@ -447,3 +447,21 @@ def test_run_refuses_a_device_nothing_runs_on_in_one_line(device, msg):
                        timeout=300, check=False)
     assert p.returncode == 2 and p.stderr.strip() == f"python -m tdutils run: error: argument --device: {msg} (see " \
                                                      f"--help)", p.stderr
+
+
+@pytest.mark.parametrize("device, msg", [
+    ("meta", "device 'meta' holds tensor shapes, not data, so nothing can run on it; give device=\"cpu\", a GPU, or "
+             "omit it"),
+    ("cpu:7", "device 'cpu:7': torch has one CPU device, 'cpu', whose threads spread over the cores "
+              "(torch.set_num_threads(N) sets how many); give device=\"cpu\""),
+])
+def test_engine_refuses_a_device_nothing_runs_on_before_loading(device, msg, monkeypatch):
+    import tdutils.engines.hf as hf
+
+    def never(*a, **k):
+        raise AssertionError("the model loaded before the device was checked")
+
+    monkeypatch.setattr(hf, "load_model", never)
+    with pytest.raises(ValueError) as exc:
+        hf.HFEngine("tiny-qwen3", device=device)
+    assert str(exc.value) == msg

@@ -283,13 +283,14 @@ def test_resume_refuses_a_grid_that_would_drop_stored_cells_and_extends_a_larger
 
 @pytest.mark.parametrize("option, values", [("--drop-ratios", ["0.5", "0.5"]), ("--policies", ["full", "full"]),
                                             ("--context-lengths", ["128", "128"])])
-def test_a_value_given_twice_is_refused(option, values):
+def test_a_value_given_twice_is_refused(option, values, capsys):
     argv = ["--tasks", "niah_single", "--model", "tiny-qwen3-ruler", "--n", "2", "--quiet", "--policies", "full",
             "random", "--drop-ratios", "0.5", "--context-lengths", "128"]
     i = argv.index(option)
     argv[i + 1:i + (3 if option == "--policies" else 2)] = values
     with pytest.raises(ValueError, match="more than once; give each once"):
         run(_args(argv))
+    assert "grid:" not in capsys.readouterr().out  # refused before the plan of a grid that will not run
 
 
 def test_task_table_leaves_out_the_columns_no_row_has():

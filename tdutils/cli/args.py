@@ -142,22 +142,14 @@ def positive_int(text: str) -> int:
 
 
 def run_device(text: str) -> str:
-    """argparse type: a torch device this machine has that a run can compute on (`tdutils.models.check_device`;
-    not `meta`, which holds shapes only, nor a CPU index: torch has one CPU device, whose threads `--threads` sets)."""
-    import torch
-
-    from ..models import check_device  # cost: torch and transformers, only when --device is given
+    """argparse type: a torch device this machine has that a run can compute on
+    (`tdutils.models.check_compute_device`: not `meta`, nor a CPU index)."""
+    from ..models import check_compute_device  # cost: torch and transformers, only when --device is given
 
     try:
-        dev = check_device(text)
+        check_compute_device(text, option="--device")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if dev.type == "meta":
-        raise argparse.ArgumentTypeError("device 'meta' holds tensor shapes, not data, so nothing can run on it; give "
-                                         "--device cpu, a GPU, or omit it")
-    if dev == torch.device("cpu", dev.index) and (dev.index or 0) > 0:
-        raise argparse.ArgumentTypeError(f"device {text!r}: torch has one CPU device, 'cpu', whose threads spread over "
-                                         f"the cores (--threads N sets how many); give --device cpu")
     return text
 
 

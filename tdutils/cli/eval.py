@@ -55,6 +55,7 @@ from ..eval.runner import (
     TASK_BATCH_SIZE,
     TASK_COLUMNS,
     _open_engine,
+    check_task_grid,
     grid_size,
     lengths_eval,
     split_granularity,
@@ -312,6 +313,9 @@ def run(args) -> int:
         raise ValueError("--resume continues task grids (--tasks ...); the passkey grid of context lengths reruns "
                          "whole: drop --resume, or give another --json to keep the stored run")
     resume = getattr(args, "resume", False)
+    if not plan.lengths_layout:  # a grid the runner would refuse (a policy listed twice, ...) before its plan prints
+        check_task_grid(plan.tasks, plan.modes, plan.policies, plan.ratios, plan.lengths, [], n=plan.n,
+                        batch_size=TASK_BATCH_SIZE, max_tokens=plan.max_tokens)
     done, before, stored = _resume_rows(args.json_path, meta) if resume else ([], 0.0, {})
     for line in plan_lines(plan, stored=len(done)):
         print(line, flush=True)

@@ -44,7 +44,7 @@ from ..compression import Compression
 from ..edit import DropFn
 from ..kvcache import CacheKind, check_kv
 from ..metrics import DecodeMetrics, RunMetrics
-from ..models import _torch_dtype, load_model, model_facts
+from ..models import _torch_dtype, check_compute_device, load_model, model_facts
 from ..outputs import RequestOutput, answer_text
 from ..policies.scoring import window_attention
 from .base import Engine, register_engine, tokenize_extensions
@@ -136,7 +136,8 @@ class HFEngine(Engine):
         tokenizer: tokenizer when `model` is a model object.
         dtype, device, attn_implementation: passed to `tdutils.models.load_model` (attention default `"sdpa"`).
             With a model object they describe it as it is: one that disagrees (e.g. `attn_implementation="eager"`
-            for an sdpa model) raises ValueError instead of being ignored; set it on the model first.
+            for an sdpa model) raises ValueError instead of being ignored; set it on the model first. `device`
+            must be one a model computes on (`tdutils.models.check_compute_device`: not `"meta"`, not `"cpu:7"`).
             `dtype="bfloat16"` / `"float16"` are for speed and memory, not for fidelity: rounding moves greedy
             decoding off fp32's tokens within a few tokens on small models, and the engine's batched bf16
             arithmetic off bf16 `model.generate`'s too (docs/models.md, "Half precision"); compare policies in fp32.
@@ -202,6 +203,7 @@ class HFEngine(Engine):
             raise ValueError(f"give kv_budget_tokens or kv_budget_bytes, not both (got {kv_budget_tokens} tokens and "
                              f"{kv_budget_bytes} bytes)")
         check_count(prefill_batch_size, "prefill_batch_size", 1)
+        check_compute_device(device)  # before the model loads
         if isinstance(model, str):
             self.model_name = model
             self.model, self.tokenizer = load_model(model, dtype=dtype, device=device, progress=progress,

@@ -88,12 +88,6 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor, ops) -> torch.Tensor:
     return out
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x * cos + rotate_half(x) * sin` (transformers' `apply_rotary_pos_emb`), x `[B, H, 1, d]`, cos/sin `[B, 1, 1, d]`."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class LeanDecodeStep:
     """One decode step of a `LEAN_FAMILIES` model over a `SlotKVStore`: the model's forward without its wrapping.
 
@@ -123,6 +117,8 @@ class LeanDecodeStep:
         self.mask_types = types
         self.sandwich = hasattr(self.layers[0], "pre_feedforward_layernorm")  # Gemma's four norms per layer
         self.logit_cap = getattr(config, "final_logit_softcapping", None)
+        # the modeling module's own rotary application, for steps without the compiled ops
+        self._apply_rope = inspect.getmodule(type(self.layers[0].self_attn)).apply_rotary_pos_emb
         # every module the step calls past (linears are called, so their hooks and forwards apply)
         self._modules = [m for m in model.modules() if not isinstance(m, nn.Linear)]
 
@@ -148,10 +144,10 @@ class LeanDecodeStep:
         h = body.embed_tokens(input_ids)  # [B, 1, D]
         B = h.shape[0]
         ops = self._ops(h, store)
-        rotary = {}  # layer type -> (cos, sin): [B, d] for the compiled op, else [B, 1, 1, d]
+        rotary = {}  # layer type -> (cos, sin): [B, d] for the compiled op, else [B, 1, d]
         for t in dict.fromkeys(self.rotary_types):
             cos, sin = body.rotary_emb(h, position_ids, t) if t is not None else body.rotary_emb(h, position_ids)
-            rotary[t] = (cos.contiguous(), sin.contiguous()) if ops is not None else (cos[:, None], sin[:, None])
+            rotary[t] = (cos.contiguous(), sin.contiguous()) if ops is not None else (cos, sin)
         masks = mask if isinstance(mask, dict) else {t: mask for t in set(self.mask_types)}
         if ops is not None:  # the attention kernel's [B, 1, cols] masks, boolean or fp32 additive, once per step
             masks = {t: None if m is None else (m[:, :, 0, :] if m.dtype in (torch.bool, torch.float32)
@@ -175,8 +171,7 @@ class LeanDecodeStep:
                 ops.decode_attention_out(qf, keys, values, m, a.scaling, out)
                 o = out.to(h.dtype)  # [B, Hq, d]
             else:
-                q = _rotate(q[:, :, None], cos, sin)  # [B, Hq, 1, d]
-                k = _rotate(k[:, :, None], cos, sin)  # [B, H_kv, 1, d]
+                q, k = self._apply_rope(q[:, :, None], k[:, :, None], cos, sin)  # [B, Hq, 1, d], [B, H_kv, 1, d]
                 keys, values = store.write(i, k, v[:, :, None])  # [B, H_kv, cols, d] views of the store
                 o = attention.decode_attention(q, keys, values, m, a.scaling)  # [B, 1, Hq, d]
             o = a.o_proj(o.reshape(B, 1, -1))
