@@ -10,6 +10,8 @@ summarise. The accuracy regression on the trained model lives in `tests/test_acc
 import argparse
 import json
 import re
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -406,3 +408,27 @@ def test_group_lines_of_modes_computed_in_one_pass(engine):
     assert len(logged) == 2, logged
     assert re.search(r" aware: .*\(\d+\.\d s, the aware and agnostic cells together\)$", logged[0]), logged
     assert logged[1].endswith("(computed with the aware cells above)"), logged
+
+
+def test_eval_into_a_closed_pipe_stops_quietly_with_status_141(tmp_path):
+    # `python -m tdutils eval ... | head -1`: the reader goes away; the command stops as a pipe's writer does, at
+    # its first line (the grid's plan), and prints no error or traceback
+    out = tmp_path / "eval.json"
+    p = subprocess.Popen([sys.executable, "-m", "tdutils", "eval", "--tasks", "niah_single", "--policies", "full",
+                          "--n", "1", "--context-lengths", "128", "--mode", "aware", "--json", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=300) == 141, err
+    assert "Error" not in err and "Traceback" not in err and not out.exists(), err
+
+
+def test_a_tdutils_warning_prints_as_one_line_without_the_source(capsys, tmp_path):
+    from tdutils.cli.main import main
+
+    rc = main(["eval", "--tasks", "niah_single", "--policies", "full", "snapkv", "--drop-ratios", "1", "--n", "1",
+               "--context-lengths", "128", "--mode", "aware", "--quiet", "--json", str(tmp_path / "e.json")])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "tdutils: warning: drop_ratio=1 keeps only the tokens snapkv always keeps" in err, err
+    assert "UserWarning" not in err and ".py:" not in err, err

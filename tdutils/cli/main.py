@@ -22,6 +22,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -594,23 +595,49 @@ def _preload(command: str) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
 
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])  # tdutils/
+BROKEN_PIPE = 141  # exit status of a writer whose reader went away (`| head`): 128 + SIGPIPE, what a shell reports
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """`warnings.showwarning` for the commands: tdutils' own warnings as one `tdutils: warning: ...` line (they
+    are written for the user, the source line says nothing to them), any other library's as Python prints it."""
+    if str(filename).startswith(_PACKAGE_DIR):
+        print(f"tdutils: warning: {message}", file=sys.stderr if file is None else file, flush=True)
+    else:
+        _SHOW_WARNING(message, category, filename, lineno, file, line)
+
+
+_SHOW_WARNING = warnings.showwarning
+
+
 def main(argv=None) -> int:
     """Parse `argv`, run the subcommand and return its exit status: bad input in one line with status 2,
     anything else (a bug) with its traceback and a line asking for a report, status 1 (`args.report_error`);
     Ctrl-C in one line with status 130 (`INTERRUPTED`; `run` and `eval` first write what they finished), SIGTERM
-    likewise with status 143."""
+    likewise with status 143; a closed output pipe (`| head`) quietly with status 141. tdutils' own warnings print
+    as one `tdutils: warning: ...` line."""
     args = build_parser().parse_args(argv)
+    shown = warnings.showwarning
+    warnings.showwarning = _show_warning
     try:
         _preload(args.command)  # while Ctrl-C still ends the process at once (tdutils.cli.startup, tdutils/__init__.py)
         interrupt_as_exception()  # from here the commands catch KeyboardInterrupt and keep what they finished
         status = args.func(args)
         return interrupted_status() if status == INTERRUPTED else status  # SIGTERM: 143, as a shell reports it
+    except BrokenPipeError:  # the reader of stdout went away: stop as a pipe's writer does, without a message
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor one at exit, flushing into the pipe
+        return BROKEN_PIPE
     except KeyboardInterrupt:  # Ctrl-C before a subcommand had results to keep (run and eval keep theirs)
         print(f"python -m tdutils {args.command}: interrupted; nothing was written", file=sys.stderr)
         return interrupted_status()
     except Exception as exc:  # noqa: BLE001 - every error is reported, bugs with their traceback
         # name the subcommand, as argparse does for a bad option: "python -m tdutils eval: error: ..."
         return report_error(exc, prog=f"python -m tdutils {args.command}")
+    finally:
+        warnings.showwarning = shown
 
 
 if __name__ == "__main__":
