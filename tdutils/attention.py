@@ -361,26 +361,70 @@ def _decode_fits(query, key, mask, kwargs) -> bool:
             and (mask is None or (mask.dim() == 4 and mask.shape[2] == 1)) and _plain_softmax(kwargs))
 
 
-def _masked_gqa_fits(module, query, key, mask, kwargs) -> bool:
-    """A masked multi-token forward of a GQA layer on the CPU that `sdpa` can take with `enable_gqa` (no
-    soft-capping, sinks, position bias, dropout or attention weights asked for)."""
+def _masked_fits(module, query, key, mask, kwargs) -> bool:
+    """A masked multi-token forward on the CPU that `_masked_sdpa` can take (no soft-capping, sinks, position bias,
+    dropout or attention weights asked for)."""
     return (query.device.type == "cpu" and mask is not None and mask.dim() == 4 and query.shape[2] > 1
-            and query.shape[1] != key.shape[1] and query.shape[1] % key.shape[1] == 0
+            and query.shape[1] % key.shape[1] == 0
             and _plain_softmax({**kwargs, "dropout": 0}) and not (kwargs.get("dropout") and module.training)
             and kwargs.get("position_bias") is None and not kwargs.get("output_attentions"))
 
 
-def _masked_gqa_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                     scaling: float | None) -> torch.Tensor:
-    """transformers' `sdpa` attention of a masked GQA forward without `repeat_kv`: torch's CPU kernel reads KV head
-    `h // g` for query head `h` (`enable_gqa`), where transformers copies every key and value `g` times whenever a
-    mask is given (the engine's prefill of unequal prompts, `extend`, teacher forcing). Same kernel, same sums.
+QUERY_BLOCK = 256  # query rows per `sdpa` call of a banded masked forward (`_key_spans`)
+
+
+def _key_spans(mask: torch.Tensor, block: int | None = None) -> list[tuple[int, int, int, int]] | None:
+    """The `(q0, q1, k0, k1)` key span each block of `block` (default `QUERY_BLOCK`) query rows attends to in `mask` (`[B, 1 or H, M, T]`,
+    boolean keep or additive): keys `k0:k1` hold every key any row of the block (in any batch row and head) may
+    see. None where blocks would not save a quarter of the work (a short forward, a mask without a band) or a
+    block sees no key at all (left to `sdpa` as a whole)."""
+    M, T = mask.shape[-2:]
+    block = block or QUERY_BLOCK
+    if M < 2 * block:
+        return None
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+    rows = allowed.flatten(0, 1).any(dim=0)  # [M, T]
+    spans = []
+    for q0 in range(0, M, block):
+        q1 = min(q0 + block, M)
+        cols = rows[q0:q1].any(dim=0).nonzero()
+        if cols.numel() == 0:
+            return None
+        spans.append((q0, q1, int(cols[0]), int(cols[-1]) + 1))
+    if sum((q1 - q0) * (k1 - k0) for q0, q1, k0, k1 in spans) > 0.75 * M * T:
+        return None
+    return spans
+
+
+def _masked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                 scaling: float | None) -> torch.Tensor:
+    """transformers' `sdpa` attention of a masked multi-token forward (the engine's prefill of unequal prompts,
+    sliding-window layers, `extend`, teacher forcing), with two savings:
+
+    - GQA without `repeat_kv`: torch's CPU kernel reads KV head `h // g` for query head `h` (`enable_gqa`), where
+      transformers copies every key and value `g` times whenever a mask is given. Same kernel, same sums.
+    - Banded masks in blocks: a sliding window (Gemma 3's local layers) or a causal mask over a long forward runs
+      one `sdpa` call per `QUERY_BLOCK` query rows over the keys that block may see (`_key_spans`), where the
+      masked kernel would visit all `T` keys of every row (at 2048 tokens and a 512-token window, 2.6x less work).
+      The keys left out are masked for every row of the block, so only the order of the softmax sums changes.
 
     query `[B, Hq, M, d]`, key / value `[B, H_kv, T, d]`, mask `[B, 1 or Hq, M, T]` (boolean or additive) ->
     `[B, M, Hq, d]` (transformers' attention output layout)."""
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask[..., :key.shape[2]],
-                                                           scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous()
+    mask = mask[..., :key.shape[2]]
+    gqa = query.shape[1] != key.shape[1]
+    spans = _key_spans(mask)
+    if spans is None:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                                               enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous()
+    B, Hq, M, _ = query.shape
+    out = torch.empty(B, M, Hq, value.shape[-1], dtype=query.dtype, device=query.device)  # [B, M, Hq, d]
+    for q0, q1, k0, k1 in spans:
+        part = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], attn_mask=mask[..., q0:q1, k0:k1],
+            scale=scaling, enable_gqa=gqa)  # [B, Hq, q1 - q0, d]
+        out[:, q0:q1] = part.transpose(1, 2)
+    return out
 
 
 class recording:
@@ -406,8 +450,8 @@ def _wrap(base: str):
             _active.record(module.layer_idx, query, key, kwargs)
         if _slot_decode and base == "sdpa" and _decode_fits(query, key, attention_mask, kwargs):
             return decode_attention(query, key, value, attention_mask, kwargs.get("scaling")), None
-        if base == "sdpa" and _masked_gqa_fits(module, query, key, attention_mask, kwargs):
-            return _masked_gqa_sdpa(query, key, value, attention_mask, kwargs.get("scaling")), None
+        if base == "sdpa" and _masked_fits(module, query, key, attention_mask, kwargs):
+            return _masked_sdpa(query, key, value, attention_mask, kwargs.get("scaling")), None
         if base == "eager":
             # each modeling file defines its own eager attention (GQA repeat, softcapping, ...)
             fn = sys.modules[type(module).__module__].eager_attention_forward

@@ -78,26 +78,66 @@ class _Layer(torch.nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["bool", "additive"])
-def test_masked_gqa_forward_is_transformers_sdpa_without_repeat_kv(dtype, kind):
+@pytest.mark.parametrize("groups", [3, 1])
+def test_masked_forward_is_transformers_sdpa_without_repeat_kv(dtype, kind, groups):
     """A masked multi-token GQA forward (prefill of unequal prompts, extend) runs sdpa with `enable_gqa`: the same
     numbers transformers' sdpa gives after copying each key and value `g` times."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     gen = torch.Generator().manual_seed(3)
-    B, H, g, M, T, d = 2, 2, 3, 5, 12, 16
+    B, H, g, M, T, d = 2, 2, groups, 5, 12, 16
     q = torch.randn(B, H * g, M, d, generator=gen).to(dtype)
     k, v = (torch.randn(B, H, T, d, generator=gen).to(dtype) for _ in range(2))
     keep = torch.rand(B, 1, M, T, generator=gen) > 0.3
     keep[..., -1] = True
     mask = keep if kind == "bool" else torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, torch.finfo(dtype).min)
     layer = _Layer().eval()
-    assert attention._masked_gqa_fits(layer, q, k, mask, {"scaling": 0.25})
-    assert not attention._masked_gqa_fits(layer, q, k, None, {})  # no mask: transformers uses enable_gqa itself
-    assert not attention._masked_gqa_fits(layer, q, k, mask, {"softcap": 30.0})
+    layer.num_key_value_groups = groups
+    assert attention._masked_fits(layer, q, k, mask, {"scaling": 0.25})
+    assert not attention._masked_fits(layer, q, k, None, {})  # no mask: transformers uses enable_gqa itself
+    assert not attention._masked_fits(layer, q, k, mask, {"softcap": 30.0})
     ref, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.25)  # [B, M, Hq, d]
-    out = attention._masked_gqa_sdpa(q, k, v, mask, 0.25)
+    out = attention._masked_sdpa(q, k, v, mask, 0.25)
     assert out.shape == ref.shape and out.is_contiguous()
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def _sliding(T: int, window: int) -> torch.Tensor:
+    i = torch.arange(T)
+    return (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)  # [T, T]: key j visible to query i
+
+
+def test_key_spans_of_a_sliding_window_mask_by_hand():
+    mask = _sliding(1024, 300)[None, None]  # [1, 1, 1024, 1024]
+    # rows 0-255 see keys 0-255; rows 256-511 from max(0, 256 - 299) = 0 to 511; rows 512-767 from 213; rows 768-
+    # 1023 from 469
+    assert attention._key_spans(mask, 256) == [(0, 256, 0, 256), (256, 512, 0, 512), (512, 768, 213, 768),
+                                               (768, 1024, 469, 1024)]
+    assert attention._key_spans(mask[..., :400, :400], 256) is None  # shorter than two blocks: one sdpa call
+    assert attention._key_spans(torch.ones(1, 1, 1024, 1024, dtype=torch.bool), 256) is None  # no band: no saving
+    holes = mask.clone()
+    holes[..., 256:512, :] = False
+    assert attention._key_spans(holes, 256) is None  # a block that sees no key: left to sdpa as a whole
+    additive = torch.zeros(mask.shape).masked_fill_(~mask, torch.finfo(torch.float32).min)
+    assert attention._key_spans(additive, 256) == attention._key_spans(mask, 256)
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_a_banded_masked_forward_in_blocks_matches_one_sdpa_call(kind):
+    """Gemma 3's sliding layers over a long prefill with a left-padded row: the blocked forward sums over the same
+    visible keys as one masked `sdpa` call (fp32: equal up to the order of the sums)."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, g, T, d = 2, 1, 4, 1100, 32
+    q = torch.randn(B, H * g, T, d, generator=gen)
+    k, v = (torch.randn(B, H, T, d, generator=gen) for _ in range(2))
+    keep = _sliding(T, 300)[None, None].repeat(B, 1, 1, 1)  # [B, 1, T, T]
+    keep[1, :, :, :40] = False  # row 1: 40 tokens of left padding, each padding query sees only itself
+    keep[1, :, torch.arange(40), torch.arange(40)] = True
+    mask = keep if kind == "bool" else torch.zeros(keep.shape).masked_fill_(~keep, torch.finfo(torch.float32).min)
+    assert attention._key_spans(mask) is not None
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2, enable_gqa=True)
+    out = attention._masked_sdpa(q, k, v, mask, 0.2)  # [B, T, Hq, d]
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-6)
 
 
 def test_the_wide_cache_writes_in_place_and_refuses_overflow():

@@ -327,3 +327,27 @@ def test_original_positions_on_a_sliding_model_recover_a_plain_modify_fns_kept_p
     assert torch.equal(eng.kv(0), before)
     eng.modify(halve_and_scale, positions="compact")  # compact positions need nothing more
     assert eng.kv(0).shape[2] == (T + 1) // 2
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral_sliding"])
+def test_a_long_prefill_runs_the_sliding_layers_in_blocks_and_decodes_as_generate(family, monkeypatch):
+    """Prompts longer than two query blocks (`attention.QUERY_BLOCK`, 64 here for the tiny models' 512 positions):
+    the sliding-window layers' masked prefill runs in blocks over the keys each block sees, and greedy decoding
+    still equals the model's own `generate`."""
+    from tdutils import attention
+
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 64)
+    taken = []
+    spans = attention._key_spans
+    monkeypatch.setattr(attention, "_key_spans", lambda *a, **k: taken.append(spans(*a, **k)) or taken[-1])
+    model = _model(family)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, 200, (n,), generator=g).tolist() for n in (300, 200)]
+    eng = _engine(family, kv_budget_tokens=None)
+    eng.prefill(prompts)
+    outs = eng.decode(4)
+    assert any(s is not None for s in taken), family  # some layer ran in blocks
+    for p, out in zip(prompts, outs):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(p):].tolist()
+        assert out.output_ids == ref, (family, out.output_ids, ref)

@@ -479,3 +479,22 @@ def lean_step(runs) -> str:
                      f"{statistics.median(v['transformers']):.1f}, {max(v['transformers']):.1f}",
                      f"{run['ratio']:.2f}", ", ".join(f"{a:.0%}" for a in run["token_agreement"])])
     return md_table(head, rows)
+
+
+def banded_prefill(runs) -> str:
+    """bench/banded_prefill.py's runs (one, or a list): per run its setting, each arm's median and best prefill
+    seconds, the speed-up (one call / blocks, medians) and how far apart the arms' caches are."""
+    import statistics
+
+    head = ["model", "dtype", "threads", "batch x tokens", "blocks s (median, best)", "one sdpa call s (median, best)",
+            "speed-up", "caches apart: mean, max abs (largest value)", "mean abs diff to fp32: blocks, one call"]
+    rows = []
+    for run in runs if isinstance(runs, list) else [runs]:
+        m, s = run["meta"], run["seconds"]
+        rows.append([m["model"], m["dtype"], str(m["torch_threads"]), f"{m['batch_size']} x {m['context_length']}",
+                     f"{statistics.median(s['blocks']):.2f}, {min(s['blocks']):.2f}",
+                     f"{statistics.median(s['one call']):.2f}, {min(s['one call']):.2f}", f"{run['ratio']:.2f}",
+                     f"{run['cache_mean_abs_diff']:.2g}, {run['cache_max_abs_diff']:.3g} ({run['cache_max_abs']:.3g})",
+                     "–" if not run.get("mean_abs_diff_to_float32") else
+                     ", ".join(f"{run['mean_abs_diff_to_float32'][a]:.3g}" for a in ("blocks", "one call"))])
+    return md_table(head, rows)
