@@ -72,6 +72,7 @@ def test_workers_need_a_model_name(tiny):
     (["--workers", "0"], "argument --workers: expected a positive integer, got 0"),
     (["--workers", "64"], "--workers 64 is more than the 2 CPU core(s)"),
     (["--workers", "2", "--threads", "1"], "--threads 1 is shared among --workers 2: each needs at least one thread"),
+    (["--device", "meta"], "argument --device: device 'meta' holds tensor shapes, not data"),
 ])
 def test_eval_refuses_bad_worker_options_in_one_line(monkeypatch, capsys, argv, message):
     import tdutils.cli.eval as cli_eval
@@ -86,3 +87,27 @@ def test_eval_refuses_bad_worker_options_in_one_line(monkeypatch, capsys, argv, 
     err = capsys.readouterr().err
     assert status == 2 and message in err and "Traceback" not in err, err
     assert len([line for line in err.splitlines() if "error" in line]) == 1, err
+
+
+def test_eval_on_a_gpu_is_one_process(monkeypatch):
+    """`--device cuda` (here a GPU pretended, checked before any model loads): the leaderboard's default of two
+    workers becomes one, and `--workers 2` is refused with what to give instead."""
+    import argparse
+
+    import tdutils.cli.eval as cli_eval
+
+    monkeypatch.setattr(cli_eval, "usable_cores", lambda: 2)
+    monkeypatch.setattr(cli_eval, "_on_cpu", lambda device: device in (None, "cpu"))
+    monkeypatch.setattr(cli_eval, "check_context_lengths", lambda *a, **k: None)
+    monkeypatch.setattr("tdutils.models.check_compute_device", lambda device, option="device": device)
+
+    def plan(*argv):
+        ap = argparse.ArgumentParser()
+        cli_eval.add_arguments(ap)
+        return cli_eval.plan_eval(ap.parse_args(["--tasks", "leaderboard", "--json", "/tmp/unused.json", *argv]))
+
+    assert (plan().workers, plan("--device", "cpu").workers) == (2, 2)
+    assert plan("--device", "cuda").workers == 1 and plan("--device", "cuda").device == "cuda"
+    with pytest.raises(ValueError, match="--workers 2 splits a CPU's cores among processes; a run on a GPU is one "
+                                         "process: drop --workers, or give --device cpu"):
+        plan("--device", "cuda", "--workers", "2")

@@ -69,7 +69,7 @@ from ..eval.tasks import GROUPS, MODES, RULER, SUITE_LABELS, SUITES, Defaults, g
 from ..metrics import duration_text, plural
 from ..models import check_context_lengths, context_window, resolve_model
 from ..policies import policy_names
-from .args import add_dtype_option, add_threads_option, check_threads, positive_int, usable_cores
+from .args import add_dtype_option, add_threads_option, check_threads, positive_int, run_device, usable_cores
 from .policy_options import checked_params, policy_arguments, policy_options, policy_params
 from .startup import INTERRUPTED
 
@@ -173,6 +173,9 @@ def add_arguments(parser) -> None:
     add_dtype_option(parser, None, f" (default: auto, the checkpoint's own, float32 for the bundled and packaged "
                                    f"models; '--tasks {LEADERBOARD}': bfloat16 on a GPU or a CPU with native "
                                    "bfloat16, else float32); the JSON records the dtype the model ran in")
+    parser.add_argument("--device", type=run_device, default=None,
+                        help="torch device (default: cuda when available, else cpu); --workers splits a CPU's cores, "
+                             "a run on a GPU is one process")
     add_threads_option(parser, ". The bundled models are tiny: 1 thread per run is fastest when several runs "
                                "share a machine")
     parser.add_argument("--workers", type=positive_int, default=None,
@@ -262,7 +265,7 @@ class EvalPlan:
         n: prompts per (task, length), an int when every task has the same, else `{task: n}` (`--n` unset: each
             task's own default; the leaderboard's own for its tasks); dtype: what the engine is opened with;
         dtype_note: why, when the leaderboard chose it (None otherwise); workers: `--workers`, and workers_note
-            why, when the leaderboard chose it.
+            why, when the leaderboard chose it; device: `--device` (None: cuda when available, else cpu).
     """
 
     tasks: list
@@ -281,6 +284,7 @@ class EvalPlan:
     dtype_note: str | None = None
     workers: int = 1
     workers_note: str | None = None
+    device: str | None = None
 
     @property
     def lengths_layout(self) -> bool:
@@ -370,7 +374,8 @@ def plan_eval(args) -> EvalPlan:
     dtype = dtype or "auto"
     threads = getattr(args, "threads", None)
     check_threads(threads)
-    workers, workers_note = _workers(getattr(args, "workers", None), threads, board)
+    device = getattr(args, "device", None)
+    workers, workers_note = _workers(getattr(args, "workers", None), threads, board, _on_cpu(device))
     most = max(n.values()) if isinstance(n, dict) else n
     if workers > most:  # a worker shares a task's prompts: one without a prompt would only load the model
         workers_note = (f"workers {most}: --n {most} gives each task at most {most} prompt(s) to share, so "
@@ -389,18 +394,30 @@ def plan_eval(args) -> EvalPlan:
     return EvalPlan(tasks, d, model, modes, policies, ratios, lengths, max_tokens,
                     {p: values for p, values in given.items() if values},
                     getattr(args, "chat_template", "auto") or "auto", threads, n, dtype, dtype_note, workers,
-                    workers_note)
+                    workers_note, device)
 
 
-def _workers(workers: int | None, threads: int | None, board) -> tuple[int, str | None]:
-    """`(workers, note)`: `--workers`, or the default (2 on the leaderboard with 2 usable cores and threads to
-    spare, else 1) and the line that says it was chosen.
+def _on_cpu(device: str | None) -> bool:
+    """Whether a run with `--device` (None: cuda when available, else cpu) computes on the CPU."""
+    import torch
+
+    return torch.device(device).type == "cpu" if device is not None else not torch.cuda.is_available()
+
+
+def _workers(workers: int | None, threads: int | None, board, on_cpu: bool = True) -> tuple[int, str | None]:
+    """`(workers, note)`: `--workers`, or the default (2 on the leaderboard on a CPU with 2 usable cores and
+    threads to spare, else 1) and the line that says it was chosen.
 
     Raises:
-        ValueError: more workers than usable cores, or `--threads` fewer than the workers."""
+        ValueError: more workers than usable cores, `--threads` fewer than the workers, or several workers for a
+            run on a GPU."""
     note = None
+    if workers is not None and workers > 1 and not on_cpu:
+        raise ValueError(f"--workers {workers} splits a CPU's cores among processes; a run on a GPU is one process: "
+                         f"drop --workers, or give --device cpu")
     if workers is None:
-        workers = 2 if board is not None and usable_cores() >= 2 and (threads is None or threads >= 2) else 1
+        workers = 2 if (board is not None and on_cpu and usable_cores() >= 2
+                        and (threads is None or threads >= 2)) else 1
         if workers > 1:
             note = (f"workers 2: the {LEADERBOARD}'s default on 2 or more cores (each process one thread on a core "
                     f"of its own); --workers 1 changes it")
@@ -551,8 +568,8 @@ def execute_eval(args, plan: EvalPlan, meta: dict, done: list, finished: list, t
     log = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     common = {"n": plan.n, "seed": args.seed, "max_tokens": plan.max_tokens, "log": log, "policy_params": plan.params,
               "partial": finished, "chat_template": plan.chat}
-    engine = _open_engine(None, plan.model, args.seed, dtype=plan.dtype)
-    meta["dtype"] = engine_dtype(engine)
+    engine = _open_engine(None, plan.model, args.seed, dtype=plan.dtype, device=plan.device)
+    meta["dtype"], meta["device"] = engine_dtype(engine), str(engine.device)
     if stored_dtype is not None and stored_dtype != meta["dtype"]:
         raise ValueError(f"--resume: {args.json_path} was run in {stored_dtype}, this run's model is "
                          f"{meta['dtype']}; give --dtype {stored_dtype}, or another --json")

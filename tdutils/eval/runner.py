@@ -268,12 +268,12 @@ def _run_on_workers(engine, model, workers: int, worker_threads: int | None, set
     threads = worker_threads or max(1, torch.get_num_threads() // workers)
     seed, policies, ratios, params = setup  # plain types: they are pickled to the spawned workers
     setup = (seed, list(policies), [float(r) for r in ratios], {k: dict(v) for k, v in (params or {}).items()})
-    dtype = str(engine.model.dtype).removeprefix("torch.")
+    dtype, device = str(engine.model.dtype).removeprefix("torch."), str(engine.device)  # the workers' as the engine's
     # each worker holds its own batch of caches and snapshots: batches of batch_size / workers keep the prompts in
     # flight, and so the memory, those of one process (two workers at 25 prompts each of 2048 tokens: one was
     # killed for memory at 12.8 GB on a 24 GB machine)
     job = {**job, "batch_size": -(-job["batch_size"] // workers)}
-    with WorkerPool(workers, _worker_init, (model, dtype, threads, *setup),
+    with WorkerPool(workers, _worker_init, (model, dtype, device, threads, *setup),
                     cores=worker_cores(workers, threads)) as pool:
         return run_tasks(engine, specs, modes, cells, lengths, pool=pool, **job)
 
@@ -643,11 +643,12 @@ def build_cells(engine, policies: Sequence[str], ratios: Sequence[float], params
 _WORKER: dict = {}
 
 
-def _worker_init(model: str, dtype: str, threads: int, seed: int, policies: list, ratios: list, params: dict):
+def _worker_init(model: str, dtype: str, device: str, threads: int, seed: int, policies: list, ratios: list,
+                 params: dict):
     import torch
 
     torch.set_num_threads(threads)
-    engine = _open_engine(None, model, seed, dtype=dtype)
+    engine = _open_engine(None, model, seed, dtype=dtype, device=device)
     _WORKER["engine"] = engine
     _WORKER["cells"] = {(p, float(r)): (p, r, fn) for p, r, fn in build_cells(engine, policies, ratios, params)}
 
