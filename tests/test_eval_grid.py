@@ -181,6 +181,12 @@ def test_leaderboard_run_stores_per_task_n_and_dtype_and_resumes(small_board, tm
     again = json.loads(out.read_text())
     assert [r["scores"] for r in again["rows"]] == [r["scores"] for r in rows]
     assert again["meta"]["n"] == meta["n"] and again["meta"]["interrupted"] is False
+    # resuming a finished run runs nothing and keeps its seconds (opening the model is not part of the grid)
+    ran.clear()
+    assert run(_args([*argv, "--resume"])) == 0
+    done = json.loads(out.read_text())
+    assert ran == [] and done["meta"]["seconds"] == again["meta"]["seconds"]
+    assert "nothing left to run (" in capsys.readouterr().out
     # the same counts as one int where every task has it; another count is another grid
     assert run(_args([*argv, "--n", "2", "--json", str(tmp_path / "one.json")])) == 0
     assert json.loads((tmp_path / "one.json").read_text())["meta"]["n"] == 2

@@ -332,7 +332,9 @@ def run(args) -> int:
         table, used_chat = execute_eval(args, plan, meta, done, finished, t0, stored_dtype=stored.get("dtype"))
     except KeyboardInterrupt:
         return _interrupted(finished, COLUMNS if plan.lengths_layout else TASK_COLUMNS, args.json_path, meta, t0)
-    return report_eval(args, plan, table, used_chat, meta, t0, resumed_s=before)
+    # every cell was stored: the run's seconds stay the stored run's (opening the model to find out is no grid work)
+    idle = bool(resume and done and len(finished) == len(done))
+    return report_eval(args, plan, table, used_chat, meta, t0, resumed_s=before, idle=idle)
 
 
 def plan_eval(args) -> EvalPlan:
@@ -589,10 +591,12 @@ def engine_dtype(engine) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def report_eval(args, plan: EvalPlan, table, used_chat: bool, meta: dict, t0: float, *, resumed_s: float = 0.0) -> int:
+def report_eval(args, plan: EvalPlan, table, used_chat: bool, meta: dict, t0: float, *, resumed_s: float = 0.0,
+                idle: bool = False) -> int:
     """Print `eval`'s table (and, for task tables, markdown, rankings and notes), write JSON and plot; status 0.
     `t0` is when the run began counting, `resumed_s` seconds before this invocation for a resumed run (`--resume`):
-    the summary line gives this invocation's seconds and the total, the JSON's `seconds` the total."""
+    the summary line gives this invocation's seconds and the total, the JSON's `seconds` the total; `idle`: the
+    resumed run had every cell stored, so its seconds stay `resumed_s`."""
     d = plan.defaults
     if plan.lengths_layout:
         print(format_table(table))
@@ -620,8 +624,9 @@ def report_eval(args, plan: EvalPlan, table, used_chat: bool, meta: dict, t0: fl
         chat_part = f", chat template {'applied' if used_chat else 'not applied'}" if d.chat_template else ""
         what = f"{d.label}, model={plan.model}{chat_part}, n={n_text(plan.n)} per task and length"
     meta["metric"] = d.metric
-    meta["seconds"] = seconds = time.perf_counter() - t0
-    took = duration_text(seconds) if not resumed_s else \
+    meta["seconds"] = seconds = resumed_s if idle else time.perf_counter() - t0
+    took = f"nothing left to run ({duration_text(seconds)} in the stored run)" if idle else \
+        duration_text(seconds) if not resumed_s else \
         f"{duration_text(seconds - resumed_s)} (this run; {duration_text(seconds)} with the stored run it resumed)"
     print(f"\n{what}, seed={args.seed}, {took}")
     if args.json_path is not None:
