@@ -85,12 +85,15 @@ def check_json_dest(dest: str, option: str = "--json", example: str = "runs/benc
     """Check before any work that `dest` ("-" for stdout, else a file path) can be written.
 
     Raises:
-        ValueError: an empty or unwritable path (`tdutils.eval.check_output_path`).
+        ValueError: an empty or unwritable path (`tdutils.eval.check_output_path`), or a device that takes no write
+            (`tdutils.cli.args.check_device_output`: `/dev/full`).
     """
     if dest != "-":
+        from tdutils.cli.args import check_device_output
         from tdutils.eval import check_output_path
 
         check_output_path(dest, option, example=example)
+        check_device_output(dest, option)  # /dev/full: refused now, not after the measurement
 
 
 def write_json(results, dest: str, indent: int = 2, **kw) -> None:

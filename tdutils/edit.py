@@ -520,7 +520,7 @@ def ratio_one_note(policy: str, params: Mapping) -> str:
     rule: ratio 1 keeps 0, the policies still keep their protected tokens; at least one), named by its `params`."""
     protected = ", ".join(f"{k}={params[k]}" for k in ("n_sink", "window") if params.get(k))
     return (f"drop_ratio=1 keeps only the tokens {policy} always keeps ({protected or 'none protected'}; at least one "
-            f"per request), not 0: a test of the protected tokens alone; give budget=k to keep exactly k")
+            f"per request), not 0: a test of the protected tokens alone; make_drop_fn(..., budget=k) keeps exactly k")
 
 
 __all__ = ["DropFn", "DropFunctionError", "ModifyFn", "Timings", "as_drop_fn", "check_token_ids", "kept_rows",

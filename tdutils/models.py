@@ -361,7 +361,10 @@ def check_device(device: str | torch.device | None) -> torch.device | None:
         return dev
     backend = getattr(torch, dev.type, None)
     available = getattr(backend, "is_available", None)
-    if callable(available) and not available():
+    if not callable(available):  # xla, hpu, vulkan, ...: a name torch parses but no backend this torch can check
+        raise ValueError(f"device {str(device)!r} is not a backend this torch computes on here (no "
+                         f"torch.{dev.type}.is_available()); {fix}")
+    if not available():
         raise ValueError(f"device {str(device)!r} was asked for but {dev.type} is not available here "
                          f"(torch.{dev.type}.is_available() is False); {fix}")
     return dev

@@ -88,7 +88,7 @@ def test_drop_ratio_one_warns_that_only_the_protected_tokens_stay():
         fn = make_drop_fn("random", drop_ratio=1.0, rerotate=False, n_sink=1, window=2)
     assert [str(w.message) for w in caught] == [(
         "drop_ratio=1 keeps only the tokens random always keeps (n_sink=1, window=2; at least one per request), not "
-        "0: a test of the protected tokens alone; give budget=k to keep exactly k")]
+        "0: a test of the protected tokens alone; make_drop_fn(..., budget=k) keeps exactly k")]
     assert fn.keep_indices({CacheKind.KV: kv}, list(range(30))).tolist() == [0, 28, 29]  # what it says it keeps
 
 

@@ -73,8 +73,12 @@ def test_workers_need_a_model_name(tiny):
     (["--workers", "64"], "--workers 64 is more than the 2 CPU core(s)"),
     (["--workers", "2", "--threads", "1"], "--threads 1 is shared among --workers 2: each needs at least one thread"),
     (["--device", "meta"], "argument --device: device 'meta' holds tensor shapes, not data"),
+    (["--device", "xla"], "argument --device: device 'xla' is not a backend this torch computes on here"),
+    (["--json", "/dev/full"], "--json '/dev/full' cannot be written (No space left on device)"),
+    (["--json", "/dev/zero", "--resume"], "--resume: /dev/zero is not a regular file (a device, pipe or folder)"),
+    (["--policies", "snapkv", "snapkv/request"], "the policies list snapkv more than once; give each once"),
 ])
-def test_eval_refuses_bad_worker_options_in_one_line(monkeypatch, capsys, argv, message):
+def test_eval_refuses_bad_options_in_one_line(monkeypatch, capsys, argv, message):
     import tdutils.cli.eval as cli_eval
     import tdutils.cli.main as cli
 
@@ -111,3 +115,15 @@ def test_eval_on_a_gpu_is_one_process(monkeypatch):
     with pytest.raises(ValueError, match="--workers 2 splits a CPU's cores among processes; a run on a GPU is one "
                                          "process: drop --workers, or give --device cpu"):
         plan("--device", "cuda", "--workers", "2")
+
+
+def test_workers_do_not_repeat_the_cells_warnings(capfd, tmp_path):
+    """The parent builds the cells (and shows a drop ratio 1 warning) once; the spawned workers build them again
+    without printing it a second and third time."""
+    from tdutils.cli.main import main
+
+    assert main(["eval", "--tasks", "niah_single", "--policies", "full", "snapkv", "--drop-ratios", "1", "--n", "2",
+                 "--context-lengths", "128", "--mode", "aware", "--workers", "2", "--threads", "2", "--quiet",
+                 "--json", str(tmp_path / "eval.json")]) == 0
+    err = capfd.readouterr().err
+    assert err.count("drop_ratio=1 keeps only") == 1 and "UserWarning" not in err, err

@@ -976,6 +976,19 @@ def lean_step_runs() -> str:
 
 
 BLOCKS["lean_step_runs"] = (lean_step_runs, LEAN_STEP_RUNS)
+BANDED_PREFILL_RUNS = ("banded_prefill_gemma3_2048", "banded_prefill_gemma3_4096")
+
+
+def banded_prefill_runs() -> str:
+    """bench/banded_prefill.py's stored runs: the prefill with banded masked attention in blocks beside one masked
+    sdpa call per layer."""
+    m = load(BANDED_PREFILL_RUNS[0])["meta"]
+    return "\n".join([T.banded_prefill([load(n) for n in BANDED_PREFILL_RUNS]), "", _source(
+        BANDED_PREFILL_RUNS[0], "and the other runs named", f"`{m['task']}` prompts, query blocks of "
+        f"{m['query_block']} rows, {m['repeats']} repeats per arm alternated; {m['machine']}; {m['date']}")])
+
+
+BLOCKS["banded_prefill_runs"] = (banded_prefill_runs, BANDED_PREFILL_RUNS)
 
 
 def blocks_in(text: str) -> list[str]:

@@ -69,7 +69,15 @@ from ..eval.tasks import GROUPS, MODES, RULER, SUITE_LABELS, SUITES, Defaults, g
 from ..metrics import duration_text, plural
 from ..models import check_context_lengths, context_window, resolve_model
 from ..policies import policy_names
-from .args import add_dtype_option, add_threads_option, check_threads, positive_int, run_device, usable_cores
+from .args import (
+    add_dtype_option,
+    add_threads_option,
+    check_device_output,
+    check_threads,
+    positive_int,
+    run_device,
+    usable_cores,
+)
 from .policy_options import checked_params, policy_arguments, policy_options, policy_params
 from .startup import INTERRUPTED
 
@@ -386,6 +394,7 @@ def plan_eval(args) -> EvalPlan:
     # "" is checked too (and refused, as `run --json ""`), never read as "no file"
     if args.json_path is not None:
         check_output_path(args.json_path, "--json", example="runs/eval.json")
+        check_device_output(args.json_path, "--json")  # /dev/full would fail only after all the work
     if args.plot is not None:
         check_plot_path(args.plot, "--plot")
     given = _policy_options(args, policies)  # each policy checks its own --window minimum (snapkv: 1, others: 0)
@@ -710,6 +719,9 @@ def _resume_rows(json_path, meta: dict) -> tuple[list[dict], float, dict]:
     """
     from pathlib import Path
 
+    if json_path is not None and Path(json_path).exists() and not Path(json_path).is_file():
+        raise ValueError(f"--resume: {json_path} is not a regular file (a device, pipe or folder), so it holds no "
+                         f"stored run; give the --json file of the run to continue")
     if json_path is None or not Path(json_path).exists():
         if json_path is None:
             raise ValueError("--resume continues the run stored in --json; give --json PATH")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
@@ -293,7 +294,9 @@ def check_task_grid(tasks, modes, policies, drop_ratios, context_lengths, done, 
     ratios = DropRatios(drop_ratios)
     if not (tasks and modes and policies and ratios and lengths):
         raise ValueError("task_eval needs at least one task, mode, policy, drop ratio and context length")
-    for what, values in (("tasks", tasks), ("modes", modes), ("policies", list(policies)),
+    # "snapkv/request" is "snapkv": one policy under two spellings would run one cell twice
+    labels = [p if split_granularity(p)[1] != "request" else split_granularity(p)[0] for p in policies]
+    for what, values in (("tasks", tasks), ("modes", modes), ("policies", labels),
                          ("drop ratios", [float(r) for r in ratios]), ("context lengths", lengths)):
         twice = sorted({str(v) for v in values if values.count(v) > 1})
         if twice:  # a cell run twice would be stored twice and counted twice
@@ -650,7 +653,10 @@ def _worker_init(model: str, dtype: str, device: str, threads: int, seed: int, p
     torch.set_num_threads(threads)
     engine = _open_engine(None, model, seed, dtype=dtype, device=device)
     _WORKER["engine"] = engine
-    _WORKER["cells"] = {(p, float(r)): (p, r, fn) for p, r, fn in build_cells(engine, policies, ratios, params)}
+    with warnings.catch_warnings():  # the parent built the same cells and showed their warnings once
+        warnings.simplefilter("ignore")
+        cells = build_cells(engine, policies, ratios, params)
+    _WORKER["cells"] = {(p, float(r)): (p, r, fn) for p, r, fn in cells}
 
 
 def _worker_cells(task_name: str, data: list, keys: dict, decode_tokens: int, batch_size: int, stop_at_eos: bool,
