@@ -135,3 +135,13 @@ def test_lean_step_bench_prints_a_stored_run_and_refuses_bad_input_in_one_line()
     assert p.returncode == 2 and p.stderr.startswith("bench/lean_step.py: error: --task 'needle' is not a RULER task"), p.stderr
     p = _bench("lean_step.py", "--batch-size", "0")
     assert p.returncode == 2 and "argument --batch-size: expected a positive integer, got 0" in p.stderr, p.stderr
+
+
+def test_banded_prefill_bench_prints_a_stored_run_and_refuses_bad_input_in_one_line():
+    p = _bench("banded_prefill.py", "--summary", str(ROOT / "docs/results/banded_prefill_gemma3_4096.json"))
+    assert p.returncode == 0 and "| gemma3-270m | bfloat16 | 1 | 2 x 4096 |" in p.stdout, p.stdout + p.stderr
+    p = _bench("banded_prefill.py", "--task", "needle")
+    assert p.returncode == 2 and p.stderr.startswith("bench/banded_prefill.py: error: --task 'needle' is not a RULER "
+                                                     "task"), p.stderr
+    p = _bench("banded_prefill.py", "--json", "/dev/full")
+    assert p.returncode == 2 and "--json '/dev/full' cannot be written (No space left on device)" in p.stderr, p.stderr
