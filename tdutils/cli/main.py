@@ -628,7 +628,8 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # the reader of stdout went away: stop as a pipe's writer does, without a message
         import os
 
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor one at exit, flushing into the pipe
+        with open(os.devnull, "wb") as devnull:  # nor one at exit, flushing into the pipe
+            os.dup2(devnull.fileno(), sys.stdout.fileno())
         return BROKEN_PIPE
     except KeyboardInterrupt:  # Ctrl-C before a subcommand had results to keep (run and eval keep theirs)
         print(f"python -m tdutils {args.command}: interrupted; nothing was written", file=sys.stderr)
