@@ -26,8 +26,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/harness.py, also when loaded by path
 import harness as H
 
-from tdutils.cli.args import positive_int
-
 ARMS = ("blocks", "one call")
 
 
@@ -88,20 +86,8 @@ def _mean_abs(xs, ys) -> float:
 def main(argv=None) -> int:
     ap = H.parser("bench/banded_prefill.py", __doc__)
     H.add_standard(ap, threads=1, repeats=3, model="gemma3-270m")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
-                    help="weights, activations and KV cache (default bfloat16)")
-    ap.add_argument("--batch-size", type=positive_int, default=4, help="prompts prefilled together (default 4)")
-    ap.add_argument("--context-length", type=positive_int, default=2048, help="prompt tokens (default 2048)")
-    ap.add_argument("--task", default="niah_single_1", help="RULER template task of the prompts (default niah_single_1)")
-    ap.add_argument("--seed", type=int, default=5_000_000, help="dataset seed (default 5000000, held out)")
-    args = H.start(ap, argv, "banded_prefill", "runs/banded.json", keys=("meta", "seconds", "ratio"))
-    if args is None:
-        return 0
-    run = H.one_line_errors(ap, measure, args)
-    print(H.render("banded_prefill", run))
-    if args.json:
-        H.write_json(run, args.json)
-    return 0
+    H.add_ruler_batch_options(ap, batch_help="prompts prefilled together")
+    return H.measure_main(ap, argv, "banded_prefill", "runs/banded.json", ("meta", "seconds", "ratio"), measure)
 
 
 if __name__ == "__main__":

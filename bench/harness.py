@@ -170,6 +170,32 @@ def start(ap, argv, name: str, example: str, keys, check=None, json_dest: str = 
     return args
 
 
+
+def add_ruler_batch_options(ap, *, batch_help: str) -> None:
+    """The options of the one-engine A/B benches (`lean_step.py`, `banded_prefill.py`): `--dtype`, `--batch-size`,
+    `--context-length`, RULER `--task` and dataset `--seed`."""
+    from tdutils.cli.args import positive_int
+
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                    help="weights, activations and KV cache (default bfloat16)")
+    ap.add_argument("--batch-size", type=positive_int, default=4, help=f"{batch_help} (default 4)")
+    ap.add_argument("--context-length", type=positive_int, default=2048, help="prompt tokens (default 2048)")
+    ap.add_argument("--task", default="niah_single_1", help="RULER template task of the prompts (default niah_single_1)")
+    ap.add_argument("--seed", type=int, default=5_000_000, help="dataset seed (default 5000000, held out)")
+
+
+def measure_main(ap, argv, name: str, example: str, keys, measure) -> int:
+    """A measuring bench's `main` after its options: `start` (`--summary` prints the stored run), then
+    `measure(args)` (a ValueError: one line, exit 2), its table (`render(name, run)`) printed and `--json` written."""
+    args = start(ap, argv, name, example, keys=keys)
+    if args is None:
+        return 0
+    run = one_line_errors(ap, measure, args)
+    print(render(name, run))
+    if args.json:
+        write_json(run, args.json)
+    return 0
+
 # ------------------------------------------------------------------------------------------------ machine
 def machine_record() -> dict:
     """Platform, processor, CPU count and Python version (the `machine` field of the rope / R-KV runs)."""

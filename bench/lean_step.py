@@ -69,21 +69,9 @@ def _steady_tok_s(engine) -> float:
 def main(argv=None) -> int:
     ap = H.parser("bench/lean_step.py", __doc__)
     H.add_standard(ap, threads=1, repeats=6, model="smollm2-135m")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
-                    help="weights, activations and KV cache (default bfloat16)")
-    ap.add_argument("--batch-size", type=positive_int, default=4, help="prompts decoded together (default 4)")
-    ap.add_argument("--context-length", type=positive_int, default=2048, help="prompt tokens (default 2048)")
     ap.add_argument("--max-tokens", type=positive_int, default=32, help="greedy tokens per repeat (default 32)")
-    ap.add_argument("--task", default="niah_single_1", help="RULER template task of the prompts (default niah_single_1)")
-    ap.add_argument("--seed", type=int, default=5_000_000, help="dataset seed (default 5000000, held out)")
-    args = H.start(ap, argv, "lean_step", "runs/lean.json", keys=("meta", "tok_s", "ratio"))
-    if args is None:
-        return 0
-    run = H.one_line_errors(ap, measure, args)
-    print(H.render("lean_step", run))
-    if args.json:
-        H.write_json(run, args.json)
-    return 0
+    H.add_ruler_batch_options(ap, batch_help="prompts decoded together")
+    return H.measure_main(ap, argv, "lean_step", "runs/lean.json", ("meta", "tok_s", "ratio"), measure)
 
 
 if __name__ == "__main__":
