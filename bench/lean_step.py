@@ -1,11 +1,15 @@
-"""The hf engine's lean decode step beside transformers' forward, on the same prefill, arms alternated.
+"""Two forms of the hf engine's decode step on the same prefill, arms alternated: the lean step beside transformers'
+forward (`--compare step`, the default), or the fp32 linear layers on tdutils' panel kernel beside oneDNN's
+prepacked matmul (`--compare linears`, `tdutils.engines.packed`; both arms run the lean step).
 
     python bench/lean_step.py --model smollm2-135m --dtype bfloat16 --threads 1 --json runs/lean.json
+    python bench/lean_step.py --model smollm2-135m --dtype float32 --compare linears --json runs/linears.json
     python bench/lean_step.py --summary docs/results/lean_step_smollm2_bfloat16_1t.json
 
 One engine prefills `--batch-size` RULER prompts of `--context-length` tokens once; each repeat restores that
-prefill and decodes `--max-tokens` greedy tokens (EOS ignored) twice, with `lean_decode` on (the engine's default
-where the model allows it) and off (transformers' forward every step), in alternating order. Decode tok/s counts
+prefill and decodes `--max-tokens` greedy tokens (EOS ignored) once per arm, in alternating order: `step` runs
+`lean_decode` on (the engine's default where the model allows it) and off (transformers' forward every step);
+`linears` packs the linear weights again for each arm before its decode (not timed). Decode tok/s counts
 the tokens after each request's first over the seconds after the batch's first step (`phase_split`), as
 bench/peer_openvino.py counts both of its engines. Printed: per arm the median and best tok/s, the ratio of
 medians, and whether the two arms' tokens agree (fp32: they must; bf16: rounding may part them late).
@@ -22,7 +26,32 @@ import harness as H
 
 from tdutils.cli.args import positive_int
 
-ARMS = ("lean", "transformers")
+COMPARE = {"step": ("lean", "transformers"), "linears": ("fp32 panels", "oneDNN")}
+
+
+def _arms(engine, compare: str) -> dict:
+    """`{arm: set-up}` for `compare`: each set-up puts the engine in that arm's form (ValueError where it cannot)."""
+    if compare == "step":
+        step = engine._lean
+
+        def use(on):
+            engine._lean = step if on else None
+        return {"lean": lambda: use(True), "transformers": lambda: use(False)}
+    import torch
+
+    from tdutils.kernels import fp32_linear_kernels
+
+    packed, panels = engine._packed, fp32_linear_kernels()
+    if engine.model.dtype != torch.float32 or packed is None or panels is None:
+        raise ValueError("--compare linears needs --dtype float32, packed linears and the compiled panel kernel "
+                         "(AVX-512); this engine has " + ("no packed linears" if packed is None else
+                                                          "no panel kernel" if panels is None else
+                                                          f"dtype {engine.model.dtype}"))
+
+    def use(kernels):
+        packed._fp32 = kernels
+        packed.refresh()
+    return {"fp32 panels": lambda: use(panels), "oneDNN": lambda: use(None)}
 
 
 def measure(args) -> dict:
@@ -38,24 +67,27 @@ def measure(args) -> dict:
     if engine.decode_path != "lean":
         raise ValueError(f"{args.model}: the engine runs transformers' forward for it (no lean step to compare)")
     _, prompts, _ = H.ruler_prompts(args.task, args.batch_size, args.context_length, engine.tokenizer, args.seed, 8)
+    arms = COMPARE[args.compare]
+    setup = _arms(engine, args.compare)
     engine.prefill(prompts)
-    saved, step = engine.snapshot(), engine._lean
-    speeds, tokens = {a: [] for a in ARMS}, {}
+    saved = engine.snapshot()
+    speeds, tokens = {a: [] for a in arms}, {}
     for rep in range(args.repeats):
-        for arm in ARMS if rep % 2 == 0 else ARMS[::-1]:
+        for arm in arms if rep % 2 == 0 else arms[::-1]:
+            setup[arm]()
             engine.restore(saved)
-            engine._lean = step if arm == "lean" else None
             outs = engine.decode(args.max_tokens, ignore_eos=True)
             speeds[arm].append(_steady_tok_s(engine))
             tokens[arm] = [o.output_ids for o in outs]
-    engine._lean = step
-    agree = [sum(a == b for a, b in zip(x, y)) / len(x) for x, y in zip(tokens["lean"], tokens["transformers"])]
+    setup[arms[0]]()  # the engine's default form again
+    agree = [sum(a == b for a, b in zip(x, y)) / len(x) for x, y in zip(tokens[arms[0]], tokens[arms[1]])]
     med = {a: statistics.median(v) for a, v in speeds.items()}
     return {"meta": {**H.run_record("bench/lean_step.py"), "model": args.model, "dtype": args.dtype,
+                     "compare": args.compare, "arms": list(arms),
                      "batch_size": args.batch_size, "context_length": args.context_length, "task": args.task,
                      "max_tokens": args.max_tokens, "repeats": args.repeats, "cores": cores, "seed": args.seed,
                      "kernels": kernel_status(), "torch_threads": torch.get_num_threads()},
-            "tok_s": speeds, "median_tok_s": med, "ratio": med["lean"] / med["transformers"],
+            "tok_s": speeds, "median_tok_s": med, "ratio": med[arms[0]] / med[arms[1]],
             "token_agreement": agree}
 
 
@@ -70,6 +102,8 @@ def main(argv=None) -> int:
     ap = H.parser("bench/lean_step.py", __doc__)
     H.add_standard(ap, threads=1, repeats=6, model="smollm2-135m")
     ap.add_argument("--max-tokens", type=positive_int, default=32, help="greedy tokens per repeat (default 32)")
+    ap.add_argument("--compare", choices=tuple(COMPARE), default="step", help="step: the lean step beside "
+                    "transformers' forward (default); linears: fp32 linears on tdutils' panels beside oneDNN")
     H.add_ruler_batch_options(ap, batch_help="prompts decoded together")
     return H.measure_main(ap, argv, "lean_step", "runs/lean.json", ("meta", "tok_s", "ratio"), measure)
 

@@ -29,7 +29,9 @@ import harness as H
 OV_VERSION = "2026.4.1"
 TORCH_VERSION = "2.13.0"
 PACKAGES = (f"torch=={TORCH_VERSION}", f"openvino=={OV_VERSION}", f"openvino-genai=={OV_VERSION}.0",
-            f"openvino-tokenizers=={OV_VERSION}.0", "optimum-intel==2.2.0", "transformers==5.5.4")
+            f"openvino-tokenizers=={OV_VERSION}.0", "optimum-intel==2.2.0", "transformers==5.0.0")
+# transformers 5.0.0: optimum-intel 2.2.0 exports Gemma 3 only up to 5.0 (its Gemma configs' MAX_TRANSFORMERS_VERSION;
+# 5.5.4 refused it), Llama with any version in its range (>=4.51, <5.6)
 REMOVE = ("torchvision",)  # a CUDA build pulled in by optimum-intel; breaks `import transformers` on CPU torch
 MARKER = H.MARKER
 BLOCK_SIZE = 32  # the CPU plugin's paged KV block, in tokens (measured: 64 blocks for a 2048-token prompt)

@@ -465,18 +465,21 @@ def peer_openvino(rows: list[dict]) -> str:
 
 
 def lean_step(runs) -> str:
-    """bench/lean_step.py's runs (one, or a list): per run its setting, each arm's median and best decode tok/s,
-    the ratio of medians and the share of equal tokens per request."""
+    """bench/lean_step.py's runs (one, or a list of runs of one `--compare`): per run its setting, each arm's median
+    and best decode tok/s, the ratio of medians and the share of equal tokens per request."""
     import statistics
 
-    head = ["model", "dtype", "threads", "batch x tokens", "lean tok/s (median, best)",
-            "transformers' forward tok/s (median, best)", "lean / transformers", "tokens equal per request"]
+    runs = runs if isinstance(runs, list) else [runs]
+    first, second = runs[0]["meta"].get("arms", ["lean", "transformers"])  # runs before --compare: the step
+    names = {"transformers": "transformers' forward"}
+    head = ["model", "dtype", "threads", "batch x tokens", f"{names.get(first, first)} tok/s (median, best)",
+            f"{names.get(second, second)} tok/s (median, best)", f"{first} / {second}", "tokens equal per request"]
     rows = []
-    for run in runs if isinstance(runs, list) else [runs]:
+    for run in runs:
         m, v = run["meta"], run["tok_s"]
         rows.append([m["model"], m["dtype"], str(m["torch_threads"]), f"{m['batch_size']} x {m['context_length']}",
-                     f"{statistics.median(v['lean']):.1f}, {max(v['lean']):.1f}",
-                     f"{statistics.median(v['transformers']):.1f}, {max(v['transformers']):.1f}",
+                     f"{statistics.median(v[first]):.1f}, {max(v[first]):.1f}",
+                     f"{statistics.median(v[second]):.1f}, {max(v[second]):.1f}",
                      f"{run['ratio']:.2f}", ", ".join(f"{a:.0%}" for a in run["token_agreement"])])
     return md_table(head, rows)
 

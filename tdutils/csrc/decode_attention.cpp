@@ -231,10 +231,13 @@ void run(const float* q, const KV* k, const KV* v, const void* mask, bool mask_b
 #endif
               logits16<D>(qs.data(), kb, ks[2], t, g, T, logits.data(), blockbuf.data());
           }
+          // the mask added, hidden columns -inf (the logits of a block with no live column were never written)
+          __mmask16 lm = 0;
+          for (int r = 0; r < 16; ++r) lm |= (__mmask16)((live[t + r] != 0) << r);
           for (int64_t j = 0; j < g; ++j) {
             const float* mj = madd.data() + (heads == 1 ? 0 : j) * T + t;
             float* lj = logits.data() + j * T + t;
-            for (int r = 0; r < 16; ++r) lj[r] = live[t + r] ? lj[r] + mj[r] : ninf;
+            _mm512_storeu_ps(lj, _mm512_mask_add_ps(_mm512_set1_ps(ninf), lm, _mm512_loadu_ps(lj), _mm512_loadu_ps(mj)));
           }
         }
       }

@@ -8,6 +8,12 @@ on 2 cores, while oneDNN's matmul on a weight reordered once into its blocked la
 and, inside `with packed:`, routes those modules' forward through the packed copy; outside it the model is the
 user's, unchanged. Results equal `F.linear`'s up to float summation order (about 1e-6 relative in fp32).
 
+fp32 weights on a CPU with AVX-512 take tdutils' own kernel instead (`tdutils.kernels.fp32_linear_kernels`,
+`tdutils/csrc/linear.cpp`): the weight packed once into panels of 64 output columns, each panel one sequential
+stream read once per call: at the decode batches of the engine (1 to 8 rows) oneDNN's fp32 matmul left the weight
+stream well below a plain read of the same bytes (`bench/lean_step.py --compare linears` times both in the engine's
+decode step, side by side); in bf16 oneDNN's AVX512-BF16 path stays.
+
 Cost: one more copy of the linear weights (the packed layout), made when the engine is opened.
 
 Weights edited after packing. Many edits leave no trace autograd sees: `w.data.mul_(0)`, `w.data.copy_(...)`,
@@ -99,6 +105,9 @@ class PackedLinears:
         self._probes: dict[tuple, torch.Tensor] = {}  # (in_features, dtype) -> the fixed random vector r
         self._installed: list[tuple[nn.Module, object]] = []
         self._depth = 0
+        from tdutils.kernels import fp32_linear_kernels
+
+        self._fp32 = fp32_linear_kernels()  # (pack, linear_out) or None: fp32 weights then go to oneDNN too
         for m in self._mods:
             self._pack(m)
 
@@ -108,7 +117,7 @@ class PackedLinears:
     @property
     def bytes(self) -> int:
         """Bytes of the packed copies (the memory this costs on top of the model)."""
-        return sum(m.weight.numel() * m.weight.element_size() for m in self._mods)
+        return sum(p.numel() * p.element_size() for p, *_ in self._packed.values())
 
     def _fingerprint(self, w: torch.Tensor) -> torch.Tensor:
         """`w @ r` `[out]` in `w`'s dtype, `r` a fixed random vector per input width and dtype."""
@@ -120,7 +129,10 @@ class PackedLinears:
 
     def _pack(self, m: nn.Linear) -> torch.Tensor:
         w = m.weight.detach()
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, self.rows)  # blocked copy [out, in]
+        if w.dtype == torch.float32 and self._fp32 is not None:
+            packed = self._fp32[0](w.contiguous())  # panels [ceil(out / 64), in, 64]
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, self.rows)  # blocked copy [out, in]
         self._packed[id(m)] = (packed, w._version, w.data_ptr(), self._fingerprint(w))
         return packed
 
@@ -156,6 +168,14 @@ class PackedLinears:
         packed, version, ptr, _ = self._packed[id(m)]
         if w._version != version or w.data_ptr() != ptr:  # edited in place inside the block: pack again
             packed = self._pack(m)
+        if packed.dim() == 3:  # tdutils' fp32 panels
+            bias = m.bias
+            if bias is not None and bias.dtype != torch.float32:
+                return F.linear(x, w, bias)
+            rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
+            out = rows.new_empty((rows.shape[0], w.shape[0]))  # [M, out]
+            self._fp32[1](rows, packed, None if bias is None else bias.detach().contiguous(), out)
+            return out.reshape(*x.shape[:-1], w.shape[0])
         return torch.ops.mkldnn._linear_pointwise(x, packed, m.bias, "none", [], "")
 
     def __enter__(self):
