@@ -1,9 +1,9 @@
 """Two forms of the hf engine's decode step on the same prefill, arms alternated: the lean step beside transformers'
-forward (`--compare step`, the default), or the fp32 linear layers on tdutils' panel kernel beside oneDNN's
+forward (`--compare step`, the default), or the linear layers on tdutils' panel kernel beside oneDNN's
 prepacked matmul (`--compare linears`, `tdutils.engines.packed`; both arms run the lean step).
 
     python bench/lean_step.py --model smollm2-135m --dtype bfloat16 --threads 1 --json runs/lean.json
-    python bench/lean_step.py --model smollm2-135m --dtype float32 --compare linears --json runs/linears.json
+    python bench/lean_step.py --model smollm2-135m --dtype float32|bfloat16 --compare linears --json runs/lin.json
     python bench/lean_step.py --summary docs/results/lean_step_smollm2_bfloat16_1t.json
 
 One engine prefills `--batch-size` RULER prompts of `--context-length` tokens once; each repeat restores that
@@ -26,7 +26,7 @@ import harness as H
 
 from tdutils.cli.args import positive_int
 
-COMPARE = {"step": ("lean", "transformers"), "linears": ("fp32 panels", "oneDNN")}
+COMPARE = {"step": ("lean", "transformers"), "linears": ("panels", "oneDNN")}
 
 
 def _arms(engine, compare: str) -> dict:
@@ -37,21 +37,19 @@ def _arms(engine, compare: str) -> dict:
         def use(on):
             engine._lean = step if on else None
         return {"lean": lambda: use(True), "transformers": lambda: use(False)}
-    import torch
+    from tdutils.kernels import linear_kernels
 
-    from tdutils.kernels import fp32_linear_kernels
-
-    packed, panels = engine._packed, fp32_linear_kernels()
-    if engine.model.dtype != torch.float32 or packed is None or panels is None:
-        raise ValueError("--compare linears needs --dtype float32, packed linears and the compiled panel kernel "
-                         "(AVX-512); this engine has " + ("no packed linears" if packed is None else
-                                                          "no panel kernel" if panels is None else
-                                                          f"dtype {engine.model.dtype}"))
+    packed, dtype = engine._packed, engine.model.dtype
+    panels = linear_kernels(dtype)
+    if packed is None or panels is None:
+        raise ValueError(f"--compare linears needs packed linears and the compiled panel kernel for {dtype} "
+                         f"(float32: AVX-512, bfloat16: AVX512-BF16); this engine has "
+                         f"{'no packed linears' if packed is None else 'no panel kernel for its dtype'}")
 
     def use(kernels):
-        packed._fp32 = kernels
+        packed._panels[dtype] = kernels
         packed.refresh()
-    return {"fp32 panels": lambda: use(panels), "oneDNN": lambda: use(None)}
+    return {"panels": lambda: use(panels), "oneDNN": lambda: use(None)}
 
 
 def measure(args) -> dict:
@@ -103,7 +101,7 @@ def main(argv=None) -> int:
     H.add_standard(ap, threads=1, repeats=6, model="smollm2-135m")
     ap.add_argument("--max-tokens", type=positive_int, default=32, help="greedy tokens per repeat (default 32)")
     ap.add_argument("--compare", choices=tuple(COMPARE), default="step", help="step: the lean step beside "
-                    "transformers' forward (default); linears: fp32 linears on tdutils' panels beside oneDNN")
+                    "transformers' forward (default); linears: the linears on tdutils' panels beside oneDNN")
     H.add_ruler_batch_options(ap, batch_help="prompts decoded together")
     return H.measure_main(ap, argv, "lean_step", "runs/lean.json", ("meta", "tok_s", "ratio"), measure)
 

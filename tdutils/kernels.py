@@ -5,9 +5,9 @@ token per row over a KV cache read in place, GQA without copies, each key and va
 where the CPU has it) or None where it cannot be built: then `tdutils.attention.decode_attention` computes the same
 attention with batched matmuls, and one line says why. `step_kernels()` returns the same build's fused elementwise
 ops of the lean decode step (`tdutils/csrc/decode_step.cpp`: RMSNorm; rotary embedding with the slot store write),
-or None where it cannot be built (then `tdutils.engines.lean_step` runs them as torch ops). `fp32_linear_kernels()`
-returns the fp32 linear layers of the decode step (`tdutils/csrc/linear.cpp`: weights packed in column panels,
-streamed once per call), or None without AVX-512 or a build (then `tdutils.engines.packed` keeps oneDNN). The first call on a machine compiles it (about 15 s on 2
+or None where it cannot be built (then `tdutils.engines.lean_step` runs them as torch ops). `linear_kernels(dtype)`
+returns the linear layers of the decode step (`tdutils/csrc/linear.cpp`: weights packed in column panels, streamed
+once per call), or None where the build has no path for `dtype` (then `tdutils.engines.packed` keeps oneDNN). The first call on a machine compiles it (about 15 s on 2
 cores; torch caches the build under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`); later
 processes load the cached build in well under a second.
 
@@ -61,13 +61,14 @@ def step_kernels():
     return _ops()
 
 
-def fp32_linear_kernels():
-    """`(pack_linear_fp32, linear_fp32_out)`, the compiled fp32 linear ops (contracts: `tdutils/csrc/linear.cpp`'s
-    header), or None where the kernels cannot be built or the build has no AVX-512 path. Never raises."""
+def linear_kernels(dtype: torch.dtype):
+    """`(pack_linear, linear_out)`, the compiled linear ops for weights in `dtype` (contracts:
+    `tdutils/csrc/linear.cpp`'s header), or None where the kernels cannot be built or the build has no path for
+    `dtype` (float32 needs AVX-512, bfloat16 AVX512-BF16; other dtypes: never). Never raises."""
     ops = _ops()
-    if ops is None or not ops.linear_fp32_native():
+    if ops is None or dtype not in (torch.float32, torch.bfloat16) or not ops.linear_native(torch.empty(0, dtype=dtype)):
         return None
-    return ops.pack_linear_fp32, ops.linear_fp32_out
+    return ops.pack_linear, ops.linear_out
 
 
 def _ops():
@@ -92,7 +93,7 @@ def kernel_status() -> str:
 def _build():
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None, ""  # asked for: no line
-    if hasattr(torch.ops, NAME) and hasattr(getattr(torch.ops, NAME), "linear_fp32_out"):
+    if hasattr(torch.ops, NAME) and hasattr(getattr(torch.ops, NAME), "linear_out"):
         return getattr(torch.ops, NAME), ""  # loaded by another copy of this module
     import shutil
 

@@ -8,11 +8,11 @@ on 2 cores, while oneDNN's matmul on a weight reordered once into its blocked la
 and, inside `with packed:`, routes those modules' forward through the packed copy; outside it the model is the
 user's, unchanged. Results equal `F.linear`'s up to float summation order (about 1e-6 relative in fp32).
 
-fp32 weights on a CPU with AVX-512 take tdutils' own kernel instead (`tdutils.kernels.fp32_linear_kernels`,
-`tdutils/csrc/linear.cpp`): the weight packed once into panels of 64 output columns, each panel one sequential
-stream read once per call: at the decode batches of the engine (1 to 8 rows) oneDNN's fp32 matmul left the weight
-stream well below a plain read of the same bytes (`bench/lean_step.py --compare linears` times both in the engine's
-decode step, side by side); in bf16 oneDNN's AVX512-BF16 path stays.
+Where the CPU has the instructions (fp32: AVX-512; bf16: AVX512-BF16), weights take tdutils' own kernel instead
+(`tdutils.kernels.linear_kernels`, `tdutils/csrc/linear.cpp`): the weight packed once into panels of 64 output
+columns, each panel one sequential stream read once per call. At the decode batches of the engine (1 to 8 rows)
+oneDNN's matmul left the weight stream well below a plain read of the same bytes (`bench/lean_step.py --compare
+linears` times both in the engine's decode step, side by side).
 
 Cost: one more copy of the linear weights (the packed layout), made when the engine is opened.
 
@@ -105,9 +105,10 @@ class PackedLinears:
         self._probes: dict[tuple, torch.Tensor] = {}  # (in_features, dtype) -> the fixed random vector r
         self._installed: list[tuple[nn.Module, object]] = []
         self._depth = 0
-        from tdutils.kernels import fp32_linear_kernels
+        from tdutils.kernels import linear_kernels
 
-        self._fp32 = fp32_linear_kernels()  # (pack, linear_out) or None: fp32 weights then go to oneDNN too
+        # dtype -> (pack, linear_out) or None (that dtype's weights then go to oneDNN)
+        self._panels = {dt: linear_kernels(dt) for dt in PACKED_DTYPES}
         for m in self._mods:
             self._pack(m)
 
@@ -129,8 +130,9 @@ class PackedLinears:
 
     def _pack(self, m: nn.Linear) -> torch.Tensor:
         w = m.weight.detach()
-        if w.dtype == torch.float32 and self._fp32 is not None:
-            packed = self._fp32[0](w.contiguous())  # panels [ceil(out / 64), in, 64]
+        panels = self._panels.get(w.dtype)
+        if panels is not None and (w.dtype == torch.float32 or w.shape[1] % 2 == 0):
+            packed = panels[0](w.contiguous())  # panels [ceil(out / 64), in, 64] (bf16: pairs of in)
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(w, self.rows)  # blocked copy [out, in]
         self._packed[id(m)] = (packed, w._version, w.data_ptr(), self._fingerprint(w))
@@ -168,13 +170,13 @@ class PackedLinears:
         packed, version, ptr, _ = self._packed[id(m)]
         if w._version != version or w.data_ptr() != ptr:  # edited in place inside the block: pack again
             packed = self._pack(m)
-        if packed.dim() == 3:  # tdutils' fp32 panels
+        if packed.dim() == 3:  # tdutils' panels
             bias = m.bias
-            if bias is not None and bias.dtype != torch.float32:
+            if bias is not None and bias.dtype != w.dtype:
                 return F.linear(x, w, bias)
             rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
             out = rows.new_empty((rows.shape[0], w.shape[0]))  # [M, out]
-            self._fp32[1](rows, packed, None if bias is None else bias.detach().contiguous(), out)
+            self._panels[w.dtype][1](rows, packed, None if bias is None else bias.detach().contiguous(), out)
             return out.reshape(*x.shape[:-1], w.shape[0])
         return torch.ops.mkldnn._linear_pointwise(x, packed, m.bias, "none", [], "")
 
