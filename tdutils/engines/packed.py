@@ -37,10 +37,12 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Packing pays where a weight streams from memory: a matrix of at least 2^18 elements (1 MiB in fp32; smaller
 # ones gain little through oneDNN, whose call costs ~12 us) in a model whose packed weights (>= 32 MiB) do not stay
 # in the CPU caches between steps. In bf16 MKL's small matmuls are slow (SmolLM2's 192 x 576 k/v projections: 68 us
-# each, cold, in a decode step), and packing from 2^16 elements bought 13% of a bf16 step (fp32: 2%, not taken, as
-# it moves fp32 logits by float summation order past the real-model exactness tests' 1e-4).
+# each, cold, in a decode step), and packing from 2^16 elements bought 13% of a bf16 step. In fp32 oneDNN from 2^16
+# bought 2%, not taken, as it moved fp32 logits by float summation order past the real-model exactness tests' 1e-4;
+# tdutils' panels (summed in blocks, F.linear's accuracy) take fp32 from 2^16 too (Gemma 3's 256 x 640 k/v
+# projections: 4.7% of an fp32 step through F.linear).
 MIN_ELEMENTS = 1 << 18
-MIN_ELEMENTS_BF16 = 1 << 16
+MIN_ELEMENTS_SMALL = 1 << 16
 AUTO_MIN_BYTES = 32 << 20
 
 
@@ -52,8 +54,13 @@ def _eligible(model: nn.Module, min_elements: int) -> list[nn.Linear]:
 
 
 def default_min_elements(dtype: torch.dtype) -> int:
-    """The smallest weight (in elements) the engine's default packs for a model in `dtype`."""
-    return MIN_ELEMENTS_BF16 if dtype == torch.bfloat16 else MIN_ELEMENTS
+    """The smallest weight (in elements) the engine's default packs for a model in `dtype`: `MIN_ELEMENTS_SMALL` in
+    bf16 and where tdutils' fp32 panels run (`tdutils.kernels.linear_kernels`), else `MIN_ELEMENTS`."""
+    if dtype == torch.bfloat16:
+        return MIN_ELEMENTS_SMALL
+    from tdutils.kernels import linear_kernels
+
+    return MIN_ELEMENTS_SMALL if dtype == torch.float32 and linear_kernels(dtype) is not None else MIN_ELEMENTS
 
 
 def packing_pays(model: nn.Module) -> bool:
