@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import linear_kernels
+
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Packing pays where a weight streams from memory: a matrix of at least 2^18 elements (1 MiB in fp32; smaller
 # ones gain little through oneDNN, whose call costs ~12 us) in a model whose packed weights (>= 32 MiB) do not stay
@@ -58,8 +60,6 @@ def default_min_elements(dtype: torch.dtype) -> int:
     bf16 and where tdutils' fp32 panels run (`tdutils.kernels.linear_kernels`), else `MIN_ELEMENTS`."""
     if dtype == torch.bfloat16:
         return MIN_ELEMENTS_SMALL
-    from tdutils.kernels import linear_kernels
-
     return MIN_ELEMENTS_SMALL if dtype == torch.float32 and linear_kernels(dtype) is not None else MIN_ELEMENTS
 
 
@@ -112,8 +112,6 @@ class PackedLinears:
         self._probes: dict[tuple, torch.Tensor] = {}  # (in_features, dtype) -> the fixed random vector r
         self._installed: list[tuple[nn.Module, object]] = []
         self._depth = 0
-        from tdutils.kernels import linear_kernels
-
         # dtype -> (pack, linear_out) or None (that dtype's weights then go to oneDNN)
         self._panels = {dt: linear_kernels(dt) for dt in PACKED_DTYPES}
         for m in self._mods:
