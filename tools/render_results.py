@@ -699,8 +699,8 @@ BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
 
 
 # ------------------------------------------------------------------- the paired real-model leaderboard (issue 43)
-LEADERBOARD_RUNS = ("leaderboard_smollm2_2048", "leaderboard_smollm2_4096")
-LEADERBOARD_IN_PROGRESS = ("leaderboard_gemma3_2048",)  # runs resumed session by session: their cells so far
+LEADERBOARD_RUNS = ("leaderboard_smollm2_2048", "leaderboard_smollm2_4096", "leaderboard_gemma3_2048")
+LEADERBOARD_IN_PROGRESS = ()  # runs resumed session by session: their cells so far
 
 
 def _measure_value(measure: str, value: float) -> str:
