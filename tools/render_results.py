@@ -409,9 +409,11 @@ def engine_changes() -> str:
     return T.md_table(head, rows) + "\n\n" + _source("engine_smollm2", "docs/results/engine.json")
 
 
-# per precision: the latest stored peer_openvino runs (1 and 2 threads each) and the engine's decode step in them.
-# bf16: OpenVINO 2026.4.1 cannot run bf16 on the AMX machine of the lean step's runs (docs/peer_openvino.md)
-OPENVINO_LATEST = {"float32": ("lm", "lean decode step"), "bfloat16": ("hi", "compiled decode attention")}
+# per model and precision: the latest stored peer_openvino runs (1 and 2 threads each), and the engine's decode
+# step in them (runs n: an AMD EPYC; OpenVINO 2026.4.1 cannot run bf16 on the AMX Xeon of runs j-m)
+OPENVINO_LATEST = {(model, dtype): (("n", "o"), "lean step, panel linears")
+                   for model in ("smollm2", "gemma3") for dtype in ("float32", "bfloat16")}
+OPENVINO_MODELS = {"smollm2": "SmolLM2", "gemma3": "Gemma 3 270M"}
 
 
 def _openvino_ratio(name: str) -> float:
@@ -423,9 +425,9 @@ def _openvino_ratio(name: str) -> float:
     return td.get("steady_tok_s", td["tok_s"]) / by["openvino", "full"]["tok_s"]
 
 
-def _openvino_latest(dtype: str, threads: int) -> str:
-    return " / ".join(f"{_openvino_ratio(f'peer_openvino_smollm2_{dtype}_{threads}t_{r}'):.2f}"
-                      for r in OPENVINO_LATEST[dtype][0])
+def _openvino_latest(model: str, dtype: str, threads: int) -> str:
+    return " / ".join(f"{_openvino_ratio(f'peer_openvino_{model}_{dtype}_{threads}t_{r}'):.2f}"
+                      for r in OPENVINO_LATEST[model, dtype][0])
 
 
 def speed_summary() -> str:
@@ -473,10 +475,11 @@ def speed_summary() -> str:
          "≥ 1.85", f"{row['snapkv@0.5']['decode_speedup']:.2f}", "engine_throughput_smollm2"],
         [f"SnapKV@0.75 ÷ its capacity limit 4, {s0['requests']} requests (batch stays full)", "≥ 0.9",
          f"{srow['snapkv@0.75']['of_limit']:.2f}", "engine_throughput_smollm2_steady"],
-        *[[(f"full-cache decode tok/s ÷ OpenVINO GenAI, SmolLM2 4×2048, {T.threads(n)} each on the same cores, "
-            f"{dtype} ({OPENVINO_LATEST[dtype][1]}; after each request's first token; each of 2 runs' own ratio)"),
-           "≥ 1.0", _openvino_latest(dtype, n), "[peer_openvino](docs/peer_openvino.md)"]
-          for n in (1, 2) for dtype in ("float32", "bfloat16")],
+        *[[(f"full-cache decode tok/s ÷ OpenVINO GenAI, {OPENVINO_MODELS[model]} 4×2048, {T.threads(n)} each on the "
+            f"same cores, {dtype} ({OPENVINO_LATEST[model, dtype][1]}; after each request's first token"
+            f"{'; each run' + chr(39) + 's own ratio' if len(OPENVINO_LATEST[model, dtype][0]) > 1 else ''})"),
+           "≥ 1.0", _openvino_latest(model, dtype, n), "[peer_openvino](docs/peer_openvino.md)"]
+          for model in OPENVINO_MODELS for n in (1, 2) for dtype in ("float32", "bfloat16")],
     ]
     return "\n".join([T.md_table(["figure", "target", "measured", "stored run"], rows), "",
                       (f"(SmolLM2 runs {smol['date']}, {T.threads(smol['torch_threads'])}; policy costs "
@@ -665,8 +668,8 @@ BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
     "engine_changes": (engine_changes, ("engine_smollm2", "engine")),
     "speed_summary": (speed_summary, ("engine_smollm2", "engine", "policy_cost", "engine_throughput_smollm2",
                                       "engine_throughput_smollm2_steady", "engine_smollm2_1thread",
-                                      "engine_1thread", *(f"peer_openvino_smollm2_{d}_{n}t_{r}"
-                                                          for d, (runs, _) in OPENVINO_LATEST.items()
+                                      "engine_1thread", *(f"peer_openvino_{m}_{d}_{n}t_{r}"
+                                                          for (m, d), (runs, _) in OPENVINO_LATEST.items()
                                                           for r in runs for n in (1, 2)))),
     "policy_cost": (lambda: T.policy_cost(load("policy_cost")) + " " + _source("policy_cost"),
                     ("policy_cost",)),
@@ -955,29 +958,39 @@ def peer_openvino_runs(runs: dict[str, str]) -> str:
 BLOCKS["peer_openvino_runs"] = (lambda: peer_openvino_runs(PEER_OPENVINO_RUNS), tuple(PEER_OPENVINO_RUNS))
 # block -> (the engine's decode step in its runs, the runs in the order run)
 PEER_OPENVINO_SERIES = {
-    "peer_openvino_kernel_runs": ("compiled kernel (tdutils.kernels)", (
+    "peer_openvino_kernel_runs": ("compiled kernel (tdutils.kernels)", tuple(f"smollm2_{r}" for r in (
         "bfloat16_1t_h", "float32_1t_h", "bfloat16_2t_h", "float32_2t_h",
-        "float32_2t_i", "bfloat16_2t_i", "float32_1t_i", "bfloat16_1t_i")),
-    "peer_openvino_lean_runs": ("lean step + compiled kernels (tdutils.engines.lean_step)", (
-        "float32_1t_j", "float32_2t_j", "float32_2t_k", "float32_1t_k")),
-    "peer_openvino_prefetch_runs": ("lean step, attention kernel with prefetch (3850901)", (
-        "float32_1t_l", "float32_2t_l", "float32_2t_m", "float32_1t_m")),
+        "float32_2t_i", "bfloat16_2t_i", "float32_1t_i", "bfloat16_1t_i"))),
+    "peer_openvino_lean_runs": ("lean step + compiled kernels (tdutils.engines.lean_step)", tuple(
+        f"smollm2_{r}" for r in ("float32_1t_j", "float32_2t_j", "float32_2t_k", "float32_1t_k"))),
+    "peer_openvino_prefetch_runs": ("lean step, attention kernel with prefetch (3850901)", tuple(
+        f"smollm2_{r}" for r in ("float32_1t_l", "float32_2t_l", "float32_2t_m", "float32_1t_m"))),
+    "peer_openvino_panels_runs": ("lean step, panel linears (53ef20f)", (  # n, then o in the reverse order
+        "smollm2_float32_1t_n", "smollm2_bfloat16_1t_n", "smollm2_float32_2t_n", "smollm2_bfloat16_2t_n",
+        "smollm2_bfloat16_2t_o", "smollm2_float32_2t_o", "smollm2_bfloat16_1t_o", "smollm2_float32_1t_o")),
+    "peer_openvino_panels_gemma3_runs": ("lean step, panel linears (53ef20f)", (
+        "gemma3_float32_1t_n", "gemma3_bfloat16_1t_n", "gemma3_bfloat16_2t_n", "gemma3_float32_2t_n",
+        "gemma3_float32_2t_o", "gemma3_bfloat16_2t_o", "gemma3_bfloat16_1t_o", "gemma3_float32_1t_o")),
 }
 for _block, (_label, _runs) in PEER_OPENVINO_SERIES.items():
-    _named = {f"peer_openvino_smollm2_{run}": _label for run in _runs}
+    _named = {f"peer_openvino_{run}": _label for run in _runs}
     BLOCKS[_block] = (lambda named=_named: peer_openvino_runs(named), tuple(_named))
 LEAN_STEP_RUNS = ("lean_step_smollm2_bfloat16_1t", "lean_step_smollm2_float32_1t", "lean_step_gemma3_bfloat16_1t")
+LEAN_STEP_LINEARS_RUNS = ("lean_step_linears_smollm2_float32_1t", "lean_step_linears_smollm2_bfloat16_1t",
+                          "lean_step_linears_gemma3_float32_1t", "lean_step_linears_gemma3_bfloat16_1t")
 
 
-def lean_step_runs() -> str:
-    """bench/lean_step.py's stored runs: the lean decode step beside transformers' forward, per model and dtype."""
-    m = load(LEAN_STEP_RUNS[0])["meta"]
-    return "\n".join([T.lean_step([load(n) for n in LEAN_STEP_RUNS]), "", _source(
-        LEAN_STEP_RUNS[0], "and the other runs named", f"`{m['task']}` prompts, {m['max_tokens']} greedy tokens, "
+def lean_step_runs(runs=LEAN_STEP_RUNS) -> str:
+    """bench/lean_step.py's stored runs of one `--compare` (the lean step beside transformers' forward, or the panel
+    linears beside oneDNN), per model and dtype."""
+    m = load(runs[0])["meta"]
+    return "\n".join([T.lean_step([load(n) for n in runs]), "", _source(
+        runs[0], "and the other runs named", f"`{m['task']}` prompts, {m['max_tokens']} greedy tokens, "
         f"{m['repeats']} repeats per arm alternated; {m['machine']}; {m['kernels']}; {m['date']}")])
 
 
 BLOCKS["lean_step_runs"] = (lean_step_runs, LEAN_STEP_RUNS)
+BLOCKS["lean_step_linears_runs"] = (lambda: lean_step_runs(LEAN_STEP_LINEARS_RUNS), LEAN_STEP_LINEARS_RUNS)
 BANDED_PREFILL_RUNS = ("banded_prefill_gemma3_2048", "banded_prefill_gemma3_4096")
 
 
