@@ -4,7 +4,10 @@
 //
 // q    [B, Hq, d]  float32, contiguous (already in fp32; the caller casts)
 // k, v [B, H, T, d] float32 or bfloat16, any strides with the last one 1 (slot store views)
-// mask [B, Hm, T]  optional: bool (True = attend) or float32 additive; Hm is 1 or Hq, any strides
+// mask [B, Hm, T]  optional: bool (True = attend) or float32 additive; Hm is 1 or Hq, any strides. An additive
+//                  value at or below HIDDEN (-1e38: the float32 and bfloat16 minimums that transformers' additive
+//                  masks hide with) hides its column as -inf does: the same output wherever a row sees a column
+//                  (exp of such a logit is 0 in fp32), and the column is not read
 // out  [B, Hq, d]  float32, contiguous, written here
 //
 // Each (b, h) is one work item (at::parallel_for, torch's own thread pool): the g query heads of KV head h read
@@ -160,6 +163,10 @@ inline void weighted_values(const float* p, const KV* vb, int64_t vst, const uin
 }
 #endif
 
+// an additive mask value at or below this hides its column (sliding-window layers' masks hid with finfo.min: before,
+// Gemma 3's sliding layers read all 2048 columns of a 4 x 2048 batch where 512 are in their window)
+constexpr float HIDDEN = -1e38f;
+
 // Per-row hidden mask of item (b, h) as additive fp32 (0 or -inf, or the float mask's values), head j at madd[j*T + t];
 // returns whether every column is hidden for every head (`live[t]` says per column).
 inline void item_mask(const void* mask, bool mask_bool, const int64_t* ms, int64_t b, int64_t h, int64_t g, int64_t T,
@@ -175,7 +182,7 @@ inline void item_mask(const void* mask, bool mask_bool, const int64_t* ms, int64
       for (int64_t t = 0; t < T; ++t) mj[t] = m[t * ms[2]] ? 0.0f : ninf;
     } else {
       const float* m = static_cast<const float*>(mask) + base;
-      for (int64_t t = 0; t < T; ++t) mj[t] = m[t * ms[2]];
+      for (int64_t t = 0; t < T; ++t) mj[t] = m[t * ms[2]] <= HIDDEN ? ninf : m[t * ms[2]];
     }
   }
   for (int64_t t = 0; t < T; ++t) {
