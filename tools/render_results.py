@@ -410,9 +410,10 @@ def engine_changes() -> str:
 
 
 # per model and precision: the latest stored peer_openvino runs (1 and 2 threads each), and the engine's decode
-# step in them (runs n: an AMD EPYC; OpenVINO 2026.4.1 cannot run bf16 on the AMX Xeon of runs j-m)
-OPENVINO_LATEST = {(model, dtype): (("n", "o"), "lean step, panel linears")
-                   for model in ("smollm2", "gemma3") for dtype in ("float32", "bfloat16")}
+# step in them (runs n-q: an AMD EPYC; OpenVINO 2026.4.1 cannot run bf16 on the AMX Xeon of runs j-m)
+OPENVINO_LATEST = {**{("smollm2", dtype): (("n", "o"), "lean step, panel linears") for dtype in ("float32", "bfloat16")},
+                   **{("gemma3", dtype): (("p", "q"), "lean step, panel linears, the sliding layers' window read alone")
+                      for dtype in ("float32", "bfloat16")}}
 OPENVINO_MODELS = {"smollm2": "SmolLM2", "gemma3": "Gemma 3 270M"}
 
 
@@ -971,6 +972,9 @@ PEER_OPENVINO_SERIES = {
     "peer_openvino_panels_gemma3_runs": ("lean step, panel linears (53ef20f)", (
         "gemma3_float32_1t_n", "gemma3_bfloat16_1t_n", "gemma3_bfloat16_2t_n", "gemma3_float32_2t_n",
         "gemma3_float32_2t_o", "gemma3_bfloat16_2t_o", "gemma3_bfloat16_1t_o", "gemma3_float32_1t_o")),
+    "peer_openvino_window_gemma3_runs": ("panel linears, sliding layers read their window (0db780a)", (
+        "gemma3_float32_1t_p", "gemma3_bfloat16_1t_p", "gemma3_bfloat16_2t_p", "gemma3_float32_2t_p",
+        "gemma3_float32_2t_q", "gemma3_bfloat16_2t_q", "gemma3_bfloat16_1t_q", "gemma3_float32_1t_q")),
 }
 for _block, (_label, _runs) in PEER_OPENVINO_SERIES.items():
     _named = {f"peer_openvino_{run}": _label for run in _runs}
