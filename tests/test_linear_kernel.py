@@ -130,3 +130,16 @@ def test_packed_linears_take_it_in_both_dtypes(ops, ops_bf16):
         with bf16:
             got = net(x.bfloat16())
     torch.testing.assert_close(got, want, atol=2 ** -6, rtol=2 ** -7)  # bf16 roundings apart
+
+
+def test_packed_linears_keep_autograd_where_gradients_are_needed(ops):
+    from tdutils.engines.packed import PackedLinears
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(24, 40))
+    x = torch.randn(2, 24)
+    with PackedLinears(net, min_elements=1):
+        y = net(x)  # grad mode, trainable weights: the panels have no backward, so F.linear runs
+    assert y.requires_grad
+    y.sum().backward()
+    torch.testing.assert_close(net[0].weight.grad, torch.ones(40, 1) * x.sum(0)[None, :])

@@ -175,9 +175,10 @@ class PackedLinears:
         packed, version, ptr, _ = self._packed[id(m)]
         if w._version != version or w.data_ptr() != ptr:  # edited in place inside the block: pack again
             packed = self._pack(m)
-        if packed.dim() == 3:  # tdutils' panels
+        if packed.dim() == 3:  # tdutils' panels (no autograd: a product that needs gradients takes F.linear)
             bias = m.bias
-            if bias is not None and bias.dtype != w.dtype:
+            if (bias is not None and bias.dtype != w.dtype) or (torch.is_grad_enabled() and (
+                    x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad))):
                 return F.linear(x, w, bias)
             rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
             out = rows.new_empty((rows.shape[0], w.shape[0]))  # [M, out]
